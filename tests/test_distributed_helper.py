@@ -1,0 +1,27 @@
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed import run_distributed
+
+
+def _sum_ranks(rank, world_size):
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    print("hello")
+    return t.item()
+
+
+def _fail_on_rank_1(rank, world_size):
+    if rank == 1:
+        raise ValueError("boom on purpose")
+    return rank
+
+
+def test_all_ranks_run_and_return():
+    assert run_distributed(_sum_ranks, world_size=2) == [1.0, 1.0]
+
+
+def test_a_failing_rank_fails_the_call():
+    with pytest.raises(RuntimeError, match="(?s)rank 1 failed.*boom on purpose"):
+        run_distributed(_fail_on_rank_1, world_size=2)
