@@ -1,0 +1,302 @@
+"""The tiny MoE policy: a decoder-only transformer, and batched sampling with a KV cache.
+
+Architecture, Qwen-MoE / DeepSeek-MoE style: token embedding -> L x [RMSNorm -> causal attention with
+RoPE -> RMSNorm -> MoE of SwiGLU experts behind a softmax top-k router] -> RMSNorm -> vocabulary head.
+The expert weights are stacked tensors `[E, ...]`, so that expert-parallel re-sharding can move
+contiguous slices of experts (moe_switch.py).
+
+Sampling (`generate`) is batched over prompts of different lengths, left-padded, with a KV cache:
+- temperature and top-p; greedy when temperature is 0;
+- it stops a row at EOS or when its response reaches `max_new_tokens`;
+- it returns, for every generated token, its behaviour log-prob: log softmax(logits / temperature),
+  the same quantity that `token_logprobs` recomputes in a training forward;
+- it continues sequences that were cut part-way: pass prompt + partial response as the context and
+  the number of response tokens already made (`n_done`). A round can be cut after `max_steps`.
+
+Departures from a production sampler, on purpose:
+1. Randomness is counter-based: the uniform that picks a token is a hash of (the sample's seed, the
+   token's position). A sample is then the same whether it runs alone or in a batch, in one round or
+   cut and continued, on one rank or another: the tests check exactly that.
+2. The MoE computes every expert densely and combines them with the (mostly zero) top-k gates. On
+   2 CPU cores this is faster than routing tokens to experts for a model this small; the math is the
+   same as routed dispatch, which moe_switch.py implements across ranks.
+3. Behaviour log-probs ignore the top-p truncation (as verl does): they are the log-probs the trainer
+   recomputes. The default top-p is 1, where the two agree.
+
+Shapes: B batch, T tokens, D model width, H heads, hd head width, E experts, K top-k, F expert width,
+V vocabulary, L layers.
+
+    python -m pytest tests/test_model.py
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 14      # V: the task's alphabet (train_grpo.py defines it)
+    d_model: int = 64         # D
+    n_layers: int = 2         # L
+    n_heads: int = 4          # H
+    n_experts: int = 4        # E
+    top_k: int = 2            # K experts per token
+    d_expert: int = 128       # F: hidden width of one SwiGLU expert
+    max_seq_len: int = 96     # longest prompt + response (RoPE table size)
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
+            raise ValueError(f"d_model={self.d_model} must split into n_heads={self.n_heads} heads "
+                             "of even width")
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k} must be in [1, n_experts={self.n_experts}]")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_table(cfg: ModelConfig):
+    hd = cfg.d_model // cfg.n_heads
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2).float() / hd)     # (hd/2,)
+    angles = torch.outer(torch.arange(cfg.max_seq_len).float(), inv_freq)         # (maxT, hd/2)
+    return torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()  # (maxT, hd)
+
+
+def apply_rope(x, cos, sin):
+    """x (B, H, T, hd); cos, sin (B, 1, T, hd) already gathered at each token's position."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, x, cos, sin, mask=None, cache=None):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)                  # (B, H, T, hd)
+        if cache is not None:  # append to this layer's cache, attend over everything so far
+            k, v = cache.append(k, v)                                            # (B, H, t, hd)
+        if mask is None:  # training: right-padded rows, plain causal attention
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:             # sampling: left-padded rows, an explicit (B, 1, T, t) mask
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(y.transpose(1, 2).reshape(B, T, D))
+
+
+class MoE(nn.Module):
+    """Softmax router, top-k of E SwiGLU experts, gates renormalised over the chosen k."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        E, D, Fx = cfg.n_experts, cfg.d_model, cfg.d_expert
+        self.top_k = cfg.top_k
+        self.router = nn.Linear(D, E, bias=False)
+        self.w_gate = nn.Parameter(torch.randn(E, D, Fx) * D ** -0.5)
+        self.w_up = nn.Parameter(torch.randn(E, D, Fx) * D ** -0.5)
+        self.w_down = nn.Parameter(torch.randn(E, Fx, D) * Fx ** -0.5 / cfg.n_layers ** 0.5)
+
+    def gates(self, x):
+        """x (N, D) -> dense gates (N, E): the renormalised top-k probabilities, zero elsewhere."""
+        probs = F.softmax(self.router(x).float(), dim=-1)                         # (N, E)
+        top_p, top_i = probs.topk(self.top_k, dim=-1)                             # (N, K)
+        top_p = top_p / top_p.sum(-1, keepdim=True)
+        return torch.zeros_like(probs).scatter(-1, top_i, top_p).to(x.dtype)      # (N, E)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])                                              # (N, D)
+        h = F.silu(torch.einsum("nd,edf->enf", x, self.w_gate)) \
+            * torch.einsum("nd,edf->enf", x, self.w_up)                           # (E, N, F)
+        y = torch.einsum("enf,efd->end", h, self.w_down)                          # (E, N, D)
+        return torch.einsum("ne,end->nd", self.gates(x), y).reshape(shape)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.attn_norm, self.attn = RMSNorm(cfg.d_model, cfg.norm_eps), Attention(cfg)
+        self.moe_norm, self.moe = RMSNorm(cfg.d_model, cfg.norm_eps), MoE(cfg)
+
+    def forward(self, x, cos, sin, mask=None, cache=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache)
+        return x + self.moe(self.moe_norm(x))
+
+
+class Policy(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        cos, sin = rope_table(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, tokens, positions=None, mask=None, cache=None):
+        """tokens (B, T) -> logits (B, T, V). Training passes tokens alone (right-padded, causal);
+        sampling passes each token's position (B, T), a (B, 1, T, t) mask and a KVCache."""
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+        x = self.embed(tokens)                                                   # (B, T, D)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, mask, None if cache is None else cache.layer(i))
+        return self.head(self.norm(x)).float()                                   # (B, T, V)
+
+
+def token_logprobs(logits, targets, temperature=1.0):
+    """log softmax(logits / temperature) at targets: (B, T, V), (B, T) -> (B, T)."""
+    logp = F.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling with a KV cache
+# ---------------------------------------------------------------------------------------------
+
+class KVCache:
+    """Preallocated keys and values, (L, B, H, Tmax, hd). Every row fills the same columns (rows
+    are left-padded), so one write index serves the batch."""
+
+    def __init__(self, cfg, batch, max_len, device, dtype):
+        hd = cfg.d_model // cfg.n_heads
+        self.k = torch.zeros(cfg.n_layers, batch, cfg.n_heads, max_len, hd, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.length, self._layer = 0, 0
+
+    def layer(self, i):
+        self._layer = i
+        return self
+
+    def append(self, k, v):
+        """Write k, v (B, H, T, hd) after the filled columns; return the filled keys and values."""
+        i, t0, t1 = self._layer, self.length, self.length + k.shape[2]
+        self.k[i, :, :, t0:t1], self.v[i, :, :, t0:t1] = k, v
+        if i == self.k.shape[0] - 1:
+            self.length = t1
+        return self.k[i, :, :, :t1], self.v[i, :, :, :t1]
+
+    def keep_rows(self, rows):
+        """Drop finished rows from the batch: rows (B',) indices of the rows to keep."""
+        self.k, self.v = self.k[:, rows], self.v[:, rows]
+
+    def nbytes(self):
+        return self.k.nbytes + self.v.nbytes
+
+
+def _mix32(x):
+    """A 32-bit integer hash (xorshift-multiply rounds) on int64 tensors."""
+    x = x & 0xFFFFFFFF
+    for mult in (0x7FEB352D, 0x846CA68B):
+        x = ((x ^ (x >> 16)) * mult) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def counter_uniform(seeds, positions):
+    """A uniform in [0, 1) that depends only on (seed, position): (B,), (B,) int64 -> (B,) float64.
+    A stateless hash instead of a stateful RNG, so batching and cutting change nothing."""
+    x = _mix32(_mix32(seeds) + positions * 0x9E3779B1)
+    return (x >> 8).double() / float(1 << 24)
+
+
+def sample_tokens(logits, u, temperature=1.0, top_p=1.0):
+    """logits (B, V), u (B,) uniforms -> tokens (B,), behaviour log-probs (B,).
+    Inverse-CDF sampling over the top-p nucleus of softmax(logits / temperature)."""
+    if temperature == 0:
+        tok = logits.argmax(-1)
+        return tok, F.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1)
+    logp = F.log_softmax(logits / temperature, dim=-1)                           # (B, V)
+    p_sorted, order = logp.exp().sort(dim=-1, descending=True, stable=True)      # (B, V)
+    p_sorted = p_sorted * ((p_sorted.cumsum(-1) - p_sorted) < top_p)            # nucleus; keeps the top
+    cdf = p_sorted.double().cumsum(-1)                                          # (B, V)
+    j = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True)      # (B, 1)
+    tok = order.gather(-1, j.clamp(max=logits.shape[-1] - 1)).squeeze(-1)        # (B,)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+@dataclass
+class Generation:
+    tokens: list       # per row: the new response tokens, (n_i,) int64
+    logprobs: list     # per row: their behaviour log-probs, (n_i,) float32
+    done: list         # per row: True if it hit EOS or its budget, False if cut by max_steps
+
+
+@torch.no_grad()
+def generate(model, contexts, seeds, max_new_tokens, eos_id, pad_id=0, temperature=1.0,
+             top_p=1.0, n_done=None, max_steps=None):
+    """Sample responses for a batch of contexts (prompt + any partial response) of mixed lengths.
+
+    contexts: list of (T_i,) int64; seeds: (B,) int64, one per sample; n_done: response tokens each
+    context already holds (they count toward max_new_tokens); max_steps: cut the round after this
+    many decode steps (rows not done are returned with done=False, ready to be continued)."""
+    B, dev = len(contexts), model.head.weight.device
+    n_done = torch.zeros(B, dtype=torch.long) if n_done is None else torch.as_tensor(n_done)
+    budget = (max_new_tokens - n_done).clamp(min=0).to(dev)                   # (B,) tokens left
+    lens = torch.tensor([len(c) for c in contexts], device=dev)               # (B,)
+    P = int(lens.max())
+    steps = int(budget.max()) if max_steps is None else min(max_steps, int(budget.max()))
+    if P + steps > model.cfg.max_seq_len:
+        raise ValueError(f"context {P} + {steps} new tokens exceeds max_seq_len={model.cfg.max_seq_len}")
+    # Left-pad: (B, P) tokens, a validity mask, and each token's position within its own row.
+    tokens = torch.full((B, P), pad_id, dtype=torch.long, device=dev)
+    for b, c in enumerate(contexts):
+        tokens[b, P - len(c):] = c.to(dev)
+    valid = torch.arange(P, device=dev)[None, :] >= (P - lens)[:, None]        # (B, P)
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)                     # (B, P)
+    causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
+    # A pad query attends to itself only, so that its softmax is never over an empty set.
+    mask = (causal & valid[:, None, :]) | torch.eye(P, dtype=torch.bool, device=dev)  # (B, P, P)
+    w = model.head.weight
+    cache = KVCache(model.cfg, B, P + steps, dev, w.dtype)
+    logits = model(tokens, positions, mask.unsqueeze(1), cache)[:, -1]         # (B, V)
+    next_pos = lens.clone()                                                    # (B,) position of the next token
+    seeds = torch.as_tensor(seeds, dtype=torch.long, device=dev)
+    out_tok, out_lp = [[] for _ in range(B)], [[] for _ in range(B)]
+    done = (budget == 0).tolist()
+    rows = (budget > 0).nonzero().squeeze(-1)                                  # (B',) live rows
+    logits, valid, next_pos, left = logits[rows], valid[rows], next_pos[rows], budget[rows]
+    cache.keep_rows(rows)
+    for step in range(steps):
+        if len(rows) == 0:
+            break
+        tok, lp = sample_tokens(logits, counter_uniform(seeds[rows], next_pos), temperature, top_p)
+        # One host sync per step: the stop test and the per-row outputs need the values.
+        for b, t, l in zip(rows.tolist(), tok.tolist(), lp.tolist()):
+            out_tok[b].append(t), out_lp[b].append(l)
+        left = left - 1
+        finished = (tok == eos_id) | (left == 0)                               # (B',)
+        for b in rows[finished].tolist():
+            done[b] = True
+        if bool(finished.any()):  # compact: finished rows leave the batch and stop costing compute
+            keep = (~finished).nonzero().squeeze(-1)
+            rows, tok, next_pos, valid, left = rows[keep], tok[keep], next_pos[keep], valid[keep], left[keep]
+            cache.keep_rows(keep)
+        if len(rows) == 0 or step == steps - 1:
+            break
+        valid = torch.cat([valid, valid.new_ones(len(rows), 1)], 1)            # (B', t)
+        logits = model(tok[:, None], next_pos[:, None], valid[:, None, None, :], cache)[:, -1]
+        next_pos = next_pos + 1
+    return Generation(
+        tokens=[torch.tensor(t, dtype=torch.long) for t in out_tok],
+        logprobs=[torch.tensor(lp, dtype=torch.float32) for lp in out_lp],
+        done=done)

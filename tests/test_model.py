@@ -1,0 +1,104 @@
+import torch
+
+from model import KVCache, ModelConfig, Policy, counter_uniform, generate, sample_tokens, token_logprobs
+
+EOS = 1
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return Policy(ModelConfig(vocab_size=14, max_seq_len=64)).eval()
+
+
+def _contexts(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 14, (n,), generator=g) for n in lengths]
+
+
+def test_cached_decode_matches_full_forward():
+    model = _model()
+    seq = _contexts([20])[0][None, :]                                   # (1, 20)
+    full = model(seq)                                                   # (1, 20, V)
+    cache = KVCache(model.cfg, 1, 20, seq.device, torch.float32)
+    pos = torch.arange(20)[None, :]
+    mask = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
+    step_logits = [model(seq[:, :8], pos[:, :8], mask, cache)]          # prefill 8 tokens
+    for t in range(8, 20):                                              # then one token at a time
+        m = torch.ones(1, 1, 1, t + 1, dtype=torch.bool)
+        step_logits.append(model(seq[:, t:t + 1], pos[:, t:t + 1], m, cache))
+    cached = torch.cat(step_logits, dim=1)
+    torch.testing.assert_close(cached, full, atol=1e-5, rtol=0)
+
+
+def test_generate_logprobs_equal_training_forward():
+    model = _model()
+    ctxs = _contexts([3, 9, 5, 12])
+    for temperature in (1.0, 0.7):
+        gen = generate(model, ctxs, seeds=torch.arange(4), max_new_tokens=15, eos_id=EOS,
+                       temperature=temperature)
+        for c, toks, lps in zip(ctxs, gen.tokens, gen.logprobs):
+            assert len(toks) > 0
+            seq = torch.cat([c, toks])[None, :]
+            logits = model(seq)[:, len(c) - 1:-1]                       # predicts each response token
+            ref = token_logprobs(logits, toks[None, :], temperature)[0]
+            torch.testing.assert_close(lps, ref, atol=1e-5, rtol=0)
+
+
+def test_batch_of_mixed_lengths_equals_each_alone():
+    model = _model()
+    ctxs = _contexts([2, 11, 6, 6, 1, 15])
+    seeds = torch.tensor([5, 6, 7, 8, 9, 10])
+    batch = generate(model, ctxs, seeds, max_new_tokens=20, eos_id=EOS)
+    for i, c in enumerate(ctxs):
+        alone = generate(model, [c], seeds[i:i + 1], max_new_tokens=20, eos_id=EOS)
+        assert torch.equal(batch.tokens[i], alone.tokens[0])
+        torch.testing.assert_close(batch.logprobs[i], alone.logprobs[0], atol=1e-5, rtol=0)
+        assert batch.done[i] and alone.done[0]
+
+
+def test_stops_at_eos_or_budget():
+    model = _model()
+    gen = generate(model, _contexts([4] * 16), torch.arange(16), max_new_tokens=6, eos_id=EOS)
+    for toks in gen.tokens:
+        assert 1 <= len(toks) <= 6
+        assert (toks[:-1] != EOS).all()                  # EOS only ever as the last token
+        assert len(toks) == 6 or toks[-1] == EOS
+
+
+def test_cut_and_continue_equals_one_round():
+    model = _model()
+    ctxs, seeds = _contexts([3, 7, 5]), torch.tensor([1, 2, 3])
+    whole = generate(model, ctxs, seeds, max_new_tokens=25, eos_id=EOS, temperature=1.3)
+    part = generate(model, ctxs, seeds, max_new_tokens=25, eos_id=EOS, temperature=1.3, max_steps=4)
+    cut = [i for i in range(3) if not part.done[i]]
+    assert cut, "the test needs at least one row cut part-way"
+    rest = generate(model, [torch.cat([ctxs[i], part.tokens[i]]) for i in cut], seeds[cut],
+                    max_new_tokens=25, eos_id=EOS, temperature=1.3,
+                    n_done=[len(part.tokens[i]) for i in cut])
+    for i in range(3):
+        toks, lps = part.tokens[i], part.logprobs[i]
+        if i in cut:
+            j = cut.index(i)
+            toks, lps = torch.cat([toks, rest.tokens[j]]), torch.cat([lps, rest.logprobs[j]])
+        assert torch.equal(toks, whole.tokens[i])
+        torch.testing.assert_close(lps, whole.logprobs[i], atol=1e-5, rtol=0)
+
+
+def test_sampler_follows_the_distribution_and_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(20000, 4)
+    u = counter_uniform(torch.arange(20000), torch.zeros(20000, dtype=torch.long))
+    tok, _ = sample_tokens(logits, u)
+    freq = torch.bincount(tok, minlength=4).float() / 20000
+    torch.testing.assert_close(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.015, rtol=0)
+    tok, _ = sample_tokens(logits, u, top_p=0.7)                  # nucleus {0, 1}
+    freq = torch.bincount(tok, minlength=4).float() / 20000
+    assert freq[2:].sum() == 0 and abs(freq[0] - 0.625) < 0.015
+
+
+def test_greedy_is_argmax():
+    model = _model()
+    ctxs = _contexts([5, 8])
+    gen = generate(model, ctxs, torch.arange(2), max_new_tokens=10, eos_id=EOS, temperature=0)
+    for c, toks in zip(ctxs, gen.tokens):
+        seq = torch.cat([c, toks])[None, :]
+        assert torch.equal(model(seq)[0, len(c) - 1:-1].argmax(-1), toks)
