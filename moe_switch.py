@@ -1,0 +1,369 @@
+"""Expert-parallel MoE whose EP degree changes between training and rollout, re-sharded in buckets.
+
+RL Fusion (PAPER.md section 1, "zero-redundancy memory switching for MoE"): training and inference share
+the devices but want different expert-parallel (EP) degrees, so at each phase change the expert weights
+move from one EP layout to the other. Parameters are managed in buckets and no rank ever holds a
+redundant copy of an expert: only the experts whose owner changes move, one bucket at a time, and each
+source slice is freed as soon as it has been sent.
+
+Contents, primitives first:
+  moe_reference      the single-process MoE (router, top-k, experts): the math the EP layer must match
+  all_to_all_rows    all_to_all_single with uneven splits; backward is the reverse all_to_all
+  EPLayout           validated layout: EP degree, world size, which experts each rank owns; new_groups()
+  reshard_naive      naive switch: materialise every expert on every rank, keep what the target needs
+  reshard            the switch: move only changed-owner slices, bucket by bucket, free each once sent
+  EPMoE              EP layer: route, dispatch (counts, then packed tokens), local experts, combine; switch()
+
+Departures from the paper:
+  1. Each expert slice (name, e) is its own tensor, not a view of a stacked (E, D, H) parameter: a slice
+     of a stacked tensor cannot be freed alone, which would make the memory bound impossible. A bucket
+     is one round of batched isend/irecv, at most B bytes out and B in per rank, going straight from
+     the source storage into the final one: no staging copy, not a persistent flat parameter bucket.
+  2. Memory is the module's own accounting of the storages it holds (and, on 2+ GPUs, a test with
+     torch.cuda.max_memory_allocated). The bound is max(source, target) + one bucket: a switch to a
+     higher EP degree starts out holding its larger source layout and only frees. For nesting layouts
+     (note 3) the peak is max(source, target) itself; for others it is reported, not guaranteed.
+  3. Ranks are laid out EP-outer, rank grid arange(W).view(P, W // P): a block's replicas are adjacent.
+     Layouts whose degrees divide each other then nest: a switch to a higher degree moves nothing, one to
+     a lower degree only receives. (EP-inner, a 4 -> 2 switch would move half the experts.)
+  4. Optimizer states and gradients stay outside: the caller offloads them and clears grads before a
+     switch. The Parameter objects survive every switch, so an optimizer built on them keeps its state.
+  5. No capacity factor, token dropping or load-balancing loss: every token reaches its k experts.
+
+Run: python -m pytest tests/test_moe_switch.py   (exactness, round trips, training, memory, bad input)
+     python bench/moe_switch.py                  (bytes moved vs minimum, peak memory, switch time)
+
+Shapes: N tokens, D model width, H expert hidden width, E experts, k experts per token, P EP degree,
+W world size, L = E / P local experts, M tokens received by this rank, B bucket bytes.
+"""
+import datetime
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+EXPERT_NAMES = ("w_gate", "w_up", "w_down")  # (E, D, H), (E, D, H), (E, H, D) in the dense MoE
+
+
+# ----------------------------------------------------------------------------- the MoE math
+def route(x, router_weight, top_k):
+    """Softmax router and top-k: (N, D) -> gates (N, k) renormalised over the k chosen, experts (N, k)."""
+    probs = F.linear(x, router_weight).float().softmax(-1)                    # (N, E)
+    top_p, top_e = probs.topk(top_k, dim=-1)                                  # (N, k), (N, k)
+    return top_p / top_p.sum(-1, keepdim=True), top_e
+
+
+def expert_mlp(x, w_gate, w_up, w_down):
+    """One SwiGLU expert on its tokens: (n, D) -> (n, D)."""
+    return (F.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+def moe_reference(x, router_weight, experts, top_k):
+    """Single-process MoE, slow loop over experts. experts: name -> stacked (E, ...) tensor."""
+    gates, top_e = route(x, router_weight, top_k)                             # (N, k)
+    out = torch.zeros_like(x)                                                 # (N, D)
+    for e in range(router_weight.shape[0]):
+        tok, slot = (top_e == e).nonzero(as_tuple=True)                       # tokens that chose e
+        y = expert_mlp(x[tok], *(experts[n][e] for n in EXPERT_NAMES))        # (n_e, D)
+        out = out.index_add(0, tok, y * gates[tok, slot, None].to(x.dtype))
+    return out
+
+
+# ----------------------------------------------------------------------------- communication primitive
+def _a2a(x, out_splits, in_splits, group):
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """Uneven all_to_all_single of rows in forward, the reverse all_to_all_single in backward."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _a2a(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _a2a(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+def all_to_all_rows(x, out_splits, in_splits, group):
+    """Send rows x[sum(in_splits[:j]) : ...] to group rank j; differentiable; a group of one is a no-op."""
+    return x if len(in_splits) == 1 else _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+# ----------------------------------------------------------------------------- layouts
+@dataclass(frozen=True)
+class EPLayout:
+    """Who owns which expert. Rank grid arange(W).view(P, W // P): row p owns expert block p, and the
+    W // P ranks of a row are data-parallel replicas. An EP group takes one rank from each row."""
+    ep: int          # P, the expert-parallel degree: the experts split into P blocks of L = E / P
+    world_size: int  # W ranks, each holding one block
+    n_experts: int   # E
+
+    def __post_init__(self):
+        bad = [f"{name} {n}" for name, n in (("n_experts", self.n_experts), ("world size", self.world_size))
+               if self.ep < 1 or n % self.ep]
+        if bad:
+            raise ValueError(f"EP degree {self.ep} does not divide {' or '.join(bad)}; it must divide both "
+                             f"n_experts {self.n_experts} and world size {self.world_size}")
+
+    @property
+    def dp(self):
+        return self.world_size // self.ep  # replicas of each expert block
+
+    def owned(self, rank):
+        """The global expert ids that `rank` holds: a contiguous range of L."""
+        L, p = self.n_experts // self.ep, rank // self.dp
+        return range(p * L, (p + 1) * L)
+
+    def holders(self, e):
+        p = e // (self.n_experts // self.ep)
+        return list(range(p * self.dp, (p + 1) * self.dp))
+
+    def ep_group_ranks(self, rank):
+        return [p * self.dp + rank % self.dp for p in range(self.ep)]  # group rank p owns block p
+
+    def dp_group_ranks(self, rank):
+        return self.holders(self.owned(rank)[0])
+
+
+def new_groups(layout, timeout_s=60.0):
+    """(EP group, DP group) of this rank; every rank must call it (new_group is collective)."""
+    if not dist.is_initialized():
+        if layout.world_size != 1:
+            raise ValueError(f"layout has world size {layout.world_size} but no process group is initialised")
+        return None, None
+    if dist.get_world_size() != layout.world_size:
+        raise ValueError(f"layout world size {layout.world_size} != process group size {dist.get_world_size()}")
+    rank, timeout, mine = dist.get_rank(), datetime.timedelta(seconds=timeout_s), [None, None]
+    for kind, ranks_of in enumerate((layout.ep_group_ranks, layout.dp_group_ranks)):
+        for ranks in sorted({tuple(ranks_of(r)) for r in range(layout.world_size)}):
+            g = dist.new_group(list(ranks), timeout=timeout)
+            if rank in ranks:
+                mine[kind] = g
+    return tuple(mine)
+
+
+def shard_experts(full, layout, rank):
+    """A dense MoE's stacked tensors (name -> (E, ...)) -> this rank's slices: name -> {e: (...)}."""
+    return {n: {e: t[e].detach().clone() for e in layout.owned(rank)} for n, t in full.items()}
+
+
+def stack_local(experts):
+    """name -> {e: (...)} -> name -> (L, ...) in expert order (a copy, for checks and export)."""
+    return {n: torch.stack([s[e] for e in sorted(s)]) for n, s in experts.items()}
+
+
+# ----------------------------------------------------------------------------- re-sharding
+def _rank(group):
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def _held_bytes(*dicts):
+    """Bytes of the distinct storages behind the tensors of the given name -> {e: tensor} dicts."""
+    seen = {}
+    for d in dicts:
+        for slices in d.values():
+            for t in slices.values():
+                s = t.untyped_storage()
+                seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def _check(experts, src, dst, rank, group):
+    if (src.world_size, src.n_experts) != (dst.world_size, dst.n_experts):
+        raise ValueError(f"layouts differ in world size ({src.world_size} vs {dst.world_size}) "
+                         f"or n_experts ({src.n_experts} vs {dst.n_experts})")
+    if dist.is_initialized() and dist.get_world_size(group) != src.world_size:
+        raise ValueError(f"layout world size {src.world_size} != group size {dist.get_world_size(group)}")
+    for n, s in experts.items():
+        if sorted(s) != list(src.owned(rank)):
+            raise ValueError(f"rank {rank} holds experts {sorted(s)} of {n}, layout says {list(src.owned(rank))}")
+
+
+def reshard_naive(experts, src, dst, group=None):
+    """Naive switch: all_reduce every expert onto every rank (one contributor each), keep the target's.
+    Moves and briefly holds all E experts per name on every rank: the redundancy the paper removes."""
+    rank = _rank(group)
+    _check(experts, src, dst, rank, group)
+    stats = dict(bytes_moved=0, peak_bytes=_held_bytes(experts))
+    new = {}
+    for n in list(experts):
+        like = next(iter(experts[n].values()))
+        full = like.new_zeros((src.n_experts,) + tuple(like.shape))            # (E, ...) every expert
+        for e, t in experts[n].items():
+            if src.holders(e)[0] == rank:
+                full[e] = t
+        dist.all_reduce(full, group=group)                                    # x + 0 + ... + 0 == x exactly
+        new[n] = {e: full[e].clone() for e in dst.owned(rank)}
+        stats["bytes_moved"] += full.nbytes
+        stats["peak_bytes"] = max(stats["peak_bytes"], _held_bytes(experts, new) + full.nbytes)
+        del experts[n], full
+    return new, stats
+
+
+def plan_reshard(src, dst, slice_bytes, bucket_bytes):
+    """Transfers (name, e, from rank, to rank) of every slice a rank needs and lacks, packed first-fit into
+    rounds where each rank sends at most bucket_bytes and receives at most bucket_bytes.
+    Pure: every rank computes the same plan, so no counts need to be exchanged."""
+    W, biggest = src.world_size, max(slice_bytes.values())
+    if biggest > bucket_bytes:
+        raise ValueError(f"bucket_bytes {bucket_bytes} is smaller than one expert slice ({biggest} bytes)")
+    load, rounds, out, inn = [0] * W, [], [], []  # bytes each rank sends; per round: transfers, bytes out/in
+    for r in range(W):
+        for e in dst.owned(r):
+            if e in src.owned(r):
+                continue  # kept in place: never moves
+            s = min(src.holders(e), key=lambda h: (load[h], (h - r) % W))  # least-loaded replica sends
+            for n, nb in slice_bytes.items():
+                load[s] += nb
+                i = next((i for i in range(len(rounds)) if max(out[i][s], inn[i][r]) + nb <= bucket_bytes),
+                         len(rounds))
+                if i == len(rounds):
+                    rounds.append([]), out.append([0] * W), inn.append([0] * W)
+                rounds[i].append((n, e, s, r))
+                out[i][s] += nb
+                inn[i][r] += nb
+    return rounds
+
+
+def _peer(group, r):
+    return r if group is None else dist.get_global_rank(group, r)  # P2POp wants global ranks
+
+
+def reshard(experts, src, dst, bucket_bytes, group=None):
+    """Move this rank's expert slices from layout src to layout dst, one bucket-sized round at a time.
+    experts: name -> {global expert id: tensor}, exactly src.owned(rank); it is consumed (the caller must
+    hold no other reference, or freed slices stay alive). Returns (name -> {e: tensor} for dst, stats)."""
+    rank = _rank(group)
+    _check(experts, src, dst, rank, group)
+    meta = {n: (t.shape, t.dtype, t.device, t.nbytes) for n, s in experts.items() for t in [next(iter(s.values()))]}
+    slice_bytes = {n: m[3] for n, m in meta.items()}
+    rounds = plan_reshard(src, dst, slice_bytes, bucket_bytes)  # raises before any collective
+    per_expert, need, have = sum(slice_bytes.values()), set(dst.owned(rank)), set(src.owned(rank))
+    stats = dict(bytes_moved=0, bytes_min=len(need - have) * per_expert, rounds=len(rounds),
+                 from_bytes=len(have) * per_expert, to_bytes=len(need) * per_expert,
+                 peak_bytes=_held_bytes(experts), bucket_bytes=bucket_bytes)
+    pending = Counter((n, e) for rnd in rounds for n, e, s, _ in rnd if s == rank)  # sends left per slice
+    new = {n: {e: s.pop(e) for e in sorted(need & have)} for n, s in experts.items()}  # kept: no copy
+    for n, s in experts.items():  # neither kept nor sent by me: free at once
+        for e in [e for e in s if not pending[(n, e)]]:
+            del s[e]
+    for rnd in rounds:  # one bucket: <= bucket_bytes out and <= bucket_bytes in per rank
+        ops, sent = [], []
+        for tag, (n, e, s, r) in enumerate(rnd):
+            if s == rank:  # straight from the source storage, no staging copy
+                t = experts[n][e] if e in experts[n] else new[n][e]  # a kept slice already sits in new
+                ops.append(dist.P2POp(dist.isend, t.contiguous(), _peer(group, r), group, tag))
+                sent.append((n, e))
+            elif r == rank:  # straight into its final storage, one tensor per slice: freeable alone
+                shape, dtype, device, nb = meta[n]
+                new[n][e] = torch.empty(shape, dtype=dtype, device=device)
+                ops.append(dist.P2POp(dist.irecv, new[n][e], _peer(group, s), group, tag))
+                stats["bytes_moved"] += nb
+        stats["peak_bytes"] = max(stats["peak_bytes"], _held_bytes(experts, new))
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+        for n, e in sent:
+            pending[(n, e)] -= 1
+            if not pending[(n, e)] and e not in need:
+                del experts[n][e]  # sent to everyone who needed it from me: free now
+    assert not any(experts.values()), "a source slice outlived the switch"
+    new = {n: dict(sorted(s.items())) for n, s in new.items()}
+    stats["peak_extra_bytes"] = stats["peak_bytes"] - max(stats["from_bytes"], stats["to_bytes"])
+    return new, stats
+
+
+# ----------------------------------------------------------------------------- the EP layer
+class EPMoE(nn.Module):
+    """The MoE with its experts split over an EP group; a drop-in for a dense MoE with router (E, D) and
+    stacked w_gate/w_up (E, D, H), w_down (E, H, D): build it with EPMoE.from_dense(moe, layout, group).
+    w_gate/w_up/w_down hold one Parameter per global expert, empty (numel 0) where this rank does not own
+    it, so the Parameter set, and an optimizer built on it, is the same under every layout.
+    Gradients: an owned expert's grad sums over its EP group's tokens; sum it over layout.dp_group_ranks
+    (the replicas), and the replicated router's grad over the world."""
+
+    def __init__(self, d_model, d_hidden, n_experts, top_k, layout, group=None):
+        """Uninitialised (and the global RNG untouched): fill it with load_dense, or build it with from_dense,
+        so that every layout starts from the same weights."""
+        super().__init__()
+        self.top_k, self.layout, self.group, self.rank = top_k, layout, group, _rank(None)
+        self.router = nn.utils.skip_init(nn.Linear, d_model, n_experts, bias=False)  # (E, D), replicated
+        shapes = dict(w_gate=(d_model, d_hidden), w_up=(d_model, d_hidden), w_down=(d_hidden, d_model))
+        own = set(layout.owned(self.rank))
+        for n, shape in shapes.items():  # (D, H), (D, H), (H, D) per owned expert, (0,) per other expert
+            setattr(self, n, nn.ParameterList(nn.Parameter(torch.empty(shape if e in own else (0,)))
+                                              for e in range(n_experts)))
+
+    @classmethod
+    def from_dense(cls, moe, layout, group=None):
+        """Copy a dense MoE (attributes router, w_gate, w_up, w_down, top_k) into an EP layer."""
+        E, D, H = moe.w_gate.shape
+        ep = cls(D, H, E, moe.top_k, layout, group).to(moe.w_gate.device, moe.w_gate.dtype)
+        ep.load_dense(moe.router.weight, {n: getattr(moe, n) for n in EXPERT_NAMES})
+        return ep
+
+    @torch.no_grad()
+    def load_dense(self, router_weight, full):
+        self.router.weight.copy_(router_weight)
+        for n, slices in shard_experts(full, self.layout, self.rank).items():
+            for e, t in slices.items():
+                getattr(self, n)[e].data = t
+
+    def local_experts(self):
+        """name -> {e: tensor} of the experts this rank owns (the Parameters' data, no copy)."""
+        return {n: {e: getattr(self, n)[e].data for e in self.layout.owned(self.rank)} for n in EXPERT_NAMES}
+
+    def forward(self, x):
+        shape, (P, E), k = x.shape, (self.layout.ep, self.layout.n_experts), self.top_k
+        L, x = E // P, x.reshape(-1, shape[-1])                                # (N, D)
+        gates, top_e = route(x, self.router.weight, k)                        # (N, k)
+        flat_e = top_e.reshape(-1)                                            # (N*k,) expert per assignment
+        order = flat_e.argsort(stable=True)                                   # (N*k,) grouped by expert = by EP rank
+        x_sorted = x[order // k]                                              # (N*k, D)
+        counts = torch.bincount(flat_e, minlength=E)                          # (E,) rows I send to each expert
+        # step 1: the counts, so that every rank knows how many rows it receives per (source, local expert)
+        counts_in = counts if P == 1 else _a2a(counts, [L] * P, [L] * P, self.group)  # (P*L,)
+        # .tolist() is a device-to-host sync: the payload's split sizes must live on the host
+        in_splits = counts.view(P, L).sum(1).tolist()
+        out_splits = counts_in.view(P, L).sum(1).tolist()
+        # step 2: the packed rows, uneven splits
+        x_in = all_to_all_rows(x_sorted, out_splits, in_splits, self.group)   # (M, D) by source, then expert
+        local_e = torch.arange(L, device=x.device).repeat(P).repeat_interleave(counts_in)  # (M,)
+        perm = local_e.argsort(stable=True)                                   # (M,) grouped by local expert
+        ws = [[getattr(self, n)[e] for n in EXPERT_NAMES] for e in self.layout.owned(self.rank)]
+        segs = x_in[perm].split(counts_in.view(P, L).sum(0).tolist())        # L x (m_e, D)
+        y_in = torch.cat([expert_mlp(s, *w) for s, w in zip(segs, ws)])[perm.argsort()]  # (M, D) arrival order
+        y = all_to_all_rows(y_in, in_splits, out_splits, self.group)          # (N*k, D) back home, by expert
+        y = y[order.argsort()].view(-1, k, shape[-1])                         # (N, k, D) per token and slot
+        return (y * gates.unsqueeze(-1).to(x.dtype)).sum(1).reshape(shape)
+
+    def switch(self, layout, group, bucket_bytes, world_group=None):
+        """Re-shard the experts in place to `layout` (EP group `group`). Grads must be None."""
+        own = self.layout.owned(self.rank)
+        if any(getattr(self, n)[e].grad is not None for n in EXPERT_NAMES for e in own):
+            raise ValueError("expert grads are set: clear or offload them before a switch")
+        taken = {n: {e: getattr(self, n)[e].data for e in own} for n in EXPERT_NAMES}
+        for n in EXPERT_NAMES:  # the switch must own the only reference, or nothing could be freed
+            for e in own:
+                getattr(self, n)[e].data = taken[n][e].new_empty(0)
+        try:
+            new, stats = reshard(taken, self.layout, layout, bucket_bytes, world_group)
+        except ValueError:  # raised before any collective: put the slices back untouched
+            self._put(taken)
+            raise
+        self._put(new)
+        self.layout, self.group = layout, group
+        return stats
+
+    def _put(self, experts):
+        for n, slices in experts.items():
+            for e, t in slices.items():
+                getattr(self, n)[e].data = t

@@ -1,0 +1,181 @@
+"""moe_switch.py against a single-process reference: EP exactness, round trips, training, memory, bad input.
+
+Most checks run inside one 4-rank gloo spawn (each spawn costs seconds of imports)."""
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moe_switch import (EPLayout, EPMoE, moe_reference, new_groups, reshard, reshard_naive,
+                        shard_experts)
+from tests.distributed import run_distributed
+
+E, D, H, K, W = 8, 16, 24, 2, 4
+NAMES = ("w_gate", "w_up", "w_down")
+SLICE = D * H * 4            # bytes of one expert's w_gate (= w_up = w_down) in float32
+BUCKET = 2 * SLICE           # forces several rounds per switch
+
+
+def _dense(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    full = dict(w_gate=torch.randn(E, D, H, generator=g) / D ** 0.5, w_up=torch.randn(E, D, H, generator=g) / D ** 0.5,
+                w_down=torch.randn(E, H, D, generator=g) / H ** 0.5)
+    return torch.randn(E, D, generator=g), full
+
+
+def _tokens(rank, step=0):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    n = 5 + 3 * rank                                          # uneven token counts across ranks
+    return torch.randn(n, D, generator=g), torch.randn(n, D, generator=g)  # tokens, loss weights
+
+
+def _layer(P, router, full, groups):
+    moe = types.SimpleNamespace(router=types.SimpleNamespace(weight=router), top_k=K, **full)
+    return EPMoE.from_dense(moe, EPLayout(P, W, E), groups[P][0])
+
+
+def _check_exact(rank, router, full, groups):
+    for P in (1, 2, 4):
+        layer = _layer(P, router, full, groups)
+        x, wt = _tokens(rank)
+        x.requires_grad_(True)
+        (layer(x) * wt).sum().backward()
+        xr = x.detach().clone().requires_grad_(True)
+        y_ref = moe_reference(xr, router, full, K)
+        (y_ref * wt).sum().backward()
+        torch.testing.assert_close(layer(x.detach()), y_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(x.grad, xr.grad, atol=1e-5, rtol=1e-5)
+        # an owned expert's grad sums over the tokens of the whole EP group: compare with the reference on them
+        ref = {n: t.clone().requires_grad_(True) for n, t in full.items()}
+        for q in layer.layout.ep_group_ranks(rank):
+            xq, wq = _tokens(q)
+            (moe_reference(xq, router, ref, K) * wq).sum().backward()
+        for n in NAMES:
+            for e in layer.layout.owned(rank):
+                torch.testing.assert_close(getattr(layer, n)[e].grad, ref[n].grad[e], atol=1e-5, rtol=1e-5)
+            assert all(getattr(layer, n)[e].numel() == 0 for e in set(range(E)) - set(layer.layout.owned(rank)))
+
+
+def _check_round_trips(rank, full):
+    out = []
+    for a in (1, 2, 4):
+        for b in (1, 2, 4):
+            if a == b:
+                continue
+            la, lb = EPLayout(a, W, E), EPLayout(b, W, E)
+            src = shard_experts(full, la, rank)
+            new, st = reshard(src, la, lb, BUCKET)
+            assert not any(src.values()), "source slices must be consumed"
+            for n in NAMES:
+                assert list(new[n]) == list(lb.owned(rank))
+                assert all(torch.equal(new[n][e], full[n][e]) for e in new[n])
+            assert st["bytes_moved"] == st["bytes_min"] == len(set(lb.owned(rank)) - set(la.owned(rank))) * 3 * SLICE
+            assert st["peak_bytes"] <= max(st["from_bytes"], st["to_bytes"]) + BUCKET
+            if b < a:  # growing: the paper's bound, target + one bucket
+                assert st["peak_bytes"] <= st["to_bytes"] + BUCKET
+            back, _ = reshard(new, lb, la, BUCKET)
+            ref = shard_experts(full, la, rank)
+            assert all(torch.equal(back[n][e], ref[n][e]) for n in NAMES for e in ref[n])
+            # the naive switch ends the same, but moves more and holds a redundant full copy
+            naive, nst = reshard_naive(shard_experts(full, la, rank), la, lb)
+            assert all(torch.equal(naive[n][e], new[n][e]) for n in NAMES for e in new[n])
+            assert nst["bytes_moved"] > st["bytes_moved"]
+            if b < a:
+                assert nst["peak_bytes"] > st["to_bytes"] + BUCKET
+            out.append((a, b, st["bytes_moved"], st["rounds"]))
+    return out
+
+
+def _train(rank, router, full, groups, switch):
+    layer = _layer(2, router, full, groups)
+    dp_group = groups[2][1]
+    params = list(layer.parameters())
+    opt = torch.optim.Adam(params, lr=1e-2)
+    for step in range(3):
+        x, wt = _tokens(rank, step)
+        (layer(x) * wt).sum().backward()
+        dist.all_reduce(layer.router.weight.grad)             # replicated router: sum over the world
+        for p in params[1:]:
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=dp_group)       # experts: sum over the block's replicas
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if switch:
+            train_layout, P = layer.layout, (4, 1, 4)[step]
+            with torch.no_grad():
+                y_train = layer(x)
+                layer.switch(EPLayout(P, W, E), groups[P][0], BUCKET)
+                torch.testing.assert_close(layer(x), y_train, atol=1e-5, rtol=1e-5)  # rollout layout
+                layer.switch(train_layout, groups[2][0], BUCKET)
+    assert [id(p) for p in layer.parameters()] == [id(p) for p in params]
+    return {k: v.clone() for k, v in layer.state_dict().items()}
+
+
+def _all_checks(rank, world_size):
+    router, full = _dense()
+    groups = {P: new_groups(EPLayout(P, W, E), timeout_s=60) for P in (1, 2, 4)}
+    _check_exact(rank, router, full, groups)
+    trips = _check_round_trips(rank, full)
+    plain, switched = _train(rank, router, full, groups, False), _train(rank, router, full, groups, True)
+    assert plain.keys() == switched.keys()
+    assert all(torch.equal(plain[k], switched[k]) for k in plain)
+    e0 = EPLayout(2, W, E).owned(rank)[0]
+    assert not torch.equal(plain[f"w_gate.{e0}"], full["w_gate"][e0])  # training did move the experts
+    return trips
+
+
+def test_ep_exact_round_trips_and_training_with_switches():
+    trips = run_distributed(_all_checks, world_size=W, timeout_s=180)
+    # 4 -> 1: every rank receives the 6 experts it lacks; 1 -> 4 moves nothing (layouts nest)
+    per_pair = {(a, b): sum(rank_trips[i][2] for rank_trips in trips) for i, (a, b, _, _) in enumerate(trips[0])}
+    assert per_pair[(4, 1)] == W * 6 * 3 * SLICE and per_pair[(1, 4)] == 0
+    assert per_pair[(2, 1)] == W * 4 * 3 * SLICE and per_pair[(4, 2)] == W * 2 * 3 * SLICE
+
+
+def test_single_process_world_of_one_matches_reference():
+    router, full = _dense(1)
+    x, _ = _tokens(0)
+    layer = EPMoE.from_dense(types.SimpleNamespace(router=types.SimpleNamespace(weight=router), top_k=K, **full),
+                             EPLayout(1, 1, E))
+    torch.testing.assert_close(layer(x.view(1, -1, D)), moe_reference(x, router, full, K).view(1, -1, D),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_bad_layouts_and_buckets_fail_before_any_collective():
+    assert not dist.is_initialized()  # so any collective attempted would raise a different error
+    with pytest.raises(ValueError, match=r"EP degree 3 .*n_experts 8"):
+        EPLayout(3, 6, 8)
+    with pytest.raises(ValueError, match=r"EP degree 4 .*world size 6"):
+        EPLayout(4, 6, 8)
+    with pytest.raises(ValueError, match="world size 4"):
+        new_groups(EPLayout(2, 4, 8))
+    router, full = _dense()
+    layer = EPMoE.from_dense(types.SimpleNamespace(router=types.SimpleNamespace(weight=router), top_k=K, **full),
+                             EPLayout(1, 1, E))
+    with pytest.raises(ValueError, match=f"bucket_bytes 100 is smaller than one expert slice \\({SLICE}"):
+        layer.switch(EPLayout(1, 1, E), None, bucket_bytes=100)
+    assert all(torch.equal(layer.w_up[e], full["w_up"][e]) for e in range(E))  # nothing lost on failure
+
+
+def _cuda_peak(rank, world_size):
+    import datetime
+    torch.cuda.set_device(rank)
+    nccl = dist.new_group(backend="nccl", timeout=datetime.timedelta(seconds=60))  # gloo p2p is CPU-only
+    big = 64 * 1024                                            # bytes per slice: whole allocator blocks
+    full = {n: torch.randn(E, big // 4, device="cuda") for n in NAMES}
+    la, lb = EPLayout(2, 2, E), EPLayout(1, 2, E)
+    src = shard_experts(full, la, rank)
+    del full
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated() - 3 * (E // 2) * big  # everything but the source slices
+    torch.cuda.reset_peak_memory_stats()
+    new, st = reshard(src, la, lb, bucket_bytes=4 * big, group=nccl)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base, st
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL p2p between distinct devices)")
+def test_cuda_peak_memory_within_target_plus_bucket():
+    for peak, st in run_distributed(_cuda_peak, world_size=2):
+        assert peak <= st["to_bytes"] + st["bucket_bytes"], (peak, st)
