@@ -148,9 +148,6 @@ class Policy(nn.Module):
         cos, sin = rope_table(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, std=0.02)
 
     def forward(self, tokens, positions=None, mask=None, cache=None):
         """tokens (B, T) -> logits (B, T, V). Training passes tokens alone (right-padded, causal);

@@ -14,6 +14,7 @@ import datetime
 import io
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import sys
 import traceback
@@ -55,7 +56,8 @@ def _worker(rank, world_size, port, fn, args, pg_timeout_s, results):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
-        results.put((rank, "ok", fn(rank, world_size, *args)))
+        # Plain pickle: tensors travel as bytes, not as shared memory that dies with this process.
+        results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -81,7 +83,7 @@ def run_distributed(fn, world_size=2, args=(), timeout_s=120, pg_timeout_s=60):
                 missing = sorted(set(range(world_size)) - set(out) - {e[0] for e in errors})
                 raise TimeoutError(f"ranks {missing} did not finish within {timeout_s}s") from None
             if status == "ok":
-                out[rank] = value
+                out[rank] = pickle.loads(value)
             else:
                 errors.append((rank, value))
                 break  # fail fast: the other ranks may be blocked on the dead one

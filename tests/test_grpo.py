@@ -1,0 +1,162 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train_grpo as T
+from tests.distributed import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# --- slow, loop-based references -----------------------------------------------------------
+
+def slow_group_advantages(rewards, group_size, eps, scale_by_std):
+    out = []
+    for g in range(0, len(rewards), group_size):
+        grp = [float(r) for r in rewards[g:g + group_size]]
+        mean = sum(grp) / len(grp)
+        std = (sum((r - mean) ** 2 for r in grp) / (len(grp) - 1)) ** 0.5
+        out += [(r - mean) / (std + eps) if scale_by_std else r - mean for r in grp]
+    return torch.tensor(out)
+
+
+def slow_grpo_loss(lp, old, ref, adv, mask, clip_eps, kl_coef, loss_agg):
+    import math
+    seq_losses, total, n = [], 0.0, 0
+    for b in range(lp.shape[0]):
+        s, k = 0.0, 0
+        for t in range(lp.shape[1]):
+            if not mask[b, t]:
+                continue
+            ratio = math.exp(max(-20.0, min(20.0, float(lp[b, t] - old[b, t]))))
+            clipped = max(1 - clip_eps, min(1 + clip_eps, ratio))
+            term = -min(ratio * float(adv[b]), clipped * float(adv[b]))
+            d = max(-20.0, min(20.0, float(ref[b, t] - lp[b, t])))
+            term += kl_coef * (math.exp(d) - d - 1)
+            s, k, total, n = s + term, k + 1, total + term, n + 1
+        seq_losses.append(s / max(k, 1))
+    return total / n if loss_agg == "token-mean" else sum(seq_losses) / len(seq_losses)
+
+
+@pytest.mark.parametrize("scale_by_std", [True, False])
+def test_group_advantages_match_loop_reference(scale_by_std):
+    rewards = torch.tensor([1., 0., 0., 1., 1., 1., 1., 1., 0.5, 0., 2., 1.])
+    got = T.group_advantages(rewards, 4, eps=1e-6, scale_by_std=scale_by_std)
+    torch.testing.assert_close(got, slow_group_advantages(rewards, 4, 1e-6, scale_by_std))
+    assert got[4:8].abs().max() == 0                     # a group of equal rewards has no signal
+
+
+def test_group_advantages_reject_ragged_groups():
+    with pytest.raises(ValueError, match="groups of 4"):
+        T.group_advantages(torch.zeros(6), 4)
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+def test_grpo_loss_matches_loop_reference(loss_agg, kl_coef):
+    g = torch.Generator().manual_seed(0)
+    B, L = 5, 7
+    lp, old, ref = (-torch.rand(B, L, generator=g) * 3 for _ in range(3))
+    adv = torch.randn(B, generator=g)
+    mask = torch.rand(B, L, generator=g) > 0.3
+    mask[0] = False                                       # an empty row must not divide by zero
+    loss, m = T.grpo_loss(lp, old, ref, adv, mask, 0.2, kl_coef, loss_agg)
+    expect = slow_grpo_loss(lp, old, ref, adv, mask, 0.2, kl_coef, "token-mean" if loss_agg == "token-mean" else "seq")
+    assert abs(float(loss) - expect) < 1e-5
+    ratio = torch.exp(lp - old)[mask]
+    a = adv[:, None].expand(B, L)[mask]
+    assert m["ratio_mean"] == pytest.approx(float(ratio.mean()), abs=1e-6)
+    clipped = (ratio * a > ratio.clamp(0.8, 1.2) * a).float().mean()
+    assert m["clip_frac"] == pytest.approx(float(clipped), abs=1e-6) and 0 < m["clip_frac"] < 1
+    d = (ref - lp)[mask]
+    assert m["k3_mean"] == pytest.approx(float((d.exp() - d - 1).mean()), abs=1e-6)
+
+
+def test_grpo_loss_gradient_is_the_policy_gradient_on_policy():
+    # At ratio 1 with no KL, d loss / d logprob = -A / n_tokens for every unmasked token.
+    lp = torch.zeros(2, 3, requires_grad=True)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    loss, _ = T.grpo_loss(lp, lp.detach(), None, torch.tensor([2.0, -1.0]), mask)
+    loss.backward()
+    expect = torch.tensor([[-2 / 3, -2 / 3, 0], [1 / 3, 0, 0]])
+    torch.testing.assert_close(lp.grad, expect)
+
+
+def test_score_and_answer():
+    prompt = torch.tensor([T.BOS, T.DIGIT0 + 1, T.DIGIT0 + 2, T.DIGIT0 + 3, T.SEP])
+    right = torch.tensor([T.DIGIT0 + 3, T.DIGIT0 + 2, T.DIGIT0 + 1, T.EOS])
+    assert T.score(prompt, right) == 1.0
+    assert T.score(prompt, right[:-1]) == 0.0             # no EOS: wrong
+    assert T.score(prompt, torch.cat([right[:2], right[3:]])) == 0.0
+
+
+def test_task_has_a_long_tail():
+    import numpy as np
+    lengths = np.array([len(T.answer(p)) for p in T.make_prompts(np.random.default_rng(0), 4000, 32)])
+    assert np.median(lengths) <= 9 and np.percentile(lengths, 99) >= 3 * np.median(lengths)
+
+
+# --- arguments ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flags, text", [
+    (["--group-size", "1"], "--group-size 1"),
+    (["--prompts-per-step", "3"], "--prompts-per-step 3 must be a positive multiple of the world size 2"),
+    (["--top-p", "1.5"], "--top-p 1.5"),
+    (["--max-new-tokens", "10"], "--max-new-tokens 10 cannot hold"),
+    (["--n-heads", "3"], "n_heads=3"),
+])
+def test_bad_arguments_are_named(flags, text):
+    _, cfg = T.parse_args(flags)
+    with pytest.raises(ValueError) as e:
+        T.validate(cfg, world_size=2)
+    assert text in str(e.value)
+
+
+def test_cli_rejects_bad_arguments_before_starting():
+    r = subprocess.run([sys.executable, "train_grpo.py", "--group-size", "1", "--loss-agg", "token-mean"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--group-size 1" in r.stderr
+    r = subprocess.run([sys.executable, "train_grpo.py", "--loss-agg", "mean"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "invalid choice: 'mean'" in r.stderr
+
+
+def test_import_starts_no_training(tmp_path):
+    r = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {ROOT!r}); import train_grpo"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == "" and os.listdir(tmp_path) == []
+
+
+# --- end to end -----------------------------------------------------------------------------
+
+TINY = dict(max_digits=5, max_new_tokens=7, eval_prompts=8, d_model=32, d_expert=32, warmup_steps=3,
+            warmup_batch=8, steps=3, prompts_per_step=4, group_size=4, eval_every=2, updates_per_batch=2,
+            kl_coef=0.05, lr=1e-3)
+
+
+def _train_tiny(rank, world_size, out_dir):
+    summary, model = T.train(T.Config(**TINY, out=out_dir), out_dir=out_dir)
+    full = T.full_state_dict(model)
+    return summary, torch.cat([v.flatten() for v in full.values()])
+
+
+def test_two_ranks_train_to_identical_parameters(tmp_path):
+    (s0, p0), (s1, p1) = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "w2"),))
+    assert torch.equal(p0, p1)                          # every rank holds the same model
+    [(s_one, p_one)] = run_distributed(_train_tiny, world_size=1, args=(str(tmp_path / "w1"),))
+    # Same prompts, same samples, global token-mean loss: world 2 computes what world 1 does.
+    torch.testing.assert_close(p0, p_one, atol=2e-5, rtol=1e-4)
+    assert s0["eval_accuracy_after"] == s_one["eval_accuracy_after"]
+    lines = [json.loads(l) for l in open(tmp_path / "w2" / "metrics.jsonl")]
+    assert [l["step"] for l in lines] == [0, 1, 2, 3]
+    for key in ["reward/mean", "perf/tokens_per_s", "time/rollout_s", "time/train_s", "time/switch_s"]:
+        assert all(key in l for l in lines[1:]), key
+    assert "eval/accuracy" in lines[1] and "eval/accuracy" in lines[-1]
+    assert 0 < lines[1]["k3_mean"] or lines[1]["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    summary = json.load(open(tmp_path / "w2" / "summary.json"))
+    assert {"eval_accuracy_before", "eval_accuracy_after", "wall_s", "tokens_per_s", "config"} <= set(summary)
+    assert os.path.exists(tmp_path / "w2" / "spans_rank1.jsonl")

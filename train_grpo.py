@@ -1,0 +1,512 @@
+"""GRPO post-training of a tiny MoE policy, end to end: the synchronous, colocated baseline.
+
+    torchrun --standalone --nproc_per_node=2 train_grpo.py     # 2 ranks (gloo on CPU, nccl on GPUs)
+    python train_grpo.py                                       # a world of one
+    python train_grpo.py --help                                # every flag, grouped
+
+Every rank both generates and trains, one phase after the other. Each step:
+  1. sample a global batch of prompts (every rank draws the same ones and keeps its slice);
+  2. generate `group_size` responses per prompt from a plain copy of the current weights;
+  3. score them with `score` (exact match: a rule, not a model);
+  4. compute group-normalised advantages (`group_advantages`);
+  5. compute reference log-probs with the frozen initial policy, when `kl_coef > 0`;
+  6. take `updates_per_batch` optimizer steps on `grpo_loss`; FSDP2 shards parameters, gradients
+     and optimizer state over all ranks (data parallel).
+
+The task: reverse a string of digits. "=" ends the prompt, EOS ends the answer. The string length is
+lognormal, so answers run from 2 to 33 tokens with a long tail (median about 8): the tail that the
+staleness and packing mechanisms are measured on. A held-out set of prompts, scored greedily, gives
+the accuracy. A short supervised warm-up comes first (RL alone cannot start a tiny policy from
+nothing); its held-out accuracy is the "before" figure.
+
+Departures from the GRPO paper (DeepSeekMath), on purpose:
+1. The KL penalty is off by default (`--kl-coef 0`), as in DAPO and Dr. GRPO; with it on, it is the
+   k3 estimator added to the per-token loss.
+2. The loss is a mean over all response tokens of the global batch ("token-mean"), not a mean of
+   per-sequence means; `--loss-agg seq-mean-token-mean` gives the paper's form.
+3. `old_logprobs` are the behaviour log-probs recorded by the sampler, not recomputed: with one update
+   per batch the ratio is 1 up to float error (tested to 1e-5).
+4. Sampling randomness is counter-based per sample (see model.py), so the samples do not depend on
+   the world size: a run on 1 rank and on 2 ranks sees the same responses.
+
+Outputs, in --out (default runs/<timestamp>/): metrics.jsonl (one object per step), summary.json,
+and spans_rank<N>.jsonl (every timed phase of every rank, for a timeline).
+"""
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from model import ModelConfig, Policy, generate, token_logprobs
+
+# ---------------------------------------------------------------------------------------------
+# The task: reverse a digit string. Tokens: PAD, EOS, BOS, "=", then the digits 0-9.
+# ---------------------------------------------------------------------------------------------
+PAD, EOS, BOS, SEP, DIGIT0 = 0, 1, 2, 3, 4
+VOCAB = DIGIT0 + 10
+
+
+def make_prompts(rng, n, max_digits, mu=2.0, sigma=0.6):
+    """n prompts [BOS, d_1..d_k, "="], k = round(lognormal(mu, sigma)) clipped to [1, max_digits]."""
+    ks = np.clip(np.rint(rng.lognormal(mu, sigma, size=n)), 1, max_digits).astype(int)
+    return [torch.tensor([BOS, *(DIGIT0 + rng.integers(0, 10, size=k)), SEP]) for k in ks]
+
+
+def answer(prompt):
+    """The reference response: the digits reversed, then EOS."""
+    return torch.cat([prompt[1:-1].flip(0), torch.tensor([EOS])])
+
+
+def score(prompt, response):
+    """The reward: 1.0 if the response is exactly the reversed digits followed by EOS, else 0.0."""
+    return float(torch.equal(response, answer(prompt)))
+
+
+# ---------------------------------------------------------------------------------------------
+# GRPO math: pure functions of tensors and a mask (slow loop references live in the tests)
+# ---------------------------------------------------------------------------------------------
+
+def group_advantages(rewards, group_size, eps=1e-6, scale_by_std=True):
+    """rewards (N,) in contiguous groups of group_size -> advantages (N,):
+    (r - group mean) / (group std + eps), std unbiased; r - group mean if not scale_by_std (Dr. GRPO)."""
+    if rewards.ndim != 1 or group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}")
+    r = rewards.view(-1, group_size)                                            # (N/G, G)
+    adv = r - r.mean(-1, keepdim=True)
+    if scale_by_std:
+        adv = adv / (r.std(-1, keepdim=True) + eps)
+    return adv.view(-1)
+
+
+def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps=0.2, kl_coef=0.0,
+              loss_agg="token-mean"):
+    """Clipped surrogate plus kl_coef * k3, per token, then aggregated.
+    logprobs, old_logprobs, ref_logprobs, mask (B, T); advantages (B,). Returns (loss, metrics)."""
+    mask = mask.to(logprobs.dtype)
+    ratio = torch.exp(torch.clamp(logprobs - old_logprobs, -20, 20))               # (B, T)
+    adv = advantages[:, None].to(logprobs.dtype)                                   # (B, 1)
+    unclipped, clipped = ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv
+    per_token = -torch.min(unclipped, clipped)                                     # (B, T)
+    if ref_logprobs is not None:
+        d = torch.clamp(ref_logprobs - logprobs, -20, 20)
+        k3 = torch.exp(d) - d - 1                                                  # (B, T)
+    elif kl_coef != 0:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs")
+    else:
+        k3 = torch.zeros_like(logprobs)
+    per_token = per_token + kl_coef * k3
+    n_tok = mask.sum().clamp(min=1)
+    if loss_agg == "token-mean":
+        loss = (per_token * mask).sum() / n_tok
+    elif loss_agg == "seq-mean-token-mean":
+        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    else:
+        raise ValueError(f"loss_agg={loss_agg!r}; valid: 'token-mean', 'seq-mean-token-mean'")
+    with torch.no_grad():
+        metrics = {"clip_frac": float(((clipped < unclipped).to(mask.dtype) * mask).sum() / n_tok),
+                   "ratio_mean": float((ratio * mask).sum() / n_tok),
+                   "k3_mean": float((k3 * mask).sum() / n_tok)}
+    return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# Config, flags and their validation
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Config:
+    # task
+    max_digits: int = 32           # longest digit string; answers are up to max_digits + 1 tokens
+    eval_prompts: int = 512        # held-out prompts, scored greedily
+    # model
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_experts: int = 4
+    top_k: int = 2
+    d_expert: int = 128
+    # warm-up (supervised)
+    warmup_steps: int = 200        # supervised steps before RL
+    warmup_batch: int = 64         # global batch of (prompt, answer) pairs
+    warmup_lr: float = 5e-3
+    # GRPO
+    steps: int = 300               # RL steps
+    prompts_per_step: int = 16     # global prompts per step
+    group_size: int = 8            # responses per prompt
+    lr: float = 5e-4
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    loss_agg: str = "token-mean"
+    scale_by_std: bool = True      # False: Dr. GRPO advantages
+    updates_per_batch: int = 1     # optimizer steps (mini-batches) per rollout batch
+    grad_clip: float = 1.0
+    # rollout
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 40
+    # run
+    seed: int = 0
+    eval_every: int = 50           # steps between held-out evaluations (also the first and last)
+    out: str = ""                  # output folder; default runs/<timestamp>
+    device: str = "auto"           # auto, cpu or cuda
+    pg_timeout_s: int = 300        # timeout of every process group
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    d = Config()
+    groups = {
+        "task": [("max_digits", "longest digit string to reverse"),
+                 ("eval_prompts", "held-out prompts, scored greedily")],
+        "model": [("d_model", "model width"), ("n_layers", "transformer blocks"),
+                  ("n_heads", "attention heads"), ("n_experts", "experts per MoE layer"),
+                  ("top_k", "experts chosen per token"), ("d_expert", "hidden width of one expert")],
+        "supervised warm-up": [("warmup_steps", "supervised steps before RL (0 to skip)"),
+                               ("warmup_batch", "global (prompt, answer) pairs per warm-up step"),
+                               ("warmup_lr", "warm-up learning rate")],
+        "GRPO": [("steps", "RL steps"), ("prompts_per_step", "global prompts per step"),
+                 ("group_size", "responses per prompt (>= 2)"), ("lr", "RL learning rate"),
+                 ("clip_eps", "PPO clip range"), ("kl_coef", "k3 KL penalty weight (0: no reference model)"),
+                 ("loss_agg", "token-mean or seq-mean-token-mean"),
+                 ("scale_by_std", "divide advantages by the group std (0: Dr. GRPO)"),
+                 ("updates_per_batch", "optimizer steps per rollout batch"),
+                 ("grad_clip", "gradient norm clip")],
+        "rollout": [("temperature", "sampling temperature (> 0)"), ("top_p", "nucleus mass, in (0, 1]"),
+                    ("max_new_tokens", "response budget in tokens")],
+        "run": [("seed", "seed of prompts, init and sampling"), ("eval_every", "steps between evaluations"),
+                ("out", "output folder (default runs/<timestamp>)"), ("device", "auto, cpu or cuda"),
+                ("pg_timeout_s", "timeout in seconds of every process group")],
+    }
+    for title, fields in groups.items():
+        g = p.add_argument_group(title)
+        for name, help_ in fields:
+            default = getattr(d, name)
+            kind = (lambda s: bool(int(s))) if isinstance(default, bool) else type(default)
+            extra = {"choices": ["token-mean", "seq-mean-token-mean"]} if name == "loss_agg" else {}
+            extra = {"choices": ["auto", "cpu", "cuda"]} if name == "device" else extra
+            g.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=help_, **extra)
+    args = p.parse_args(argv)
+    return p, Config(**vars(args))
+
+
+def validate(cfg, world_size):
+    """Check the config against the world size before any collective; raise a clear ValueError."""
+    errors = []
+    if cfg.group_size < 2:
+        errors.append(f"--group-size {cfg.group_size}: GRPO needs at least 2 responses per prompt")
+    if cfg.prompts_per_step < 1 or cfg.prompts_per_step % world_size:
+        errors.append(f"--prompts-per-step {cfg.prompts_per_step} must be a positive multiple of the "
+                      f"world size {world_size}")
+    local = cfg.prompts_per_step // world_size * cfg.group_size
+    if cfg.updates_per_batch < 1 or (local and local % cfg.updates_per_batch):
+        errors.append(f"--updates-per-batch {cfg.updates_per_batch} must divide the {local} samples per rank")
+    if cfg.warmup_steps and (cfg.warmup_batch < world_size or cfg.warmup_batch % world_size):
+        errors.append(f"--warmup-batch {cfg.warmup_batch} must be a positive multiple of the world size {world_size}")
+    if cfg.eval_prompts < world_size:
+        errors.append(f"--eval-prompts {cfg.eval_prompts} must be at least the world size {world_size}")
+    if not 1 <= cfg.max_digits <= 32:
+        errors.append(f"--max-digits {cfg.max_digits} must be in [1, 32]")
+    if cfg.max_new_tokens < cfg.max_digits + 1:
+        errors.append(f"--max-new-tokens {cfg.max_new_tokens} cannot hold the longest answer "
+                      f"({cfg.max_digits + 1} tokens); use at least {cfg.max_digits + 1}")
+    if not cfg.temperature > 0:
+        errors.append(f"--temperature {cfg.temperature} must be > 0")
+    if not 0 < cfg.top_p <= 1:
+        errors.append(f"--top-p {cfg.top_p} must be in (0, 1]")
+    if cfg.kl_coef < 0 or cfg.clip_eps <= 0 or cfg.lr <= 0:
+        errors.append(f"--kl-coef {cfg.kl_coef} must be >= 0, --clip-eps {cfg.clip_eps} and --lr {cfg.lr} > 0")
+    if cfg.steps < 1 or cfg.eval_every < 1:
+        errors.append(f"--steps {cfg.steps} and --eval-every {cfg.eval_every} must be >= 1")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        errors.append("--device cuda: no CUDA device is available; use --device cpu or auto")
+    try:
+        model_config(cfg)
+    except ValueError as e:
+        errors.append(str(e))
+    if errors:
+        raise ValueError("bad arguments:\n  " + "\n  ".join(errors))
+
+
+def model_config(cfg):
+    return ModelConfig(vocab_size=VOCAB, d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
+                       n_experts=cfg.n_experts, top_k=cfg.top_k, d_expert=cfg.d_expert,
+                       max_seq_len=cfg.max_digits + 2 + cfg.max_new_tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers: timing spans, batching, distributed setup
+# ---------------------------------------------------------------------------------------------
+
+class Spans:
+    """Times every phase through one helper. Keeps (name, start, end) for a per-rank timeline."""
+
+    def __init__(self, device):
+        self.device, self.spans = device, []
+
+    @contextmanager
+    def __call__(self, name):
+        t0 = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.spans.append((name, t0, time.perf_counter()))
+
+    def total(self, name, since=0):
+        return sum(t1 - t0 for n, t0, t1 in self.spans[since:] if n == name)
+
+
+def response_batch(prompts, responses, *per_token):
+    """Right-pad prompt + response rows. Returns tokens (B, T), a mask (B, T-1) over the positions
+    that predict response tokens, and each per-token field (list of (n_i,)) aligned to that mask."""
+    B, T = len(prompts), max(len(p) + len(r) for p, r in zip(prompts, responses))
+    tokens = torch.full((B, T), PAD, dtype=torch.long)
+    mask = torch.zeros(B, T - 1, dtype=torch.bool)
+    fields = [torch.zeros(B, T - 1) for _ in per_token]
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        tokens[b, :len(p) + len(r)] = torch.cat([p, r])
+        mask[b, len(p) - 1:len(p) + len(r) - 1] = True
+        for f, values in zip(fields, per_token):
+            f[b, len(p) - 1:len(p) + len(r) - 1] = values[b]
+    return tokens, mask, fields
+
+
+def policy_logprobs(model, tokens, temperature):
+    """tokens (B, T) -> log-prob of each next token (B, T-1)."""
+    return token_logprobs(model(tokens[:, :-1]), tokens[:, 1:], temperature)
+
+
+def setup_distributed(cfg):
+    """torchrun's environment, or a world of one. Returns rank, world size, device."""
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = torch.device("cpu")
+    if use_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)  # before init_process_group
+    timeout = datetime.timedelta(seconds=cfg.pg_timeout_s)
+    if not dist.is_initialized():
+        if "RANK" in os.environ:
+            dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+        else:  # plain `python train_grpo.py`: a world of one, no rendezvous needed
+            dist.init_process_group("nccl" if use_cuda else "gloo", store=dist.HashStore(),
+                                    rank=0, world_size=1, timeout=timeout)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def print0(*a):
+    if dist.get_rank() == 0:
+        print(*a, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------
+
+class PromptStream:
+    """An endless, seeded stream of prompts. Every rank draws the same global batch."""
+
+    def __init__(self, seed, max_digits):
+        self.rng, self.max_digits = np.random.default_rng(seed), max_digits
+
+    def next(self, n):
+        return make_prompts(self.rng, n, self.max_digits)
+
+    def state_dict(self):
+        return {"rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state):
+        self.rng.bit_generator.state = state["rng"]
+
+
+def sample_seeds(cfg, step, first, n, per_step):
+    """One sampling seed per sample, from its global index: independent of the world size."""
+    return cfg.seed * 1_000_003 + step * per_step + torch.arange(first, first + n)
+
+
+def full_state_dict(model):
+    """Gather the FSDP2 shards into plain tensors (every rank gets the whole model)."""
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+
+
+def global_sum(*values, device):
+    """All-reduce a few floats in one collective."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def mean_loss_scale(n_local, device):
+    """FSDP averages gradients over ranks; this factor turns a rank's mean over its own n_local items
+    into its share of the mean over the global batch."""
+    n_global, = global_sum(n_local, device=device)
+    return n_local * dist.get_world_size() / max(n_global, 1.0)
+
+
+@torch.no_grad()
+def evaluate(gen_model, prompts, cfg, device):
+    """Greedy held-out accuracy, the prompts split over ranks."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = prompts[rank * len(prompts) // world:(rank + 1) * len(prompts) // world]
+    gen = generate(gen_model, mine, torch.zeros(len(mine), dtype=torch.long), cfg.max_new_tokens,
+                   EOS, PAD, temperature=0)
+    correct, total = global_sum(sum(score(p, r) for p, r in zip(mine, gen.tokens)), len(mine), device=device)
+    return correct / total
+
+
+def warmup(model, stream, cfg, device):
+    """Supervised warm-up: cross-entropy on the reference answers, data parallel."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr, betas=(0.9, 0.98), weight_decay=0.0)
+    n = cfg.warmup_batch // world
+    for _ in range(cfg.warmup_steps):
+        prompts = stream.next(cfg.warmup_batch)[rank * n:(rank + 1) * n]
+        tokens, mask, _ = response_batch(prompts, [answer(p) for p in prompts])
+        tokens, mask = tokens.to(device), mask.to(device)
+        nll = -policy_logprobs(model, tokens, 1.0)                                 # (B, T-1)
+        loss = (nll * mask).sum() / mask.sum() * mean_loss_scale(int(mask.sum()), device)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def train(cfg, out_dir=None):
+    """Run warm-up then GRPO on the already-initialised process group. Returns (summary, model)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from tqdm import tqdm
+
+    t_start = time.perf_counter()
+    rank, world, device = setup_distributed(cfg)
+    if out_dir is None:  # rank 0 names the folder, everyone uses it
+        name = [cfg.out or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))]
+        dist.broadcast_object_list(name, src=0)
+        out_dir = name[0]
+    os.makedirs(out_dir, exist_ok=True)
+    spans = Spans(device)
+    seeds = np.random.SeedSequence(cfg.seed).spawn(2)
+    warm_stream, rl_stream = PromptStream(seeds[0], cfg.max_digits), PromptStream(seeds[1], cfg.max_digits)
+    eval_prompts = PromptStream(20261129, cfg.max_digits).next(cfg.eval_prompts)  # fixed held-out set
+
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    model = Policy(model_config(cfg)).to(device)
+    mesh = init_device_mesh(device.type, (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    gen_model = Policy(model_config(cfg)).to(device).eval().requires_grad_(False)  # rollout copy
+
+    with spans("warmup"):
+        warmup(model, warm_stream, cfg, device)
+    gen_model.load_state_dict(full_state_dict(model))
+    ref_model = None
+    if cfg.kl_coef > 0:  # the frozen initial policy
+        ref_model = Policy(model_config(cfg)).to(device).eval().requires_grad_(False)
+        ref_model.load_state_dict(gen_model.state_dict())
+    acc = evaluate(gen_model, eval_prompts, cfg, device)
+    acc_before = acc
+    print0(f"warm-up: {cfg.warmup_steps} steps in {spans.total('warmup'):.1f}s | held-out accuracy {acc:.3f}")
+    metrics_file = open(os.path.join(out_dir, "metrics.jsonl"), "w") if rank == 0 else None
+    if metrics_file:
+        metrics_file.write(json.dumps({"step": 0, "eval/accuracy": acc}) + "\n")
+
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
+    G, n_prompts = cfg.group_size, cfg.prompts_per_step // world
+    n_local, per_step = n_prompts * G, cfg.prompts_per_step * G
+    rl_tokens, rl_time = 0.0, 0.0
+    for step in tqdm(range(1, cfg.steps + 1), disable=rank != 0, desc="GRPO", dynamic_ncols=True):
+        first_span, t0 = len(spans.spans), time.perf_counter()
+        # 1-2. this rank's prompts, G responses each, from the current weights
+        prompts = rl_stream.next(cfg.prompts_per_step)[rank * n_prompts:(rank + 1) * n_prompts]
+        contexts = [p for p in prompts for _ in range(G)]
+        with spans("switch"):  # naive: gather the full weights into the rollout copy
+            if step > 1:
+                gen_model.load_state_dict(full_state_dict(model))
+        with spans("rollout"):
+            gen = generate(gen_model, contexts, sample_seeds(cfg, step, rank * n_local, n_local, per_step),
+                           cfg.max_new_tokens, EOS, PAD, cfg.temperature, cfg.top_p)
+        # 3-4. rewards and group advantages (a group never spans two ranks)
+        rewards = torch.tensor([score(p, r) for p, r in zip(contexts, gen.tokens)])
+        adv = group_advantages(rewards, G, scale_by_std=cfg.scale_by_std)
+        with spans("train"):
+            tokens, mask, (old_lp,) = response_batch(contexts, gen.tokens, gen.logprobs)
+            tokens, mask, old_lp, adv = tokens.to(device), mask.to(device), old_lp.to(device), adv.to(device)
+            ref_lp = None
+            if ref_model is not None:  # 5. reference log-probs
+                with torch.no_grad():
+                    ref_lp = policy_logprobs(ref_model, tokens, cfg.temperature)
+            # 6. optimizer steps over mini-batches of this rank's samples
+            stats = np.zeros(4)
+            for mb in torch.arange(n_local).chunk(cfg.updates_per_batch):
+                lp = policy_logprobs(model, tokens[mb], cfg.temperature)
+                loss, m = grpo_loss(lp, old_lp[mb], None if ref_lp is None else ref_lp[mb], adv[mb], mask[mb],
+                                    cfg.clip_eps, cfg.kl_coef, cfg.loss_agg)
+                n_items = int(mask[mb].sum()) if cfg.loss_agg == "token-mean" else len(mb)
+                (loss * mean_loss_scale(n_items, device)).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                stats += [loss.item(), m["clip_frac"], m["ratio_mean"], m["k3_mean"]]
+        n_tok = sum(len(t) for t in gen.tokens)
+        reward_sum, n_tok_all, *agg = global_sum(float(rewards.sum()), n_tok,
+                                                 *(stats / cfg.updates_per_batch), device=device)
+        step_s = time.perf_counter() - t0
+        if step == 1 or step % cfg.eval_every == 0 or step == cfg.steps:
+            gen_model.load_state_dict(full_state_dict(model))
+            with spans("eval"):
+                acc = evaluate(gen_model, eval_prompts, cfg, device)
+        rl_tokens, rl_time = rl_tokens + n_tok_all, rl_time + step_s
+        rec = {"step": step, "reward/mean": reward_sum / per_step, "loss": agg[0] / world,
+               "clip_frac": agg[1] / world, "ratio_mean": agg[2] / world, "k3_mean": agg[3] / world,
+               "rollout/response_tokens": n_tok_all, "perf/tokens_per_s": n_tok_all / step_s,
+               "time/rollout_s": spans.total("rollout", first_span), "time/train_s": spans.total("train", first_span),
+               "time/switch_s": spans.total("switch", first_span), "time/step_s": step_s}
+        if "eval" in (s[0] for s in spans.spans[first_span:]):
+            rec["eval/accuracy"] = acc
+        if metrics_file:
+            metrics_file.write(json.dumps(rec) + "\n")
+            metrics_file.flush()
+            tqdm.write(f"step {step} | reward {rec['reward/mean']:.2f} | acc {acc:.2f} | "
+                       f"{rec['perf/tokens_per_s']:.0f} tok/s | rollout {rec['time/rollout_s']:.2f}s "
+                       f"train {rec['time/train_s']:.2f}s")
+    summary = {"eval_accuracy_before": acc_before, "eval_accuracy_after": acc,
+               "wall_s": time.perf_counter() - t_start, "tokens_per_s": rl_tokens / max(rl_time, 1e-9),
+               "world_size": world, "config": dataclasses.asdict(cfg)}
+    with open(os.path.join(out_dir, f"spans_rank{rank}.jsonl"), "w") as f:
+        for name, s0, s1 in spans.spans:
+            f.write(json.dumps({"rank": rank, "name": name, "start": s0 - t_start, "end": s1 - t_start}) + "\n")
+    if metrics_file:
+        metrics_file.close()
+        with open(os.path.join(out_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        print0(f"held-out accuracy {acc_before:.3f} -> {acc:.3f} | {summary['wall_s']:.0f}s | "
+               f"{summary['tokens_per_s']:.0f} tok/s | {out_dir}")
+    return summary, model
+
+
+def main(argv=None):
+    parser, cfg = parse_args(argv)
+    try:
+        validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    except ValueError as e:
+        parser.error(str(e))
+    setup_distributed(cfg)
+    try:
+        train(cfg)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
