@@ -1,0 +1,340 @@
+"""Benchmark stalesync.py: synchronous vs bounded-staleness rollout, colocated and separated, on 2 gloo ranks.
+
+    python bench/stalesync.py --lengths lognormal:3,1      # also uniform:A,B  pareto:ALPHA,MIN  fixed:N
+
+Real work, forced lengths: responses are decoded by the real policy (model.Policy, a KV cache kept
+between decode chunks, counter-seeded sampling) until each sample's drawn length, a stand-in for a long
+tail of EOS positions; each step is a real forward/backward and AdamW step of the policy on the batch.
+Every configuration trains the same number of steps of the same global batch (same length law);
+tokens_per_s counts the trained response tokens only, over the wall time of the slowest rank.
+  colocated  both ranks generate their half of the batch, then train on it (gradients all-reduced);
+  separated  rank 0 generates, rank 1 trains; batches go 0 -> 1, weights 1 -> 0 (gloo p2p), the new
+             weights reach the generator between its decode chunks (the KV cache is then rebuilt).
+S = 0 is the synchronous algorithm (stalesync.py reduces to it); S = 1, 2, 4 cut at the threshold.
+The last line printed is one JSON object. Targets on a tail with max/mean >= 4:
+stale_over_sync_colocated >= 1.5 and colocated_stale_over_separated_sync >= 2.5 (both at S = 1).
+"""
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def length_law(spec, max_len, salt=1234):
+    """'lognormal:MU,SIGMA' | 'uniform:A,B' | 'pareto:ALPHA,MIN' | 'fixed:N' -> seed -> length in [1, max_len]."""
+    kind, _, params = spec.partition(":")
+    a = [float(x) for x in params.split(",")]
+    draw = {"lognormal": lambda r: r.lognormal(a[0], a[1]), "uniform": lambda r: r.uniform(a[0], a[1]),
+            "pareto": lambda r: a[1] * (1 + r.pareto(a[0])), "fixed": lambda r: a[0]}[kind]
+    return lambda seed: int(np.clip(round(draw(np.random.default_rng([salt, int(seed)]))), 1, max_len))
+
+
+class CachedDecoder:
+    """step_fn for stalesync: decodes rows with a KV cache kept between calls (keyed by seed), until each
+    row's forced length. New rows are prefilled and merged; invalidate() (new weights) re-prefills all."""
+
+    def __init__(self, model, length_of):
+        self.model, self.length_of, self.state = model, length_of, None
+
+    def invalidate(self):
+        self.state = None
+
+    def _prefill(self, contexts):
+        import torch
+        from model import KVCache
+        B, lens = len(contexts), torch.tensor([len(c) for c in contexts])
+        P = int(lens.max())
+        tokens = torch.zeros(B, P, dtype=torch.long)
+        for b, c in enumerate(contexts):
+            tokens[b, P - len(c):] = c
+        valid = torch.arange(P)[None] >= (P - lens)[:, None]                                 # (B, P)
+        pos = (valid.long().cumsum(-1) - 1).clamp(min=0)                                     # (B, P)
+        mask = (torch.ones(P, P, dtype=torch.bool).tril() & valid[:, None]) | torch.eye(P, dtype=torch.bool)
+        cache = KVCache(self.model.cfg, B, P, "cpu", torch.float32)
+        logits = self.model(tokens, pos, mask[:, None], cache)[:, -1]                        # (B, V)
+        return dict(k=cache.k, v=cache.v, valid=valid, pos=lens.clone(), logits=logits)
+
+    @staticmethod
+    def _merge(a, b):
+        """Concatenate two cache states along rows, left-padding the shorter one in time."""
+        import torch
+        t = max(a["valid"].shape[1], b["valid"].shape[1])
+        def pad(s):
+            d = t - s["valid"].shape[1]
+            z = s["k"].new_zeros(s["k"].shape[:3] + (d, s["k"].shape[4]))
+            return dict(k=torch.cat([z, s["k"]], 3), v=torch.cat([z, s["v"]], 3), pos=s["pos"], logits=s["logits"],
+                        valid=torch.cat([s["valid"].new_zeros(len(s["valid"]), d), s["valid"]], 1))
+        a, b = pad(a), pad(b)
+        return {key: torch.cat([a[key], b[key]], 1 if key in ("k", "v") else 0) for key in a}
+
+    def __call__(self, contexts, seeds, n_done, max_steps):
+        import torch
+        from model import KVCache, counter_uniform, sample_tokens
+        seeds, n_done = seeds.tolist(), n_done.tolist()
+        old = self.state if self.state is not None else {"seeds": []}
+        where = {s: i for i, s in enumerate(old["seeds"])}
+        keep = [where[s] for s in seeds if s in where]
+        new = [i for i, s in enumerate(seeds) if s not in where]
+        parts = []
+        if keep:
+            idx = torch.tensor(keep)
+            parts.append({key: old[key][:, idx] if key in ("k", "v") else old[key][idx]
+                          for key in ("k", "v", "valid", "pos", "logits")})
+        if new:
+            parts.append(self._prefill([contexts[i] for i in new]))
+        st = parts[0] if len(parts) == 1 else self._merge(*parts)
+        order = [seeds.index(old["seeds"][i]) for i in keep] + new                          # row -> request
+        left = torch.tensor([self.length_of(seeds[j]) - n_done[j] for j in order])         # (R,)
+        steps = int(left.max()) if max_steps is None else min(max_steps, int(left.max()))
+        R, t = len(order), st["valid"].shape[1]
+        cache = KVCache(self.model.cfg, R, t + steps, "cpu", torch.float32)
+        cache.k[:, :, :, :t], cache.v[:, :, :, :t], cache.length = st["k"], st["v"], t
+        valid, pos, logits = st["valid"], st["pos"], st["logits"]
+        sd = torch.tensor([seeds[j] for j in order])
+        out_t, out_l = [[] for _ in seeds], [[] for _ in seeds]
+        rows = torch.arange(R)
+        with torch.no_grad():
+            for step in range(steps):
+                tok, lp = sample_tokens(logits, counter_uniform(sd[rows], pos))
+                for r, a, b in zip(rows.tolist(), tok.tolist(), lp.tolist()):
+                    out_t[order[r]].append(a), out_l[order[r]].append(b)
+                left = left - 1
+                live = (left[rows] > 0).nonzero().squeeze(-1)
+                if len(live) < len(rows):
+                    rows, tok, pos, valid = rows[live], tok[live], pos[live], valid[live]
+                    cache.keep_rows(live)
+                if len(rows) == 0:
+                    break
+                valid = torch.cat([valid, valid.new_ones(len(rows), 1)], 1)
+                logits = self.model(tok[:, None], pos[:, None], valid[:, None, None], cache)[:, -1]
+                pos = pos + 1
+        # rows cut by max_steps stay cached (with their next-token logits) for the next call
+        L = cache.length
+        self.state = None if len(rows) == 0 or steps == 0 else dict(
+            seeds=[seeds[order[r]] for r in rows.tolist()], k=cache.k[:, :, :, :L], v=cache.v[:, :, :, :L],
+            valid=valid, pos=pos, logits=logits)
+        return ([torch.tensor(x, dtype=torch.long) for x in out_t], [torch.tensor(x) for x in out_l],
+                [self.length_of(s) == n + len(x) for s, n, x in zip(seeds, n_done, out_t)])
+
+
+def train_step(model, opt, batch, group, micro_rows):
+    """One GRPO-shaped optimizer step on a batch: forward/backward in length-sorted micro-batches,
+    gradients all-reduced over `group` (None: no peers)."""
+    import torch
+    import torch.distributed as dist
+    from model import token_logprobs
+    order = sorted(range(len(batch.ids)), key=lambda i: len(batch.prompts[i]) + len(batch.responses[i]))
+    n_tok = sum(len(r) for r in batch.responses)
+    adv = torch.randn(len(batch.ids), generator=torch.Generator().manual_seed(batch.version))
+    for c in range(0, len(order), micro_rows):
+        mb = order[c:c + micro_rows]
+        T = max(len(batch.prompts[i]) + len(batch.responses[i]) for i in mb)
+        tokens, mask, old = torch.zeros(len(mb), T, dtype=torch.long), torch.zeros(len(mb), T - 1), torch.zeros(len(mb), T - 1)
+        for b, i in enumerate(mb):
+            p, r = batch.prompts[i], batch.responses[i]
+            tokens[b, :len(p) + len(r)] = torch.cat([p, r])
+            mask[b, len(p) - 1:len(p) + len(r) - 1], old[b, len(p) - 1:len(p) + len(r) - 1] = 1, batch.logprobs[i]
+        lp = token_logprobs(model(tokens[:, :-1]), tokens[:, 1:])                                # (b, T-1)
+        ratio = torch.exp(torch.clamp(lp - old, -20, 20))
+        (-(torch.min(ratio * adv[mb, None], ratio.clamp(0.8, 1.2) * adv[mb, None]) * mask).sum() / n_tok).backward()
+    if group is not None:  # one flat all-reduce of the gradients
+        grads = [p.grad for p in model.parameters()]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        torch.nn.utils.vector_to_parameters(flat / dist.get_world_size(group), grads)
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+
+
+def run_config(rank, args, S, deploy, length_of):
+    import torch
+    import torch.distributed as dist
+    from model import ModelConfig, Policy
+    from stalesync import Spans, StaleConfig, StaleSync
+    torch.manual_seed(0)
+    model = Policy(ModelConfig(vocab_size=14, max_seq_len=args.prompt_len + args.max_len + 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    gps = args.groups_per_step if deploy == "separated" else args.groups_per_step // 2
+    cfg = StaleConfig(staleness=S, groups_per_step=gps, group_size=args.group_size, threshold=args.threshold,
+                      chunk_steps=args.chunk)
+    rng = np.random.default_rng(rank)
+    decoder = CachedDecoder(model, length_of)
+    sched = StaleSync(cfg, decoder, lambda: torch.as_tensor(rng.integers(4, 14, args.prompt_len)),
+                      seed_fn=lambda i: rank * 10_000_000 + i)
+    spans, tokens, ages = Spans(), 0, []
+    dist.barrier()
+    t0 = time.perf_counter()
+    flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+    if deploy == "colocated":
+        for _ in range(args.steps):
+            b = sched.rollout(spans)
+            with spans("idle"):
+                dist.barrier()
+            with spans("train"):
+                train_step(model, opt, b, None if dist.get_world_size() == 1 else dist.group.WORLD, args.micro)
+            decoder.invalidate(), sched.update()
+            tokens, ages = tokens + b.metrics["rollout/response_tokens"], ages + [b.metrics]
+    elif rank == 0:  # separated: the generator
+        got, pending, n_sent = threading.Event(), [], 0
+
+        def listen(v):  # gloo's is_completed() does not poll: a thread waits and flags
+            dist.irecv(flat, 1, tag=2 * v + 1).wait()
+            got.set()
+
+        def new_weights():  # between decode chunks: load, drop the KV cache, version + 1
+            waiter.join(), got.clear()
+            torch.nn.utils.vector_to_parameters(flat.clone(), model.parameters())  # flat is the recv buffer
+            decoder.invalidate(), sched.update()
+            return start_listen(sched.version + 1)
+
+        def start_listen(v):
+            t = threading.Thread(target=listen, args=(v,))
+            if v < args.steps:  # the trainer sends versions 1 .. steps - 1
+                t.start()
+            return t
+
+        waiter = start_listen(1)
+        while n_sent < args.steps:
+            if got.is_set():
+                waiter = new_weights()
+            sched.admit()
+            with spans("rollout"):
+                n = sched.decode()
+            while sched.ready() and n_sent < args.steps:
+                b = sched.take()
+                ages.append(b.metrics)
+                head = torch.tensor([[len(p), len(r)] for p, r in zip(b.prompts, b.responses)])   # (B, 2)
+                bufs = (head, torch.cat([torch.cat([p, r]) for p, r in zip(b.prompts, b.responses)]),
+                        torch.cat(b.logprobs))  # counts first, then the packed payload
+                pending.append((bufs, [dist.isend(x, 1, tag=2 * b.version) for x in bufs]))
+                n_sent += 1
+            if n == 0 and not sched.ready() and n_sent < args.steps:
+                with spans("idle"):
+                    got.wait()
+        while waiter.is_alive() or got.is_set():  # take every weight message the trainer still sends
+            got.wait()
+            waiter = new_weights()
+        for _, works in pending:
+            [w.wait() for w in works]
+    else:  # separated: the trainer
+        from stalesync import Batch
+        B = gps * args.group_size
+        for v in range(args.steps):
+            head = torch.zeros(B, 2, dtype=torch.long)
+            with spans("idle"):
+                dist.recv(head, 0, tag=2 * v)
+                payload, lps = torch.zeros(int(head.sum()), dtype=torch.long), torch.zeros(int(head[:, 1].sum()))
+                dist.recv(payload, 0, tag=2 * v), dist.recv(lps, 0, tag=2 * v)
+            seqs, lp = payload.split(head.sum(1).tolist()), lps.split(head[:, 1].tolist())
+            b = Batch(v, list(range(B)), [s[:p] for s, (p, _) in zip(seqs, head.tolist())],
+                      [s[p:] for s, (p, _) in zip(seqs, head.tolist())], list(lp), [], [], [], {})
+            with spans("train"):
+                train_step(model, opt, b, None, args.micro)
+            tokens += int(head[:, 1].sum())
+            if v + 1 < args.steps:
+                flat.copy_(torch.nn.utils.parameters_to_vector(model.parameters()).detach())
+                dist.send(flat, 0, tag=2 * (v + 1) + 1)
+    wall = torch.tensor([time.perf_counter() - t0, tokens], dtype=torch.float64)
+    idle = spans.perf(0, t0)["perf/idle_frac"]
+    dist.all_reduce(wall[1:])
+    dist.all_reduce(wall[:1], op=dist.ReduceOp.MAX)
+    res = dict(tokens_per_s=wall[1].item() / wall[0].item(), wall_s=wall[0].item(), tokens=int(wall[1].item()),
+               idle_frac=idle, rollout_s=spans.total("rollout"), train_s=spans.total("train"))
+    if ages:
+        res.update(age_max=max(m["stale/age_max"] for m in ages), regenerated=ages[-1]["stale/regenerated"],
+                   age_mean=float(np.mean([m["stale/age_mean"] for m in ages])),
+                   partial_continued=sum(m["stale/partial_continued"] for m in ages))
+    return res
+
+
+def worker(rank, args, port, results):
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)  # 2 processes x 1 thread on 2 cores
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300))
+    try:
+        length_of = length_law(args.lengths, args.max_len)
+        out = {}
+        run_config(rank, argparse.Namespace(**dict(vars(args), steps=2)), 1, "colocated", length_of)  # warm-up
+        for deploy in ("colocated", "separated"):
+            for S in [0] + args.staleness:
+                res = run_config(rank, args, S, deploy, length_of)
+                peer = [None, None]
+                dist.all_gather_object(peer, res)
+                r = dict(peer[0], idle_frac=[round(p["idle_frac"], 3) for p in peer])
+                agg = [p for p in peer if "age_max" in p]  # ranks that generated
+                r.update(age_max=max(p["age_max"] for p in agg), age_mean=float(np.mean([p["age_mean"] for p in agg])),
+                         regenerated=sum(p["regenerated"] for p in agg),
+                         partial_continued=sum(p["partial_continued"] for p in agg))
+                out[f"{deploy}_S{S}"] = r
+        if rank == 0:
+            results.put(out)
+    finally:
+        dist.destroy_process_group()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # workload
+    p.add_argument("--lengths", default="lognormal:3,1", help="response length law: lognormal:MU,SIGMA, "
+                   "uniform:A,B, pareto:ALPHA,MIN or fixed:N (tokens, clipped to [1, --max-len])")
+    p.add_argument("--max-len", type=int, default=256, help="longest response")
+    p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens")
+    p.add_argument("--steps", type=int, default=16, help="optimizer steps per configuration")
+    p.add_argument("--groups-per-step", type=int, default=4, help="global prompt groups per step")
+    p.add_argument("--group-size", type=int, default=4, help="responses per prompt")
+    p.add_argument("--micro", type=int, default=16, help="rows per training micro-batch (length-sorted)")
+    # staleness
+    p.add_argument("--staleness", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4],
+                   help="bounds S compared with synchronous (S=0)")
+    p.add_argument("--threshold", type=float, default=0.5, help="decode pool = groups per step / threshold")
+    p.add_argument("--chunk", type=int, default=4, help="decode steps between cut checks")
+    args = p.parse_args()
+    length_of = length_law(args.lengths, args.max_len)
+    draws = np.array([length_of(s) for s in range(20000)])
+    print(f"lengths {args.lengths}: mean {draws.mean():.1f}, max {draws.max()}, max/mean {draws.max() / draws.mean():.1f}"
+          f" | {args.steps} steps x {args.groups_per_step} x {args.group_size} samples per configuration")
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=worker, args=(r, args, port, results)) for r in range(2)]
+    for pr in procs:
+        pr.start()
+    res = results.get(timeout=900)
+    for pr in procs:
+        pr.join()
+    for name, r in res.items():
+        extra = "" if "age_max" not in r else (f" | age max {r['age_max']} mean {r['age_mean']:.2f} | "
+                                               f"regenerated {r['regenerated']} | partial {r['partial_continued']}")
+        print(f"{name:14s} {r['tokens_per_s']:8.0f} tok/s | {r['wall_s']:6.2f} s (rank 0: rollout {r['rollout_s']:.2f} s, "
+              f"train {r['train_s']:.2f} s) | idle {r['idle_frac']}{extra}")
+    tps = {k: round(v["tokens_per_s"], 1) for k, v in res.items()}
+    out = dict(tokens_per_s=tps, lengths=args.lengths, max_over_mean=round(float(draws.max() / draws.mean()), 2),
+               stale_over_sync_colocated=round(tps["colocated_S1"] / tps["colocated_S0"], 3),
+               stale_over_sync_separated=round(tps["separated_S1"] / tps["separated_S0"], 3),
+               colocated_stale_over_separated_sync=round(tps["colocated_S1"] / tps["separated_S0"], 3),
+               best_stale_over_sync_colocated=round(max(tps[f"colocated_S{s}"] for s in args.staleness) / tps["colocated_S0"], 3),
+               idle_frac={k: v["idle_frac"] for k, v in res.items()})
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,288 @@
+"""stalesync.py: the staleness bound, admission capacity, nothing lost, S = 0 equals the synchronous path,
+partial rollouts continued under new weights, checkpoints, bad input.
+
+The bound and accounting tests drive the scheduler with a scripted sampler (response lengths drawn per
+seed) in a discrete-time simulation of a generator and a trainer of random speeds; the equivalence and
+partial-rollout tests use the real tiny model.Policy and train_grpo's GRPO math."""
+import copy
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from model import ModelConfig, Policy, counter_uniform, generate, sample_tokens, token_logprobs
+from stalesync import Spans, StaleConfig, StaleSync, off_policy_logprobs, sync_rollout
+from train_grpo import (EOS, PAD, VOCAB, grpo_loss, group_advantages, make_prompts, policy_logprobs,
+                        response_batch, score)
+
+
+class ScriptedSampler:
+    """step_fn whose response length is a function of the seed: tokens and log-probs are position codes."""
+
+    def __init__(self, length_of):
+        self.length_of, self.seen = length_of, set()
+
+    def __call__(self, contexts, seeds, n_done, max_steps):
+        toks, lps, done = [], [], []
+        for s, n0 in zip(seeds.tolist(), n_done.tolist()):
+            self.seen.add(s)
+            left = self.length_of(s) - n0
+            n = left if max_steps is None else min(left, max_steps)
+            toks.append(torch.arange(n0, n0 + n) % 10 + 4)
+            lps.append(-0.01 * torch.arange(n0, n0 + n, dtype=torch.float32))
+            done.append(n == left)
+        return toks, lps, done
+
+
+def _lengths(rng):
+    """A random length law: a long tail of random shape, 1..200 tokens, fixed per seed."""
+    mu, sigma = rng.uniform(0.5, 3.0), rng.uniform(0.2, 1.5)
+    salt = int(rng.integers(1 << 30))
+    return lambda seed: int(np.clip(np.random.default_rng([salt, seed]).lognormal(mu, sigma), 1, 200))
+
+
+def _check_batch(b, S, cfg, length_of=None, seed_of=lambda i: i):
+    assert len(b.ids) == cfg.groups_per_step * cfg.group_size and len(set(b.ids)) == len(b.ids)
+    if length_of is not None:  # every response complete
+        assert [len(r) for r in b.responses] == [length_of(seed_of(i)) for i in b.ids]
+    for sv, v in zip(b.start_versions, b.token_versions):
+        assert 0 <= b.version - sv <= S, f"age {b.version - sv} > S={S}"
+        assert len(v) and int(v[0]) == sv and bool((v[1:] >= v[:-1]).all()) and int(v[-1]) <= b.version
+    assert b.metrics["stale/age_max"] <= S
+
+
+def _simulate(S, seed, separated, steps=12):
+    """Generator and trainer at random speeds. Returns the scheduler, the sampler and the trained ids."""
+    rng = np.random.default_rng(seed)
+    cfg = StaleConfig(staleness=S, groups_per_step=int(rng.integers(1, 4)), group_size=int(rng.integers(1, 5)),
+                      threshold=float(rng.choice([1.0, 0.5, 0.3])), chunk_steps=int(rng.integers(1, 9)))
+    sampler = ScriptedSampler(_lengths(rng))
+    sched = StaleSync(cfg, sampler, prompt_fn=lambda: torch.tensor([2, 5, 3]), seed_fn=lambda i: 7000 + i)
+    trained = []
+    if not separated:  # colocated: rollout, train, update
+        for _ in range(steps):
+            b = sched.rollout()
+            assert b.version == sched.version
+            _check_batch(b, S, cfg, sampler.length_of, lambda i: 7000 + i)
+            trained += b.ids
+            sched.update()
+        return sched, sampler, trained, cfg
+    train_ticks, delay = int(rng.integers(1, 6)), int(rng.integers(0, 4))  # trainer speed, weight latency
+    queue, busy_until, trainer_v, arrivals, t = [], None, 0, [], 0
+    while trainer_v < steps:
+        t += 1
+        for when, v in [a for a in arrivals if a[0] <= t]:  # weights reach the generator
+            sched.update(max(sched.version, v))
+        arrivals = [a for a in arrivals if a[0] > t]
+        sched.admit()
+        assert sched.groups_started <= (S + sched.version + 1) * cfg.groups_per_step
+        sched.decode()
+        while sched.ready():
+            queue.append(sched.take())
+        if busy_until is not None and t >= busy_until:  # an optimizer step ends
+            trainer_v, busy_until = trainer_v + 1, None
+            arrivals.append((t + delay, trainer_v))
+        if busy_until is None and queue:
+            b = queue.pop(0)
+            assert b.version == trainer_v, "batches are trained in order, one optimizer step each"
+            _check_batch(b, S, cfg, sampler.length_of, lambda i: 7000 + i)
+            trained += b.ids
+            busy_until = t + train_ticks
+        assert t < 100_000, "no progress"
+    return sched, sampler, trained + [i for b in queue for i in b.ids], cfg  # queued: handed to training
+
+
+@pytest.mark.parametrize("S", [0, 1, 2, 4])
+def test_bound_and_nothing_lost(S):
+    for trial in range(12):
+        sched, sampler, trained, cfg = _simulate(S, seed=100 * S + trial, separated=trial % 2 == 1)
+        assert sched.max_admitted_over <= 0, "admission exceeded (S + v + 1) * groups_per_step"
+        acc = sched.accounting()
+        assert set(trained) == acc["trained"] and len(trained) == len(set(trained))
+        assert not (acc["trained"] & acc["regenerated"] or acc["trained"] & acc["in_flight"]
+                    or acc["regenerated"] & acc["in_flight"])
+        everything = acc["trained"] | acc["regenerated"] | acc["in_flight"]
+        assert everything == set(range(sched.next_id)), "a sample id was lost"
+        assert {s - 7000 for s in sampler.seen} <= everything
+        if S == 0:
+            assert not acc["regenerated"] and not acc["in_flight"]
+        if S <= 1 and trial % 2 == 0:  # colocated, S <= 1: the cut rule makes regeneration impossible
+            assert not acc["regenerated"], "a group aged out although the cut waits for due groups"
+
+
+def test_admission_inequality_is_strict_before_a_start():
+    """groups_started < (S + v + 1) * gps to start one more, so groups_started <= capacity after it."""
+    cfg = StaleConfig(staleness=1, groups_per_step=2, group_size=1, threshold=0.25, chunk_steps=1)
+    sched = StaleSync(cfg, ScriptedSampler(lambda s: 50), prompt_fn=lambda: torch.tensor([2]))
+    assert sched.admit() == 4 and sched.groups_started == 4 == sched.capacity()
+    assert sched.admit() == 0
+    sched.update()
+    assert sched.admit() == 2 and sched.groups_started == 6
+
+
+def test_too_old_groups_are_regenerated_not_trained():
+    """S=2, one group per step: two long groups fall due at the same batch; one is trained, the other
+    would be 3 versions old at the next batch, so it is restarted (new ids) and counted."""
+    long_seeds = {0, 1}  # groups 0 and 1 (group size 1): 30 tokens; everything else: 1 token
+    cfg = StaleConfig(staleness=2, groups_per_step=1, group_size=1, threshold=1 / 3, chunk_steps=4)
+    sched = StaleSync(cfg, ScriptedSampler(lambda s: 30 if s in long_seeds else 1), lambda: torch.tensor([2]))
+    batches = []
+    for _ in range(4):
+        batches.append(sched.rollout())
+        _check_batch(batches[-1], 2, cfg, sched.step_fn.length_of)
+        sched.update()
+    assert [b.ids for b in batches[:3]] == [[2], [3], [0]]
+    assert sched.regenerated == 1 and sched.accounting()["regenerated"] == {1}
+    assert batches[3].metrics["stale/regenerated"] == 1
+
+
+def _tiny_policy(seed=0):
+    torch.manual_seed(seed)
+    return Policy(ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=2, n_experts=2, top_k=1,
+                              d_expert=32, max_seq_len=40))
+
+
+def _sampler(model, max_new, eos=EOS):
+    return lambda c, s, n, m: generate(model, c, s, max_new, eos, PAD, 1.0, 1.0, n_done=n, max_steps=m)
+
+
+def _train_step(model, opt, prompts, responses, logprobs, G):
+    rewards = torch.tensor([score(p, r) + 0.1 * len(r) for p, r in zip(prompts, responses)])  # some signal
+    adv = group_advantages(rewards, G)
+    tokens, mask, (old,) = response_batch(prompts, responses, logprobs)
+    loss, _ = grpo_loss(policy_logprobs(model, tokens, 1.0), old, None, adv, mask)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def test_s0_equals_the_synchronous_path():
+    G, gps, max_new, steps = 4, 2, 12, 3
+    rng = np.random.default_rng(0)
+    prompts_all = make_prompts(rng, gps * steps, max_digits=8)
+
+    sync = _tiny_policy()
+    opt = torch.optim.AdamW(sync.parameters(), lr=1e-2)
+    for k in range(steps):  # the synchronous loop, as train_grpo.py runs it
+        prompts = prompts_all[k * gps:(k + 1) * gps]
+        ctx = [p for p in prompts for _ in range(G)]
+        gen = generate(sync, ctx, torch.arange(k * gps * G, (k + 1) * gps * G), max_new, EOS, PAD, 1.0, 1.0)
+        _train_step(sync, opt, ctx, gen.tokens, gen.logprobs, G)
+
+    stale = _tiny_policy()
+    opt = torch.optim.AdamW(stale.parameters(), lr=1e-2)
+    stream = iter(prompts_all)
+    sched = StaleSync(StaleConfig(staleness=0, groups_per_step=gps, group_size=G, threshold=0.5, chunk_steps=2),
+                      _sampler(stale, max_new), prompt_fn=lambda: next(stream))
+    for k in range(steps):
+        b = sched.rollout()
+        assert b.metrics["stale/age_max"] == 0 and b.metrics["stale/partial_continued"] == 0
+        _train_step(stale, opt, b.prompts, b.responses, b.logprobs, G)
+        sched.update()
+    for (name, a), (_, b) in zip(sync.state_dict().items(), stale.state_dict().items()):
+        assert torch.equal(a, b), f"{name} differs from the synchronous path"
+    # the naive helper is that same single call
+    toks, _, done = sync_rollout(_sampler(stale, max_new), prompts_all[:1], G, torch.arange(G))
+    assert all(done) and len(toks) == G
+
+
+def test_partial_rollout_continues_under_new_weights():
+    G, max_new = 2, 12
+    model = _tiny_policy(1)
+    snapshots = {0: copy.deepcopy(model.state_dict())}
+    rng = np.random.default_rng(1)
+    cfg = StaleConfig(staleness=1, groups_per_step=2, group_size=G, threshold=0.5, chunk_steps=3)
+    sched = StaleSync(cfg, _sampler(model, max_new),
+                      prompt_fn=lambda: make_prompts(rng, 1, max_digits=6)[0])
+    g = torch.Generator().manual_seed(0)
+    continued = []
+    for v in range(4):
+        b = sched.rollout()
+        _check_batch(b, 1, cfg)
+        continued += [(b, i) for i, tv in enumerate(b.token_versions) if len(set(tv.tolist())) > 1]
+        assert b.metrics["stale/partial_continued"] == sum(c[0] is b for c in continued)
+        with torch.no_grad():  # "an optimizer step": move every weight
+            for p in model.parameters():
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+        sched.update()
+        snapshots[v + 1] = copy.deepcopy(model.state_dict())
+    assert continued, "no sequence was cut and continued across versions"
+    ref = _tiny_policy()
+    for b, i in continued:
+        prompt, resp, lp, tv = b.prompts[i], b.responses[i], b.logprobs[i], b.token_versions[i]
+        seed = b.ids[i]
+        # complete and valid: EOS only last, or the whole budget
+        assert len(resp) == max_new or int(resp[-1]) == EOS
+        assert int((resp[:-1] == EOS).sum()) == 0 and bool(((resp >= 0) & (resp < VOCAB)).all())
+        full = torch.cat([prompt, resp])[None]                                          # (1, P + n)
+        pos = len(prompt) - 1 + torch.arange(len(resp))                                 # predicting positions
+        u = counter_uniform(torch.full((len(resp),), seed), len(prompt) + torch.arange(len(resp)))
+        stale_only = None
+        for v in sorted(set(tv.tolist())):
+            ref.load_state_dict(snapshots[v])
+            with torch.no_grad():
+                logits = ref(full)[0, pos]                                              # (n, V)
+            at = tv == v
+            recomputed = token_logprobs(logits[None], resp[None])[0]                    # (n,)
+            torch.testing.assert_close(lp[at], recomputed[at], atol=1e-5, rtol=0)
+            tok, _ = sample_tokens(logits, u)                                           # counter-based draw
+            assert torch.equal(tok[at], resp[at]), "token not the draw of the version that produced it"
+            if v == int(tv[0]):
+                stale_only = recomputed
+        assert (lp[tv != tv[0]] - stale_only[tv != tv[0]]).abs().max() > 1e-3, "later tokens used old weights"
+
+
+def test_state_dict_resumes_bit_exactly():
+    lengths = _lengths(np.random.default_rng(5))
+    cfg = StaleConfig(staleness=2, groups_per_step=2, group_size=3, threshold=0.5, chunk_steps=5)
+
+    def make():
+        counter = {"n": 0}
+        def prompt_fn():
+            counter["n"] += 1
+            return torch.tensor([2, counter["n"] % 10 + 4, 3])
+        return StaleSync(cfg, ScriptedSampler(lengths), prompt_fn), counter
+
+    a, ca = make()
+    for _ in range(3):
+        a.rollout(), a.update()
+    a.admit(), a.decode()  # mid-round: samples in flight, some partial
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    b, cb = make()
+    buf.seek(0)
+    b.load_state_dict(torch.load(buf, weights_only=True))
+    cb["n"] = ca["n"]
+    assert b.accounting() == a.accounting() and any(s["tokens"] for g in b.pool for s in g["samples"])
+    for _ in range(4):
+        x, y = a.rollout(), b.rollout()
+        a.update(), b.update()
+        assert x.ids == y.ids and x.metrics == y.metrics and x.start_versions == y.start_versions
+        assert all(torch.equal(p, q) for p, q in zip(x.responses + x.logprobs, y.responses + y.logprobs))
+    with pytest.raises(ValueError, match="config"):
+        StaleSync(StaleConfig(staleness=1), None, None).load_state_dict(a.state_dict())
+
+
+def test_off_policy_logprobs_and_spans():
+    beh, prox = torch.log(torch.tensor([[0.5, 0.2]])), torch.log(torch.tensor([[0.25, 0.4]]))
+    old, w = off_policy_logprobs(beh, prox)
+    assert old is beh and w is None
+    old, w = off_policy_logprobs(beh, prox, decoupled=True, max_weight=1.5)
+    assert old is prox and torch.allclose(w, torch.tensor([[0.5, 1.5]]))
+    with pytest.raises(ValueError, match="proximal"):
+        off_policy_logprobs(beh, decoupled=True)
+    spans = Spans()
+    with spans("idle"):
+        pass
+    m = spans.perf(100)
+    assert set(m) == {"perf/tokens_per_s", "perf/idle_frac"} and 0 <= m["perf/idle_frac"] <= 1
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(staleness=-1), r"staleness=-1 .*>= 0"),
+                                           (dict(threshold=0.0), r"threshold=0.0 .*\(0, 1\]"),
+                                           (dict(threshold=1.5), r"threshold=1.5 .*\(0, 1\]"),
+                                           (dict(groups_per_step=0), r"groups_per_step=0")])
+def test_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        StaleConfig(**kwargs)
