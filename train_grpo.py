@@ -136,11 +136,11 @@ class Config:
     top_k: int = 2
     d_expert: int = 128
     # warm-up (supervised)
-    warmup_steps: int = 200        # supervised steps before RL
+    warmup_steps: int = 400        # supervised steps before RL
     warmup_batch: int = 64         # global batch of (prompt, answer) pairs
     warmup_lr: float = 5e-3
     # GRPO
-    steps: int = 300               # RL steps
+    steps: int = 600               # RL steps
     prompts_per_step: int = 16     # global prompts per step
     group_size: int = 8            # responses per prompt
     lr: float = 5e-4
@@ -156,7 +156,7 @@ class Config:
     max_new_tokens: int = 40
     # run
     seed: int = 0
-    eval_every: int = 50           # steps between held-out evaluations (also the first and last)
+    eval_every: int = 100          # steps between held-out evaluations (also the first and last)
     out: str = ""                  # output folder; default runs/<timestamp>
     device: str = "auto"           # auto, cpu or cuda
     pg_timeout_s: int = 300        # timeout of every process group
