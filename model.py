@@ -22,6 +22,10 @@ Departures from a production sampler, on purpose:
    same as routed dispatch, which moe_switch.py implements across ranks.
 3. Behaviour log-probs ignore the top-p truncation (as verl does): they are the log-probs the trainer
    recomputes. The default top-p is 1, where the two agree.
+4. Tensor parallelism (`Policy(cfg, tp_group)`, t ranks) is for inference only (plain all_reduce, no
+   autograd): attention keeps H/t heads (qkv cut by head, out by its input), every expert keeps F/t of
+   its hidden width; router, embedding, norms and head are replicated. `load_weights` takes full or
+   pre-cut weights by name, as vLLM's does, and cuts full ones per `tp_plan` (fusion.py feeds it).
 
 Shapes: B batch, T tokens, D model width, H heads, hd head width, E experts, K top-k, F expert width,
 V vocabulary, L layers.
@@ -31,6 +35,7 @@ V vocabulary, L layers.
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -78,16 +83,22 @@ def apply_rope(x, cos, sin):
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
+def tp_rank_size(group):
+    """(rank, size) in a tensor-parallel group; (0, 1) without one."""
+    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, tp_group=None):
         super().__init__()
-        self.n_heads = cfg.n_heads
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
-        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        t = tp_rank_size(tp_group)[1]
+        self.tp_group, self.n_heads, self.head_dim = tp_group, cfg.n_heads // t, cfg.d_model // cfg.n_heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model // t, bias=False)      # [q|k|v] x (H/t, hd) rows
+        self.out = nn.Linear(cfg.d_model // t, cfg.d_model, bias=False)
 
     def forward(self, x, cos, sin, mask=None, cache=None):
-        B, T, D = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
+        B, T = x.shape[:2]
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)                  # (B, H, T, hd)
         if cache is not None:  # append to this layer's cache, attend over everything so far
             k, v = cache.append(k, v)                                            # (B, H, t, hd)
@@ -95,20 +106,24 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:             # sampling: left-padded rows, an explicit (B, 1, T, t) mask
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.out(y.transpose(1, 2).reshape(B, T, D))
+        y = self.out(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))  # (B, T, D)
+        if self.tp_group is not None:  # each rank holds its heads' share of the output projection
+            dist.all_reduce(y, group=self.tp_group)
+        return y
 
 
 class MoE(nn.Module):
     """Softmax router, top-k of E SwiGLU experts, gates renormalised over the chosen k."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, tp_group=None):
         super().__init__()
         E, D, Fx = cfg.n_experts, cfg.d_model, cfg.d_expert
-        self.top_k = cfg.top_k
+        Fl = Fx // tp_rank_size(tp_group)[1]                                     # F/t hidden units here
+        self.top_k, self.tp_group = cfg.top_k, tp_group
         self.router = nn.Linear(D, E, bias=False)
-        self.w_gate = nn.Parameter(torch.randn(E, D, Fx) * D ** -0.5)
-        self.w_up = nn.Parameter(torch.randn(E, D, Fx) * D ** -0.5)
-        self.w_down = nn.Parameter(torch.randn(E, Fx, D) * Fx ** -0.5 / cfg.n_layers ** 0.5)
+        self.w_gate = nn.Parameter(torch.randn(E, D, Fl) * D ** -0.5)
+        self.w_up = nn.Parameter(torch.randn(E, D, Fl) * D ** -0.5)
+        self.w_down = nn.Parameter(torch.randn(E, Fl, D) * Fx ** -0.5 / cfg.n_layers ** 0.5)
 
     def gates(self, x):
         """x (N, D) -> dense gates (N, E): the renormalised top-k probabilities, zero elsewhere."""
@@ -123,14 +138,17 @@ class MoE(nn.Module):
         h = F.silu(torch.einsum("nd,edf->enf", x, self.w_gate)) \
             * torch.einsum("nd,edf->enf", x, self.w_up)                           # (E, N, F)
         y = torch.einsum("enf,efd->end", h, self.w_down)                          # (E, N, D)
-        return torch.einsum("ne,end->nd", self.gates(x), y).reshape(shape)
+        out = torch.einsum("ne,end->nd", self.gates(x), y).reshape(shape)
+        if self.tp_group is not None:  # a partial sum over this rank's F/t hidden units
+            dist.all_reduce(out, group=self.tp_group)
+        return out
 
 
 class Block(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, tp_group=None):
         super().__init__()
-        self.attn_norm, self.attn = RMSNorm(cfg.d_model, cfg.norm_eps), Attention(cfg)
-        self.moe_norm, self.moe = RMSNorm(cfg.d_model, cfg.norm_eps), MoE(cfg)
+        self.attn_norm, self.attn = RMSNorm(cfg.d_model, cfg.norm_eps), Attention(cfg, tp_group)
+        self.moe_norm, self.moe = RMSNorm(cfg.d_model, cfg.norm_eps), MoE(cfg, tp_group)
 
     def forward(self, x, cos, sin, mask=None, cache=None):
         x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache)
@@ -138,11 +156,21 @@ class Block(nn.Module):
 
 
 class Policy(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    # Tensor-parallel split of each weight, by name suffix -> (dim, groups): `dim` is viewed as
+    # (groups, size / groups) and every group is cut into t contiguous pieces, piece r to TP rank r.
+    # qkv's rows are [q | k | v] x (H, hd), so groups=3 hands each rank H/t whole heads of q, k and v.
+    # Weights not listed (embed, norms, router, head) are replicated.
+    tp_plan = {"attn.qkv.weight": (0, 3), "attn.out.weight": (1, 1),             # (3D, D), (D, D)
+               "moe.w_gate": (2, 1), "moe.w_up": (2, 1), "moe.w_down": (1, 1)}    # (E, D, F) x2, (E, F, D)
+
+    def __init__(self, cfg: ModelConfig, tp_group=None):
         super().__init__()
-        self.cfg = cfg
+        t = tp_rank_size(tp_group)[1]
+        if cfg.n_heads % t or cfg.d_expert % t:
+            raise ValueError(f"TP degree {t} must divide n_heads={cfg.n_heads} and d_expert={cfg.d_expert}")
+        self.cfg, self.tp_group = cfg, tp_group
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, tp_group) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         cos, sin = rope_table(cfg)
@@ -160,6 +188,25 @@ class Policy(nn.Module):
             x = block(x, cos, sin, mask, None if cache is None else cache.layer(i))
         return self.head(self.norm(x)).float()                                   # (B, T, V)
 
+    @torch.no_grad()
+    def load_weights(self, weights):
+        """vLLM-style loader: weights is an iterable of (name, tensor), each the full weight or already
+        this rank's TP piece; full split weights are cut here per tp_plan. Returns the names loaded."""
+        params, (rank, t), loaded = dict(self.named_parameters()), tp_rank_size(self.tp_group), set()
+        for name, w in weights:
+            p = params[name]
+            split = next((s for suffix, s in self.tp_plan.items() if name.endswith(suffix)), None)
+            if w.shape != p.shape and split is not None:  # a full weight: view dim as (groups, n), cut n
+                dim, groups = split
+                p, w = p.unflatten(dim, (groups, -1)), w.unflatten(dim, (groups, -1))
+                w = w.narrow(dim + 1, rank * p.shape[dim + 1], p.shape[dim + 1])
+            if w.shape != p.shape:
+                raise ValueError(f"{name}: got shape {tuple(w.shape)}, expected {tuple(p.shape)} "
+                                 f"(or the full weight) on TP rank {rank} of {t}")
+            p.copy_(w)
+            loaded.add(name)
+        return loaded
+
 
 def token_logprobs(logits, targets, temperature=1.0):
     """log softmax(logits / temperature) at targets: (B, T, V), (B, T) -> (B, T)."""
@@ -175,9 +222,9 @@ class KVCache:
     """Preallocated keys and values, (L, B, H, Tmax, hd). Every row fills the same columns (rows
     are left-padded), so one write index serves the batch."""
 
-    def __init__(self, cfg, batch, max_len, device, dtype):
-        hd = cfg.d_model // cfg.n_heads
-        self.k = torch.zeros(cfg.n_layers, batch, cfg.n_heads, max_len, hd, device=device, dtype=dtype)
+    def __init__(self, cfg, batch, max_len, device, dtype, n_heads=None):
+        hd, H = cfg.d_model // cfg.n_heads, cfg.n_heads if n_heads is None else n_heads  # H/t under TP
+        self.k = torch.zeros(cfg.n_layers, batch, H, max_len, hd, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
         self.length, self._layer = 0, 0
 
@@ -264,7 +311,7 @@ def generate(model, contexts, seeds, max_new_tokens, eos_id, pad_id=0, temperatu
     # A pad query attends to itself only, so that its softmax is never over an empty set.
     mask = (causal & valid[:, None, :]) | torch.eye(P, dtype=torch.bool, device=dev)  # (B, P, P)
     w = model.head.weight
-    cache = KVCache(model.cfg, B, P + steps, dev, w.dtype)
+    cache = KVCache(model.cfg, B, P + steps, dev, w.dtype, model.blocks[0].attn.n_heads)
     logits = model(tokens, positions, mask.unsqueeze(1), cache)[:, -1]         # (B, V)
     next_pos = lens.clone()                                                    # (B,) position of the next token
     seeds = torch.as_tensor(seeds, dtype=torch.long, device=dev)

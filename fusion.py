@@ -1,0 +1,453 @@
+"""RL Fusion: the actor's training and its rollout share every device, one phase at a time.
+
+PAPER.md section 1 ("colocated" deployment, layout switching, zero-redundancy memory switching):
+  TRAIN    the training layout: FSDP2 parameter shards over all W ranks, their grads and optimizer states.
+  ROLLOUT  the inference layout, TP degree t and W/t data-parallel replicas: each rank holds its TP piece
+           of every weight, built from the training shards, plus the engine's KV cache. The optimizer
+           states and grads are offloaded to host memory, leaving the device to the inference state.
+to_rollout() offloads, then builds the inference weights bucket by bucket: all-gather a bucket of shards,
+hand (name, full tensor) pairs to the engine's load_weights (vLLM's shape), free the bucket. No rank ever
+holds more than its final inference weights plus one bucket. to_train() frees them and brings the rest back.
+
+Contents, primitives first:
+  Layout             validated layout: world size, TP degree (rest data-parallel), FSDP or not; new_groups()
+  offload / reload   copy storages to host buffers and free them on the device / re-allocate and copy back
+  gather_full_naive  every full weight at once: the baseline, a whole extra model on every rank
+  plan_buckets       (name, full shape, dtype, shards) grouped into buckets of at most B gathered bytes
+  gather_bucket      all-gather one bucket of FSDP2 shards into one flat buffer; (name, full view) pairs
+  push_weights       separated deployment: trainers gather a bucket, trainer `src` broadcasts it to generators
+  FusedActor         the two phases: to_rollout(), to_train(), metrics(), state_dict(); `with rollout(actor)`
+  HostOffloaded      a frozen module (the reference model) kept on host except inside `with on_device(ref)`
+
+Departures from the paper:
+  1. Training is FSDP (ZeRO-3) over all ranks, inference is TP; the EP change lives in moe_switch.py, and
+     pipeline parallelism is left out.
+  2. The engine cuts its TP piece itself inside load_weights, as vLLM's weight loaders do: fusion hands it
+     full weights that are views into the gathered bucket, so no weight is copied twice. Every rank
+     gathers every weight: under FSDP its shards sit on all ranks anyway.
+  3. One all-gather per weight, in place into its slot of the bucket's flat buffer. A single rank-major
+     all-gather per bucket would need a copy-out of each weight, i.e. more than one bucket of memory.
+  4. The training parameter shards stay on the device during ROLLOUT by default: they are 1/W of the
+     model and needed first thing back in TRAIN. `offload_params=True` offloads them too.
+  5. The engine's weight storages are freed in TRAIN (resized to 0) and re-allocated bucket by bucket;
+     an engine with its own sleep mode (vLLM) takes manage_engine=False. The KV cache is the engine's
+     (model.generate allocates it per call) and is not in mem/rollout_bytes, taken right after the switch.
+  6. Memory is the module's own count of the storages it manages (shards, grads, optimizer states,
+     engine weights, buckets); on CUDA, mem/{train,rollout}_bytes are torch.cuda.memory_allocated.
+
+Run: python -m pytest tests/test_fusion.py   (exactness W 1/2/4 x t 1/2/4, bit-identical training, memory)
+
+Shapes: W world size, t TP degree, W/t DP replicas, B bucket bytes, c = ceil(rows / W) rows per shard.
+"""
+import datetime
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Shard
+
+TRAIN, ROLLOUT = "TRAIN", "ROLLOUT"
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+
+
+# ----------------------------------------------------------------------------- layouts
+@dataclass(frozen=True)
+class Layout:
+    """How W ranks split. Rank grid arange(W).view(W // tp, tp): a TP group is tp adjacent ranks, a DP
+    group takes one rank of each. The training layout is Layout(W, fsdp=True): FSDP over all ranks."""
+    world_size: int     # W
+    tp: int = 1         # t, the tensor-parallel degree: 1, 2 or 4
+    fsdp: bool = False  # parameters, grads and optimizer states sharded over all W ranks (training)
+    n_heads: int = 0    # attention heads, which t must divide (0: not checked)
+
+    def __post_init__(self):
+        errors = []
+        if self.world_size < 1:
+            errors.append("the world size must be >= 1")
+        if self.tp not in (1, 2, 4):
+            errors.append(f"TP degree {self.tp} must be 1, 2 or 4")
+        elif self.world_size % self.tp:
+            errors.append(f"TP degree {self.tp} does not divide the world size {self.world_size}")
+        if self.n_heads and self.n_heads % self.tp:
+            errors.append(f"TP degree {self.tp} does not divide n_heads {self.n_heads}")
+        if self.fsdp and self.tp != 1:
+            errors.append(f"an FSDP layout here has TP degree 1, not {self.tp}")
+        if errors:
+            raise ValueError(f"bad layout (world size {self.world_size}, tp {self.tp}, n_heads {self.n_heads}, "
+                             f"fsdp {self.fsdp}): " + "; ".join(errors))
+
+    @property
+    def dp(self):
+        return self.world_size // self.tp  # data-parallel replicas
+
+    def dp_rank(self, rank):
+        return rank // self.tp  # the replica: the TP ranks of one replica must be given the same prompts
+
+    def tp_group_ranks(self, rank):
+        return list(range(rank - rank % self.tp, rank - rank % self.tp + self.tp))
+
+    def dp_group_ranks(self, rank):
+        return list(range(rank % self.tp, self.world_size, self.tp))
+
+    def new_groups(self, timeout_s=300.0):
+        """(TP group, DP group) of this rank, None for a group of one rank. Collective: every rank calls it."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world != self.world_size:
+            raise ValueError(f"layout world size {self.world_size} != process group size {world}")
+        if world == 1:
+            return None, None
+        rank, timeout, mine = dist.get_rank(), datetime.timedelta(seconds=timeout_s), [None, None]
+        for kind, ranks_of in enumerate((self.tp_group_ranks, self.dp_group_ranks)):
+            for ranks in sorted({tuple(ranks_of(r)) for r in range(world)}):
+                if len(ranks) > 1:  # every rank creates every group, in the same order
+                    g = dist.new_group(list(ranks), timeout=timeout)
+                    if rank in ranks:
+                        mine[kind] = g
+        return tuple(mine)
+
+
+# ----------------------------------------------------------------------------- host offload
+def _local(t):
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def storages(tensors, device=None):
+    """The distinct allocated storages behind tensors (a DTensor: its local shard), on `device` if given."""
+    seen = {}
+    for t in tensors:
+        s = _local(t).untyped_storage()
+        if s.nbytes() and (device is None or s.device == device):
+            seen.setdefault(s.data_ptr(), s)
+    return list(seen.values())
+
+
+def held_bytes(tensors, device=None):
+    """The module's memory accounting: bytes of the distinct storages still allocated behind tensors."""
+    return sum(s.nbytes() for s in storages(tensors, device))
+
+
+def _as_bytes(s):
+    return torch.empty(0, dtype=torch.uint8, device=s.device).set_(s)  # (nbytes,) uint8 view of a storage
+
+
+def offload(stores, hosts=()):
+    """Copy each device storage into a host buffer, then free it in place (resize to 0): every tensor that
+    views it stays a valid object and gets its bytes back from reload(). Host buffers are reused when the
+    sizes match; on CUDA they are pinned and the copy is non-blocking (the free is stream-ordered after it)."""
+    out = []
+    for i, s in enumerate(stores):
+        cuda = s.device.type == "cuda"
+        h = hosts[i] if i < len(hosts) and hosts[i].numel() == s.nbytes() else \
+            torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=cuda)
+        h.copy_(_as_bytes(s), non_blocking=cuda)
+        s.resize_(0)
+        out.append(h)
+    return out
+
+
+def reload(stores, hosts):
+    """Re-allocate each freed storage and copy its bytes back from its host buffer."""
+    for s, h in zip(stores, hosts):
+        s.resize_(h.numel())
+        _as_bytes(s).copy_(h, non_blocking=s.device.type == "cuda")
+
+
+# ----------------------------------------------------------------------------- building the weights
+def reshard_all(module):
+    """FSDP2 leaves a module unsharded after a no-grad forward (the root, always): its parameters are then
+    plain full tensors. Reshard every FSDP module so that named_parameters() are the DTensor shards."""
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def weight_meta(module):
+    """[(name, full shape, dtype, shards)] of a module's parameters: a DTensor knows its global shape and
+    its mesh size, so every rank computes the same list without communication. shards 1: a plain tensor."""
+    return [(n, tuple(p.shape), p.dtype, p.device_mesh.size() if isinstance(p, DTensor) else 1)
+            for n, p in module.named_parameters()]
+
+
+def _slot_numel(shape, shards):
+    rows, rest = (shape[0], shape[1:]) if shape else (1, ())
+    return -(-rows // shards) * shards * int(torch.Size(rest).numel())  # W * c rows: padded like FSDP2
+
+
+def gather_full_naive(params):
+    """Every full weight at once, [(name, tensor)]: the baseline, where each rank briefly holds a whole
+    extra copy of the model. The redundancy the bucketed switch removes."""
+    return [(n, p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()) for n, p in params.items()]
+
+
+def plan_buckets(meta, bucket_bytes):
+    """Consecutive weights of one dtype, grouped so that each bucket's gathered (padded) bytes <= B.
+    Pure: every rank makes the same plan. Raises, before any collective, if one weight alone exceeds B."""
+    buckets, size = [], 0
+    for name, shape, dtype, shards in meta:
+        nb = _slot_numel(shape, shards) * dtype.itemsize
+        if nb > bucket_bytes:
+            raise ValueError(f"bucket_bytes {bucket_bytes} is smaller than weight {name} {shape} "
+                             f"({nb} bytes gathered); raise bucket_bytes to at least {nb}")
+        if not buckets or size + nb > bucket_bytes or dtype != buckets[-1][0][2]:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, shape, dtype, shards))
+        size += nb
+    return buckets
+
+
+def bucket_views(bucket, device):
+    """One flat buffer for a bucket and, per weight, its slot (W*c, ...) and full view (rows, ...) into it."""
+    flat = torch.empty(sum(_slot_numel(s, w) for _, s, _, w in bucket), dtype=bucket[0][2], device=device)
+    slots, off = [], 0
+    for name, shape, _, shards in bucket:
+        n = _slot_numel(shape, shards)
+        slot = flat[off:off + n].view(-1, *shape[1:]) if shape else flat[off:off + n].view(())
+        slots.append((name, slot, slot[:shape[0]] if shape else slot))
+        off += n
+    return flat, slots
+
+
+def gather_bucket(params, bucket, device):
+    """All-gather one bucket of FSDP2 shards (Shard(0) on a 1-D mesh) straight into its flat buffer: each
+    rank copies its shard into its own place, then an in-place all-gather fills the rest.
+    Returns (flat buffer, [(name, full weight)]), the weights being views into the buffer."""
+    flat, slots = bucket_views(bucket, device)
+    for name, slot, _ in slots:
+        p = params[name]
+        if not isinstance(p, DTensor):
+            slot.copy_(p.detach())
+            continue
+        mesh, local = p.device_mesh, p._local_tensor                      # (<= c, ...) this rank's rows
+        r, c = mesh.get_local_rank(), slot.shape[0] // mesh.size()
+        slot[r * c:r * c + local.shape[0]].copy_(local)
+        if mesh.size() > 1:
+            _all_gather(slot, slot[r * c:(r + 1) * c], group=mesh.get_group())  # (W*c, ...)
+    return flat, [(name, full) for name, _, full in slots]
+
+
+@torch.no_grad()
+def push_weights(model, engine, src, group, bucket_bytes, meta=None, device=None):
+    """Separated deployment: ship the trainers' weights to the generators, bucket by bucket, after a step.
+    Every trainer (model given) all-gathers each bucket over its FSDP mesh; trainer `src` (a global rank)
+    broadcasts it over `group` (src and every generator); a generator (engine given) receives it into a
+    bucket buffer and hands the views to engine.load_weights, which cuts its TP piece. Every trainer and
+    generator calls this. meta: weight_meta(model) (src sends it when None). Returns the bytes broadcast."""
+    members = dist.get_process_group_ranks(group) if group is not None else [src]
+    in_group = dist.get_rank() in members
+    if model is not None:
+        reshard_all(model)
+    if meta is None:
+        box = [weight_meta(model) if model is not None else None]
+        if in_group:
+            dist.broadcast_object_list(box, src=src, group=group)
+        meta = box[0]
+    owner = model if model is not None else engine
+    device = device or next(owner.parameters()).device
+    params, sent = dict(model.named_parameters()) if model is not None else {}, 0
+    for bucket in plan_buckets(meta, bucket_bytes):
+        if model is not None:
+            flat, pairs = gather_bucket(params, bucket, device)
+        else:
+            flat, slots = bucket_views(bucket, device)
+            pairs = [(name, full) for name, _, full in slots]
+        if in_group and len(members) > 1:
+            dist.broadcast(flat, src=src, group=group)
+            sent += flat.nbytes
+        if engine is not None:
+            engine.load_weights(pairs)
+        del flat, pairs  # the bucket is freed before the next one is allocated
+    return sent
+
+
+# ----------------------------------------------------------------------------- the two phases
+class FusedActor:
+    """The actor in two phases on the same devices. model: FSDP2-sharded (fully_shard over a 1-D mesh of
+    all W ranks) or plain; optimizer: built on model.parameters(); engine: any module with
+    load_weights(iterable of (name, tensor)) whose parameter names are the model's, e.g. Policy(cfg, tp_group).
+    Starts in TRAIN: the engine's weight storages are freed here (manage_engine)."""
+
+    def __init__(self, model, optimizer, engine, train_layout, infer_layout, bucket_bytes=1 << 20,
+                 offload_params=False, naive=False, manage_engine=True):
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if not train_layout.fsdp or infer_layout.fsdp or train_layout.world_size != infer_layout.world_size:
+            raise ValueError(f"train layout {train_layout} must be FSDP and inference layout {infer_layout} "
+                             "not, over the same world size")
+        if world != train_layout.world_size:
+            raise ValueError(f"layout world size {train_layout.world_size} != process group size {world}")
+        for n, p in model.named_parameters():  # all checks before any collective
+            if isinstance(p, DTensor) and (p.device_mesh.ndim != 1 or p.device_mesh.size() != world
+                                           or tuple(p.placements) != (Shard(0),)):
+                raise ValueError(f"{n}: placements {p.placements} on mesh {p.device_mesh}; expected Shard(0) "
+                                 f"over a 1-D mesh of all {world} ranks")
+        differ = {n for n, _ in model.named_parameters()} ^ {n for n, _ in engine.named_parameters()}
+        if differ:
+            raise ValueError(f"model and engine parameter names differ: {sorted(differ)}")
+        self.model, self.optimizer, self.engine = model, optimizer, engine
+        self.train_layout, self.infer_layout, self.bucket_bytes = train_layout, infer_layout, bucket_bytes
+        self.offload_params, self.naive, self.manage_engine = offload_params, naive, manage_engine
+        self.device = next(model.parameters()).device
+        reshard_all(model)
+        self.buckets = plan_buckets(weight_meta(model), bucket_bytes)
+        self.phase, self.round_trips, self._hosts, self._param_hosts = TRAIN, 0, [], []
+        self._off, self._param_off, self.stats = [], [], {}
+        if manage_engine:
+            for s in storages(engine.parameters()):
+                s.resize_(0)
+        self._record(TRAIN)
+
+    # -- accounting
+    def resident(self):
+        """Device-resident bytes by category, from the storages this module manages."""
+        ps = list(self.model.parameters())
+        optim = [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        return {"params": held_bytes(ps, self.device),
+                "grads": held_bytes([p.grad for p in ps if p.grad is not None], self.device),
+                "optim": held_bytes(optim, self.device),
+                "infer": held_bytes(self.engine.parameters(), self.device)}
+
+    def resident_bytes(self):
+        return sum(self.resident().values())
+
+    def _record(self, phase):
+        key = phase.lower()
+        for cat, nb in self.resident().items():
+            self.stats[f"mem/{key}_{cat}_bytes"] = nb
+        self.stats[f"mem/{key}_bytes"] = torch.cuda.memory_allocated(self.device) \
+            if self.device.type == "cuda" else self.resident_bytes()
+
+    def metrics(self):
+        """Flat dict for metrics.jsonl: mem/*, time/to_rollout_s, time/to_train_s, switch/*."""
+        return dict(self.stats, **{"switch/round_trips": self.round_trips, "switch/bucket_bytes": self.bucket_bytes,
+                                   "switch/buckets": len(self.buckets)})
+
+    def _expect(self, phase, call):
+        if self.phase != phase:
+            raise RuntimeError(f"{call}() called in phase {self.phase}; it needs phase {phase}")
+
+    def _train_only(self):
+        """Grads and optimizer states on the device, in a fixed order (so host buffers are reused)."""
+        ps = list(self.model.parameters())
+        opt = [v for p in ps for _, v in sorted(self.optimizer.state.get(p, {}).items()) if torch.is_tensor(v)]
+        return storages([p.grad for p in ps if p.grad is not None] + opt, self.device)
+
+    # -- the switches
+    @torch.no_grad()
+    def to_rollout(self):
+        """TRAIN -> ROLLOUT: offload grads and optimizer states, build the inference weights bucket by bucket.
+        Returns the engine."""
+        self._expect(TRAIN, "to_rollout")
+        t0 = time.perf_counter()
+        reshard_all(self.model)
+        # 1. the train-only state to host
+        self._off = self._train_only()
+        self.stats["switch/offload_bytes"] = sum(s.nbytes() for s in self._off)
+        self._hosts = offload(self._off, self._hosts)
+        # 2. the inference weights: gather a bucket, (re-)allocate its engine weights, load, free the bucket
+        params, eng = dict(self.model.named_parameters()), dict(self.engine.named_parameters())
+        peak, gathered, loaded = 0, 0, set()
+        for bucket in [sum(self.buckets, [])] if self.naive else self.buckets:
+            if self.naive:
+                pairs = gather_full_naive(params)
+                extra = sum(t.nbytes for _, t in pairs)
+            else:
+                flat, pairs = gather_bucket(params, bucket, self.device)
+                extra = flat.nbytes
+            if self.manage_engine:
+                for name, _ in pairs:
+                    eng[name].untyped_storage().resize_(eng[name].nbytes)
+            peak, gathered = max(peak, self.resident_bytes() + extra), gathered + extra
+            loaded |= set(self.engine.load_weights(pairs) or [n for n, _ in pairs])
+            flat = pairs = None  # free the bucket before the next one
+        if loaded != set(eng):
+            raise RuntimeError(f"engine weights not loaded: {sorted(set(eng) - loaded)}")
+        # 3. the training shards too, if asked (they are 1/W of the model and needed first thing back)
+        if self.offload_params:
+            self._param_off = storages(self.model.parameters(), self.device)
+            self._param_hosts = offload(self._param_off, self._param_hosts)
+        self._finish(ROLLOUT, t0, peak)
+        self.stats["switch/gather_bytes"] = gathered
+        self.stats["switch/bytes"] = 2 * self.stats["switch/offload_bytes"] + gathered  # moved per round trip
+        return self.engine
+
+    @torch.no_grad()
+    def to_train(self):
+        """ROLLOUT -> TRAIN: free the inference weights, bring the training state back."""
+        self._expect(ROLLOUT, "to_train")
+        t0 = time.perf_counter()
+        if self.manage_engine:
+            for s in storages(self.engine.parameters()):
+                s.resize_(0)
+        reload(self._param_off, self._param_hosts)
+        reload(self._off, self._hosts)
+        self._off, self._param_off = [], []
+        self.round_trips += 1
+        self._finish(TRAIN, t0, 0)  # frees first, then re-allocates: never above its start or end bytes
+
+    def _finish(self, phase, t0, peak):
+        """peak: the most bytes held while building the inference weights; its excess over the final bytes
+        is the switch's extra memory, at most one bucket (to_rollout offloads before it builds)."""
+        if self.device.type == "cuda":  # non-blocking copies must land before the time is taken
+            torch.cuda.current_stream(self.device).synchronize()
+        self.phase = phase
+        end = self.resident_bytes()
+        key = "to_rollout" if phase == ROLLOUT else "to_train"
+        self.stats[f"time/{key}_s"] = time.perf_counter() - t0
+        if phase == ROLLOUT:
+            self.stats["switch/peak_extra_bytes"] = max(0, peak - end)
+        self._record(phase)
+
+    # -- resume
+    def state_dict(self):
+        return {"phase": self.phase, "round_trips": self.round_trips}
+
+    def load_state_dict(self, state):
+        """Restore the counters and, if the saved phase differs, switch to it (collective)."""
+        if state["phase"] != self.phase:
+            (self.to_rollout if state["phase"] == ROLLOUT else self.to_train)()
+        self.round_trips = state["round_trips"]
+
+
+@contextmanager
+def rollout(actor):
+    """with rollout(actor) as engine: ...  (TRAIN -> ROLLOUT, and back to TRAIN on exit)."""
+    engine = actor.to_rollout()
+    try:
+        yield engine
+    finally:
+        actor.to_train()
+
+
+class HostOffloaded:
+    """Fully colocated: a frozen module (the reference model) whose parameters and buffers live in host
+    memory, and on the device only inside `with on_device(ref) as module:`. Starts offloaded."""
+
+    def __init__(self, module):
+        self.module, self._stores, self._hosts, self.on_host = module, [], [], False
+        self.offload()
+
+    def offload(self):
+        if not self.on_host:
+            ts = list(self.module.parameters()) + list(self.module.buffers())
+            self._stores = storages(ts, next(iter(ts)).device)
+            self._hosts, self.on_host = offload(self._stores, self._hosts), True
+
+    def load(self):
+        if self.on_host:
+            reload(self._stores, self._hosts)
+            self.on_host = False
+
+    def resident_bytes(self):
+        return held_bytes(list(self.module.parameters()) + list(self.module.buffers()))
+
+
+@contextmanager
+def on_device(ref):
+    ref.load()
+    try:
+        yield ref.module
+    finally:
+        ref.offload()

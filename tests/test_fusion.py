@@ -1,0 +1,248 @@
+"""fusion.py against a single-process reference: exactness of the inference layout, nothing lost across
+switches, memory bounds, the separated push, bad input.
+
+The multi-rank checks run in one gloo spawn per world size (1, 2, 4): each spawn costs seconds of imports."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fusion import (ROLLOUT, TRAIN, FusedActor, HostOffloaded, Layout, held_bytes, on_device, plan_buckets,
+                    push_weights, rollout, weight_meta)
+from model import ModelConfig, Policy, generate
+from tests.distributed import run_distributed
+
+CFG = ModelConfig(vocab_size=14, d_model=32, n_layers=2, n_heads=4, n_experts=4, top_k=2, d_expert=32,
+                  max_seq_len=48)
+BUCKET = 20_000  # bytes: the largest weight, (4, 32, 32) float32, is 16 KiB; the model is ~136 KB
+EOS = 1
+
+
+def _tokens(seed, B=3, T=10):
+    return torch.randint(2, CFG.vocab_size, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def _train_model(world, lr=1e-2):
+    """The same initial weights on every rank, FSDP2 over all ranks like train_grpo.py; AdamW."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = Policy(CFG)
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=lr)
+
+
+def _backward(model, rank, step):
+    tok = _tokens(100 * step + rank, B=2, T=12)                                  # (2, 12) this rank's batch
+    logits = model(tok[:, :-1])                                                  # (2, 11, V)
+    F.cross_entropy(logits.reshape(-1, CFG.vocab_size), tok[:, 1:].reshape(-1)).backward()
+
+
+def _reference(model):
+    """A plain single-process Policy holding the full current weights."""
+    ref = Policy(CFG).eval()
+    ref.load_state_dict({n: p.full_tensor() for n, p in model.named_parameters()}, strict=False)
+    return ref
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _snapshot(model, opt):
+    ps = list(model.parameters())
+    return [_local(p).clone() for p in ps] + [_local(v).clone() for p in ps for _, v in sorted(opt.state[p].items())]
+
+
+def _check_exact_and_memory(rank, world, model, opt, ref):
+    """Every TP degree that divides the world: inference logits == training logits, samples identical,
+    no train-only bytes resident in ROLLOUT, peak extra <= one bucket (the naive switch exceeds it)."""
+    tok, contexts = _tokens(7), [_tokens(8 + i, B=1, T=2 + 3 * i)[0] for i in range(4)]
+    with torch.no_grad():
+        want, train_logits = ref(tok), model(tok)                                # (3, 10, V)
+    torch.testing.assert_close(train_logits, want, atol=1e-5, rtol=0)
+    ref_gen = generate(ref, contexts, torch.arange(4) + 11, 12, EOS)
+    out = {}
+    for tp in [t for t in (1, 2, 4) if world % t == 0]:
+        layout = Layout(world, tp, n_heads=CFG.n_heads)
+        tp_group, _ = layout.new_groups(timeout_s=60)
+        for naive in (False, True) if tp == 1 else (False,):  # naive once: the bound's check has teeth
+            actor = FusedActor(model, opt, Policy(CFG, tp_group), Layout(world, fsdp=True), layout,
+                               bucket_bytes=BUCKET, naive=naive)
+            assert held_bytes(actor.engine.parameters()) == 0                   # TRAIN: no inference weights
+            with rollout(actor) as engine:
+                assert actor.phase == ROLLOUT
+                torch.testing.assert_close(engine(tok), want, atol=1e-5, rtol=0)
+                gen = generate(engine, contexts, torch.arange(4) + 11, 12, EOS)
+                assert [t.tolist() for t in gen.tokens] == [t.tolist() for t in ref_gen.tokens]
+                for a, b in zip(gen.logprobs, ref_gen.logprobs):
+                    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+                # nothing train-only is resident: by the accounting, and by the storages themselves
+                m = actor.metrics()
+                assert m["mem/rollout_optim_bytes"] == 0 and m["mem/rollout_grads_bytes"] == 0
+                assert all(_local(v).untyped_storage().nbytes() == 0
+                           for st in opt.state.values() for v in st.values())
+                assert m["mem/rollout_infer_bytes"] > 0
+            assert actor.phase == TRAIN
+            m = actor.metrics()
+            assert m["mem/train_optim_bytes"] > 0 and m["mem/train_infer_bytes"] == 0
+            out[(tp, naive)] = m["switch/peak_extra_bytes"]
+    assert all(peak <= BUCKET for (_, naive), peak in out.items() if not naive), out
+    assert out[(1, True)] > BUCKET, out  # the whole model gathered at once: the check has teeth
+    model.reshard()
+    return out
+
+
+def _check_bit_identical(rank, world, offload_params, round_trips):
+    """TRAIN -> ROLLOUT -> TRAIN with grads set (before the step) and without (after it) changes nothing."""
+    a, opt_a = _train_model(world)
+    b, opt_b = _train_model(world)
+    layout = Layout(world, 2 if world > 1 else 1, n_heads=CFG.n_heads)
+    tp_group, _ = layout.new_groups(timeout_s=60)
+    actor = FusedActor(a, opt_a, Policy(CFG, tp_group), Layout(world, fsdp=True), layout,
+                       bucket_bytes=BUCKET, offload_params=offload_params)
+    for step in range(3):
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            _backward(model, rank, step)
+            if model is a:
+                with rollout(actor):
+                    if offload_params:
+                        assert actor.metrics()["mem/rollout_params_bytes"] == 0
+                    assert actor.metrics()["mem/rollout_grads_bytes"] == 0
+                    # the rollout reuses the freed memory (a KV cache would): same sizes, filled with junk
+                    junk = [torch.full((h.numel(),), 7, dtype=torch.uint8) for h in actor._hosts]
+                    del junk
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if model is a:
+                with rollout(actor):
+                    pass
+    for x, y in zip(_snapshot(a, opt_a), _snapshot(b, opt_b)):
+        assert torch.equal(x, y)
+    # many round trips: the same resident bytes as after the first ones, and no new host buffers
+    after_one = {k: v for k, v in actor.metrics().items() if k.startswith("mem/")}
+    hosts = [h.data_ptr() for h in actor._hosts]
+    for _ in range(round_trips):
+        with rollout(actor):
+            pass
+    assert {k: v for k, v in actor.metrics().items() if k.startswith("mem/")} == after_one
+    assert [h.data_ptr() for h in actor._hosts] == hosts and actor.round_trips == 6 + round_trips
+    return actor.metrics()
+
+
+def _check_separated(rank, world):
+    """Ranks 0, 1 train (FSDP over the two), ranks 2, 3 generate with TP 2: push_weights, bucket by bucket."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    trainers, gens = dist.new_group([0, 1]), dist.new_group([2, 3])
+    push_group = dist.new_group([0, 2, 3])
+    torch.manual_seed(0)
+    ref, model, engine = Policy(CFG).eval(), None, None
+    if rank < 2:
+        model = copy.deepcopy(ref)
+        mesh = DeviceMesh.from_group(trainers, "cpu")
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        engine = Policy(CFG, gens)
+        for p in engine.parameters():
+            p.data.zero_()
+    sent = push_weights(model, engine, 0, push_group, BUCKET)  # meta: sent by trainer 0
+    if engine is not None:
+        tok = _tokens(7)
+        with torch.no_grad():
+            torch.testing.assert_close(engine(tok), ref(tok), atol=1e-5, rtol=0)
+    return sent
+
+
+def _distributed(rank, world):
+    model, opt = _train_model(world)
+    _backward(model, rank, 0)
+    opt.step()                       # real optimizer state, grads None: the state between two steps
+    opt.zero_grad(set_to_none=True)
+    out = {"peaks": _check_exact_and_memory(rank, world, model, opt, _reference(model))}
+    # 50 round trips where they are cheapest (2 ranks); the training shards offloaded too on 4
+    out["metrics"] = _check_bit_identical(rank, world, offload_params=world == 4, round_trips=50 if world == 2 else 2)
+    if world == 4:
+        out["sent"] = _check_separated(rank, world)
+    return out
+
+
+def test_fusion_world_of_one():
+    """World 1 in this process (a spawn costs seconds of imports): FSDP over one rank, TP 1."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        m = _distributed(0, 1)["metrics"]
+    finally:
+        dist.destroy_process_group()
+    assert m["switch/bytes"] > 0 and m["switch/buckets"] > 1 and m["switch/peak_extra_bytes"] <= BUCKET
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fusion_distributed(world):
+    results = run_distributed(_distributed, world_size=world, timeout_s=300)
+    m = results[0]["metrics"]
+    assert m["switch/bytes"] > 0 and m["switch/buckets"] > 1 and "time/to_rollout_s" in m
+    if world == 4:
+        assert results[0]["sent"] > 0 and results[1]["sent"] == 0  # only trainer 0 broadcasts
+
+
+# ----------------------------------------------------------------------------- single process, no spawn
+def _plain_actor(**kw):
+    torch.manual_seed(0)
+    model = Policy(CFG)
+    opt = torch.optim.AdamW(model.parameters())
+    return FusedActor(model, opt, Policy(CFG), Layout(1, fsdp=True), Layout(1), bucket_bytes=BUCKET, **kw)
+
+
+def test_bad_layouts_name_their_sizes():
+    with pytest.raises(ValueError, match="TP degree 2 does not divide the world size 3"):
+        Layout(3, tp=2)
+    with pytest.raises(ValueError, match="TP degree 4 does not divide n_heads 6"):
+        Layout(8, tp=4, n_heads=6)
+    with pytest.raises(ValueError, match="TP degree 3 must be 1, 2 or 4"):
+        Layout(6, tp=3)
+    # a layout for 4 ranks in a world of 1: refused before any collective (there is no process group)
+    with pytest.raises(ValueError, match="layout world size 4 != process group size 1"):
+        Layout(4, tp=2).new_groups()
+    torch.manual_seed(0)
+    model = Policy(CFG)
+    with pytest.raises(ValueError, match="layout world size 4 != process group size 1"):
+        FusedActor(model, torch.optim.AdamW(model.parameters()), Policy(CFG), Layout(4, fsdp=True), Layout(4, 2))
+    with pytest.raises(ValueError, match="bucket_bytes 1000 is smaller than weight"):
+        plan_buckets(weight_meta(model), 1000)
+
+
+def test_wrong_phase_is_named():
+    actor = _plain_actor()
+    with pytest.raises(RuntimeError, match="to_train\\(\\) called in phase TRAIN"):
+        actor.to_train()
+    actor.to_rollout()
+    with pytest.raises(RuntimeError, match="to_rollout\\(\\) called in phase ROLLOUT"):
+        actor.to_rollout()
+    state = actor.state_dict()
+    actor.to_train()
+    fresh = _plain_actor()
+    fresh.load_state_dict(state)           # resumes in the saved phase, with the saved counters
+    assert fresh.phase == ROLLOUT and fresh.round_trips == 0
+
+
+def test_reference_model_lives_on_host_between_uses():
+    torch.manual_seed(0)
+    ref = Policy(CFG).eval()
+    tok, want = _tokens(3), None
+    with torch.no_grad():
+        want = ref(tok)
+    off = HostOffloaded(ref)
+    assert off.resident_bytes() == 0
+    for _ in range(3):
+        with on_device(off) as module, torch.no_grad():
+            assert off.resident_bytes() > 0
+            assert torch.equal(module(tok), want)
+        assert off.resident_bytes() == 0
