@@ -1,0 +1,226 @@
+"""DistQueue: packing, exactly-once delivery, hierarchical reads, token balance, failure, checkpoint.
+
+python -m pytest tests/test_distqueue.py
+"""
+import random
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import distqueue as dq
+from tests.distributed import run_distributed
+
+COLS = {"prompt": "int64", "response": "int64", "logp": "float32", "reward": "float32"}
+
+
+def _row(r):
+    """Deterministic content of row r, so any rank can check what it received."""
+    n = (r * 7919) % 23  # lengths 0..22, including 0 and 1
+    return {"prompt": torch.arange(r % 5 + 1) + 100 * r, "response": torch.arange(n) + r,
+            "logp": torch.linspace(-1, 0, n) - r, "reward": float(r)}
+
+
+def _check(batch, cols):
+    """Number of cells whose content differs from _row(id)."""
+    bad = 0
+    for i, r in enumerate(batch.ids):
+        for c in cols:
+            want = _row(r)[c]
+            want = torch.tensor([want]) if c == "reward" else want
+            bad += not torch.equal(batch.cols[c][i], want)
+    return bad
+
+
+# ---------------------------------------------------------------- single process
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32, torch.bfloat16])
+def test_pack_unpack_round_trip_matches_padded_reference(dtype):
+    g = torch.Generator().manual_seed(0)
+    lengths = [0, 1, 0, 5, 1] + torch.randint(0, 40, (20,), generator=g).tolist()
+    seqs = [(torch.randn(n, generator=g) * 100).to(dtype) for n in lengths]
+    flat, lens = dq.pack(seqs)
+    assert flat.numel() == sum(lengths) and lens.tolist() == lengths
+    padded, plens = dq.pad(seqs)
+    for a, b, c in zip(dq.unpack(flat, lens), dq.unpad(padded, plens), seqs):
+        assert a.dtype == dtype and torch.equal(a, c) and torch.equal(b, c)
+    assert flat.numel() < padded.numel()  # packing sends less than padding on uneven lengths
+    mixed = seqs + [torch.arange(n) for n in lengths]  # one header, one payload, two dtypes
+    header, payload = dq.pack_cells(mixed)
+    out = dq.unpack_cells(header, payload, [dtype] * len(seqs) + [torch.int64] * len(lengths))
+    assert all(o.dtype == m.dtype and torch.equal(o, m) for o, m in zip(out, mixed))
+
+
+def test_malformed_input_rejected_before_anything_is_published():
+    with pytest.raises(ValueError, match=r"lengths \[2, 2\] \(sum 4\).*5 elements"):
+        dq.unpack(torch.arange(5), [2, 2])
+    with pytest.raises(ValueError, match="unknown dtypes.*'int7'"):
+        dq.QueueSpec(columns={"x": "int7"}, stages={"s": ("x",)})
+    with pytest.raises(ValueError, match=r"stage 's'.*unknown \['y'\]"):
+        dq.QueueSpec(columns={"x": "int64"}, stages={"s": ("x", "y")})
+    spec = dq.QueueSpec(columns=COLS, scalars=("reward",), stages={"t": tuple(COLS)}, timeout_s=0.2)
+    store = dq.default_store()
+    q = dq.DistQueue(spec, store)
+    with pytest.raises(KeyError, match="unknown column 'respone'.*'response'"):
+        q.put({"prompt": [torch.arange(3)], "respone": [torch.arange(3)]})
+    with pytest.raises(TypeError, match="column 'response' row 0: dtype torch.float32, expected torch.int64"):
+        q.put({"prompt": [torch.arange(3)], "response": [torch.ones(3)]})
+    with pytest.raises(ValueError, match="column 'reward' row 0: shape"):
+        q.put({"reward": [torch.ones(2)]})
+    with pytest.raises(KeyError, match="unknown stage 'trian'"):
+        q.get("trian", 1)
+    assert not q.cells and not store.check(["dq/ready/prompt"])  # nothing was published
+    assert q.put({"prompt": [torch.arange(3)]}) == [0]  # and the first valid row still gets id 0
+
+
+def test_balance_split_long_tail_within_longest_sample():
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.distributions.LogNormal(5.0, 1.5).sample((256,)).ceil().long().tolist()
+    for parts in (2, 3, 4, 8):
+        split = dq.balance_split(tokens, parts)
+        assert sorted(i for p in split for i in p) == list(range(256))
+        loads = [sum(tokens[i] for i in p) for p in split]
+        assert max(loads) - min(loads) <= max(tokens)
+    naive = [sum(tokens[i::4]) for i in range(4)]  # row-count balance is not token balance here
+    assert max(naive) - min(naive) > max(loads) - min(loads)
+
+
+def test_state_dict_resume_is_bit_exact():
+    spec = dq.QueueSpec(columns=COLS, scalars=("reward",), stages={"a": ("prompt",), "b": tuple(COLS)})
+
+    def fill(q):
+        q.put({c: [_row(r)[c] for r in range(12)] for c in COLS})
+        return q.get("a", 5), q.get("b", 3)
+
+    q1 = dq.DistQueue(spec, dq.default_store())
+    fill(q1)
+    sd = q1.state_dict()
+    q2 = dq.DistQueue(spec, dq.default_store())  # a fresh store, as after a restart
+    q2.load_state_dict(sd)
+    for q in (q1, q2):
+        q.put({c: [_row(r)[c] for r in range(12, 14)] for c in COLS})
+    for stage, n in (("a", 9), ("b", 11)):
+        b1, b2 = q1.get(stage, n), q2.get(stage, n)
+        assert b1.ids == b2.ids and _check(b1, spec.stages[stage]) == 0
+        assert all(torch.equal(x, y) for c in b1.cols for x, y in zip(b1.cols[c], b2.cols[c]))
+    assert not q1.cells and not q2.cells  # every cell reached both stages, then was freed
+
+
+# ---------------------------------------------------------------- multi-rank
+
+
+def _exactly_once(rank, world, rows_per_producer):
+    """Ranks 2, 3 produce rows with random sleeps; ranks 0, 1 consume 'score', write 'reward' (so the
+    consumers are producers too), and consume 'train', which pulls cells from two owners per row."""
+    spec = dq.QueueSpec(columns={c: COLS[c] for c in ("prompt", "response", "reward")}, scalars=("reward",),
+                        stages={"score": ("prompt", "response"), "train": ("prompt", "response", "reward")},
+                        timeout_s=30, poll_s=0.005)
+    store = dq.default_store()
+    q = dq.DistQueue(spec, store, rank, world)
+    rng, total = random.Random(rank), 2 * rows_per_producer
+    out = {"produced": [], "score": [], "train": [], "bad": 0}
+    if rank >= 2:
+        for _ in range(rows_per_producer):
+            time.sleep(rng.uniform(0, 0.03))
+            r = q.next_local * world + rank
+            out["produced"] += q.put({c: [_row(r)[c]] for c in ("prompt", "response")})
+    else:
+        while int(store.add("t/train", 0)) < total:
+            b = q.get("score", 3, min_rows=0)
+            if b.ids:
+                out["bad"] += _check(b, ("prompt", "response"))
+                q.put({"reward": [float(r) for r in b.ids]}, ids=b.ids)
+                out["score"] += b.ids
+            b = q.get("train", 3, min_rows=0)
+            out["bad"] += _check(b, spec.stages["train"])
+            out["train"] += b.ids
+            store.add("t/train", len(b.ids))
+            time.sleep(0 if b.ids else 0.01)  # idle poll: leave the 2 CI cores to the producers
+    q.drain()
+    dist.barrier()  # rank 0 hosts the store: nobody leaves while others still use it
+    return out
+
+
+def test_every_row_reaches_every_stage_exactly_once():
+    outs = run_distributed(_exactly_once, world_size=4, args=(12,))
+    produced = outs[2]["produced"] + outs[3]["produced"]
+    assert len(produced) == len(set(produced)) == 24
+    for stage in ("score", "train"):
+        consumed = outs[0][stage] + outs[1][stage]
+        assert sorted(consumed) == sorted(produced), stage  # no row lost, none twice
+    assert outs[0]["bad"] == outs[1]["bad"] == 0
+
+
+def _hierarchical(rank, world, steps):
+    """World 4 = 2 model-parallel groups {0,1}, {2,3}; leaders 0, 2 are the DP ranks. Every rank
+    produces rows (so a leader pulls from a non-leader that is itself waiting on the broadcast)."""
+    mp = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    dp = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    everyone = dist.new_group([0, 1, 2, 3])
+    spec = dq.QueueSpec(columns=COLS, scalars=("reward",), stages={"train": tuple(COLS)}, timeout_s=30)
+    q = dq.DistQueue(spec, dq.default_store(), rank, world)
+    g = torch.Generator().manual_seed(rank)
+    out = {"batches": [], "reads": [], "bad": 0}
+    for step in range(steps + 1):
+        lens = torch.distributions.LogNormal(3.0, 1.2).sample((4,)).ceil().long().tolist()
+        ids = q.put({"prompt": [torch.arange(4) for _ in lens], "response": [torch.randint(0, 9, (n,), generator=g)
+                     for n in lens], "logp": [torch.randn(n, generator=g) for n in lens], "reward": [1.0] * 4})
+        flat = step == steps  # last step: flat read, every rank talks to the queue
+        b = q.get("train", 16, dp_group=everyone if flat else dp, group=None if flat else mp)
+        out["batches"].append((b.ids, {c: [t.tolist() for t in v] for c, v in b.cols.items()}, ids))
+        dist.barrier()
+        out["reads"].append(q.reads("train"))
+        dist.barrier()
+    out["tokens"] = [sum(len(r) for r in b[1]["response"]) + sum(len(p) for p in b[1]["prompt"])
+                     for b in out["batches"]]
+    out["longest"] = [max(len(p) + len(r) for p, r in zip(b[1]["prompt"], b[1]["response"])) for b in out["batches"]]
+    q.drain()
+    out["metrics"] = q.metrics()
+    dist.barrier()
+    return out
+
+
+def test_hierarchical_read_one_read_per_group_identical_data_balanced_tokens():
+    steps = 3
+    outs = run_distributed(_hierarchical, world_size=4, args=(steps,))
+    reads = outs[0]["reads"]
+    assert [b - a for a, b in zip([0] + reads, reads)] == [2] * steps + [4]  # 2 per step; flat: 4
+    for s in range(steps):
+        assert outs[0]["batches"][s][:2] == outs[1]["batches"][s][:2]  # ids and every cell identical
+        assert outs[2]["batches"][s][:2] == outs[3]["batches"][s][:2]
+        step_rows = sorted(i for o in outs for i in o["batches"][s][2])
+        assert sorted(outs[0]["batches"][s][0] + outs[2]["batches"][s][0]) == step_rows  # exactly once
+        t0, t2 = outs[0]["tokens"][s], outs[2]["tokens"][s]
+        assert abs(t0 - t2) <= max(outs[0]["longest"][s], outs[2]["longest"][s])
+    flat = [o["batches"][steps][0] for o in outs]
+    assert sorted(sum(flat, [])) == sorted(i for o in outs for i in o["batches"][steps][2])
+    sent = sum(o["metrics"]["queue/bytes_sent"] for o in outs)
+    padded = sum(o["metrics"]["queue/bytes_padded_equiv"] for o in outs)
+    assert 0 < sent < padded  # packed transfer moved the data, and less than padding would have
+
+
+def _dead_producer(rank, world):
+    spec = dq.QueueSpec(columns={"prompt": "int64", "response": "int64"},
+                        stages={"gen": ("prompt",), "score": ("prompt", "response")}, timeout_s=2)
+    q = dq.DistQueue(spec, dq.default_store(), rank, world)
+    if rank == 1:
+        q.put({"prompt": [torch.arange(3)] * 2})  # then "dies": never writes 'response', never serves
+        dq.default_store().set("t/put", "1")
+        return None
+    dq.default_store().wait(["t/put"])
+    errors = []
+    for stage in ("score", "gen"):
+        try:
+            q.get(stage, 2)
+        except TimeoutError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_dead_producer_makes_consumer_raise_naming_stage_and_rows():
+    errors = run_distributed(_dead_producer, world_size=2)[0]
+    assert len(errors) == 2  # both waits raised instead of hanging
+    assert "stage 'score'" in errors[0] and "rows [1, 3] are missing columns ['response']" in errors[0]
+    assert "stage 'gen'" in errors[1] and "rows [1, 3] from rank 1" in errors[1]
