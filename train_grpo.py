@@ -33,6 +33,7 @@ Outputs, in --out (default runs/<timestamp>/): metrics.jsonl (one object per ste
 and spans_rank<N>.jsonl (every timed phase of every rank, for a timeline).
 """
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -47,6 +48,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import distqueue
+import fusion
 from model import ModelConfig, Policy, generate, token_logprobs
 
 # ---------------------------------------------------------------------------------------------
@@ -154,6 +157,10 @@ class Config:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 40
+    # deployment (fusion.py)
+    deploy: str = "colocated"      # colocated, separated or colocated-all
+    infer_tp: int = 1              # tensor-parallel degree of the rollout engine (colocated modes)
+    bucket_kb: int = 256           # bucket size of the weight re-sharding and pushes, in KiB
     # run
     seed: int = 0
     eval_every: int = 100          # steps between held-out evaluations (also the first and last)
@@ -184,6 +191,11 @@ def parse_args(argv=None):
                  ("grad_clip", "gradient norm clip")],
         "rollout": [("temperature", "sampling temperature (> 0)"), ("top_p", "nucleus mass, in (0, 1]"),
                     ("max_new_tokens", "response budget in tokens")],
+        "deployment": [("deploy", "colocated: every rank trains and generates, switching phases (fusion.py); "
+                              "separated: half the ranks train, half generate; colocated-all: colocated plus "
+                              "the reference model, kept on host except while it computes"),
+                       ("infer_tp", "tensor-parallel degree of the rollout engine: 1, 2 or 4 (colocated modes)"),
+                       ("bucket_kb", "bucket size in KiB for building and pushing inference weights")],
         "run": [("seed", "seed of prompts, init and sampling"), ("eval_every", "steps between evaluations"),
                 ("out", "output folder (default runs/<timestamp>)"), ("device", "auto, cpu or cuda"),
                 ("pg_timeout_s", "timeout in seconds of every process group")],
@@ -195,6 +207,7 @@ def parse_args(argv=None):
             kind = (lambda s: bool(int(s))) if isinstance(default, bool) else type(default)
             extra = {"choices": ["token-mean", "seq-mean-token-mean"]} if name == "loss_agg" else {}
             extra = {"choices": ["auto", "cpu", "cuda"]} if name == "device" else extra
+            extra = {"choices": ["colocated", "separated", "colocated-all"]} if name == "deploy" else extra
             g.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=help_, **extra)
     args = p.parse_args(argv)
     return p, Config(**vars(args))
@@ -205,14 +218,24 @@ def validate(cfg, world_size):
     errors = []
     if cfg.group_size < 2:
         errors.append(f"--group-size {cfg.group_size}: GRPO needs at least 2 responses per prompt")
-    if cfg.prompts_per_step < 1 or cfg.prompts_per_step % world_size:
+    separated = cfg.deploy == "separated"
+    if separated and (world_size < 2 or world_size % 2 or cfg.infer_tp != 1):
+        errors.append(f"--deploy separated needs an even world size >= 2 (got {world_size}) and --infer-tp 1 "
+                      f"(got {cfg.infer_tp})")
+    if cfg.infer_tp not in (1, 2, 4) or world_size % cfg.infer_tp or cfg.n_heads % cfg.infer_tp:
+        errors.append(f"--infer-tp {cfg.infer_tp} must be 1, 2 or 4 and divide both the world size "
+                      f"{world_size} and --n-heads {cfg.n_heads}")
+    trainers = world_size // 2 if separated else world_size
+    replicas = max(1, (world_size // 2 if separated else world_size) // max(1, cfg.infer_tp))
+    if cfg.prompts_per_step < 1 or cfg.prompts_per_step % replicas:
         errors.append(f"--prompts-per-step {cfg.prompts_per_step} must be a positive multiple of the "
-                      f"world size {world_size}")
-    local = cfg.prompts_per_step // world_size * cfg.group_size
-    if cfg.updates_per_batch < 1 or (local and local % cfg.updates_per_batch):
-        errors.append(f"--updates-per-batch {cfg.updates_per_batch} must divide the {local} samples per rank")
-    if cfg.warmup_steps and (cfg.warmup_batch < world_size or cfg.warmup_batch % world_size):
-        errors.append(f"--warmup-batch {cfg.warmup_batch} must be a positive multiple of the world size {world_size}")
+                      f"{replicas} rollout replicas (world size {world_size}, --deploy {cfg.deploy}, "
+                      f"--infer-tp {cfg.infer_tp})")
+    if cfg.updates_per_batch < 1 or cfg.updates_per_batch > cfg.prompts_per_step * cfg.group_size // trainers:
+        errors.append(f"--updates-per-batch {cfg.updates_per_batch} must be in [1, samples per trainer]")
+    if cfg.warmup_steps and (cfg.warmup_batch < trainers or cfg.warmup_batch % trainers):
+        errors.append(f"--warmup-batch {cfg.warmup_batch} must be a positive multiple of the {trainers} "
+                      "training ranks")
     if cfg.eval_prompts < world_size:
         errors.append(f"--eval-prompts {cfg.eval_prompts} must be at least the world size {world_size}")
     if not 1 <= cfg.max_digits <= 32:
@@ -330,7 +353,8 @@ class PromptStream:
 
 
 def sample_seeds(cfg, step, first, n, per_step):
-    """One sampling seed per sample, from its global index: independent of the world size."""
+    """One sampling seed per sample, from its global index: independent of the world size and of the
+    deployment, so every mode generates the same responses from the same weights."""
     return cfg.seed * 1_000_003 + step * per_step + torch.arange(first, first + n)
 
 
@@ -339,56 +363,107 @@ def full_state_dict(model):
     return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
 
 
-def global_sum(*values, device):
+def global_sum(*values, device, group=None):
     """All-reduce a few floats in one collective."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=group)
     return t.tolist()
 
 
-def mean_loss_scale(n_local, device):
-    """FSDP averages gradients over ranks; this factor turns a rank's mean over its own n_local items
-    into its share of the mean over the global batch."""
-    n_global, = global_sum(n_local, device=device)
-    return n_local * dist.get_world_size() / max(n_global, 1.0)
+def mean_loss_scale(n_local, device, group=None):
+    """FSDP averages gradients over its ranks; this factor turns a rank's mean over its own n_local items
+    into its share of the mean over the global batch (ranks hold different token counts)."""
+    n_global, = global_sum(n_local, device=device, group=group)
+    return n_local * dist.get_world_size(group) / max(n_global, 1.0)
 
 
 @torch.no_grad()
-def evaluate(gen_model, prompts, cfg, device):
-    """Greedy held-out accuracy, the prompts split over ranks."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mine = prompts[rank * len(prompts) // world:(rank + 1) * len(prompts) // world]
-    gen = generate(gen_model, mine, torch.zeros(len(mine), dtype=torch.long), cfg.max_new_tokens,
+def count_correct(engine, prompts, cfg):
+    """Greedy decoding on these held-out prompts: the number answered exactly."""
+    gen = generate(engine, prompts, torch.zeros(len(prompts), dtype=torch.long), cfg.max_new_tokens,
                    EOS, PAD, temperature=0)
-    correct, total = global_sum(sum(score(p, r) for p, r in zip(mine, gen.tokens)), len(mine), device=device)
-    return correct / total
+    return sum(score(p, r) for p, r in zip(prompts, gen.tokens))
 
 
-def warmup(model, stream, cfg, device):
-    """Supervised warm-up: cross-entropy on the reference answers, data parallel."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+def warmup(model, stream, cfg, device, rank, n_ranks, group=None):
+    """Supervised warm-up: cross-entropy on the reference answers, data parallel over `group`."""
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr, betas=(0.9, 0.98), weight_decay=0.0)
-    n = cfg.warmup_batch // world
+    n = cfg.warmup_batch // n_ranks
     for _ in range(cfg.warmup_steps):
         prompts = stream.next(cfg.warmup_batch)[rank * n:(rank + 1) * n]
         tokens, mask, _ = response_batch(prompts, [answer(p) for p in prompts])
         tokens, mask = tokens.to(device), mask.to(device)
         nll = -policy_logprobs(model, tokens, 1.0)                                 # (B, T-1)
-        loss = (nll * mask).sum() / mask.sum() * mean_loss_scale(int(mask.sum()), device)
+        loss = (nll * mask).sum() / mask.sum() * mean_loss_scale(int(mask.sum()), device, group)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
 
-def train(cfg, out_dir=None):
-    """Run warm-up then GRPO on the already-initialised process group. Returns (summary, model)."""
+@dataclass
+class Roles:
+    """Who does what. colocated: every rank trains and generates (rollout replicas of infer_tp ranks).
+    separated: ranks [0, W/2) train, ranks [W/2, W) generate."""
+    rank: int
+    world: int
+    deploy: str
+    infer_tp: int
+
+    @property
+    def trainers(self):
+        return list(range(self.world // 2 if self.deploy == "separated" else self.world))
+
+    @property
+    def generators(self):
+        return list(range(self.world // 2, self.world)) if self.deploy == "separated" else list(range(self.world))
+
+    @property
+    def replicas(self):  # rollout replicas: each generates its own slice of the prompts
+        return len(self.generators) // self.infer_tp
+
+    @property
+    def replica(self):
+        return (self.rank - self.generators[0]) // self.infer_tp
+
+    @property
+    def writes_queue(self):  # one rank per TP group puts the (identical) samples
+        return self.rank in self.generators and (self.rank - self.generators[0]) % self.infer_tp == 0
+
+
+def build(cfg, roles, device):
+    """The training model (FSDP2 over the trainers), the rollout engine and the process groups."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    W, separated = roles.world, cfg.deploy == "separated"
+    mesh = init_device_mesh(device.type, (2, W // 2) if separated else (W,),
+                            mesh_dim_names=("role", "dp") if separated else ("dp",))
+    train_mesh = mesh["dp"]          # separated: each role's own ranks; colocated: everyone
+    train_group = train_mesh.get_group() if separated else dist.group.WORLD
+    layout = fusion.Layout(W, tp=cfg.infer_tp, n_heads=cfg.n_heads)
+    tp_group = layout.new_groups(cfg.pg_timeout_s)[0] if not separated else None
+    push_group = dist.new_group([0] + roles.generators, timeout=datetime.timedelta(seconds=cfg.pg_timeout_s)) \
+        if separated else None
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    model = Policy(model_config(cfg)).to(device)
+    rank_trains = roles.rank in roles.trainers
+    if rank_trains:
+        for block in model.blocks:
+            fully_shard(block, mesh=train_mesh)
+        fully_shard(model, mesh=train_mesh)
+    engine = Policy(model_config(cfg), tp_group).to(device).eval().requires_grad_(False) \
+        if roles.rank in roles.generators else None
+    return (model if rank_trains else None), engine, train_group, tp_group, push_group
+
+
+def train(cfg, out_dir=None):
+    """Run warm-up then GRPO on the already-initialised process group. Returns (summary, model)."""
     from tqdm import tqdm
 
     t_start = time.perf_counter()
     rank, world, device = setup_distributed(cfg)
+    roles, separated = Roles(rank, world, cfg.deploy, cfg.infer_tp), cfg.deploy == "separated"
     if out_dir is None:  # rank 0 names the folder, everyone uses it
         name = [cfg.out or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))]
         dist.broadcast_object_list(name, src=0)
@@ -398,82 +473,101 @@ def train(cfg, out_dir=None):
     seeds = np.random.SeedSequence(cfg.seed).spawn(2)
     warm_stream, rl_stream = PromptStream(seeds[0], cfg.max_digits), PromptStream(seeds[1], cfg.max_digits)
     eval_prompts = PromptStream(20261129, cfg.max_digits).next(cfg.eval_prompts)  # fixed held-out set
+    is_trainer, is_generator = rank in roles.trainers, rank in roles.generators
+    model, engine, train_group, tp_group, push_group = build(cfg, roles, device)
+    # The queue between rollout and training: samples travel packed, token-balanced over the trainers.
+    queue = distqueue.DistQueue(distqueue.QueueSpec(
+        columns={"prompt": "int64", "response": "int64", "old_logprobs": "float32", "reward": "float32",
+                 "advantage": "float32"}, scalars=("reward", "advantage"),
+        stages={"train": ("prompt", "response", "old_logprobs", "reward", "advantage")},
+        timeout_s=cfg.pg_timeout_s), distqueue.default_store(), rank, world,
+        pg=None if device.type == "cpu" else dist.new_group(backend="gloo"))
 
-    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    model = Policy(model_config(cfg)).to(device)
-    mesh = init_device_mesh(device.type, (world,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    gen_model = Policy(model_config(cfg)).to(device).eval().requires_grad_(False)  # rollout copy
+    if is_trainer:
+        with spans("warmup"):
+            warmup(model, warm_stream, cfg, device, roles.trainers.index(rank), len(roles.trainers), train_group)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0) \
+        if is_trainer else None
+    ref = None
+    if is_trainer and (cfg.kl_coef > 0 or cfg.deploy == "colocated-all"):  # the frozen initial policy
+        ref = Policy(model_config(cfg)).to(device).eval().requires_grad_(False)
+        ref.load_state_dict(full_state_dict(model))
+        ref = fusion.HostOffloaded(ref) if cfg.deploy == "colocated-all" else ref
+    actor = None if separated else fusion.FusedActor(
+        model, opt, engine, fusion.Layout(world, fsdp=True),
+        fusion.Layout(world, tp=cfg.infer_tp, n_heads=cfg.n_heads), bucket_bytes=cfg.bucket_kb * 1024)
 
-    with spans("warmup"):
-        warmup(model, warm_stream, cfg, device)
-    gen_model.load_state_dict(full_state_dict(model))
-    ref_model = None
-    if cfg.kl_coef > 0:  # the frozen initial policy
-        ref_model = Policy(model_config(cfg)).to(device).eval().requires_grad_(False)
-        ref_model.load_state_dict(gen_model.state_dict())
-    acc = evaluate(gen_model, eval_prompts, cfg, device)
-    acc_before = acc
+    def push():  # separated: the trainers' weights to the generators, in buckets (every rank calls)
+        with spans("switch"):
+            fusion.push_weights(model, engine, 0, push_group, cfg.bucket_kb * 1024)
+
+    def evaluate():
+        """Greedy held-out accuracy from the current weights, split over the rollout replicas."""
+        correct = 0.0
+        if is_generator:
+            with spans("eval"), (fusion.rollout(actor) if actor else contextlib.nullcontext()):
+                i, n = roles.replica, roles.replicas
+                correct = count_correct(engine, eval_prompts[i * len(eval_prompts) // n:
+                                                             (i + 1) * len(eval_prompts) // n], cfg)
+        correct, = global_sum(correct if roles.writes_queue else 0.0, device=device)
+        return correct / len(eval_prompts)
+
+    if separated:
+        push()
+    acc = acc_before = evaluate()
     print0(f"warm-up: {cfg.warmup_steps} steps in {spans.total('warmup'):.1f}s | held-out accuracy {acc:.3f}")
     metrics_file = open(os.path.join(out_dir, "metrics.jsonl"), "w") if rank == 0 else None
     if metrics_file:
         metrics_file.write(json.dumps({"step": 0, "eval/accuracy": acc}) + "\n")
 
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
-    G, n_prompts = cfg.group_size, cfg.prompts_per_step // world
+    G, n_prompts = cfg.group_size, cfg.prompts_per_step // roles.replicas
     n_local, per_step = n_prompts * G, cfg.prompts_per_step * G
     rl_tokens, rl_time = 0.0, 0.0
     for step in tqdm(range(1, cfg.steps + 1), disable=rank != 0, desc="GRPO", dynamic_ncols=True):
         first_span, t0 = len(spans.spans), time.perf_counter()
-        # 1-2. this rank's prompts, G responses each, from the current weights
-        prompts = rl_stream.next(cfg.prompts_per_step)[rank * n_prompts:(rank + 1) * n_prompts]
-        contexts = [p for p in prompts for _ in range(G)]
-        with spans("switch"):  # naive: gather the full weights into the rollout copy
-            if step > 1:
-                gen_model.load_state_dict(full_state_dict(model))
-        with spans("rollout"):
-            gen = generate(gen_model, contexts, sample_seeds(cfg, step, rank * n_local, n_local, per_step),
-                           cfg.max_new_tokens, EOS, PAD, cfg.temperature, cfg.top_p)
-        # 3-4. rewards and group advantages (a group never spans two ranks)
-        rewards = torch.tensor([score(p, r) for p, r in zip(contexts, gen.tokens)])
-        adv = group_advantages(rewards, G, scale_by_std=cfg.scale_by_std)
-        with spans("train"):
-            tokens, mask, (old_lp,) = response_batch(contexts, gen.tokens, gen.logprobs)
-            tokens, mask, old_lp, adv = tokens.to(device), mask.to(device), old_lp.to(device), adv.to(device)
-            ref_lp = None
-            if ref_model is not None:  # 5. reference log-probs
-                with torch.no_grad():
-                    ref_lp = policy_logprobs(ref_model, tokens, cfg.temperature)
-            # 6. optimizer steps over mini-batches of this rank's samples
-            stats = np.zeros(4)
-            for mb in torch.arange(n_local).chunk(cfg.updates_per_batch):
-                lp = policy_logprobs(model, tokens[mb], cfg.temperature)
-                loss, m = grpo_loss(lp, old_lp[mb], None if ref_lp is None else ref_lp[mb], adv[mb], mask[mb],
-                                    cfg.clip_eps, cfg.kl_coef, cfg.loss_agg)
-                n_items = int(mask[mb].sum()) if cfg.loss_agg == "token-mean" else len(mb)
-                (loss * mean_loss_scale(n_items, device)).backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                stats += [loss.item(), m["clip_frac"], m["ratio_mean"], m["k3_mean"]]
-        n_tok = sum(len(t) for t in gen.tokens)
-        reward_sum, n_tok_all, *agg = global_sum(float(rewards.sum()), n_tok,
-                                                 *(stats / cfg.updates_per_batch), device=device)
+        prompts = rl_stream.next(cfg.prompts_per_step)  # every rank draws, so the streams stay in step
+        reward_sum, n_tok, rec = 0.0, 0, {}
+        if is_generator:  # 1-4. G responses per prompt of this replica's slice, scored, into the queue
+            prompts = prompts[roles.replica * n_prompts:(roles.replica + 1) * n_prompts]
+            contexts = [p for p in prompts for _ in range(G)]
+            with spans("switch"):
+                if actor:
+                    actor.to_rollout()
+            with spans("rollout"):
+                gen = generate(engine, contexts, sample_seeds(cfg, step, roles.replica * n_local, n_local, per_step),
+                               cfg.max_new_tokens, EOS, PAD, cfg.temperature, cfg.top_p)
+            with spans("switch"):
+                if actor:
+                    actor.to_train()
+            rewards = torch.tensor([score(p, r) for p, r in zip(contexts, gen.tokens)])
+            adv = group_advantages(rewards, G, scale_by_std=cfg.scale_by_std)  # a group never spans replicas
+            if roles.writes_queue:
+                queue.put({"prompt": contexts, "response": gen.tokens, "old_logprobs": gen.logprobs,
+                           "reward": rewards.tolist(), "advantage": adv.tolist()})
+                reward_sum, n_tok = float(rewards.sum()), sum(len(t) for t in gen.tokens)
+                if separated:
+                    queue.drain()  # serve the trainers' reads before blocking in the weight push
+        stats = np.zeros(4)
+        if is_trainer:  # 5-6. a token-balanced share of the global batch; reference log-probs; updates
+            with spans("queue"):
+                batch = queue.get("train", per_step, dp_group=train_group)
+            with spans("train"):
+                stats = train_on(model, opt, ref, batch, cfg, device, train_group)
+        if separated:
+            push()
+        n_tok_all, reward_all, *agg = global_sum(n_tok, reward_sum, *stats, device=device)
         step_s = time.perf_counter() - t0
         if step == 1 or step % cfg.eval_every == 0 or step == cfg.steps:
-            gen_model.load_state_dict(full_state_dict(model))
-            with spans("eval"):
-                acc = evaluate(gen_model, eval_prompts, cfg, device)
+            acc = rec["eval/accuracy"] = evaluate()
         rl_tokens, rl_time = rl_tokens + n_tok_all, rl_time + step_s
-        rec = {"step": step, "reward/mean": reward_sum / per_step, "loss": agg[0] / world,
-               "clip_frac": agg[1] / world, "ratio_mean": agg[2] / world, "k3_mean": agg[3] / world,
-               "rollout/response_tokens": n_tok_all, "perf/tokens_per_s": n_tok_all / step_s,
-               "time/rollout_s": spans.total("rollout", first_span), "time/train_s": spans.total("train", first_span),
-               "time/switch_s": spans.total("switch", first_span), "time/step_s": step_s}
-        if "eval" in (s[0] for s in spans.spans[first_span:]):
-            rec["eval/accuracy"] = acc
+        n_tr = len(roles.trainers)
+        rec.update({"step": step, "reward/mean": reward_all / per_step, "loss": agg[0] / n_tr,
+                    "clip_frac": agg[1] / n_tr, "ratio_mean": agg[2] / n_tr, "k3_mean": agg[3] / n_tr,
+                    "rollout/response_tokens": n_tok_all, "perf/tokens_per_s": n_tok_all / step_s,
+                    "time/rollout_s": spans.total("rollout", first_span),
+                    "time/train_s": spans.total("train", first_span),
+                    "time/switch_s": spans.total("switch", first_span), "time/step_s": step_s,
+                    **queue.metrics(), **(actor.metrics() if actor else {})})
         if metrics_file:
             metrics_file.write(json.dumps(rec) + "\n")
             metrics_file.flush()
@@ -493,6 +587,33 @@ def train(cfg, out_dir=None):
         print0(f"held-out accuracy {acc_before:.3f} -> {acc:.3f} | {summary['wall_s']:.0f}s | "
                f"{summary['tokens_per_s']:.0f} tok/s | {out_dir}")
     return summary, model
+
+
+def train_on(model, opt, ref, batch, cfg, device, group):
+    """GRPO updates on this rank's share of the batch. Returns [loss, clip_frac, ratio_mean, k3_mean]."""
+    tokens, mask, (old_lp,) = response_batch(batch.cols["prompt"], batch.cols["response"],
+                                             batch.cols["old_logprobs"])
+    tokens, mask, old_lp = tokens.to(device), mask.to(device), old_lp.to(device)
+    adv = batch.stack("advantage").to(device)                                      # (B,)
+    ref_lp = None
+    if ref is not None:  # 5. reference log-probs (colocated-all: the reference visits the device)
+        with torch.no_grad(), (fusion.on_device(ref) if isinstance(ref, fusion.HostOffloaded)
+                               else contextlib.nullcontext(ref)) as m:
+            ref_lp = policy_logprobs(m, tokens, cfg.temperature)
+    stats = np.zeros(4)
+    # 6. optimizer steps over mini-batches; every rank takes the same number, empty or not
+    for mb in np.array_split(np.arange(len(batch.ids)), cfg.updates_per_batch):
+        mb = torch.as_tensor(mb, dtype=torch.long)
+        lp = policy_logprobs(model, tokens[mb], cfg.temperature)
+        loss, m = grpo_loss(lp, old_lp[mb], None if ref_lp is None else ref_lp[mb], adv[mb], mask[mb],
+                            cfg.clip_eps, cfg.kl_coef, cfg.loss_agg)
+        n_items = int(mask[mb].sum()) if cfg.loss_agg == "token-mean" else len(mb)
+        (loss * mean_loss_scale(n_items, device, group)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        stats += [loss.item(), m["clip_frac"], m["ratio_mean"], m["k3_mean"]]
+    return stats / cfg.updates_per_batch
 
 
 def main(argv=None):
