@@ -50,6 +50,7 @@ import torch.nn.functional as F
 
 import distqueue
 import fusion
+import stalesync
 from model import ModelConfig, Policy, generate, token_logprobs
 
 # ---------------------------------------------------------------------------------------------
@@ -92,14 +93,18 @@ def group_advantages(rewards, group_size, eps=1e-6, scale_by_std=True):
 
 
 def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps=0.2, kl_coef=0.0,
-              loss_agg="token-mean"):
+              loss_agg="token-mean", token_weights=None):
     """Clipped surrogate plus kl_coef * k3, per token, then aggregated.
-    logprobs, old_logprobs, ref_logprobs, mask (B, T); advantages (B,). Returns (loss, metrics)."""
+    logprobs, old_logprobs, ref_logprobs, mask (B, T); advantages (B,). Returns (loss, metrics).
+    token_weights (B, T), optional: multiplies each token's surrogate (the decoupled objective's
+    pi_prox / pi_behaviour, see stalesync.off_policy_logprobs)."""
     mask = mask.to(logprobs.dtype)
     ratio = torch.exp(torch.clamp(logprobs - old_logprobs, -20, 20))               # (B, T)
     adv = advantages[:, None].to(logprobs.dtype)                                   # (B, 1)
     unclipped, clipped = ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv
     per_token = -torch.min(unclipped, clipped)                                     # (B, T)
+    if token_weights is not None:
+        per_token = per_token * token_weights
     if ref_logprobs is not None:
         d = torch.clamp(ref_logprobs - logprobs, -20, 20)
         k3 = torch.exp(d) - d - 1                                                  # (B, T)
@@ -153,6 +158,11 @@ class Config:
     scale_by_std: bool = True      # False: Dr. GRPO advantages
     updates_per_batch: int = 1     # optimizer steps (mini-batches) per rollout batch
     grad_clip: float = 1.0
+    # staleness (stalesync.py)
+    staleness: int = 0             # S: the most policy versions a trained sample may lag (0: synchronous)
+    threshold: float = 1.0         # in (0, 1]: the decode pool holds prompts_per_step / threshold groups
+    chunk_steps: int = 8           # decode steps between checks for a finished batch (S > 0)
+    decoupled: bool = False        # decoupled objective: clip around recomputed proximal log-probs
     # rollout
     temperature: float = 1.0
     top_p: float = 1.0
@@ -189,6 +199,11 @@ def parse_args(argv=None):
                  ("scale_by_std", "divide advantages by the group std (0: Dr. GRPO)"),
                  ("updates_per_batch", "optimizer steps per rollout batch"),
                  ("grad_clip", "gradient norm clip")],
+        "staleness": [("staleness", "S: most policy versions a trained sample may lag (0: synchronous)"),
+                      ("threshold", "in (0, 1]: decode pool of prompts_per_step / threshold groups; a round "
+                                    "ends when prompts_per_step groups are complete"),
+                      ("chunk_steps", "decode steps between checks for a finished batch (S > 0)"),
+                      ("decoupled", "1: decoupled objective (AReaL), clip around recomputed proximal log-probs")],
         "rollout": [("temperature", "sampling temperature (> 0)"), ("top_p", "nucleus mass, in (0, 1]"),
                     ("max_new_tokens", "response budget in tokens")],
         "deployment": [("deploy", "colocated: every rank trains and generates, switching phases (fusion.py); "
@@ -222,6 +237,13 @@ def validate(cfg, world_size):
     if separated and (world_size < 2 or world_size % 2 or cfg.infer_tp != 1):
         errors.append(f"--deploy separated needs an even world size >= 2 (got {world_size}) and --infer-tp 1 "
                       f"(got {cfg.infer_tp})")
+    if separated and cfg.staleness > 0:
+        errors.append(f"--staleness {cfg.staleness} with --deploy separated is not wired into this script yet "
+                      "(bench/stalesync.py runs it); use --deploy colocated")
+    try:
+        stalesync.StaleConfig(cfg.staleness, 1, max(cfg.group_size, 1), cfg.threshold, max(cfg.chunk_steps, 1))
+    except (ValueError, TypeError) as e:
+        errors.append(f"--staleness {cfg.staleness} / --threshold {cfg.threshold}: {e}")
     if cfg.infer_tp not in (1, 2, 4) or world_size % cfg.infer_tp or cfg.n_heads % cfg.infer_tp:
         errors.append(f"--infer-tp {cfg.infer_tp} must be 1, 2 or 4 and divide both the world size "
                       f"{world_size} and --n-heads {cfg.n_heads}")
@@ -522,29 +544,45 @@ def train(cfg, out_dir=None):
 
     G, n_prompts = cfg.group_size, cfg.prompts_per_step // roles.replicas
     n_local, per_step = n_prompts * G, cfg.prompts_per_step * G
+    sched = None
+    if is_generator:  # the rollout scheduler; S = 0 is the synchronous round
+        prompt_buffer = []
+
+        def next_prompt():  # this replica's slice of each global batch, in order
+            if not prompt_buffer:
+                prompt_buffer.extend(rl_stream.next(cfg.prompts_per_step)[roles.replica * n_prompts:
+                                                                          (roles.replica + 1) * n_prompts])
+            return prompt_buffer.pop(0)
+
+        def seed_of(i):  # sample i of this replica: the seed the synchronous step would give it
+            return int(sample_seeds(cfg, i // n_local + 1, roles.replica * n_local + i % n_local, 1, per_step))
+
+        def sampler(contexts, seeds, n_done, max_steps):
+            return generate(engine, contexts, seeds, cfg.max_new_tokens, EOS, PAD, cfg.temperature, cfg.top_p,
+                            n_done=n_done, max_steps=max_steps)
+
+        sched = stalesync.StaleSync(stalesync.StaleConfig(cfg.staleness, n_prompts, G, cfg.threshold,
+                                                          cfg.chunk_steps), sampler, next_prompt, seed_of)
     rl_tokens, rl_time = 0.0, 0.0
     for step in tqdm(range(1, cfg.steps + 1), disable=rank != 0, desc="GRPO", dynamic_ncols=True):
         first_span, t0 = len(spans.spans), time.perf_counter()
-        prompts = rl_stream.next(cfg.prompts_per_step)  # every rank draws, so the streams stay in step
-        reward_sum, n_tok, rec = 0.0, 0, {}
+        reward_sum, n_tok, age_max, rec = 0.0, 0, 0.0, {}
         if is_generator:  # 1-4. G responses per prompt of this replica's slice, scored, into the queue
-            prompts = prompts[roles.replica * n_prompts:(roles.replica + 1) * n_prompts]
-            contexts = [p for p in prompts for _ in range(G)]
             with spans("switch"):
                 if actor:
                     actor.to_rollout()
-            with spans("rollout"):
-                gen = generate(engine, contexts, sample_seeds(cfg, step, roles.replica * n_local, n_local, per_step),
-                               cfg.max_new_tokens, EOS, PAD, cfg.temperature, cfg.top_p)
+            b = sched.rollout(spans)  # S > 0: ends once enough groups are complete; the rest continue later
             with spans("switch"):
                 if actor:
                     actor.to_train()
-            rewards = torch.tensor([score(p, r) for p, r in zip(contexts, gen.tokens)])
+            rewards = torch.tensor([score(p, r) for p, r in zip(b.prompts, b.responses)])
             adv = group_advantages(rewards, G, scale_by_std=cfg.scale_by_std)  # a group never spans replicas
             if roles.writes_queue:
-                queue.put({"prompt": contexts, "response": gen.tokens, "old_logprobs": gen.logprobs,
+                queue.put({"prompt": b.prompts, "response": b.responses, "old_logprobs": b.logprobs,
                            "reward": rewards.tolist(), "advantage": adv.tolist()})
-                reward_sum, n_tok = float(rewards.sum()), sum(len(t) for t in gen.tokens)
+                reward_sum, n_tok = float(rewards.sum()), sum(len(t) for t in b.responses)
+                rec.update({k: v for k, v in b.metrics.items() if k.startswith("stale/")})
+                age_max = b.metrics["stale/age_max"]
                 if separated:
                     queue.drain()  # serve the trainers' reads before blocking in the weight push
         stats = np.zeros(4)
@@ -555,7 +593,13 @@ def train(cfg, out_dir=None):
                 stats = train_on(model, opt, ref, batch, cfg, device, train_group)
         if separated:
             push()
+        if sched:
+            sched.update()  # the sampler now has the weights of version step
         n_tok_all, reward_all, *agg = global_sum(n_tok, reward_sum, *stats, device=device)
+        if cfg.staleness > 0:  # the oldest sample trained this step, over all replicas
+            t = torch.tensor([float(age_max)], device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            rec["stale/age_max"] = t.item()
         step_s = time.perf_counter() - t0
         if step == 1 or step % cfg.eval_every == 0 or step == cfg.steps:
             acc = rec["eval/accuracy"] = evaluate()
@@ -567,6 +611,7 @@ def train(cfg, out_dir=None):
                     "time/rollout_s": spans.total("rollout", first_span),
                     "time/train_s": spans.total("train", first_span),
                     "time/switch_s": spans.total("switch", first_span), "time/step_s": step_s,
+                    "perf/idle_frac": spans.total("queue", first_span) / step_s,  # waiting for samples
                     **queue.metrics(), **(actor.metrics() if actor else {})})
         if metrics_file:
             metrics_file.write(json.dumps(rec) + "\n")
@@ -595,6 +640,12 @@ def train_on(model, opt, ref, batch, cfg, device, group):
                                              batch.cols["old_logprobs"])
     tokens, mask, old_lp = tokens.to(device), mask.to(device), old_lp.to(device)
     adv = batch.stack("advantage").to(device)                                      # (B,)
+    weights = None
+    if cfg.decoupled:  # clip around the current weights' log-probs, reweight by pi_prox / pi_behaviour
+        with torch.no_grad():
+            proximal = policy_logprobs(model, tokens, cfg.temperature)
+        fusion.reshard_all(model)  # FSDP2 leaves modules unsharded after a no-grad forward
+        old_lp, weights = stalesync.off_policy_logprobs(old_lp, proximal, decoupled=True)
     ref_lp = None
     if ref is not None:  # 5. reference log-probs (colocated-all: the reference visits the device)
         with torch.no_grad(), (fusion.on_device(ref) if isinstance(ref, fusion.HostOffloaded)
@@ -606,7 +657,7 @@ def train_on(model, opt, ref, batch, cfg, device, group):
         mb = torch.as_tensor(mb, dtype=torch.long)
         lp = policy_logprobs(model, tokens[mb], cfg.temperature)
         loss, m = grpo_loss(lp, old_lp[mb], None if ref_lp is None else ref_lp[mb], adv[mb], mask[mb],
-                            cfg.clip_eps, cfg.kl_coef, cfg.loss_agg)
+                            cfg.clip_eps, cfg.kl_coef, cfg.loss_agg, None if weights is None else weights[mb])
         n_items = int(mask[mb].sum()) if cfg.loss_agg == "token-mean" else len(mb)
         (loss * mean_loss_scale(n_items, device, group)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

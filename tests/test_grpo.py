@@ -106,6 +106,9 @@ def test_task_has_a_long_tail():
     (["--group-size", "1"], "--group-size 1"),
     (["--prompts-per-step", "3"], "--prompts-per-step 3 must be a positive multiple of the 2 rollout replicas"),
     (["--deploy", "separated", "--infer-tp", "2"], "--deploy separated needs an even world size"),
+    (["--staleness", "-1"], "--staleness -1"),
+    (["--threshold", "1.5"], "threshold=1.5 is outside the valid range (0, 1]"),
+    (["--deploy", "separated", "--staleness", "1"], "--staleness 1 with --deploy separated"),
     (["--infer-tp", "4"], "--infer-tp 4 must be 1, 2 or 4 and divide both the world size 2"),
     (["--top-p", "1.5"], "--top-p 1.5"),
     (["--max-new-tokens", "10"], "--max-new-tokens 10 cannot hold"),
@@ -183,3 +186,12 @@ def test_two_ranks_train_to_identical_parameters(tmp_path):
         (s, p), _ = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / str(mode)), mode))
         assert_same_training(p, p_one, str(mode))
         assert s["eval_accuracy_after"] == s_one["eval_accuracy_after"]
+
+
+def test_bounded_staleness_run_keeps_ages_within_s(tmp_path):
+    mode = {"staleness": 1, "threshold": 0.5, "chunk_steps": 2, "steps": 4, "decoupled": True}
+    (_, p0), (_, p1) = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path), mode))
+    assert torch.equal(p0, p1)
+    lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")][1:]
+    assert all(l["stale/age_max"] <= 1 for l in lines) and any(l["stale/age_max"] == 1 for l in lines)
+    assert all(l["rollout/response_tokens"] > 0 for l in lines)
