@@ -455,18 +455,18 @@ class Roles:
 
 def build(cfg, roles, device):
     """The training model (FSDP2 over the trainers), the rollout engine and the process groups."""
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     W, separated = roles.world, cfg.deploy == "separated"
-    mesh = init_device_mesh(device.type, (2, W // 2) if separated else (W,),
-                            mesh_dim_names=("role", "dp") if separated else ("dp",))
-    train_mesh = mesh["dp"]          # separated: each role's own ranks; colocated: everyone
-    train_group = train_mesh.get_group() if separated else dist.group.WORLD
-    layout = fusion.Layout(W, tp=cfg.infer_tp, n_heads=cfg.n_heads)
-    tp_group = layout.new_groups(cfg.pg_timeout_s)[0] if not separated else None
-    push_group = dist.new_group([0] + roles.generators, timeout=datetime.timedelta(seconds=cfg.pg_timeout_s)) \
-        if separated else None
+    timeout = datetime.timedelta(seconds=cfg.pg_timeout_s)  # every group gets one: a dead peer must not hang us
+    if separated:  # FSDP over the trainers only; generators get the weights through push_group
+        train_group = dist.new_group(roles.trainers, timeout=timeout)
+        train_mesh = DeviceMesh.from_group(train_group, device.type) if roles.rank in roles.trainers else None
+        push_group, tp_group = dist.new_group([0] + roles.generators, timeout=timeout), None
+    else:          # FSDP over everyone; the rollout engine is TP over groups of infer_tp ranks
+        train_group, train_mesh, push_group = dist.group.WORLD, init_device_mesh(device.type, (W,)), None
+        tp_group = fusion.Layout(W, tp=cfg.infer_tp, n_heads=cfg.n_heads).new_groups(cfg.pg_timeout_s)[0]
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model = Policy(model_config(cfg)).to(device)
     rank_trains = roles.rank in roles.trainers
@@ -503,7 +503,8 @@ def train(cfg, out_dir=None):
                  "advantage": "float32"}, scalars=("reward", "advantage"),
         stages={"train": ("prompt", "response", "old_logprobs", "reward", "advantage")},
         timeout_s=cfg.pg_timeout_s), distqueue.default_store(), rank, world,
-        pg=None if device.type == "cpu" else dist.new_group(backend="gloo"))
+        pg=None if device.type == "cpu" else dist.new_group(backend="gloo", timeout=datetime.timedelta(
+            seconds=cfg.pg_timeout_s)))
 
     if is_trainer:
         with spans("warmup"):
