@@ -596,7 +596,10 @@ def train(cfg, out_dir=None):
             push()
         if sched:
             sched.update()  # the sampler now has the weights of version step
-        n_tok_all, reward_all, *agg = global_sum(n_tok, reward_sum, *stats, device=device)
+        qm = queue.metrics()  # cumulative per rank; summed over ranks below
+        n_tok_all, reward_all, q_sent, q_padded, q_reads, *agg = global_sum(
+            n_tok, reward_sum, qm["queue/bytes_sent"], qm["queue/bytes_padded_equiv"], qm["queue/reads"], *stats,
+            device=device)
         if cfg.staleness > 0:  # the oldest sample trained this step, over all replicas
             t = torch.tensor([float(age_max)], device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -613,7 +616,8 @@ def train(cfg, out_dir=None):
                     "time/train_s": spans.total("train", first_span),
                     "time/switch_s": spans.total("switch", first_span), "time/step_s": step_s,
                     "perf/idle_frac": spans.total("queue", first_span) / step_s,  # waiting for samples
-                    **queue.metrics(), **(actor.metrics() if actor else {})})
+                    "queue/bytes_sent": q_sent, "queue/bytes_padded_equiv": q_padded, "queue/reads": q_reads,
+                    **(actor.metrics() if actor else {})})
         if metrics_file:
             metrics_file.write(json.dumps(rec) + "\n")
             metrics_file.flush()
