@@ -25,8 +25,11 @@ Departures from the paper:
   2. The engine cuts its TP piece itself inside load_weights, as vLLM's weight loaders do: fusion hands it
      full weights that are views into the gathered bucket, so no weight is copied twice. Every rank
      gathers every weight: under FSDP its shards sit on all ranks anyway.
-  3. One all-gather per weight, in place into its slot of the bucket's flat buffer. A single rank-major
-     all-gather per bucket would need a copy-out of each weight, i.e. more than one bucket of memory.
+  3. The gather is W in-place broadcasts per weight, each owner's c rows straight into its place in the
+     weight's slot of the bucket's flat buffer. One all-gather per weight (this file's first
+     version) moves the same bytes, but gloo's all-gather runs at about a third of its broadcast's
+     bandwidth on CPU (bench/fusion.py). A single rank-major collective per bucket would need a copy-out
+     of each weight, i.e. more than one bucket of memory.
   4. The training parameter shards stay on the device during ROLLOUT by default: they are 1/W of the
      model and needed first thing back in TRAIN. `offload_params=True` offloads them too.
   5. The engine's weight storages are freed in TRAIN (resized to 0) and re-allocated bucket by bucket;
@@ -50,7 +53,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 TRAIN, ROLLOUT = "TRAIN", "ROLLOUT"
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -213,7 +215,7 @@ def bucket_views(bucket, device):
 
 def gather_bucket(params, bucket, device):
     """All-gather one bucket of FSDP2 shards (Shard(0) on a 1-D mesh) straight into its flat buffer: each
-    rank copies its shard into its own place, then an in-place all-gather fills the rest.
+    rank copies its shard into its own place, then W in-place broadcasts (one per owner) fill the rest.
     Returns (flat buffer, [(name, full weight)]), the weights being views into the buffer."""
     flat, slots = bucket_views(bucket, device)
     for name, slot, _ in slots:
@@ -224,8 +226,10 @@ def gather_bucket(params, bucket, device):
         mesh, local = p.device_mesh, p._local_tensor                      # (<= c, ...) this rank's rows
         r, c = mesh.get_local_rank(), slot.shape[0] // mesh.size()
         slot[r * c:r * c + local.shape[0]].copy_(local)
-        if mesh.size() > 1:
-            _all_gather(slot, slot[r * c:(r + 1) * c], group=mesh.get_group())  # (W*c, ...)
+        if mesh.size() > 1:  # W in-place broadcasts, one per owner: (W*c, ...) filled, c rows at a time
+            g = mesh.get_group()
+            for src in range(mesh.size()):
+                dist.broadcast(slot[src * c:(src + 1) * c], src=dist.get_global_rank(g, src), group=g)
     return flat, [(name, full) for name, _, full in slots]
 
 

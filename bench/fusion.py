@@ -1,0 +1,233 @@
+"""Benchmark fusion.py: separated vs colocated vs colocated-all GRPO on 2 gloo ranks, and the phase switch.
+
+    python bench/fusion.py                 # the default run, about 3-4 minutes on 2 CPU cores
+    python bench/fusion.py --help          # every knob, grouped
+
+One process tree: 2 spawned ranks, gloo, 1 thread each (2 processes x 1 thread is the best matmul
+throughput on 2 cores). Two measurements, in the same run:
+
+1. Throughput. train_grpo.train() runs the same GRPO work in each mode: the same config, seed, prompts
+   and number of steps (no supervised warm-up: the policy starts from its seeded init, so every mode
+   samples the same responses and trains to the same parameters). tokens_per_s is train_grpo's summary
+   figure, response tokens per wall second over the RL steps (held-out evaluation excluded). The modes
+   run interleaved (sep, col, col-all, sep, ...) for --repeats rounds and the median is reported, so that
+   a neighbour on the cores hits every mode alike.
+     separated      rank 0 trains, rank 1 generates the whole batch; weights pushed 0 -> 1 after each step
+     colocated      both ranks generate half the batch, then both train (FSDP2), switching via fusion.py
+     colocated-all  colocated, plus the reference model, kept on host except while it computes
+   The regime, stated: a per-step batch large enough (64 prompts x 8 responses) that both rollout and
+   training are compute-bound on 1 thread per rank. Here, decode cost grows about linearly with the
+   batch, so halving a rank's rollout batch halves its rollout time, as on the paper's NPUs. With a
+   small batch decode is overhead-bound (flat in the batch, ../shared/CALIBRATION.md): colocation then
+   halves only the training and the ratio caps near 1.5. The limit for two balanced phases is 2.0.
+
+2. The switch. FusedActor.to_rollout() + to_train() on a model big enough that bytes, not collective
+   latency, dominate (--switch-d-model): FSDP2 built as train_grpo.build does, one AdamW step so the
+   optimizer state exists (grads are then None: the offload is the Adam state). switch_round_trip_s is
+   the median over --switch-reps round trips of the slower rank; switch_bytes is the actor's own
+   switch/bytes (offloaded bytes x2 + gathered bytes, per rank); memcpy_bound_s is the median time of a
+   plain torch copy_ of one buffer of switch_bytes, both ranks copying at once, interleaved with the
+   round trips.
+
+Targets on 2 CPU cores: colocated_over_separated >= 1.7 (paper: 1.785) and
+switch_round_trip_s <= 3 * memcpy_bound_s. The last line printed is one JSON object. cores_used is the
+ranks' CPU-seconds per wall second in each mode: colocation needs both cores at once (ideal near 2.0,
+separated near 1.0), so a neighbour process on the cores shows up there and pulls the ratio towards 1.
+
+Shapes: W = 2 ranks, B = prompts_per_step x group_size sequences per step, D d_model, F d_expert.
+"""
+import argparse
+import contextlib
+import datetime
+import io
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
+
+MODES = ("separated", "colocated", "colocated-all")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def slowest(x):
+    """The max of a float over the ranks: a distributed phase lasts as long as its slowest rank."""
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def total(x):
+    """The sum of a float over the ranks."""
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def grpo_config(args, deploy, out):
+    from train_grpo import Config
+    return Config(d_model=args.d_model, d_expert=args.d_expert, n_layers=args.n_layers, warmup_steps=0,
+                  steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
+                  max_new_tokens=args.max_new_tokens, max_digits=args.max_digits, eval_prompts=2,
+                  eval_every=10 ** 6, deploy=deploy, bucket_kb=args.bucket_kb, seed=args.seed, out=out,
+                  device="cpu", pg_timeout_s=180)
+
+
+def bench_modes(args, rank, store):
+    """Each mode `repeats` times, interleaved. Returns {mode: [(tokens_per_s, rollout_s, train_s, switch_s)]}."""
+    import train_grpo
+    import torch.distributed as dist
+    runs = {m: [] for m in MODES}
+    tmp = tempfile.mkdtemp(prefix=f"bench_fusion_r{rank}_")
+    for rep in range(args.repeats):
+        for mode in MODES:
+            # A fresh process group over a fresh key prefix per run: train() names its queue's store keys
+            # the same way every time, and a second run must not see the first one's rows.
+            dist.destroy_process_group()
+            dist.init_process_group("gloo", store=dist.PrefixStore(f"{mode}/{rep}/", store), rank=rank,
+                                    world_size=2, timeout=datetime.timedelta(seconds=600))
+            out = os.path.join(tmp, f"{mode}_{rep}")
+            c0, w0 = time.process_time(), time.perf_counter()
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                summary, _ = train_grpo.train(grpo_config(args, mode, out), out)  # out: no broadcast of a name
+            cores = total(time.process_time() - c0) / (time.perf_counter() - w0)  # CPU-seconds per second, 2 ranks
+            spans = [json.loads(line) for line in open(os.path.join(out, f"spans_rank{rank}.jsonl"))]
+            per = [slowest(sum(s["end"] - s["start"] for s in spans if s["name"] == k) / args.steps)
+                   for k in ("rollout", "train", "switch")]  # per step, the busier rank
+            runs[mode].append((summary["tokens_per_s"], *per, cores))
+            if rank == 0:
+                print(f"  round {rep + 1}/{args.repeats} {mode:13s} {summary['tokens_per_s']:7.0f} tok/s | "
+                      f"per step: rollout {per[0]:.2f}s train {per[1]:.2f}s switch/push {per[2]:.3f}s | "
+                      f"cores used {cores:.2f}", flush=True)
+    return runs
+
+
+def bench_switch(args, rank):
+    """Median FusedActor round trip vs median memcpy of the same bytes. Returns a dict."""
+    import torch
+    import fusion
+    import train_grpo
+    cfg = train_grpo.Config(d_model=args.switch_d_model, d_expert=args.switch_d_expert, n_layers=args.n_layers,
+                            deploy="colocated", bucket_kb=args.switch_bucket_kb, seed=args.seed, device="cpu")
+    roles, device = train_grpo.Roles(rank, 2, "colocated", 1), torch.device("cpu")
+    model, engine, *_ = train_grpo.build(cfg, roles, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), weight_decay=0.0)
+    tokens = torch.randint(0, train_grpo.VOCAB, (4, 16))                                   # (B, T)
+    model(tokens).logsumexp(-1).mean().backward()  # one step: the Adam state (exp_avg, exp_avg_sq) exists
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    actor = fusion.FusedActor(model, opt, engine, fusion.Layout(2, fsdp=True),
+                              fusion.Layout(2, tp=1, n_heads=cfg.n_heads), bucket_bytes=args.switch_bucket_kb * 1024)
+    actor.to_rollout(), actor.to_train()  # warm: host buffers allocated once, reused after
+    nbytes = actor.stats["switch/bytes"]
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    trips, copies, to_r, to_t = [], [], [], []
+    for _ in range(args.switch_reps):  # interleaved: round trip, memcpy, round trip, ...
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        actor.to_rollout()
+        actor.to_train()
+        trips.append(slowest(time.perf_counter() - t0))
+        to_r.append(actor.stats["time/to_rollout_s"]), to_t.append(actor.stats["time/to_train_s"])
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        copies.append(slowest(time.perf_counter() - t0))
+    n_params = sum(p.numel() for p in engine.parameters())
+    return {"switch_round_trip_s": statistics.median(trips), "switch_bytes": nbytes,
+            "memcpy_bound_s": statistics.median(copies), "switch_to_rollout_s": statistics.median(to_r),
+            "switch_to_train_s": statistics.median(to_t), "switch_offload_bytes": actor.stats["switch/offload_bytes"],
+            "switch_gather_bytes": actor.stats["switch/gather_bytes"], "switch_model_params": n_params,
+            "switch_buckets": len(actor.buckets)}
+
+
+def worker(rank, args, port, results):
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)  # 2 processes x 1 thread on 2 cores
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2")
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group("gloo", store=dist.PrefixStore("switch/", store), rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=600))
+    try:
+        switch = bench_switch(args, rank)
+        if rank == 0:
+            print(f"switch: round trip {switch['switch_round_trip_s'] * 1e3:.1f} ms for "
+                  f"{switch['switch_bytes'] / 2 ** 20:.1f} MiB | memcpy {switch['memcpy_bound_s'] * 1e3:.1f} ms "
+                  f"| ratio {switch['switch_round_trip_s'] / switch['memcpy_bound_s']:.2f}", flush=True)
+        runs = bench_modes(args, rank, store)
+        if rank == 0:
+            results.put((switch, runs))
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("GRPO work, the same in every mode")
+    g.add_argument("--steps", type=int, default=2, help="GRPO steps per run")
+    g.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the three modes (median)")
+    g.add_argument("--prompts-per-step", type=int, default=64, help="global prompts per step")
+    g.add_argument("--group-size", type=int, default=8, help="responses per prompt")
+    g.add_argument("--max-new-tokens", type=int, default=33, help="response budget in tokens")
+    g.add_argument("--max-digits", type=int, default=32, help="longest digit string")
+    g.add_argument("--d-model", type=int, default=128, help="model width")
+    g.add_argument("--d-expert", type=int, default=256, help="hidden width of one expert")
+    g.add_argument("--n-layers", type=int, default=2, help="transformer blocks")
+    g.add_argument("--bucket-kb", type=int, default=1024, help="bucket of the re-sharding and the pushes, KiB")
+    g.add_argument("--seed", type=int, default=0, help="seed of prompts, init and sampling")
+    g = p.add_argument_group("switch")
+    g.add_argument("--switch-d-model", type=int, default=512, help="model width of the switch measurement")
+    g.add_argument("--switch-d-expert", type=int, default=1024, help="expert width of the switch measurement")
+    g.add_argument("--switch-bucket-kb", type=int, default=16384, help="bucket of the switch measurement, KiB")
+    g.add_argument("--switch-reps", type=int, default=9, help="round trips timed (median)")
+    args = p.parse_args(argv)
+    print("bench/fusion.py: 2 gloo ranks x 1 thread; regime: compute-bound rollout and training "
+          f"({args.prompts_per_step} prompts x {args.group_size} responses per step)", flush=True)
+    print("config: " + json.dumps(vars(args)), flush=True)
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=worker, args=(r, args, port, results)) for r in range(2)]
+    [pr.start() for pr in procs]
+    switch, runs = results.get(timeout=3600)
+    [pr.join() for pr in procs]
+    med = {m: {k: statistics.median(r[i] for r in runs[m]) for i, k in
+               enumerate(("tokens_per_s", "rollout_s", "train_s", "switch_s", "cores"))} for m in MODES}
+    for m in MODES:
+        print(f"{m:13s} | {med[m]['tokens_per_s']:7.0f} tok/s | per step: rollout {med[m]['rollout_s']:.2f}s "
+              f"train {med[m]['train_s']:.2f}s switch/push {med[m]['switch_s']:.3f}s | "
+              f"cores used {med[m]['cores']:.2f} (median of {args.repeats})", flush=True)
+    res = {"tokens_per_s": {m: round(med[m]["tokens_per_s"], 1) for m in MODES},
+           "colocated_over_separated": round(med["colocated"]["tokens_per_s"] / med["separated"]["tokens_per_s"], 3),
+           "colocated_all_over_separated": round(med["colocated-all"]["tokens_per_s"]
+                                                 / med["separated"]["tokens_per_s"], 3),
+           **{k: (round(v, 5) if isinstance(v, float) else v) for k, v in switch.items()},
+           "round_trip_over_memcpy": round(switch["switch_round_trip_s"] / switch["memcpy_bound_s"], 2),
+           "cores_used": {m: round(med[m]["cores"], 2) for m in MODES},
+           "runs_tokens_per_s": {m: [round(r[0], 1) for r in runs[m]] for m in MODES}}
+    res["targets_met"] = {"colocated_over_separated>=1.7": res["colocated_over_separated"] >= 1.7,
+                          "switch_round_trip_s<=3*memcpy_bound_s": res["round_trip_over_memcpy"] <= 3}
+    print(json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()
