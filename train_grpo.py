@@ -498,11 +498,12 @@ def train(cfg, out_dir=None):
     is_trainer, is_generator = rank in roles.trainers, rank in roles.generators
     model, engine, train_group, tp_group, push_group = build(cfg, roles, device)
     # The queue between rollout and training: samples travel packed, token-balanced over the trainers.
+    # Its keys live in the process group's store, under a prefix of this run's own (out_dir).
     queue = distqueue.DistQueue(distqueue.QueueSpec(
         columns={"prompt": "int64", "response": "int64", "old_logprobs": "float32", "reward": "float32",
                  "advantage": "float32"}, scalars=("reward", "advantage"),
         stages={"train": ("prompt", "response", "old_logprobs", "reward", "advantage")},
-        timeout_s=cfg.pg_timeout_s), distqueue.default_store(), rank, world,
+        timeout_s=cfg.pg_timeout_s, name=f"dq:{out_dir}"), distqueue.default_store(), rank, world,
         pg=None if device.type == "cpu" else dist.new_group(backend="gloo", timeout=datetime.timedelta(
             seconds=cfg.pg_timeout_s)))
 
