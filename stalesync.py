@@ -34,7 +34,8 @@ Kimi k1.5 (partial rollout, per-sample age cap), Pangu Embedded (stale-synchrono
 Departures from the paper and its relatives:
 1. Whole groups are the unit of admission, age and regeneration: GRPO's advantage needs every sample of
    a group, and all of a group's samples start together.
-2. The scheduler is a plain object driven by the caller (colocated: `rollout()` then `update()`;
+2. The scheduler is a plain object driven by the caller (colocated: `rollout(spans, all_ready)` then `update()`,
+   all_ready combining the ranks' ready flags so that a rank ready first keeps decoding its tail;
    separated: `admit/decode/ready/take` on the generator and `update(v)` when weights arrive); transport
    of samples and weights is the caller's (a queue, p2p): this file has no process groups.
 3. The sampler is a callable step_fn(contexts, seeds, n_done, max_steps) -> (tokens, logprobs, done),
@@ -215,13 +216,19 @@ class StaleSync:
                      start_versions=[g["start_version"] for g, _ in samples], done=[True] * len(samples),
                      metrics=metrics)
 
-    def rollout(self, spans=None):
-        """Colocated round: admit (refilling the pool), decode chunks until ready, emit batch k = version."""
+    def rollout(self, spans=None, all_ready=None):
+        """Colocated round: admit (refilling the pool), decode chunks until ready, emit batch k = version.
+
+        all_ready(mine: bool) -> bool, optional: this rank's readiness combined over the ranks that train
+        together (an all-reduce MIN of one flag, called exactly once per loop turn on every rank). A rank
+        that is ready before its peers keeps decoding its in-flight long tail instead of idling at the
+        gradient all-reduce; with nothing in flight it only waits. S = 0 is unchanged (nothing is ever in
+        flight once this rank's batch is complete)."""
         if self.batches_out != self.version:
             raise RuntimeError(f"colocated rollout at version {self.version} but {self.batches_out} batches out: "
                                "call update() after each optimizer step")
         with (spans("rollout") if spans else _null()):
-            while not self.ready():
+            while not (self.ready() if all_ready is None else all_ready(self.ready())):
                 self.admit()
                 if self.decode() == 0 and not self.ready():
                     raise RuntimeError("no sample in flight and no batch ready: check the sampler's done flags")

@@ -21,7 +21,7 @@ class ScriptedSampler:
     """step_fn whose response length is a function of the seed: tokens and log-probs are position codes."""
 
     def __init__(self, length_of):
-        self.length_of, self.seen = length_of, set()
+        self.length_of, self.seen, self.tokens = length_of, set(), 0
 
     def __call__(self, contexts, seeds, n_done, max_steps):
         toks, lps, done = [], [], []
@@ -30,6 +30,7 @@ class ScriptedSampler:
             left = self.length_of(s) - n0
             n = left if max_steps is None else min(left, max_steps)
             toks.append(torch.arange(n0, n0 + n) % 10 + 4)
+            self.tokens += n
             lps.append(-0.01 * torch.arange(n0, n0 + n, dtype=torch.float32))
             done.append(n == left)
         return toks, lps, done
@@ -286,3 +287,37 @@ def test_off_policy_logprobs_and_spans():
 def test_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         StaleConfig(**kwargs)
+
+
+@pytest.mark.parametrize("S", [0, 1, 2])
+def test_ready_rank_keeps_decoding_until_all_ranks_are_ready(S):
+    """rollout(all_ready=...): a rank whose batch is ready while a peer's is not keeps decoding its long
+    tail (colocated, gradients all-reduced); the batches stay valid and S = 0 is unchanged."""
+    length_of = lambda seed: 20 if seed % 7 == 0 else 2 + seed % 3  # a long tail in every few groups
+    cfg = StaleConfig(staleness=S, groups_per_step=2, group_size=3, threshold=0.5, chunk_steps=3)
+    plain_sampler, waiting_sampler = ScriptedSampler(length_of), ScriptedSampler(length_of)
+    plain = StaleSync(cfg, plain_sampler, prompt_fn=lambda: torch.tensor([2, 5]), seed_fn=lambda i: 7000 + i)
+    waiting = StaleSync(cfg, waiting_sampler, prompt_fn=lambda: torch.tensor([2, 5]), seed_fn=lambda i: 7000 + i)
+    calls = []
+    while_ready = [0, 0]  # tokens decoded while this rank was ready and waited; sampler count at the last turn
+
+    def all_ready(mine):  # the peer becomes ready 4 loop turns after this rank
+        if calls and calls[-1]:
+            while_ready[0] += waiting_sampler.tokens - while_ready[1]
+        while_ready[1] = waiting_sampler.tokens
+        calls.append(mine)
+        return mine and sum(calls[-5:]) == 5 and len(calls) >= 5
+
+    for _ in range(6):
+        a, b = plain.rollout(), waiting.rollout(all_ready=all_ready)
+        calls.clear()
+        _check_batch(b, S, cfg, length_of, lambda i: 7000 + i)
+        if S == 0:
+            assert a.ids == b.ids and all(torch.equal(x, y) for x, y in zip(a.responses, b.responses))
+        plain.update(), waiting.update()
+    acc = waiting.accounting()
+    assert acc["trained"] | acc["regenerated"] | acc["in_flight"] == set(range(waiting.next_id))
+    if S > 0:  # the waiting turns decoded the in-flight long tail
+        assert while_ready[0] > 0
+    else:      # nothing is ever in flight once the batch is complete
+        assert while_ready[0] == 0
