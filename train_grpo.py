@@ -160,7 +160,7 @@ class Config:
     grad_clip: float = 1.0
     # staleness (stalesync.py)
     staleness: int = 0             # S: the most policy versions a trained sample may lag (0: synchronous)
-    threshold: float = 1.0         # in (0, 1]: the decode pool holds prompts_per_step / threshold groups
+    threshold: float = 0.5         # in (0, 1]: the decode pool holds prompts_per_step / threshold groups (S > 0)
     chunk_steps: int = 8           # decode steps between checks for a finished batch (S > 0)
     decoupled: bool = False        # decoupled objective: clip around recomputed proximal log-probs
     # rollout
