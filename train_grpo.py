@@ -1,17 +1,22 @@
-"""GRPO post-training of a tiny MoE policy, end to end: the synchronous, colocated baseline.
+"""GRPO post-training of a tiny MoE policy, end to end, wiring the four mechanisms together.
 
     torchrun --standalone --nproc_per_node=2 train_grpo.py     # 2 ranks (gloo on CPU, nccl on GPUs)
     python train_grpo.py                                       # a world of one
     python train_grpo.py --help                                # every flag, grouped
 
-Every rank both generates and trains, one phase after the other. Each step:
-  1. sample a global batch of prompts (every rank draws the same ones and keeps its slice);
-  2. generate `group_size` responses per prompt from a plain copy of the current weights;
+By default every rank both generates and trains, one phase after the other (colocated, synchronous).
+Each step:
+  1. sample a global batch of prompts (every replica draws the same stream and keeps its slice);
+  2. generate `group_size` responses per prompt: fusion.py switches the rank from TRAIN (FSDP2 shards,
+     grads, AdamW state) to ROLLOUT (optimizer state on host, inference weights rebuilt in buckets,
+     optionally tensor-parallel), and stalesync.py schedules the round (S = 0: wait for every sample);
   3. score them with `score` (exact match: a rule, not a model);
-  4. compute group-normalised advantages (`group_advantages`);
-  5. compute reference log-probs with the frozen initial policy, when `kl_coef > 0`;
-  6. take `updates_per_batch` optimizer steps on `grpo_loss`; FSDP2 shards parameters, gradients
-     and optimizer state over all ranks (data parallel).
+  4. compute group-normalised advantages (`group_advantages`), then put the rows into distqueue.py;
+  5. each trainer reads a token-balanced share of the global batch, packed, and computes reference
+     log-probs with the frozen initial policy when `kl_coef > 0` (or under --deploy colocated-all);
+  6. take `updates_per_batch` optimizer steps on `grpo_loss`, data parallel with FSDP2.
+--deploy separated gives half the ranks to training and half to generation instead, with the weights
+pushed in buckets after each step; --staleness S lets rollouts run up to S versions ahead.
 
 The task: reverse a string of digits. "=" ends the prompt, EOS ends the answer. The string length is
 lognormal, so answers run from 2 to 33 tokens with a long tail (median about 8): the tail that the
@@ -27,7 +32,10 @@ Departures from the GRPO paper (DeepSeekMath), on purpose:
 3. `old_logprobs` are the behaviour log-probs recorded by the sampler, not recomputed: with one update
    per batch the ratio is 1 up to float error (tested to 1e-5).
 4. Sampling randomness is counter-based per sample (see model.py), so the samples do not depend on
-   the world size: a run on 1 rank and on 2 ranks sees the same responses.
+   the world size or the deployment: every mode sees the same responses from the same weights.
+5. Scoring runs on the rank that generated the group (a cheap rule, and the advantage needs the whole
+   group), so reward and advantage travel through the queue with the sample; reference log-probs are
+   computed by the trainer that reads the sample, which is where the reference model lives.
 
 Outputs, in --out (default runs/<timestamp>/): metrics.jsonl (one object per step), summary.json,
 and spans_rank<N>.jsonl (every timed phase of every rank, for a timeline).
@@ -37,7 +45,6 @@ import contextlib
 import dataclasses
 import datetime
 import json
-import math
 import os
 import time
 from contextlib import contextmanager
@@ -46,7 +53,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import distqueue
 import fusion
