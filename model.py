@@ -17,9 +17,10 @@ Departures from a production sampler, on purpose:
 1. Randomness is counter-based: the uniform that picks a token is a hash of (the sample's seed, the
    token's position). A sample is then the same whether it runs alone or in a batch, in one round or
    cut and continued, on one rank or another: the tests check exactly that.
-2. The MoE computes every expert densely and combines them with the (mostly zero) top-k gates. On
-   2 CPU cores this is faster than routing tokens to experts for a model this small; the math is the
-   same as routed dispatch, which moe_switch.py implements across ranks.
+2. For a few tokens at a time (decoding), the MoE computes every expert densely and combines them with
+   the (mostly zero) top-k gates: on 2 CPU cores that beats routing for a model this small. For many
+   tokens (training, prefill) it routes each token to its k experts. The math is the same either way,
+   and the same as the dispatch across ranks that moe_switch.py implements.
 3. Behaviour log-probs ignore the top-p truncation (as verl does): they are the log-probs the trainer
    recomputes. The default top-p is 1, where the two agree.
 4. Tensor parallelism (`Policy(cfg, tp_group)`, t ranks) is for inference only (plain all_reduce, no
@@ -120,6 +121,7 @@ class MoE(nn.Module):
         E, D, Fx = cfg.n_experts, cfg.d_model, cfg.d_expert
         Fl = Fx // tp_rank_size(tp_group)[1]                                     # F/t hidden units here
         self.top_k, self.tp_group = cfg.top_k, tp_group
+        self.dense_below = 512  # tokens; below this, computing every expert densely is faster on CPU
         self.router = nn.Linear(D, E, bias=False)
         self.w_gate = nn.Parameter(torch.randn(E, D, Fl) * D ** -0.5)
         self.w_up = nn.Parameter(torch.randn(E, D, Fl) * D ** -0.5)
@@ -135,10 +137,20 @@ class MoE(nn.Module):
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, shape[-1])                                              # (N, D)
-        h = F.silu(torch.einsum("nd,edf->enf", x, self.w_gate)) \
-            * torch.einsum("nd,edf->enf", x, self.w_up)                           # (E, N, F)
-        y = torch.einsum("enf,efd->end", h, self.w_down)                          # (E, N, D)
-        out = torch.einsum("ne,end->nd", self.gates(x), y).reshape(shape)
+        gates = self.gates(x)                                                     # (N, E)
+        if x.shape[0] <= self.dense_below:  # decoding: every expert on every token, combined by gates
+            h = F.silu(torch.einsum("nd,edf->enf", x, self.w_gate)) \
+                * torch.einsum("nd,edf->enf", x, self.w_up)                       # (E, N, F)
+            y = torch.einsum("enf,efd->end", h, self.w_down)                      # (E, N, D)
+            out = torch.einsum("ne,end->nd", gates, y)
+        else:  # training and prefill: each expert only on the tokens routed to it
+            out = torch.zeros_like(x)
+            for e in range(gates.shape[1]):
+                idx = gates[:, e].nonzero().squeeze(-1)                           # (n_e,) host sync
+                xe = x[idx]                                                       # (n_e, D)
+                ye = (F.silu(xe @ self.w_gate[e]) * (xe @ self.w_up[e])) @ self.w_down[e]
+                out = out.index_add(0, idx, ye * gates[idx, e, None])             # (N, D)
+        out = out.reshape(shape)
         if self.tp_group is not None:  # a partial sum over this rank's F/t hidden units
             dist.all_reduce(out, group=self.tp_group)
         return out

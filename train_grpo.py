@@ -163,6 +163,7 @@ class Config:
     loss_agg: str = "token-mean"
     scale_by_std: bool = True      # False: Dr. GRPO advantages
     updates_per_batch: int = 1     # optimizer steps (mini-batches) per rollout batch
+    micro_batches: int = 4         # length-sorted chunks per mini-batch, gradients accumulated
     grad_clip: float = 1.0
     # staleness (stalesync.py)
     staleness: int = 0             # S: the most policy versions a trained sample may lag (0: synchronous)
@@ -204,6 +205,7 @@ def parse_args(argv=None):
                  ("loss_agg", "token-mean or seq-mean-token-mean"),
                  ("scale_by_std", "divide advantages by the group std (0: Dr. GRPO)"),
                  ("updates_per_batch", "optimizer steps per rollout batch"),
+                 ("micro_batches", "length-sorted chunks per mini-batch (less padding), gradients accumulated"),
                  ("grad_clip", "gradient norm clip")],
         "staleness": [("staleness", "S: most policy versions a trained sample may lag (0: synchronous)"),
                       ("threshold", "in (0, 1]: decode pool of prompts_per_step / threshold groups; a round "
@@ -277,6 +279,8 @@ def validate(cfg, world_size):
         errors.append(f"--top-p {cfg.top_p} must be in (0, 1]")
     if cfg.kl_coef < 0 or cfg.clip_eps <= 0 or cfg.lr <= 0:
         errors.append(f"--kl-coef {cfg.kl_coef} must be >= 0, --clip-eps {cfg.clip_eps} and --lr {cfg.lr} > 0")
+    if cfg.micro_batches < 1:
+        errors.append(f"--micro-batches {cfg.micro_batches} must be >= 1")
     if cfg.steps < 1 or cfg.eval_every < 1:
         errors.append(f"--steps {cfg.steps} and --eval-every {cfg.eval_every} must be >= 1")
     if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -646,37 +650,62 @@ def train(cfg, out_dir=None):
     return summary, model
 
 
+def length_chunks(rows, lengths, k):
+    """Split rows into exactly k chunks of similar length (sorted), so that each forward pads only to its
+    own chunk's longest row. Every rank must run the same number of FSDP forwards and backwards, so an
+    empty chunk becomes a stand-in row with weight 0. Returns [(rows, is_stand_in)]."""
+    by_len = sorted(rows, key=lambda i: lengths[i])
+    return [(list(c), False) if len(c) else ([0], True) for c in np.array_split(np.array(by_len, dtype=int), k)]
+
+
 def train_on(model, opt, ref, batch, cfg, device, group):
     """GRPO updates on this rank's share of the batch. Returns [loss, clip_frac, ratio_mean, k3_mean]."""
-    tokens, mask, (old_lp,) = response_batch(batch.cols["prompt"], batch.cols["response"],
-                                             batch.cols["old_logprobs"])
-    tokens, mask, old_lp = tokens.to(device), mask.to(device), old_lp.to(device)
-    adv = batch.stack("advantage").to(device)                                      # (B,)
-    weights = None
-    if cfg.decoupled:  # clip around the current weights' log-probs, reweight by pi_prox / pi_behaviour
-        with torch.no_grad():
-            proximal = policy_logprobs(model, tokens, cfg.temperature)
-        fusion.reshard_all(model)  # FSDP2 leaves modules unsharded after a no-grad forward
-        old_lp, weights = stalesync.off_policy_logprobs(old_lp, proximal, decoupled=True)
-    ref_lp = None
-    if ref is not None:  # 5. reference log-probs (colocated-all: the reference visits the device)
+    P, R, B = batch.cols["prompt"], batch.cols["response"], len(batch.ids)
+    lengths = [len(p) + len(r) for p, r in zip(P, R)]
+    adv_all = batch.stack("advantage")                                              # (B,)
+
+    def padded(rows, *per_row):  # tokens (b, T), response mask (b, T-1), then per-token fields (b, T-1)
+        tokens, mask, fields = response_batch([P[i] for i in rows], [R[i] for i in rows],
+                                              *[[f[i] for i in rows] for f in per_row])
+        return tokens.to(device), mask.to(device), [f.to(device) for f in fields]
+
+    # 5. Before any update: reference log-probs (colocated-all: the reference visits the device) and,
+    # for the decoupled objective, the proximal log-probs of the current weights; kept per row.
+    ref_lp, prox_lp = {}, {}
+    if ref is not None or cfg.decoupled:
         with torch.no_grad(), (fusion.on_device(ref) if isinstance(ref, fusion.HostOffloaded)
-                               else contextlib.nullcontext(ref)) as m:
-            ref_lp = policy_logprobs(m, tokens, cfg.temperature)
-    stats = np.zeros(4)
-    # 6. optimizer steps over mini-batches; every rank takes the same number, empty or not
-    for mb in np.array_split(np.arange(len(batch.ids)), cfg.updates_per_batch):
-        mb = torch.as_tensor(mb, dtype=torch.long)
-        lp = policy_logprobs(model, tokens[mb], cfg.temperature)
-        loss, m = grpo_loss(lp, old_lp[mb], None if ref_lp is None else ref_lp[mb], adv[mb], mask[mb],
-                            cfg.clip_eps, cfg.kl_coef, cfg.loss_agg, None if weights is None else weights[mb])
-        n_items = int(mask[mb].sum()) if cfg.loss_agg == "token-mean" else len(mb)
-        (loss * mean_loss_scale(n_items, device, group)).backward()
+                               else contextlib.nullcontext(ref)) as ref_module:
+            for rows, _ in length_chunks(range(B), lengths, cfg.micro_batches):
+                tokens, mask, _ = padded(rows)
+                for store, m in ((ref_lp, ref_module), (prox_lp, model if cfg.decoupled else None)):
+                    if m is not None:
+                        lp = policy_logprobs(m, tokens, cfg.temperature)            # (b, T-1)
+                        store.update({i: lp[j][mask[j]].cpu() for j, i in enumerate(rows)})  # (n_i,)
+        fusion.reshard_all(model)  # FSDP2 leaves modules unsharded after a no-grad forward
+    stats, n_stats = np.zeros(4), 0
+    # 6. optimizer steps over mini-batches, each accumulated over length-sorted micro-batches
+    for mb in np.array_split(np.arange(B), cfg.updates_per_batch):
+        token_mean = cfg.loss_agg == "token-mean"
+        n_global, = global_sum(sum(len(R[i]) for i in mb) if token_mean else len(mb), device=device, group=group)
+        for rows, stand_in in length_chunks(mb, lengths, cfg.micro_batches):
+            fields = [batch.cols["old_logprobs"]] + [f for f in (ref_lp, prox_lp) if f]
+            tokens, mask, (old_lp, *rest) = padded(rows, *fields)
+            ref_t = rest.pop(0) if ref_lp else None                                  # (b, T-1)
+            lp = policy_logprobs(model, tokens, cfg.temperature)                    # (b, T-1)
+            weights = None
+            if cfg.decoupled:  # clip around the proximal policy, reweight by pi_prox / pi_behaviour
+                old_lp, weights = stalesync.off_policy_logprobs(old_lp, rest.pop(0), decoupled=True)
+            loss, m = grpo_loss(lp, old_lp, ref_t, adv_all[rows].to(device), mask, cfg.clip_eps, cfg.kl_coef,
+                                cfg.loss_agg, weights)
+            # This chunk's share of the mean over the global mini-batch (FSDP averages over ranks).
+            n_items = int(mask.sum()) if token_mean else len(rows)
+            (loss * (0.0 if stand_in else n_items * dist.get_world_size(group) / max(n_global, 1.0))).backward()
+            if not stand_in:
+                stats, n_stats = stats + [loss.item(), m["clip_frac"], m["ratio_mean"], m["k3_mean"]], n_stats + 1
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        stats += [loss.item(), m["clip_frac"], m["ratio_mean"], m["k3_mean"]]
-    return stats / cfg.updates_per_batch
+    return stats / max(n_stats, 1)
 
 
 def main(argv=None):

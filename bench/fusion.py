@@ -93,7 +93,8 @@ def bench_modes(args, rank, store):
     import train_grpo
     import torch.distributed as dist
     runs = {m: [] for m in MODES}
-    tmp = tempfile.mkdtemp(prefix=f"bench_fusion_r{rank}_")
+    tmp = os.path.join(tempfile.gettempdir(), f"bench_fusion_{os.getppid()}")  # the same folder on both ranks
+    os.makedirs(tmp, exist_ok=True)
     for rep in range(args.repeats):
         for mode in MODES:
             # A fresh process group over a fresh key prefix per run: train() names its queue's store keys
