@@ -23,13 +23,14 @@ Departures from the paper:
   1. Training is FSDP (ZeRO-3) over all ranks, inference is TP; the EP change lives in moe_switch.py, and
      pipeline parallelism is left out.
   2. The engine cuts its TP piece itself inside load_weights, as vLLM's weight loaders do: fusion hands it
-     full weights that are views into the gathered bucket, so no weight is copied twice. Every rank
-     gathers every weight: under FSDP its shards sit on all ranks anyway.
-  3. The gather is W in-place broadcasts per weight, each owner's c rows straight into its place in the
-     weight's slot of the bucket's flat buffer. One all-gather per weight (this file's first
-     version) moves the same bytes, but gloo's all-gather runs at about a third of its broadcast's
-     bandwidth on CPU (bench/fusion.py). A single rank-major collective per bucket would need a copy-out
-     of each weight, i.e. more than one bucket of memory.
+     full weights that are views into the gathered bucket. Every rank gathers every weight: under FSDP
+     its shards sit on all ranks anyway. When the engine's weights are the full weights (TP 1) and this
+     module manages their storage, the gather writes straight into them instead (`inplace`): no bucket
+     buffer, no load_weights copy, no extra memory at all.
+  3. The gather is W in-place broadcasts per weight, each owner's c rows straight into their place in
+     the destination. One all-gather per weight (this file's first version) moves the same bytes, but
+     gloo's all-gather runs at about a third of its broadcast's bandwidth on CPU (bench/fusion.py), and
+     a rank-major collective per bucket would need a copy-out of each weight.
   4. The training parameter shards stay on the device during ROLLOUT by default: they are 1/W of the
      model and needed first thing back in TRAIN. `offload_params=True` offloads them too.
   5. The engine's weight storages are freed in TRAIN (resized to 0) and re-allocated bucket by bucket;
@@ -173,9 +174,8 @@ def weight_meta(module):
             for n, p in module.named_parameters()]
 
 
-def _slot_numel(shape, shards):
-    rows, rest = (shape[0], shape[1:]) if shape else (1, ())
-    return -(-rows // shards) * shards * int(torch.Size(rest).numel())  # W * c rows: padded like FSDP2
+def _numel(shape):
+    return int(torch.Size(shape).numel())
 
 
 def gather_full_naive(params):
@@ -189,7 +189,7 @@ def plan_buckets(meta, bucket_bytes):
     Pure: every rank makes the same plan. Raises, before any collective, if one weight alone exceeds B."""
     buckets, size = [], 0
     for name, shape, dtype, shards in meta:
-        nb = _slot_numel(shape, shards) * dtype.itemsize
+        nb = _numel(shape) * dtype.itemsize
         if nb > bucket_bytes:
             raise ValueError(f"bucket_bytes {bucket_bytes} is smaller than weight {name} {shape} "
                              f"({nb} bytes gathered); raise bucket_bytes to at least {nb}")
@@ -202,35 +202,44 @@ def plan_buckets(meta, bucket_bytes):
 
 
 def bucket_views(bucket, device):
-    """One flat buffer for a bucket and, per weight, its slot (W*c, ...) and full view (rows, ...) into it."""
-    flat = torch.empty(sum(_slot_numel(s, w) for _, s, _, w in bucket), dtype=bucket[0][2], device=device)
-    slots, off = [], 0
-    for name, shape, _, shards in bucket:
-        n = _slot_numel(shape, shards)
-        slot = flat[off:off + n].view(-1, *shape[1:]) if shape else flat[off:off + n].view(())
-        slots.append((name, slot, slot[:shape[0]] if shape else slot))
-        off += n
-    return flat, slots
+    """One flat buffer for a bucket and, per weight, its full view (rows, ...) into it."""
+    flat = torch.empty(sum(_numel(s) for _, s, _, _ in bucket), dtype=bucket[0][2], device=device)
+    views, off = [], 0
+    for name, shape, _, _ in bucket:
+        views.append((name, flat[off:off + _numel(shape)].view(shape)))
+        off += _numel(shape)
+    return flat, views
+
+
+def gather_into(p, out, works=None):
+    """Fill out (rows, ...), a contiguous full-size tensor, with the full weight of p, FSDP2 shards (Shard(0)
+    on a 1-D mesh of W ranks, c = ceil(rows / W) rows each, the last ones shorter or empty) or a plain
+    tensor. Each rank copies its own rows into place, then W in-place broadcasts, one per owner, fill the
+    rest: no staging buffer, and every byte lands where it will be read. works: a list to append the
+    broadcasts to, issued asynchronously (the caller waits on them); None: wait here."""
+    if not isinstance(p, DTensor):
+        out.copy_(p.detach())
+        return
+    mesh, local = p.device_mesh, p._local_tensor                          # (<= c, ...) this rank's rows
+    w, rows = mesh.size(), out.shape[0]
+    r, c = mesh.get_local_rank(), -(-rows // w)
+    out[r * c:r * c + local.shape[0]].copy_(local)
+    if w > 1:
+        g = mesh.get_group()
+        for src in range(w):
+            piece = out[src * c:min((src + 1) * c, rows)]                # (<= c, ...) owner src's rows
+            if piece.numel():
+                work = dist.broadcast(piece, src=dist.get_global_rank(g, src), group=g, async_op=True)
+                work.wait() if works is None else works.append(work)
 
 
 def gather_bucket(params, bucket, device):
-    """All-gather one bucket of FSDP2 shards (Shard(0) on a 1-D mesh) straight into its flat buffer: each
-    rank copies its shard into its own place, then W in-place broadcasts (one per owner) fill the rest.
-    Returns (flat buffer, [(name, full weight)]), the weights being views into the buffer."""
-    flat, slots = bucket_views(bucket, device)
-    for name, slot, _ in slots:
-        p = params[name]
-        if not isinstance(p, DTensor):
-            slot.copy_(p.detach())
-            continue
-        mesh, local = p.device_mesh, p._local_tensor                      # (<= c, ...) this rank's rows
-        r, c = mesh.get_local_rank(), slot.shape[0] // mesh.size()
-        slot[r * c:r * c + local.shape[0]].copy_(local)
-        if mesh.size() > 1:  # W in-place broadcasts, one per owner: (W*c, ...) filled, c rows at a time
-            g = mesh.get_group()
-            for src in range(mesh.size()):
-                dist.broadcast(slot[src * c:(src + 1) * c], src=dist.get_global_rank(g, src), group=g)
-    return flat, [(name, full) for name, _, full in slots]
+    """All-gather one bucket of weights into one flat buffer. Returns (flat buffer, [(name, full weight)]),
+    the weights being views into the buffer: what an engine's load_weights takes."""
+    flat, views = bucket_views(bucket, device)
+    for name, full in views:
+        gather_into(params[name], full)
+    return flat, views
 
 
 @torch.no_grad()
@@ -256,8 +265,7 @@ def push_weights(model, engine, src, group, bucket_bytes, meta=None, device=None
         if model is not None:
             flat, pairs = gather_bucket(params, bucket, device)
         else:
-            flat, slots = bucket_views(bucket, device)
-            pairs = [(name, full) for name, _, full in slots]
+            flat, pairs = bucket_views(bucket, device)
         if in_group and len(members) > 1:
             dist.broadcast(flat, src=src, group=group)
             sent += flat.nbytes
@@ -275,7 +283,7 @@ class FusedActor:
     Starts in TRAIN: the engine's weight storages are freed here (manage_engine)."""
 
     def __init__(self, model, optimizer, engine, train_layout, infer_layout, bucket_bytes=1 << 20,
-                 offload_params=False, naive=False, manage_engine=True):
+                 offload_params=False, naive=False, manage_engine=True, inplace=None):
         world = dist.get_world_size() if dist.is_initialized() else 1
         if not train_layout.fsdp or infer_layout.fsdp or train_layout.world_size != infer_layout.world_size:
             raise ValueError(f"train layout {train_layout} must be FSDP and inference layout {infer_layout} "
@@ -295,7 +303,16 @@ class FusedActor:
         self.offload_params, self.naive, self.manage_engine = offload_params, naive, manage_engine
         self.device = next(model.parameters()).device
         reshard_all(model)
-        self.buckets = plan_buckets(weight_meta(model), bucket_bytes)
+        meta = weight_meta(model)
+        self.buckets = plan_buckets(meta, bucket_bytes)
+        # The engine's weights are the full weights (TP 1) and this module owns their storage: gather
+        # straight into them, with no bucket buffer and no load_weights copy. Else: bucket + load_weights.
+        eng = dict(engine.named_parameters())
+        full = all(tuple(eng[n].shape) == shape and eng[n].dtype == dtype and eng[n].is_contiguous()
+                   and eng[n].untyped_storage().nbytes() in (0, eng[n].nbytes) for n, shape, dtype, _ in meta)
+        self.inplace = manage_engine and not naive and full if inplace is None else inplace
+        if self.inplace and not (manage_engine and full):
+            raise ValueError("inplace=True needs manage_engine=True and engine weights of the full shapes")
         self.phase, self.round_trips, self._hosts, self._param_hosts = TRAIN, 0, [], []
         self._off, self._param_off, self.stats = [], [], {}
         if manage_engine:
@@ -357,6 +374,15 @@ class FusedActor:
             if self.naive:
                 pairs = gather_full_naive(params)
                 extra = sum(t.nbytes for _, t in pairs)
+            elif self.inplace:  # allocate this bucket's engine weights and gather into them
+                works = []
+                for name, *_ in bucket:
+                    eng[name].untyped_storage().resize_(eng[name].nbytes)
+                    gather_into(params[name], eng[name].detach(), works)
+                [w.wait() for w in works]
+                peak, gathered = max(peak, self.resident_bytes()), gathered + sum(eng[n].nbytes for n, *_ in bucket)
+                loaded |= {name for name, *_ in bucket}
+                continue
             else:
                 flat, pairs = gather_bucket(params, bucket, self.device)
                 extra = flat.nbytes

@@ -174,7 +174,7 @@ def worker(rank, args, port, results):
             print(f"switch: round trip {switch['switch_round_trip_s'] * 1e3:.1f} ms for "
                   f"{switch['switch_bytes'] / 2 ** 20:.1f} MiB | memcpy {switch['memcpy_bound_s'] * 1e3:.1f} ms "
                   f"| ratio {switch['switch_round_trip_s'] / switch['memcpy_bound_s']:.2f}", flush=True)
-        runs = bench_modes(args, rank, store)
+        runs = bench_modes(args, rank, store) if not args.switch_only else {m: [] for m in MODES}
         if rank == 0:
             results.put((switch, runs))
     finally:
@@ -201,6 +201,7 @@ def main(argv=None):
     g.add_argument("--switch-d-expert", type=int, default=1024, help="expert width of the switch measurement")
     g.add_argument("--switch-bucket-kb", type=int, default=16384, help="bucket of the switch measurement, KiB")
     g.add_argument("--switch-reps", type=int, default=9, help="round trips timed (median)")
+    g.add_argument("--switch-only", action="store_true", help="measure the switch only, not the three modes")
     args = p.parse_args(argv)
     print("bench/fusion.py: 2 gloo ranks x 1 thread; regime: compute-bound rollout and training "
           f"({args.prompts_per_step} prompts x {args.group_size} responses per step)", flush=True)
@@ -211,6 +212,10 @@ def main(argv=None):
     [pr.start() for pr in procs]
     switch, runs = results.get(timeout=3600)
     [pr.join() for pr in procs]
+    if args.switch_only:
+        print(json.dumps(switch | {"round_trip_over_memcpy": round(switch["switch_round_trip_s"]
+                                                                   / switch["memcpy_bound_s"], 2)}), flush=True)
+        return
     med = {m: {k: statistics.median(r[i] for r in runs[m]) for i, k in
                enumerate(("tokens_per_s", "rollout_s", "train_s", "switch_s", "cores"))} for m in MODES}
     for m in MODES:
