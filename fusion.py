@@ -280,10 +280,12 @@ class FusedActor:
     """The actor in two phases on the same devices. model: FSDP2-sharded (fully_shard over a 1-D mesh of
     all W ranks) or plain; optimizer: built on model.parameters(); engine: any module with
     load_weights(iterable of (name, tensor)) whose parameter names are the model's, e.g. Policy(cfg, tp_group).
-    Starts in TRAIN: the engine's weight storages are freed here (manage_engine)."""
+    Starts in TRAIN: the engine's weight storages are freed here (manage_engine). skip: names of weights
+    that someone else moves between the phases (moe_switch.py's experts): not built, freed or counted as
+    inference weights here; their grads and optimizer states are still offloaded."""
 
     def __init__(self, model, optimizer, engine, train_layout, infer_layout, bucket_bytes=1 << 20,
-                 offload_params=False, naive=False, manage_engine=True, inplace=None):
+                 offload_params=False, naive=False, manage_engine=True, inplace=None, skip=()):
         world = dist.get_world_size() if dist.is_initialized() else 1
         if not train_layout.fsdp or infer_layout.fsdp or train_layout.world_size != infer_layout.world_size:
             raise ValueError(f"train layout {train_layout} must be FSDP and inference layout {infer_layout} "
@@ -301,13 +303,13 @@ class FusedActor:
         self.model, self.optimizer, self.engine = model, optimizer, engine
         self.train_layout, self.infer_layout, self.bucket_bytes = train_layout, infer_layout, bucket_bytes
         self.offload_params, self.naive, self.manage_engine = offload_params, naive, manage_engine
-        self.device = next(model.parameters()).device
+        self.device, self.skip = next(model.parameters()).device, set(skip)
         reshard_all(model)
-        meta = weight_meta(model)
+        meta = [m for m in weight_meta(model) if m[0] not in self.skip]
         self.buckets = plan_buckets(meta, bucket_bytes)
         # The engine's weights are the full weights (TP 1) and this module owns their storage: gather
         # straight into them, with no bucket buffer and no load_weights copy. Else: bucket + load_weights.
-        eng = dict(engine.named_parameters())
+        eng = self._engine_weights()
         full = all(tuple(eng[n].shape) == shape and eng[n].dtype == dtype and eng[n].is_contiguous()
                    and eng[n].untyped_storage().nbytes() in (0, eng[n].nbytes) for n, shape, dtype, _ in meta)
         self.inplace = manage_engine and not naive and full if inplace is None else inplace
@@ -316,9 +318,9 @@ class FusedActor:
         self.phase, self.round_trips, self._hosts, self._param_hosts = TRAIN, 0, [], []
         self._off, self._param_off, self.stats = [], [], {}
         if manage_engine:
-            for s in storages(engine.parameters()):
+            for s in storages(eng.values()):
                 s.resize_(0)
-        self._record(TRAIN)
+        self.record()
 
     # -- accounting
     def resident(self):
@@ -328,13 +330,18 @@ class FusedActor:
         return {"params": held_bytes(ps, self.device),
                 "grads": held_bytes([p.grad for p in ps if p.grad is not None], self.device),
                 "optim": held_bytes(optim, self.device),
-                "infer": held_bytes(self.engine.parameters(), self.device)}
+                "infer": held_bytes(self._engine_weights().values(), self.device)}
+
+    def _engine_weights(self):
+        return {n: p for n, p in self.engine.named_parameters() if n not in self.skip}
 
     def resident_bytes(self):
         return sum(self.resident().values())
 
-    def _record(self, phase):
-        key = phase.lower()
+    def record(self):
+        """Take the memory figures of the current phase (again, if the caller has since moved weights of
+        its own, e.g. the experts)."""
+        key = self.phase.lower()
         for cat, nb in self.resident().items():
             self.stats[f"mem/{key}_{cat}_bytes"] = nb
         self.stats[f"mem/{key}_bytes"] = torch.cuda.memory_allocated(self.device) \
@@ -368,11 +375,11 @@ class FusedActor:
         self.stats["switch/offload_bytes"] = sum(s.nbytes() for s in self._off)
         self._hosts = offload(self._off, self._hosts)
         # 2. the inference weights: gather a bucket, (re-)allocate its engine weights, load, free the bucket
-        params, eng = dict(self.model.named_parameters()), dict(self.engine.named_parameters())
+        params, eng = dict(self.model.named_parameters()), self._engine_weights()
         peak, gathered, loaded = 0, 0, set()
         for bucket in [sum(self.buckets, [])] if self.naive else self.buckets:
             if self.naive:
-                pairs = gather_full_naive(params)
+                pairs = gather_full_naive({n: p for n, p in params.items() if n not in self.skip})
                 extra = sum(t.nbytes for _, t in pairs)
             elif self.inplace:  # allocate this bucket's engine weights and gather into them
                 works = []
@@ -396,7 +403,8 @@ class FusedActor:
             raise RuntimeError(f"engine weights not loaded: {sorted(set(eng) - loaded)}")
         # 3. the training shards too, if asked (they are 1/W of the model and needed first thing back)
         if self.offload_params:
-            self._param_off = storages(self.model.parameters(), self.device)
+            self._param_off = storages([p for n, p in self.model.named_parameters() if n not in self.skip],
+                                       self.device)
             self._param_hosts = offload(self._param_off, self._param_hosts)
         self._finish(ROLLOUT, t0, peak)
         self.stats["switch/gather_bytes"] = gathered
@@ -409,7 +417,7 @@ class FusedActor:
         self._expect(ROLLOUT, "to_train")
         t0 = time.perf_counter()
         if self.manage_engine:
-            for s in storages(self.engine.parameters()):
+            for s in storages(self._engine_weights().values()):
                 s.resize_(0)
         reload(self._param_off, self._param_hosts)
         reload(self._off, self._hosts)
@@ -428,7 +436,7 @@ class FusedActor:
         self.stats[f"time/{key}_s"] = time.perf_counter() - t0
         if phase == ROLLOUT:
             self.stats["switch/peak_extra_bytes"] = max(0, peak - end)
-        self._record(phase)
+        self.record()
 
     # -- resume
     def state_dict(self):

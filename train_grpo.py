@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 import distqueue
 import fusion
+import moe_switch
 import stalesync
 from model import ModelConfig, Policy, generate, token_logprobs
 
@@ -178,6 +179,8 @@ class Config:
     deploy: str = "colocated"      # colocated, separated or colocated-all
     infer_tp: int = 1              # tensor-parallel degree of the rollout engine (colocated modes)
     bucket_kb: int = 256           # bucket size of the weight re-sharding and pushes, in KiB
+    train_ep: int = 0              # expert-parallel degree in training (0: experts FSDP-sharded like the rest)
+    infer_ep: int = 0              # expert-parallel degree of the rollout engine (with --train-ep)
     # run
     seed: int = 0
     eval_every: int = 100          # steps between held-out evaluations (also the first and last)
@@ -218,7 +221,10 @@ def parse_args(argv=None):
                               "separated: half the ranks train, half generate; colocated-all: colocated plus "
                               "the reference model, kept on host except while it computes"),
                        ("infer_tp", "tensor-parallel degree of the rollout engine: 1, 2 or 4 (colocated modes)"),
-                       ("bucket_kb", "bucket size in KiB for building and pushing inference weights")],
+                       ("bucket_kb", "bucket size in KiB for building and pushing inference weights"),
+                       ("train_ep", "expert-parallel degree in training, re-sharded at each phase change "
+                                    "(moe_switch.py); 0: the experts are FSDP-sharded like every weight"),
+                       ("infer_ep", "expert-parallel degree of the rollout engine (with --train-ep)")],
         "run": [("seed", "seed of prompts, init and sampling"), ("eval_every", "steps between evaluations"),
                 ("out", "output folder (default runs/<timestamp>)"), ("device", "auto, cpu or cuda"),
                 ("pg_timeout_s", "timeout in seconds of every process group")],
@@ -248,6 +254,20 @@ def validate(cfg, world_size):
     if separated and cfg.staleness > 0:
         errors.append(f"--staleness {cfg.staleness} with --deploy separated is not wired into this script yet "
                       "(bench/stalesync.py runs it); use --deploy colocated")
+    if (cfg.train_ep > 0) != (cfg.infer_ep > 0):
+        errors.append(f"--train-ep {cfg.train_ep} and --infer-ep {cfg.infer_ep}: set both (EP on) or neither")
+    elif cfg.train_ep:
+        for flag, ep in (("--train-ep", cfg.train_ep), ("--infer-ep", cfg.infer_ep)):
+            try:
+                moe_switch.EPLayout(ep, world_size, cfg.n_experts)
+            except ValueError as e:
+                errors.append(f"{flag} {ep}: {e}")
+        if cfg.deploy == "separated" or cfg.infer_tp != 1:
+            errors.append(f"--train-ep needs a colocated deployment with --infer-tp 1 (got --deploy {cfg.deploy}, "
+                          f"--infer-tp {cfg.infer_tp})")
+        if cfg.infer_ep != 1:
+            errors.append(f"--infer-ep {cfg.infer_ep}: an engine with experts spread over ranks needs every rank "
+                          "to decode in lock-step, which this script's sampler does not do; use --infer-ep 1")
     try:
         stalesync.StaleConfig(cfg.staleness, 1, max(cfg.group_size, 1), cfg.threshold, max(cfg.chunk_steps, 1))
     except (ValueError, TypeError) as e:
@@ -391,8 +411,24 @@ def sample_seeds(cfg, step, first, n, per_step):
 
 
 def full_state_dict(model):
-    """Gather the FSDP2 shards into plain tensors (every rank gets the whole model)."""
-    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    """Gather the FSDP2 shards into plain tensors (every rank gets the whole model), in the dense model's
+    names and order: EP experts (one tensor per expert, on their owners) come back stacked (E, ...)."""
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    ep = {name: m for name, m in model.named_modules() if isinstance(m, moe_switch.EPMoE)}
+    out = {}
+    for k, v in full.items():
+        name = k.rsplit(".", 2)[0]
+        if name in ep and f"{name}.w_gate" not in out:  # the dense MoE's order: w_gate, w_up, w_down, router
+            m = ep[name]
+            for n in moe_switch.EXPERT_NAMES:  # every expert broadcast by its first holder, then stacked
+                like = getattr(m, n)[m.layout.owned(dist.get_rank())[0]]
+                experts = [p.detach().clone() if p.numel() else torch.empty_like(like) for p in getattr(m, n)]
+                for e, t in enumerate(experts):
+                    dist.broadcast(t, src=m.layout.holders(e)[0])
+                out[f"{name}.{n}"] = torch.stack(experts)                       # (E, ...)
+        if name not in ep or k.endswith(".router.weight"):
+            out[k] = v
+    return out
 
 
 def global_sum(*values, device, group=None):
@@ -417,7 +453,15 @@ def count_correct(engine, prompts, cfg):
     return sum(score(p, r) for p, r in zip(prompts, gen.tokens))
 
 
-def warmup(model, stream, cfg, device, rank, n_ranks, group=None):
+def finish_grads(model, max_norm, experts=None):
+    """Before opt.step(): under EP, the expert grads are synced first; then the global norm is clipped."""
+    if experts is None:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    experts.sync_grads(model)
+    return experts.clip_grads(model, max_norm)
+
+
+def warmup(model, stream, cfg, device, rank, n_ranks, group=None, experts=None):
     """Supervised warm-up: cross-entropy on the reference answers, data parallel over `group`."""
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr, betas=(0.9, 0.98), weight_decay=0.0)
     n = cfg.warmup_batch // n_ranks
@@ -428,7 +472,7 @@ def warmup(model, stream, cfg, device, rank, n_ranks, group=None):
         nll = -policy_logprobs(model, tokens, 1.0)                                 # (B, T-1)
         loss = (nll * mask).sum() / mask.sum() * mean_loss_scale(int(mask.sum()), device, group)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        finish_grads(model, cfg.grad_clip, experts)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -463,6 +507,102 @@ class Roles:
         return self.rank in self.generators and (self.rank - self.generators[0]) % self.infer_tp == 0
 
 
+class ExpertParallel:
+    """The wiring of moe_switch.py (--train-ep P --infer-ep Q). The training model's MoE layers become
+    EPMoE layers under the training EP layout, outside FSDP (its ignored_params); the engine's under the
+    inference layout. At each phase change the expert weights themselves move between the layouts,
+    bucket by bucket (moe_switch.reshard): after fusion.py has offloaded their grads and Adam states,
+    to_infer() re-shards them and the engine's experts alias the moved tensors (no copy); to_train()
+    moves them back, bit for bit. The gradient of an owned expert sums its EP group's tokens: it is
+    scaled to the mean over all ranks and summed over the layout's replicas (sync_grads)."""
+
+    def __init__(self, cfg, world, timeout_s):
+        E = cfg.n_experts
+        self.train_layout = moe_switch.EPLayout(cfg.train_ep, world, E)
+        self.infer_layout = moe_switch.EPLayout(cfg.infer_ep, world, E)
+        self.train_groups = moe_switch.new_groups(self.train_layout, timeout_s)  # (EP, DP); collective
+        self.infer_groups = moe_switch.new_groups(self.infer_layout, timeout_s)
+        self.bucket_bytes, self.world, self.stats = cfg.bucket_kb * 1024, world, {}
+
+    @staticmethod
+    def layers(module):
+        return [b.moe for b in module.blocks]
+
+    def to_ep(self, model, engine):
+        """Swap the dense MoE layers for EP ones: the model's keep its weights, the engine's stay empty."""
+        for block in model.blocks:
+            block.moe = moe_switch.EPMoE.from_dense(block.moe, self.train_layout, self.train_groups[0])
+        if engine is not None:
+            for block in engine.blocks:
+                moe = block.moe
+                block.moe = moe_switch.EPMoE(moe.w_gate.shape[1], moe.w_gate.shape[2], moe.w_gate.shape[0],
+                                             moe.top_k, self.infer_layout, self.infer_groups[0])
+                block.moe.to(moe.router.weight.device).requires_grad_(False)
+                self._untie(block.moe)
+
+    def expert_names(self, module):
+        return {n for n, _ in module.named_parameters() if n.split(".")[-2] in moe_switch.EXPERT_NAMES}
+
+    def expert_params(self, module):
+        return [p for n, p in module.named_parameters() if n in self.expert_names(module)]
+
+    @staticmethod
+    def _untie(moe):
+        for n in moe_switch.EXPERT_NAMES:
+            for p in getattr(moe, n):
+                p.data = p.data.new_empty(0)
+
+    @torch.no_grad()
+    def to_infer(self, model, engine):
+        t0, moved = time.perf_counter(), []
+        for m, e in zip(self.layers(model), self.layers(engine)):
+            moved.append(m.switch(self.infer_layout, self.infer_groups[0], self.bucket_bytes))
+            for n in moe_switch.EXPERT_NAMES:
+                for pm, pe in zip(getattr(m, n), getattr(e, n)):
+                    pe.data = pm.data  # the engine's experts are the moved tensors themselves
+        self._record("to_infer", t0, moved)
+
+    @torch.no_grad()
+    def to_train(self, model, engine):
+        t0, moved = time.perf_counter(), []
+        for m, e in zip(self.layers(model), self.layers(engine)):
+            self._untie(e)  # the switch must hold the only reference, or nothing could be freed
+            moved.append(m.switch(self.train_layout, self.train_groups[0], self.bucket_bytes))
+        self._record("to_train", t0, moved)
+
+    def _record(self, key, t0, moved):
+        self.stats.update({f"time/ep_{key}_s": time.perf_counter() - t0,
+                           f"ep/{key}_bytes_moved": sum(s["bytes_moved"] for s in moved),
+                           f"ep/{key}_bytes_min": sum(s["bytes_min"] for s in moved),
+                           f"ep/{key}_peak_extra_bytes": max(s["peak_extra_bytes"] for s in moved)})
+
+    def sync_grads(self, model):
+        """After backward: owned expert grads, summed over the EP group's tokens, become the mean over all
+        ranks (what FSDP gives the dense weights): summed over the replicas, divided by the world."""
+        grads = [p.grad for p in self.expert_params(model) if p.numel()]
+        flat = torch.cat([g.flatten() for g in grads]) / self.world
+        if self.train_layout.dp > 1:
+            dist.all_reduce(flat, group=self.train_groups[1])
+        for g, f in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(f.view_as(g))
+
+    def clip_grads(self, model, max_norm):
+        """clip_grad_norm_ over the FSDP shards and the owned experts together."""
+        experts = set(map(id, self.expert_params(model)))
+        dense = [p.grad for p in model.parameters() if id(p) not in experts and p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(dense)
+        sq = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).double() ** 2
+        own = sum(p.grad.double().pow(2).sum() for p in self.expert_params(model) if p.numel())
+        own = own.reshape(1)
+        dist.all_reduce(own)  # every expert counted once per replica
+        total = (sq + own[0] / self.train_layout.dp).sqrt()
+        coef = min(1.0, max_norm / (float(total) + 1e-6))
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+        return total
+
+
 def build(cfg, roles, device):
     """The training model (FSDP2 over the trainers), the rollout engine and the process groups."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -480,13 +620,17 @@ def build(cfg, roles, device):
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model = Policy(model_config(cfg)).to(device)
     rank_trains = roles.rank in roles.trainers
-    if rank_trains:
-        for block in model.blocks:
-            fully_shard(block, mesh=train_mesh)
-        fully_shard(model, mesh=train_mesh)
     engine = Policy(model_config(cfg), tp_group).to(device).eval().requires_grad_(False) \
         if roles.rank in roles.generators else None
-    return (model if rank_trains else None), engine, train_group, tp_group, push_group
+    experts = ExpertParallel(cfg, W, cfg.pg_timeout_s) if cfg.train_ep else None
+    if experts:  # the experts leave FSDP: EP shards them, moe_switch.py re-shards them
+        experts.to_ep(model, engine)
+    if rank_trains:
+        ignored = set(experts.expert_params(model)) if experts else None
+        for block in model.blocks:
+            fully_shard(block, mesh=train_mesh, ignored_params=ignored)
+        fully_shard(model, mesh=train_mesh, ignored_params=ignored)
+    return (model if rank_trains else None), engine, train_group, tp_group, push_group, experts
 
 
 def train(cfg, out_dir=None):
@@ -506,7 +650,7 @@ def train(cfg, out_dir=None):
     warm_stream, rl_stream = PromptStream(seeds[0], cfg.max_digits), PromptStream(seeds[1], cfg.max_digits)
     eval_prompts = PromptStream(20261129, cfg.max_digits).next(cfg.eval_prompts)  # fixed held-out set
     is_trainer, is_generator = rank in roles.trainers, rank in roles.generators
-    model, engine, train_group, tp_group, push_group = build(cfg, roles, device)
+    model, engine, train_group, tp_group, push_group, experts = build(cfg, roles, device)
     # The queue between rollout and training: samples travel packed, token-balanced over the trainers.
     # Its keys live in the process group's store, under a prefix of this run's own (out_dir).
     queue = distqueue.DistQueue(distqueue.QueueSpec(
@@ -519,7 +663,8 @@ def train(cfg, out_dir=None):
 
     if is_trainer:
         with spans("warmup"):
-            warmup(model, warm_stream, cfg, device, roles.trainers.index(rank), len(roles.trainers), train_group)
+            warmup(model, warm_stream, cfg, device, roles.trainers.index(rank), len(roles.trainers), train_group,
+                   experts)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0) \
         if is_trainer else None
     ref = None
@@ -529,7 +674,29 @@ def train(cfg, out_dir=None):
         ref = fusion.HostOffloaded(ref) if cfg.deploy == "colocated-all" else ref
     actor = None if separated else fusion.FusedActor(
         model, opt, engine, fusion.Layout(world, fsdp=True),
-        fusion.Layout(world, tp=cfg.infer_tp, n_heads=cfg.n_heads), bucket_bytes=cfg.bucket_kb * 1024)
+        fusion.Layout(world, tp=cfg.infer_tp, n_heads=cfg.n_heads), bucket_bytes=cfg.bucket_kb * 1024,
+        skip=experts.expert_names(model) if experts else ())
+
+    def to_rollout():  # colocated: fusion.py's switch, then (EP) the experts' own re-sharding
+        if actor:
+            actor.to_rollout()
+            if experts:
+                experts.to_infer(model, engine)
+                actor.record()  # mem/rollout_*: with the experts in their inference layout
+
+    def to_train():
+        if actor:
+            if experts:
+                experts.to_train(model, engine)
+            actor.to_train()
+
+    @contextmanager
+    def rolled_out():
+        to_rollout()
+        try:
+            yield
+        finally:
+            to_train()
 
     def push():  # separated: the trainers' weights to the generators, in buckets (every rank calls)
         with spans("switch"):
@@ -539,7 +706,7 @@ def train(cfg, out_dir=None):
         """Greedy held-out accuracy from the current weights, split over the rollout replicas."""
         correct = 0.0
         if is_generator:
-            with spans("eval"), (fusion.rollout(actor) if actor else contextlib.nullcontext()):
+            with spans("eval"), rolled_out():
                 i, n = roles.replica, roles.replicas
                 correct = count_correct(engine, eval_prompts[i * len(eval_prompts) // n:
                                                              (i + 1) * len(eval_prompts) // n], cfg)
@@ -581,12 +748,10 @@ def train(cfg, out_dir=None):
         reward_sum, n_tok, age_max, rec = 0.0, 0, 0.0, {}
         if is_generator:  # 1-4. G responses per prompt of this replica's slice, scored, into the queue
             with spans("switch"):
-                if actor:
-                    actor.to_rollout()
+                to_rollout()
             b = sched.rollout(spans)  # S > 0: ends once enough groups are complete; the rest continue later
             with spans("switch"):
-                if actor:
-                    actor.to_train()
+                to_train()
             rewards = torch.tensor([score(p, r) for p, r in zip(b.prompts, b.responses)])
             adv = group_advantages(rewards, G, scale_by_std=cfg.scale_by_std)  # a group never spans replicas
             if roles.writes_queue:
@@ -602,7 +767,7 @@ def train(cfg, out_dir=None):
             with spans("queue"):
                 batch = queue.get("train", per_step, dp_group=train_group)
             with spans("train"):
-                stats = train_on(model, opt, ref, batch, cfg, device, train_group)
+                stats = train_on(model, opt, ref, batch, cfg, device, train_group, experts)
         if separated:
             push()
         if sched:
@@ -628,7 +793,7 @@ def train(cfg, out_dir=None):
                     "time/switch_s": spans.total("switch", first_span), "time/step_s": step_s,
                     "perf/idle_frac": spans.total("queue", first_span) / step_s,  # waiting for samples
                     "queue/bytes_sent": q_sent, "queue/bytes_padded_equiv": q_padded, "queue/reads": q_reads,
-                    **(actor.metrics() if actor else {})})
+                    **(actor.metrics() if actor else {}), **(experts.stats if experts else {})})
         if metrics_file:
             metrics_file.write(json.dumps(rec) + "\n")
             metrics_file.flush()
@@ -658,7 +823,7 @@ def length_chunks(rows, lengths, k):
     return [(list(c), False) if len(c) else ([0], True) for c in np.array_split(np.array(by_len, dtype=int), k)]
 
 
-def train_on(model, opt, ref, batch, cfg, device, group):
+def train_on(model, opt, ref, batch, cfg, device, group, experts=None):
     """GRPO updates on this rank's share of the batch. Returns [loss, clip_frac, ratio_mean, k3_mean]."""
     P, R, B = batch.cols["prompt"], batch.cols["response"], len(batch.ids)
     lengths = [len(p) + len(r) for p, r in zip(P, R)]
@@ -702,7 +867,7 @@ def train_on(model, opt, ref, batch, cfg, device, group):
             (loss * (0.0 if stand_in else n_items * dist.get_world_size(group) / max(n_global, 1.0))).backward()
             if not stand_in:
                 stats, n_stats = stats + [loss.item(), m["clip_frac"], m["ratio_mean"], m["k3_mean"]], n_stats + 1
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        finish_grads(model, cfg.grad_clip, experts)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return stats / max(n_stats, 1)

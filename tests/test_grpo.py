@@ -113,6 +113,10 @@ def test_task_has_a_long_tail():
     (["--top-p", "1.5"], "--top-p 1.5"),
     (["--max-new-tokens", "10"], "--max-new-tokens 10 cannot hold"),
     (["--n-heads", "3"], "n_heads=3"),
+    (["--train-ep", "2"], "--train-ep 2 and --infer-ep 0: set both"),
+    (["--train-ep", "3", "--infer-ep", "1"], "--train-ep 3: EP degree 3 does not divide n_experts 4 or world size 2"),
+    (["--train-ep", "2", "--infer-ep", "2"], "--infer-ep 2: an engine with experts spread over ranks"),
+    (["--train-ep", "2", "--infer-ep", "1", "--deploy", "separated"], "--train-ep needs a colocated deployment"),
 ])
 def test_bad_arguments_are_named(flags, text):
     _, cfg = T.parse_args(flags)
@@ -182,10 +186,19 @@ def test_two_ranks_train_to_identical_parameters(tmp_path):
     assert {"eval_accuracy_before", "eval_accuracy_after", "wall_s", "tokens_per_s", "config"} <= set(summary)
     assert os.path.exists(tmp_path / "w2" / "spans_rank1.jsonl")
     # Every deployment runs the same algorithm on the same samples: the same parameters come out.
-    for mode in [{"deploy": "separated"}, {"deploy": "colocated-all"}, {"infer_tp": 2}]:
-        (s, p), _ = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / str(mode)), mode))
+    # (EP 2 in training, 1 in rollout: the experts leave FSDP, tokens cross ranks by all_to_all, the
+    # expert weights are re-sharded at every phase change; the math is the dense model's.)
+    for mode in [{"deploy": "separated"}, {"deploy": "colocated-all"}, {"infer_tp": 2},
+                 {"train_ep": 2, "infer_ep": 1}]:
+        (s, p), (_, p1) = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / str(mode)), mode))
         assert_same_training(p, p_one, str(mode))
         assert s["eval_accuracy_after"] == s_one["eval_accuracy_after"]
+    assert torch.equal(p, p1)  # under EP too, both ranks end with the same model
+    ep = [json.loads(l) for l in open(tmp_path / str(mode) / "metrics.jsonl")][1]
+    half = ep["ep/to_infer_bytes_min"]  # each rank lacks the other half of the experts
+    assert half > 0 and ep["ep/to_infer_bytes_moved"] == half and ep["ep/to_infer_peak_extra_bytes"] == 0
+    assert ep["ep/to_train_bytes_moved"] == 0  # EP 1 -> 2 nests: each rank keeps its half, frees the rest
+    assert ep["mem/rollout_optim_bytes"] == 0 and ep["mem/rollout_params_bytes"] > ep["mem/train_params_bytes"]
 
 
 def test_bounded_staleness_run_keeps_ages_within_s(tmp_path):
