@@ -453,6 +453,16 @@ def count_correct(engine, prompts, cfg):
     return sum(score(p, r) for p, r in zip(prompts, gen.tokens))
 
 
+def param_groups(model, experts=None):
+    """The optimizer's parameters. Under EP, the FSDP shards (DTensors) and the experts (plain tensors) go
+    in two groups: a multi-tensor (foreach) step, CUDA's default, refuses to mix the two kinds."""
+    if experts is None:
+        return list(model.parameters())
+    own = set(experts.expert_params(model))
+    return [{"params": [p for p in model.parameters() if p not in own]},
+            {"params": [p for p in model.parameters() if p in own]}]
+
+
 def finish_grads(model, max_norm, experts=None):
     """Before opt.step(): under EP, the expert grads are synced first; then the global norm is clipped."""
     if experts is None:
@@ -463,7 +473,7 @@ def finish_grads(model, max_norm, experts=None):
 
 def warmup(model, stream, cfg, device, rank, n_ranks, group=None, experts=None):
     """Supervised warm-up: cross-entropy on the reference answers, data parallel over `group`."""
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr, betas=(0.9, 0.98), weight_decay=0.0)
+    opt = torch.optim.AdamW(param_groups(model, experts), lr=cfg.warmup_lr, betas=(0.9, 0.98), weight_decay=0.0)
     n = cfg.warmup_batch // n_ranks
     for _ in range(cfg.warmup_steps):
         prompts = stream.next(cfg.warmup_batch)[rank * n:(rank + 1) * n]
@@ -544,7 +554,8 @@ class ExpertParallel:
         return {n for n, _ in module.named_parameters() if n.split(".")[-2] in moe_switch.EXPERT_NAMES}
 
     def expert_params(self, module):
-        return [p for n, p in module.named_parameters() if n in self.expert_names(module)]
+        names = self.expert_names(module)
+        return [p for n, p in module.named_parameters() if n in names]
 
     @staticmethod
     def _untie(moe):
@@ -665,7 +676,7 @@ def train(cfg, out_dir=None):
         with spans("warmup"):
             warmup(model, warm_stream, cfg, device, roles.trainers.index(rank), len(roles.trainers), train_group,
                    experts)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0) \
+    opt = torch.optim.AdamW(param_groups(model, experts), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0) \
         if is_trainer else None
     ref = None
     if is_trainer and (cfg.kl_coef > 0 or cfg.deploy == "colocated-all"):  # the frozen initial policy

@@ -250,3 +250,57 @@ def test_reference_model_lives_on_host_between_uses():
             assert off.resident_bytes() > 0
             assert torch.equal(module(tok), want)
         assert off.resident_bytes() == 0
+
+
+# ----------------------------------------------------------------------------- CUDA (skipped without one)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_memory_allocated_pinned_offload_and_round_trips():
+    """World 1 on NCCL: by torch.cuda.memory_allocated, ROLLOUT holds no optimizer state; the host buffers
+    are pinned; the switch's peak stays within one bucket of its ends; 50 round trips change neither the
+    resident bytes nor one bit of the parameters and optimizer state."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=dev)
+    try:
+        torch.manual_seed(0)
+        model = Policy(CFG).to(dev)
+        mesh = init_device_mesh("cuda", (1,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        tok = _tokens(5).to(dev)
+        F.cross_entropy(model(tok[:, :-1]).reshape(-1, CFG.vocab_size), tok[:, 1:].reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        for kind in ("inplace", "bucket"):
+            actor = FusedActor(model, opt, Policy(CFG).to(dev), Layout(1, fsdp=True), Layout(1),
+                               bucket_bytes=BUCKET, inplace=kind == "inplace")
+            optim_bytes = sum(v.nbytes for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
+            torch.cuda.synchronize()
+            train_bytes = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            with rollout(actor) as engine:
+                rollout_bytes = torch.cuda.memory_allocated()
+                peak = torch.cuda.max_memory_allocated()
+                infer_bytes = held_bytes(engine.parameters())
+                assert all(h.is_pinned() for h in actor._hosts) and actor._hosts
+                with torch.no_grad():
+                    torch.testing.assert_close(engine(tok), _reference(model).to(dev)(tok), atol=1e-5, rtol=0)
+            # what left the device is the optimizer state (allocator blocks round up to 512 bytes)
+            assert abs(rollout_bytes - (train_bytes - optim_bytes + infer_bytes)) <= 512 * 64, \
+                (kind, train_bytes, rollout_bytes, optim_bytes, infer_bytes)
+            assert actor.metrics()["mem/rollout_optim_bytes"] == 0
+            assert peak <= max(train_bytes, rollout_bytes) + BUCKET, (kind, peak, train_bytes, rollout_bytes)
+            before = _snapshot(model, opt)
+            after_one = torch.cuda.memory_allocated()
+            for _ in range(50):
+                with rollout(actor):
+                    pass
+            torch.cuda.synchronize()
+            assert torch.cuda.memory_allocated() == after_one
+            assert all(torch.equal(x, y) for x, y in zip(before, _snapshot(model, opt)))
+    finally:
+        dist.destroy_process_group()
