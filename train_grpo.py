@@ -251,9 +251,6 @@ def validate(cfg, world_size):
     if separated and (world_size < 2 or world_size % 2 or cfg.infer_tp != 1):
         errors.append(f"--deploy separated needs an even world size >= 2 (got {world_size}) and --infer-tp 1 "
                       f"(got {cfg.infer_tp})")
-    if separated and cfg.staleness > 0:
-        errors.append(f"--staleness {cfg.staleness} with --deploy separated is not wired into this script yet "
-                      "(bench/stalesync.py runs it); use --deploy colocated")
     if (cfg.train_ep > 0) != (cfg.infer_ep > 0):
         errors.append(f"--train-ep {cfg.train_ep} and --infer-ep {cfg.infer_ep}: set both (EP on) or neither")
     elif cfg.train_ep:
@@ -666,8 +663,8 @@ def train(cfg, out_dir=None):
     # Its keys live in the process group's store, under a prefix of this run's own (out_dir).
     queue = distqueue.DistQueue(distqueue.QueueSpec(
         columns={"prompt": "int64", "response": "int64", "old_logprobs": "float32", "reward": "float32",
-                 "advantage": "float32"}, scalars=("reward", "advantage"),
-        stages={"train": ("prompt", "response", "old_logprobs", "reward", "advantage")},
+                 "advantage": "float32", "start_version": "int64"}, scalars=("reward", "advantage", "start_version"),
+        stages={"train": ("prompt", "response", "old_logprobs", "reward", "advantage", "start_version")},
         timeout_s=cfg.pg_timeout_s, name=f"dq:{out_dir}"), distqueue.default_store(), rank, world,
         pg=None if device.type == "cpu" else dist.new_group(backend="gloo", timeout=datetime.timedelta(
             seconds=cfg.pg_timeout_s)))
@@ -753,24 +750,75 @@ def train(cfg, out_dir=None):
 
         sched = stalesync.StaleSync(stalesync.StaleConfig(cfg.staleness, n_prompts, G, cfg.threshold,
                                                           cfg.chunk_steps), sampler, next_prompt, seed_of)
+    def put_batch(b):  # 2-4. score, group advantages (a group never spans replicas), into the queue
+        rewards = torch.tensor([score(p, r) for p, r in zip(b.prompts, b.responses)])
+        adv = group_advantages(rewards, G, scale_by_std=cfg.scale_by_std)
+        if roles.writes_queue:
+            queue.put({"prompt": b.prompts, "response": b.responses, "old_logprobs": b.logprobs,
+                       "reward": rewards.tolist(), "advantage": adv.tolist(), "start_version": b.start_versions})
+        return rewards
+
+    def is_eval_step(step):
+        return step == 1 or step % cfg.eval_every == 0 or step == cfg.steps
+
+    # --deploy separated --staleness S > 0: the generators run ahead, decoupled from the trainers' steps.
+    # Trainer 0 announces each new version in the store; the generators take it between two decode chunks.
+    ahead, store, wkey = separated and cfg.staleness > 0, distqueue.default_store(), f"w:{out_dir}"
+
+    def wait_for(keys, what):  # poll the store, serving the queue all along; a dead peer times out
+        deadline = time.monotonic() + cfg.pg_timeout_s
+        while not store.check(keys):
+            queue.serve()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {rank}: no {what} after {cfg.pg_timeout_s}s (keys {keys})")
+            time.sleep(0.001)
+
+    def generate_ahead():
+        """The generators' whole RL phase when they run ahead (separated, S > 0): decode chunks go on while
+        the trainers train; new weights come in between two chunks (the in-flight samples continue under
+        them, a partial rollout); each batch enters the queue as soon as StaleSync's cut allows."""
+        while sched.version < cfg.steps:
+            if store.check([f"{wkey}/{sched.version + 1}"]):
+                push()
+                sched.update(sched.version + 1)
+                if is_eval_step(sched.version):  # scored here, read by trainer 0 when it logs that step
+                    i, n = roles.replica, roles.replicas
+                    with spans("eval"):
+                        c = count_correct(engine, eval_prompts[i * len(eval_prompts) // n:
+                                                                (i + 1) * len(eval_prompts) // n], cfg)
+                    if roles.writes_queue:
+                        store.set(f"{wkey}/eval/{sched.version}/{i}", str(c))
+                continue
+            n_tok = 0
+            if sched.batches_out < cfg.steps:
+                sched.admit()
+                with spans("rollout"):
+                    n_tok = sched.decode()
+                while sched.ready() and sched.batches_out < cfg.steps:
+                    put_batch(sched.take())
+            queue.serve()
+            if n_tok == 0:  # nothing admissible in flight: wait for the next version (age bound S)
+                with spans("idle"):
+                    wait_for([f"{wkey}/{sched.version + 1}"], f"weights of version {sched.version + 1}")
+
+    if ahead and is_generator:
+        generate_ahead()
     rl_tokens, rl_time = 0.0, 0.0
-    for step in tqdm(range(1, cfg.steps + 1), disable=rank != 0, desc="GRPO", dynamic_ncols=True):
+    for step in tqdm(range(1, cfg.steps + 1) if not (ahead and is_generator) else [], disable=rank != 0,
+                     desc="GRPO", dynamic_ncols=True):
         first_span, t0 = len(spans.spans), time.perf_counter()
-        reward_sum, n_tok, age_max, rec = 0.0, 0, 0.0, {}
+        reward_sum, n_tok, age_max, age_sum, rec = 0.0, 0, 0.0, 0.0, {}
         if is_generator:  # 1-4. G responses per prompt of this replica's slice, scored, into the queue
             with spans("switch"):
                 to_rollout()
             b = sched.rollout(spans)  # S > 0: ends once enough groups are complete; the rest continue later
             with spans("switch"):
                 to_train()
-            rewards = torch.tensor([score(p, r) for p, r in zip(b.prompts, b.responses)])
-            adv = group_advantages(rewards, G, scale_by_std=cfg.scale_by_std)  # a group never spans replicas
+            rewards = put_batch(b)
             if roles.writes_queue:
-                queue.put({"prompt": b.prompts, "response": b.responses, "old_logprobs": b.logprobs,
-                           "reward": rewards.tolist(), "advantage": adv.tolist()})
                 reward_sum, n_tok = float(rewards.sum()), sum(len(t) for t in b.responses)
                 rec.update({k: v for k, v in b.metrics.items() if k.startswith("stale/")})
-                age_max = b.metrics["stale/age_max"]
+                age_max, age_sum = b.metrics["stale/age_max"], b.metrics["stale/age_mean"] * len(b.ids)
                 if separated:
                     queue.drain()  # serve the trainers' reads before blocking in the weight push
         stats = np.zeros(4)
@@ -779,20 +827,32 @@ def train(cfg, out_dir=None):
                 batch = queue.get("train", per_step, dp_group=train_group)
             with spans("train"):
                 stats = train_on(model, opt, ref, batch, cfg, device, train_group, experts)
+            if ahead:  # what the generators would have reported, from the rows themselves
+                ages = [step - 1 - int(v) for v in batch.stack("start_version").tolist()]
+                reward_sum, n_tok = float(batch.stack("reward").sum()), sum(len(r) for r in batch.cols["response"])
+                age_max, age_sum = float(max(ages, default=0)), float(sum(ages))
         if separated:
+            if ahead and rank == 0:
+                store.set(f"{wkey}/{step}", "1")  # the generators join the push at their next chunk boundary
             push()
         if sched:
             sched.update()  # the sampler now has the weights of version step
-        qm = queue.metrics()  # cumulative per rank; summed over ranks below
-        n_tok_all, reward_all, q_sent, q_padded, q_reads, *agg = global_sum(
-            n_tok, reward_sum, qm["queue/bytes_sent"], qm["queue/bytes_padded_equiv"], qm["queue/reads"], *stats,
-            device=device)
-        if cfg.staleness > 0:  # the oldest sample trained this step, over all replicas
+        qm = queue.metrics()  # cumulative per rank; summed over ranks below (over the trainers when ahead)
+        group = train_group if ahead else None
+        n_tok_all, reward_all, q_sent, q_padded, q_reads, age_all, *agg = global_sum(
+            n_tok, reward_sum, qm["queue/bytes_sent"], qm["queue/bytes_padded_equiv"], qm["queue/reads"],
+            age_sum, *stats, device=device, group=group)
+        if cfg.staleness > 0:  # the oldest sample trained this step, over all replicas; the mean age
             t = torch.tensor([float(age_max)], device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            rec["stale/age_max"] = t.item()
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            rec["stale/age_max"], rec["stale/age_mean"] = t.item(), age_all / per_step
         step_s = time.perf_counter() - t0
-        if step == 1 or step % cfg.eval_every == 0 or step == cfg.steps:
+        if is_eval_step(step) and ahead:
+            keys = [f"{wkey}/eval/{step}/{i}" for i in range(roles.replicas)]
+            if rank == 0:
+                wait_for(keys, f"held-out accuracy of version {step}")
+                acc = rec["eval/accuracy"] = sum(float(store.get(k)) for k in keys) / len(eval_prompts)
+        elif is_eval_step(step):
             acc = rec["eval/accuracy"] = evaluate()
         rl_tokens, rl_time = rl_tokens + n_tok_all, rl_time + step_s
         n_tr = len(roles.trainers)
