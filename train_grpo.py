@@ -633,10 +633,10 @@ def build(cfg, roles, device):
     experts = ExpertParallel(cfg, W, cfg.pg_timeout_s) if cfg.train_ep else None
     if experts:  # the experts leave FSDP: EP shards them, moe_switch.py re-shards them
         experts.to_ep(model, engine)
-    if rank_trains:
+    if rank_trains:  # sharded at rest; gathered from a forward to its backward (ZeRO-2's traffic, not ZeRO-3's)
         ignored = set(experts.expert_params(model)) if experts else None
         for block in model.blocks:
-            fully_shard(block, mesh=train_mesh, ignored_params=ignored)
+            fully_shard(block, mesh=train_mesh, ignored_params=ignored, reshard_after_forward=False)
         fully_shard(model, mesh=train_mesh, ignored_params=ignored)
     return (model if rank_trains else None), engine, train_group, tp_group, push_group, experts
 
@@ -923,7 +923,13 @@ def train_on(model, opt, ref, batch, cfg, device, group, experts=None):
     for mb in np.array_split(np.arange(B), cfg.updates_per_batch):
         token_mean = cfg.loss_agg == "token-mean"
         n_global, = global_sum(sum(len(R[i]) for i in mb) if token_mean else len(mb), device=device, group=group)
-        for rows, stand_in in length_chunks(mb, lengths, cfg.micro_batches):
+        chunks = length_chunks(mb, lengths, cfg.micro_batches)
+        for i, (rows, stand_in) in enumerate(chunks):
+            # FSDP2 gradient accumulation: gradients reduce-scattered once, after the last micro-batch, and
+            # the parameters kept gathered in between (the usual trade: full-size grads while accumulating)
+            last = i == len(chunks) - 1
+            model.set_requires_gradient_sync(last)
+            model.set_reshard_after_backward(last)
             fields = [batch.cols["old_logprobs"]] + [f for f in (ref_lp, prox_lp) if f]
             tokens, mask, (old_lp, *rest) = padded(rows, *fields)
             ref_t = rest.pop(0) if ref_lp else None                                  # (b, T-1)
