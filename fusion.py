@@ -14,7 +14,8 @@ Contents, primitives first:
   offload / reload   copy storages to host buffers and free them on the device / re-allocate and copy back
   gather_full_naive  every full weight at once: the baseline, a whole extra model on every rank
   plan_buckets       (name, full shape, dtype, shards) grouped into buckets of at most B gathered bytes
-  gather_bucket      all-gather one bucket of FSDP2 shards into one flat buffer; (name, full view) pairs
+  gather_into        one weight's FSDP2 shards into a full-size destination: own rows copied, W broadcasts
+  gather_bucket      gather_into for a bucket of weights, into one flat buffer; (name, full view) pairs
   push_weights       separated deployment: trainers gather a bucket, trainer `src` broadcasts it to generators
   FusedActor         the two phases: to_rollout(), to_train(), metrics(), state_dict(); `with rollout(actor)`
   HostOffloaded      a frozen module (the reference model) kept on host except inside `with on_device(ref)`
