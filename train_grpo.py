@@ -663,8 +663,10 @@ def train(cfg, out_dir=None):
     # Its keys live in the process group's store, under a prefix of this run's own (out_dir).
     queue = distqueue.DistQueue(distqueue.QueueSpec(
         columns={"prompt": "int64", "response": "int64", "old_logprobs": "float32", "reward": "float32",
-                 "advantage": "float32", "start_version": "int64"}, scalars=("reward", "advantage", "start_version"),
-        stages={"train": ("prompt", "response", "old_logprobs", "reward", "advantage", "start_version")},
+                 "advantage": "float32", "start_version": "int64", "n_versions": "int64", "regenerated": "int64"},
+        scalars=("reward", "advantage", "start_version", "n_versions", "regenerated"),
+        stages={"train": ("prompt", "response", "old_logprobs", "reward", "advantage", "start_version",
+                          "n_versions", "regenerated")},
         timeout_s=cfg.pg_timeout_s, name=f"dq:{out_dir}"), distqueue.default_store(), rank, world,
         pg=None if device.type == "cpu" else dist.new_group(backend="gloo", timeout=datetime.timedelta(
             seconds=cfg.pg_timeout_s)))
@@ -750,12 +752,18 @@ def train(cfg, out_dir=None):
 
         sched = stalesync.StaleSync(stalesync.StaleConfig(cfg.staleness, n_prompts, G, cfg.threshold,
                                                           cfg.chunk_steps), sampler, next_prompt, seed_of)
+    regenerated = [0]  # this replica's regenerations already reported
+
     def put_batch(b):  # 2-4. score, group advantages (a group never spans replicas), into the queue
         rewards = torch.tensor([score(p, r) for p, r in zip(b.prompts, b.responses)])
         adv = group_advantages(rewards, G, scale_by_std=cfg.scale_by_std)
-        if roles.writes_queue:
+        new = b.metrics["stale/regenerated"] - regenerated[0]  # reported once, on the batch's first row
+        regenerated[0] += new
+        if roles.writes_queue:  # the staleness facts travel with the rows (the trainers log them when ahead)
             queue.put({"prompt": b.prompts, "response": b.responses, "old_logprobs": b.logprobs,
-                       "reward": rewards.tolist(), "advantage": adv.tolist(), "start_version": b.start_versions})
+                       "reward": rewards.tolist(), "advantage": adv.tolist(), "start_version": b.start_versions,
+                       "n_versions": [len(set(v.tolist())) for v in b.token_versions],
+                       "regenerated": [new] + [0] * (len(b.ids) - 1)})
         return rewards
 
     def is_eval_step(step):
@@ -803,11 +811,11 @@ def train(cfg, out_dir=None):
 
     if ahead and is_generator:
         generate_ahead()
-    rl_tokens, rl_time = 0.0, 0.0
+    rl_tokens, rl_time, regen_total = 0.0, 0.0, 0
     for step in tqdm(range(1, cfg.steps + 1) if not (ahead and is_generator) else [], disable=rank != 0,
                      desc="GRPO", dynamic_ncols=True):
         first_span, t0 = len(spans.spans), time.perf_counter()
-        reward_sum, n_tok, age_max, age_sum, rec = 0.0, 0, 0.0, 0.0, {}
+        reward_sum, n_tok, age_max, age_sum, partial, regen, rec = 0.0, 0, 0.0, 0.0, 0, 0, {}
         if is_generator:  # 1-4. G responses per prompt of this replica's slice, scored, into the queue
             with spans("switch"):
                 to_rollout()
@@ -831,6 +839,8 @@ def train(cfg, out_dir=None):
                 ages = [step - 1 - int(v) for v in batch.stack("start_version").tolist()]
                 reward_sum, n_tok = float(batch.stack("reward").sum()), sum(len(r) for r in batch.cols["response"])
                 age_max, age_sum = float(max(ages, default=0)), float(sum(ages))
+                partial = int((batch.stack("n_versions") > 1).sum())  # continued under newer weights
+                regen = int(batch.stack("regenerated").sum())
         if separated:
             if ahead and rank == 0:
                 store.set(f"{wkey}/{step}", "1")  # the generators join the push at their next chunk boundary
@@ -839,13 +849,16 @@ def train(cfg, out_dir=None):
             sched.update()  # the sampler now has the weights of version step
         qm = queue.metrics()  # cumulative per rank; summed over ranks below (over the trainers when ahead)
         group = train_group if ahead else None
-        n_tok_all, reward_all, q_sent, q_padded, q_reads, age_all, *agg = global_sum(
+        n_tok_all, reward_all, q_sent, q_padded, q_reads, age_all, partial_all, regen_all, *agg = global_sum(
             n_tok, reward_sum, qm["queue/bytes_sent"], qm["queue/bytes_padded_equiv"], qm["queue/reads"],
-            age_sum, *stats, device=device, group=group)
+            age_sum, partial, regen, *stats, device=device, group=group)
         if cfg.staleness > 0:  # the oldest sample trained this step, over all replicas; the mean age
             t = torch.tensor([float(age_max)], device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
             rec["stale/age_max"], rec["stale/age_mean"] = t.item(), age_all / per_step
+            if ahead:
+                regen_total += regen_all
+                rec["stale/partial_continued"], rec["stale/regenerated"] = partial_all, regen_total
         step_s = time.perf_counter() - t0
         if is_eval_step(step) and ahead:
             keys = [f"{wkey}/eval/{step}/{i}" for i in range(roles.replicas)]

@@ -37,7 +37,8 @@ not met; the JSON carries the figures that say why:
       = R + 2 T_8 per step and colocated S = 1 costs R / x + T_8, x < 2 that decode-step gain; the ratio
       (R + 2 T_8) / (R / x + T_8) is < max(x, 2) = 2 for any R, T: 2.5 is out of reach at S = 1 here.
       colocated_over_separated_sync_by_S gives S = 2, 4 too.
-  concurrent_decode_slowdown  how much slower a rank decodes while the other rank is busy (x1.2-1.5 here):
+  concurrent_decode_slowdown  how much slower a rank decodes while the other rank is busy (x0.9 to x1.5 here,
+      depending on the day):
       the two vCPUs are not independent devices, so a synchronous rank's idle time partly speeds up its
       busy peer, and every idle-removal gain of StaleSync is shrunk by up to that factor.
   Also: decode is not flat in the batch on these cores (1 row 1.4 ms, 16 rows 2.0 ms, 32 rows 2.6 ms
