@@ -288,11 +288,14 @@ class DistQueue:
             self._refresh(cols)
             cand = sorted(r for r in self.ready[cols[0]] if r not in self.taken[stage]
                           and all(r in self.ready[c] for c in cols))
+            won = []
             for r in cand[: n - len(mine)]:
                 self.taken[stage].add(r)
                 if self.store.add(self._k("claim", stage, r), 1) == 1:  # atomic: one winner per row
-                    mine.append(r)
-                    self.store.append(self._k("claimed", stage), f"{r},")
+                    won.append(r)
+            if won:  # the log that a resumed queue reads its claims from: one append per poll
+                mine.extend(won)
+                self.store.append(self._k("claimed", stage), "".join(f"{r}," for r in won))
             return len(mine) >= n or (len(mine) >= min_rows and len(cand) <= n - len(mine))
 
         def what():

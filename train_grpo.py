@@ -661,12 +661,14 @@ def train(cfg, out_dir=None):
     model, engine, train_group, tp_group, push_group, experts = build(cfg, roles, device)
     # The queue between rollout and training: samples travel packed, token-balanced over the trainers.
     # Its keys live in the process group's store, under a prefix of this run's own (out_dir).
+    # When the generators run ahead (separated, S > 0), the staleness facts travel with the rows too, so
+    # that the trainers can log them: every cell costs the queue some work, so only then.
+    ahead = separated and cfg.staleness > 0
+    stale_cols = ("start_version", "n_versions", "regenerated") if ahead else ()
+    columns = {"prompt": "int64", "response": "int64", "old_logprobs": "float32", "reward": "float32",
+               "advantage": "float32", **{c: "int64" for c in stale_cols}}
     queue = distqueue.DistQueue(distqueue.QueueSpec(
-        columns={"prompt": "int64", "response": "int64", "old_logprobs": "float32", "reward": "float32",
-                 "advantage": "float32", "start_version": "int64", "n_versions": "int64", "regenerated": "int64"},
-        scalars=("reward", "advantage", "start_version", "n_versions", "regenerated"),
-        stages={"train": ("prompt", "response", "old_logprobs", "reward", "advantage", "start_version",
-                          "n_versions", "regenerated")},
+        columns=columns, scalars=("reward", "advantage") + stale_cols, stages={"train": tuple(columns)},
         timeout_s=cfg.pg_timeout_s, name=f"dq:{out_dir}"), distqueue.default_store(), rank, world,
         pg=None if device.type == "cpu" else dist.new_group(backend="gloo", timeout=datetime.timedelta(
             seconds=cfg.pg_timeout_s)))
@@ -759,11 +761,11 @@ def train(cfg, out_dir=None):
         adv = group_advantages(rewards, G, scale_by_std=cfg.scale_by_std)
         new = b.metrics["stale/regenerated"] - regenerated[0]  # reported once, on the batch's first row
         regenerated[0] += new
-        if roles.writes_queue:  # the staleness facts travel with the rows (the trainers log them when ahead)
+        if roles.writes_queue:
+            stale = {"start_version": b.start_versions, "n_versions": [len(set(v.tolist())) for v in b.token_versions],
+                     "regenerated": [new] + [0] * (len(b.ids) - 1)}
             queue.put({"prompt": b.prompts, "response": b.responses, "old_logprobs": b.logprobs,
-                       "reward": rewards.tolist(), "advantage": adv.tolist(), "start_version": b.start_versions,
-                       "n_versions": [len(set(v.tolist())) for v in b.token_versions],
-                       "regenerated": [new] + [0] * (len(b.ids) - 1)})
+                       "reward": rewards.tolist(), "advantage": adv.tolist(), **{c: stale[c] for c in stale_cols}})
         return rewards
 
     def is_eval_step(step):
@@ -771,7 +773,7 @@ def train(cfg, out_dir=None):
 
     # --deploy separated --staleness S > 0: the generators run ahead, decoupled from the trainers' steps.
     # Trainer 0 announces each new version in the store; the generators take it between two decode chunks.
-    ahead, store, wkey = separated and cfg.staleness > 0, distqueue.default_store(), f"w:{out_dir}"
+    store, wkey = distqueue.default_store(), f"w:{out_dir}"
 
     def wait_for(keys, what):  # poll the store, serving the queue all along; a dead peer times out
         deadline = time.monotonic() + cfg.pg_timeout_s
