@@ -16,7 +16,9 @@ Each step:
      log-probs with the frozen initial policy when `kl_coef > 0` (or under --deploy colocated-all);
   6. take `updates_per_batch` optimizer steps on `grpo_loss`, data parallel with FSDP2.
 --deploy separated gives half the ranks to training and half to generation instead, with the weights
-pushed in buckets after each step; --staleness S lets rollouts run up to S versions ahead.
+pushed in buckets after each step; --staleness S lets rollouts run up to S versions ahead (separated:
+the generators keep decoding while the trainers train, `generate_ahead`). --train-ep P --infer-ep 1
+makes the MoE expert-parallel, re-sharded by moe_switch.py at every phase change (`ExpertParallel`).
 
 The task: reverse a string of digits. "=" ends the prompt, EOS ends the answer. The string length is
 lognormal, so answers run from 2 to 33 tokens with a long tail (median about 8): the tail that the
