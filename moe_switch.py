@@ -20,9 +20,12 @@ Departures from the paper:
      is one round of batched isend/irecv, at most B bytes out and B in per rank, going straight from
      the source storage into the final one: no staging copy, not a persistent flat parameter bucket.
   2. Memory is the module's own accounting of the storages it holds (and, on 2+ GPUs, a test with
-     torch.cuda.max_memory_allocated). The bound is max(source, target) + one bucket: a switch to a
-     higher EP degree starts out holding its larger source layout and only frees. For nesting layouts
-     (note 3) the peak is max(source, target) itself; for others it is reported, not guaranteed.
+     torch.cuda.max_memory_allocated). On entry a rank holds its source layout: the previous phase's
+     own memory, more than the target when the EP degree goes up. The switch's first step frees what it
+     neither keeps nor sends; from then on it holds at most target + one bucket for nesting layouts
+     (note 3: every pair of degrees in {1, 2, 4}), stats["peak_switch_bytes"]. Counting the entry too,
+     the peak is max(source, target) + one bucket (peak_bytes, peak_extra_bytes); for layouts that do
+     not nest it is reported, not guaranteed.
   3. Ranks are laid out EP-outer, rank grid arange(W).view(P, W // P): a block's replicas are adjacent.
      Layouts whose degrees divide each other then nest: a switch to a higher degree moves nothing, one to
      a lower degree only receives. (EP-inner, a 4 -> 2 switch would move half the experts.)
@@ -256,6 +259,7 @@ def reshard(experts, src, dst, bucket_bytes, group=None):
     for n, s in experts.items():  # neither kept nor sent by me: free at once
         for e in [e for e in s if not pending[(n, e)]]:
             del s[e]
+    stats["peak_switch_bytes"] = _held_bytes(experts, new)  # from here on: target + one bucket (note 2)
     for rnd in rounds:  # one bucket: <= bucket_bytes out and <= bucket_bytes in per rank
         ops, sent = [], []
         for tag, (n, e, s, r) in enumerate(rnd):
@@ -268,7 +272,9 @@ def reshard(experts, src, dst, bucket_bytes, group=None):
                 new[n][e] = torch.empty(shape, dtype=dtype, device=device)
                 ops.append(dist.P2POp(dist.irecv, new[n][e], _peer(group, s), group, tag))
                 stats["bytes_moved"] += nb
-        stats["peak_bytes"] = max(stats["peak_bytes"], _held_bytes(experts, new))
+        held = _held_bytes(experts, new)  # the round's receives allocated, its sends not yet freed
+        stats["peak_bytes"], stats["peak_switch_bytes"] = max(stats["peak_bytes"], held), \
+            max(stats["peak_switch_bytes"], held)
         for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait()
         for n, e in sent:

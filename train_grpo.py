@@ -584,7 +584,9 @@ class ExpertParallel:
         self.stats.update({f"time/ep_{key}_s": time.perf_counter() - t0,
                            f"ep/{key}_bytes_moved": sum(s["bytes_moved"] for s in moved),
                            f"ep/{key}_bytes_min": sum(s["bytes_min"] for s in moved),
-                           f"ep/{key}_peak_extra_bytes": max(s["peak_extra_bytes"] for s in moved)})
+                           f"ep/{key}_peak_extra_bytes": max(s["peak_extra_bytes"] for s in moved),
+                           f"ep/{key}_peak_switch_bytes": max(s["peak_switch_bytes"] for s in moved),
+                           f"ep/{key}_target_bytes": moved[0]["to_bytes"]})
 
     def sync_grads(self, model):
         """After backward: owned expert grads, summed over the EP group's tokens, become the mean over all

@@ -72,7 +72,7 @@ def worker(rank, args, port, results):
         sw, back, bound = [], [], []
         for _ in range(args.repeats):  # interleaved, so that the machine's noise hits both alike
             dt, (experts, stats) = timed(lambda: reshard(experts, src, dst, bucket))
-            db, (experts, _) = timed(lambda: reshard(experts, dst, src, bucket))
+            db, (experts, back_stats) = timed(lambda: reshard(experts, dst, src, bucket))
             sw.append(dt), back.append(db), bound.append(timed(p2p)[0])
         assert all(torch.equal(experts[n][e], full[n][e]) for n in full for e in experts[n]), "round trip changed"
         moved, least = total(stats["bytes_moved"]), total(stats["bytes_min"])
@@ -88,6 +88,8 @@ def worker(rank, args, port, results):
                 switch_s=round(statistics.median(sw), 4), p2p_bound_s=round(statistics.median(bound), 4),
                 switch_back_s=round(statistics.median(back), 4), rounds=stats["rounds"],
                 from_bytes=stats["from_bytes"], to_bytes=stats["to_bytes"], peak_bytes=stats["peak_bytes"],
+                peak_switch_bytes=stats["peak_switch_bytes"], back_to_bytes=back_stats["to_bytes"],
+                back_peak_switch_bytes=back_stats["peak_switch_bytes"],
                 naive_bytes_moved=total(nst["bytes_moved"]), naive_peak_bytes=nst["peak_bytes"],
                 naive_switch_s=round(dn, 4), world=W, from_ep=args.from_ep, to_ep=args.to_ep,
                 experts=E, d_model=D, d_hidden=H))
