@@ -281,13 +281,13 @@ class DistQueue:
                 self.ready[c][r] = (o, n)
             self.ready_off[c] = len(log)
 
-    def _claim(self, stage, n, min_rows, deadline):
+    def _claim(self, stage, n, min_rows, deadline, only=None):
         cols, mine = self.spec.stages[stage], []
 
         def poll():
             self._refresh(cols)
             cand = sorted(r for r in self.ready[cols[0]] if r not in self.taken[stage]
-                          and all(r in self.ready[c] for c in cols))
+                          and all(r in self.ready[c] for c in cols) and (only is None or r in only))
             won = []
             for r in cand[: n - len(mine)]:
                 self.taken[stage].add(r)
@@ -344,13 +344,13 @@ class DistQueue:
             self.store.delete_key(self._k("sent", tag))
         return Batch(list(rows), {c: [got[(r, c)] for r in rows] for c in cols}, dict(tmax))
 
-    def _read(self, stage, n, min_rows, dp_group, step, deadline):
+    def _read(self, stage, n, min_rows, dp_group, step, deadline, only=None):
         cols = self.spec.stages[stage]
         dp_rank, dp_size = (dist.get_rank(dp_group), dist.get_world_size(dp_group)) if dp_group else (0, 1)
         root = dist.get_global_rank(dp_group, 0) if dp_group else self.rank  # names this DP group's plan
         var = [c for c in cols if c not in self.spec.scalars]
         if dp_rank == 0:
-            rows = self._claim(stage, n, n if dp_size > 1 else min_rows, deadline)
+            rows = self._claim(stage, n, n if dp_size > 1 else min_rows, deadline, only)
             tmax = {c: max(self.ready[c][r][1] for r in rows) for c in cols} if rows else {}
             if dp_size > 1:  # token-balanced split of the global batch, published on the control plane
                 parts = balance_split([sum(self.ready[c][r][1] for c in var) for r in rows], dp_size)
@@ -376,10 +376,11 @@ class DistQueue:
                        lambda: f"in stage '{stage}' waiting for the other DP ranks to receive their rows")
         return batch
 
-    def get(self, stage, n, dp_group=None, group=None, min_rows=None):
+    def get(self, stage, n, dp_group=None, group=None, min_rows=None, only=None):
         """Read up to n rows (at least min_rows, default n; 0 = poll) that `stage` has not consumed.
         dp_group: n is the global batch, split by tokens across its ranks. group: only its first rank
-        reads; it broadcasts the packed batch to the rest of the group."""
+        reads; it broadcasts the packed batch to the rest of the group. only: a set of row ids to take
+        from, for a reader that must take given rows (e.g. one batch of each producer)."""
         if stage not in self.spec.stages:
             raise KeyError(f"unknown stage '{stage}'; valid: {list(self.spec.stages)}")
         dp, min_rows = dist.get_world_size(dp_group) if dp_group else 1, n if min_rows is None else min_rows
@@ -390,7 +391,7 @@ class DistQueue:
             raise ValueError(f"group backend is {dist.get_backend(group)}; the broadcast needs a gloo group")
         leader = dist.get_global_rank(group, 0) if group is not None else self.rank
         step, self.steps[stage] = self.steps[stage], self.steps[stage] + 1  # same count on every rank (SPMD)
-        batch = self._read(stage, n, min_rows, dp_group, step, deadline) if leader == self.rank else None
+        batch = self._read(stage, n, min_rows, dp_group, step, deadline, only) if leader == self.rank else None
         return batch if group is None else self._bcast(batch, stage, group, leader, deadline)
 
     def _bcast(self, batch, stage, group, leader, deadline):

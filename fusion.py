@@ -281,9 +281,12 @@ class FusedActor:
     """The actor in two phases on the same devices. model: FSDP2-sharded (fully_shard over a 1-D mesh of
     all W ranks) or plain; optimizer: built on model.parameters(); engine: any module with
     load_weights(iterable of (name, tensor)) whose parameter names are the model's, e.g. Policy(cfg, tp_group).
-    Starts in TRAIN: the engine's weight storages are freed here (manage_engine). skip: names of weights
-    that someone else moves between the phases (moe_switch.py's experts): not built, freed or counted as
-    inference weights here; their grads and optimizer states are still offloaded."""
+    Starts in TRAIN: the engine's weight storages are freed here (manage_engine). inplace (default: on
+    when the engine's weights have the model's full shapes and dtypes, and manage_engine): the gather
+    writes straight into the engine's weights and load_weights is not called; pass inplace=False for an
+    engine whose load_weights does more than copy. skip: names of weights that someone else moves
+    between the phases (moe_switch.py's experts): not built, freed, offloaded (offload_params) or
+    counted as inference weights here; their grads and optimizer states are still offloaded."""
 
     def __init__(self, model, optimizer, engine, train_layout, infer_layout, bucket_bytes=1 << 20,
                  offload_params=False, naive=False, manage_engine=True, inplace=None, skip=()):
@@ -314,8 +317,9 @@ class FusedActor:
         full = all(tuple(eng[n].shape) == shape and eng[n].dtype == dtype and eng[n].is_contiguous()
                    and eng[n].untyped_storage().nbytes() in (0, eng[n].nbytes) for n, shape, dtype, _ in meta)
         self.inplace = manage_engine and not naive and full if inplace is None else inplace
-        if self.inplace and not (manage_engine and full):
-            raise ValueError("inplace=True needs manage_engine=True and engine weights of the full shapes")
+        if self.inplace and not (manage_engine and full and not naive):
+            raise ValueError("inplace=True needs manage_engine=True, naive=False and engine weights of the "
+                             "model's full shapes and dtypes")
         self.phase, self.round_trips, self._hosts, self._param_hosts = TRAIN, 0, [], []
         self._off, self._param_off, self.stats = [], [], {}
         if manage_engine:

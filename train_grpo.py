@@ -417,7 +417,8 @@ def full_state_dict(model):
     out = {}
     for k, v in full.items():
         name = k.rsplit(".", 2)[0]
-        if name in ep and f"{name}.w_gate" not in out:  # the dense MoE's order: w_gate, w_up, w_down, router
+        if name in ep and f"{name}.w_gate" not in out:  # the dense MoE's state_dict order: its own
+            # parameters (w_gate, w_up, w_down) before its submodule's (router.weight)
             m = ep[name]
             for n in moe_switch.EXPERT_NAMES:  # every expert broadcast by its first holder, then stacked
                 like = getattr(m, n)[m.layout.owned(dist.get_rank())[0]]
@@ -585,8 +586,8 @@ class ExpertParallel:
                            f"ep/{key}_bytes_moved": sum(s["bytes_moved"] for s in moved),
                            f"ep/{key}_bytes_min": sum(s["bytes_min"] for s in moved),
                            f"ep/{key}_peak_extra_bytes": max(s["peak_extra_bytes"] for s in moved),
-                           f"ep/{key}_peak_switch_bytes": max(s["peak_switch_bytes"] for s in moved),
-                           f"ep/{key}_target_bytes": moved[0]["to_bytes"]})
+                           f"ep/{key}_layer_peak_switch_bytes": max(s["peak_switch_bytes"] for s in moved),
+                           f"ep/{key}_layer_target_bytes": moved[0]["to_bytes"]})  # one layer at a time
 
     def sync_grads(self, model):
         """After backward: owned expert grads, summed over the EP group's tokens, become the mean over all
@@ -770,7 +771,7 @@ def train(cfg, out_dir=None):
                      "regenerated": [new] + [0] * (len(b.ids) - 1)}
             queue.put({"prompt": b.prompts, "response": b.responses, "old_logprobs": b.logprobs,
                        "reward": rewards.tolist(), "advantage": adv.tolist(), **{c: stale[c] for c in stale_cols}})
-        return rewards
+        return rewards, new
 
     def is_eval_step(step):
         return step == 1 or step % cfg.eval_every == 0 or step == cfg.steps
@@ -817,7 +818,7 @@ def train(cfg, out_dir=None):
 
     if ahead and is_generator:
         generate_ahead()
-    rl_tokens, rl_time, regen_total = 0.0, 0.0, 0
+    rl_tokens, rl_time, regen_total, q_sent, q_padded = 0.0, 0.0, 0, 0.0, 0.0
     for step in tqdm(range(1, cfg.steps + 1) if not (ahead and is_generator) else [], disable=rank != 0,
                      desc="GRPO", dynamic_ncols=True):
         first_span, t0 = len(spans.spans), time.perf_counter()
@@ -828,17 +829,22 @@ def train(cfg, out_dir=None):
             b = sched.rollout(spans)  # S > 0: ends once enough groups are complete; the rest continue later
             with spans("switch"):
                 to_train()
-            rewards = put_batch(b)
-            if roles.writes_queue:
+            rewards, new_regen = put_batch(b)
+            if roles.writes_queue:  # this replica's figures; summed (max for the age) over replicas below
                 reward_sum, n_tok = float(rewards.sum()), sum(len(t) for t in b.responses)
-                rec.update({k: v for k, v in b.metrics.items() if k.startswith("stale/")})
                 age_max, age_sum = b.metrics["stale/age_max"], b.metrics["stale/age_mean"] * len(b.ids)
+                partial, regen = b.metrics["stale/partial_continued"], new_regen
                 if separated:
                     queue.drain()  # serve the trainers' reads before blocking in the weight push
         stats = np.zeros(4)
         if is_trainer:  # 5-6. a token-balanced share of the global batch; reference log-probs; updates
+            only = None
+            if ahead:  # batch step - 1 of every replica, whichever replica runs furthest ahead (row ids:
+                # a writer's j-th row is j * world + rank, and it puts n_local rows per batch, in order)
+                writers = [r for r in roles.generators if (r - roles.generators[0]) % cfg.infer_tp == 0]
+                only = {j * world + w for w in writers for j in range((step - 1) * n_local, step * n_local)}
             with spans("queue"):
-                batch = queue.get("train", per_step, dp_group=train_group)
+                batch = queue.get("train", per_step, dp_group=train_group, only=only)
             with spans("train"):
                 stats = train_on(model, opt, ref, batch, cfg, device, train_group, experts)
             if ahead:  # what the generators would have reported, from the rows themselves
@@ -862,9 +868,8 @@ def train(cfg, out_dir=None):
             t = torch.tensor([float(age_max)], device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
             rec["stale/age_max"], rec["stale/age_mean"] = t.item(), age_all / per_step
-            if ahead:
-                regen_total += regen_all
-                rec["stale/partial_continued"], rec["stale/regenerated"] = partial_all, regen_total
+            regen_total += regen_all  # groups restarted because they would have aged past S, so far
+            rec["stale/partial_continued"], rec["stale/regenerated"] = partial_all, regen_total
         step_s = time.perf_counter() - t0
         if is_eval_step(step) and ahead:
             keys = [f"{wkey}/eval/{step}/{i}" for i in range(roles.replicas)]
@@ -882,7 +887,9 @@ def train(cfg, out_dir=None):
                     "time/train_s": spans.total("train", first_span),
                     "time/switch_s": spans.total("switch", first_span), "time/step_s": step_s,
                     "perf/idle_frac": spans.total("queue", first_span) / step_s,  # waiting for samples
-                    "queue/bytes_sent": q_sent, "queue/bytes_padded_equiv": q_padded, "queue/reads": q_reads,
+                    "queue/reads": q_reads,
+                    # counted by the senders: the generators, which log nothing per step when ahead
+                    **({} if ahead else {"queue/bytes_sent": q_sent, "queue/bytes_padded_equiv": q_padded}),
                     **(actor.metrics() if actor else {}), **(experts.stats if experts else {})})
         if metrics_file:
             metrics_file.write(json.dumps(rec) + "\n")
@@ -890,8 +897,16 @@ def train(cfg, out_dir=None):
             tqdm.write(f"step {step} | reward {rec['reward/mean']:.2f} | acc {acc:.2f} | "
                        f"{rec['perf/tokens_per_s']:.0f} tok/s | rollout {rec['time/rollout_s']:.2f}s "
                        f"train {rec['time/train_s']:.2f}s")
-    summary = {"eval_accuracy_before": acc_before, "eval_accuracy_after": acc,
+    if ahead and is_generator:  # the queue's traffic is counted by its senders: they publish it
+        store.set(f"{wkey}/queue/{rank}", json.dumps(queue.metrics()))
+    if ahead and rank == 0:
+        keys = [f"{wkey}/queue/{r}" for r in roles.generators]
+        wait_for(keys, "the generators' queue counters")
+        ms = [json.loads(store.get(k)) for k in keys]
+        q_sent, q_padded = (sum(m[k] for m in ms) for k in ("queue/bytes_sent", "queue/bytes_padded_equiv"))
+    summary = {"eval_accuracy_before": acc_before, "eval_accuracy_after": acc,  # rank 0's are the run's
                "wall_s": time.perf_counter() - t_start, "tokens_per_s": rl_tokens / max(rl_time, 1e-9),
+               "queue_bytes_sent": q_sent, "queue_bytes_padded_equiv": q_padded,
                "world_size": world, "config": dataclasses.asdict(cfg)}
     with open(os.path.join(out_dir, f"spans_rank{rank}.jsonl"), "w") as f:
         for name, s0, s1 in spans.spans:

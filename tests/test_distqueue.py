@@ -108,6 +108,17 @@ def test_state_dict_resume_is_bit_exact():
     assert not q1.cells and not q2.cells  # every cell reached both stages, then was freed
 
 
+def test_only_takes_the_named_rows():
+    """A reader that must take one given batch (the separated trainer when generators run ahead)."""
+    spec = dq.QueueSpec(columns=COLS, scalars=("reward",), stages={"b": tuple(COLS)}, timeout_s=0.2)
+    q = dq.DistQueue(spec, dq.default_store())
+    q.put({c: [_row(r)[c] for r in range(8)] for c in COLS})
+    assert q.get("b", 3, only={5, 2, 7}).ids == [2, 5, 7]
+    assert q.get("b", 2).ids == [0, 1]                      # the rest, oldest first
+    with pytest.raises(TimeoutError, match="waiting for 1 more rows"):
+        q.get("b", 1, only={5})                             # taken already: never again
+
+
 # ---------------------------------------------------------------- multi-rank
 
 
