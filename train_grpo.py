@@ -818,6 +818,7 @@ def train(cfg, out_dir=None):
 
     if ahead and is_generator:
         generate_ahead()
+        queue.drain()  # every row it put has reached the trainers (they read the last before the last push)
     rl_tokens, rl_time, regen_total, q_sent, q_padded = 0.0, 0.0, 0, 0.0, 0.0
     for step in tqdm(range(1, cfg.steps + 1) if not (ahead and is_generator) else [], disable=rank != 0,
                      desc="GRPO", dynamic_ncols=True):
