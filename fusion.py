@@ -13,7 +13,7 @@ Contents, primitives first:
   Layout             validated layout: world size, TP degree (rest data-parallel), FSDP or not; new_groups()
   offload / reload   copy storages to host buffers and free them on the device / re-allocate and copy back
   gather_full_naive  every full weight at once: the baseline, a whole extra model on every rank
-  plan_buckets       (name, full shape, dtype, shards) grouped into buckets of at most B gathered bytes
+  plan_buckets       (name, full shape, dtype) grouped into buckets of at most B gathered bytes
   gather_into        one weight's FSDP2 shards into a full-size destination: own rows copied, W broadcasts
   gather_bucket      gather_into for a bucket of weights, into one flat buffer; (name, full view) pairs
   push_weights       separated deployment: trainers gather a bucket, trainer `src` broadcasts it to generators
@@ -169,10 +169,9 @@ def reshard_all(module):
 
 
 def weight_meta(module):
-    """[(name, full shape, dtype, shards)] of a module's parameters: a DTensor knows its global shape and
-    its mesh size, so every rank computes the same list without communication. shards 1: a plain tensor."""
-    return [(n, tuple(p.shape), p.dtype, p.device_mesh.size() if isinstance(p, DTensor) else 1)
-            for n, p in module.named_parameters()]
+    """[(name, full shape, dtype)] of a module's parameters: a DTensor knows its global shape, so every
+    rank computes the same list without communication."""
+    return [(n, tuple(p.shape), p.dtype) for n, p in module.named_parameters()]
 
 
 def _numel(shape):
@@ -186,10 +185,10 @@ def gather_full_naive(params):
 
 
 def plan_buckets(meta, bucket_bytes):
-    """Consecutive weights of one dtype, grouped so that each bucket's gathered (padded) bytes <= B.
+    """Consecutive weights of one dtype, grouped so that each bucket's gathered bytes <= B.
     Pure: every rank makes the same plan. Raises, before any collective, if one weight alone exceeds B."""
     buckets, size = [], 0
-    for name, shape, dtype, shards in meta:
+    for name, shape, dtype in meta:
         nb = _numel(shape) * dtype.itemsize
         if nb > bucket_bytes:
             raise ValueError(f"bucket_bytes {bucket_bytes} is smaller than weight {name} {shape} "
@@ -197,16 +196,16 @@ def plan_buckets(meta, bucket_bytes):
         if not buckets or size + nb > bucket_bytes or dtype != buckets[-1][0][2]:
             buckets.append([])
             size = 0
-        buckets[-1].append((name, shape, dtype, shards))
+        buckets[-1].append((name, shape, dtype))
         size += nb
     return buckets
 
 
 def bucket_views(bucket, device):
     """One flat buffer for a bucket and, per weight, its full view (rows, ...) into it."""
-    flat = torch.empty(sum(_numel(s) for _, s, _, _ in bucket), dtype=bucket[0][2], device=device)
+    flat = torch.empty(sum(_numel(s) for _, s, _ in bucket), dtype=bucket[0][2], device=device)
     views, off = [], 0
-    for name, shape, _, _ in bucket:
+    for name, shape, _ in bucket:
         views.append((name, flat[off:off + _numel(shape)].view(shape)))
         off += _numel(shape)
     return flat, views
@@ -315,7 +314,7 @@ class FusedActor:
         # straight into them, with no bucket buffer and no load_weights copy. Else: bucket + load_weights.
         eng = self._engine_weights()
         full = all(tuple(eng[n].shape) == shape and eng[n].dtype == dtype and eng[n].is_contiguous()
-                   and eng[n].untyped_storage().nbytes() in (0, eng[n].nbytes) for n, shape, dtype, _ in meta)
+                   and eng[n].untyped_storage().nbytes() in (0, eng[n].nbytes) for n, shape, dtype in meta)
         self.inplace = manage_engine and not naive and full if inplace is None else inplace
         if self.inplace and not (manage_engine and full and not naive):
             raise ValueError("inplace=True needs manage_engine=True, naive=False and engine weights of the "

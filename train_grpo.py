@@ -601,11 +601,12 @@ class ExpertParallel:
 
     def clip_grads(self, model, max_norm):
         """clip_grad_norm_ over the FSDP shards and the owned experts together."""
-        experts = set(map(id, self.expert_params(model)))
-        dense = [p.grad for p in model.parameters() if id(p) not in experts and p.grad is not None]
+        experts = self.expert_params(model)
+        ids = set(map(id, experts))
+        dense = [p.grad for p in model.parameters() if id(p) not in ids and p.grad is not None]
         norm = torch.nn.utils.get_total_norm(dense)
         sq = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).double() ** 2
-        own = sum(p.grad.double().pow(2).sum() for p in self.expert_params(model) if p.numel())
+        own = sum(p.grad.double().pow(2).sum() for p in experts if p.numel())
         own = own.reshape(1)
         dist.all_reduce(own)  # every expert counted once per replica
         total = (sq + own[0] / self.train_layout.dp).sqrt()

@@ -216,7 +216,6 @@ def test_separated_generators_run_ahead_within_s(tmp_path, world):
     assert [l["step"] for l in steps] == list(range(1, 7))
     assert all(l["rollout/response_tokens"] > 0 for l in steps) and s["queue_bytes_sent"] > 0
     assert all(l["stale/age_max"] <= 1 for l in steps) and any(l["stale/age_max"] == 1 for l in steps)
-    assert all(l["rollout/response_tokens"] > 0 for l in steps)
     # (how many samples a new version reaches mid-decode depends on timing: only the counters are checked)
     assert all(l["stale/partial_continued"] >= 0 and l["stale/regenerated"] >= 0 for l in steps)
     assert [l["step"] for l in steps if "eval/accuracy" in l] == [1, 3, 6]
