@@ -14,12 +14,13 @@ tail of EOS positions; each step is a real forward/backward and AdamW step of th
 S = 0 is the synchronous algorithm (stalesync.py reduces to it); S = 1, 2, 4 cut at the threshold.
 
 Regime (the defaults; printed in the header): lognormal(2.5, 1.2) lengths clipped to 256 (mean 24, max/mean
-10.7); 24 steps x 4 groups x 4 samples; decode pool groups_per_step / 0.5 (at S = 1 that is exactly the
-admission capacity); chunks of 16 decode steps; the KV cache kept across the chunks of a round and
+10.7); 24 steps x 4 groups x 4 samples; a decode pool of (S + 1) x groups_per_step groups, the admission
+capacity (threshold 1 / (S + 1); a fixed pool would give a larger S a later deadline but no more rows); chunks of 16 decode steps; the KV cache kept across the chunks of a round and
 re-prefilled once per round under the new weights (as AReaL does; stale KV would not be "the new weights");
 training packs each micro-batch into one row of <= 512 tokens (block-diagonal mask: the same loss as
 padded rows, measured to 3e-8 in the parameters, ~40% less time), so decode steps rather than padding
-dominate a step. Configurations run interleaved, the order rotated per repeat, 3 repeats, medians.
+dominate a step. Configurations run interleaved, the order rotated per repeat, 3 repeats; tokens_per_s are
+medians, and every ratio is the median over repeats of the ratio within one repeat (a shared host drifts).
 
 Why it is fair: every configuration trains the same number of steps of the same global batch; sample ids,
 seeds and so lengths are the same in every configuration; regenerated work counts in the wall time;
@@ -229,7 +230,8 @@ def run_config(rank, args, S, deploy, length_of):
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     gps = args.groups_per_step if deploy == "separated" else args.groups_per_step // 2
-    cfg = StaleConfig(staleness=S, groups_per_step=gps, group_size=args.group_size, threshold=args.threshold,
+    threshold = 1 / (S + 1) if args.threshold is None else args.threshold  # default: pool = admission capacity
+    cfg = StaleConfig(staleness=S, groups_per_step=gps, group_size=args.group_size, threshold=threshold,
                       chunk_steps=args.chunk)
     rng = np.random.default_rng(rank)
     decoder = CachedDecoder(model, length_of)
@@ -419,7 +421,8 @@ def main():
     # staleness
     p.add_argument("--staleness", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4],
                    help="bounds S compared with synchronous (S=0)")
-    p.add_argument("--threshold", type=float, default=0.5, help="decode pool = groups per step / threshold")
+    p.add_argument("--threshold", type=float, default=None, help="decode pool = groups per step / threshold "
+                   "(default 1 / (S + 1): the pool is the admission capacity, (S + 1) x groups per step)")
     p.add_argument("--chunk", type=int, default=16, help="decode steps between cut checks")
     p.add_argument("--no-collective", dest="collective", action="store_false",
                    help="colocated: each rank stops decoding once its own batch is ready (default: the round ends "
@@ -427,11 +430,13 @@ def main():
     # measurement
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every configuration; medians reported")
     args = p.parse_args()
+    if 1 not in args.staleness or 0 in args.staleness:
+        p.error(f"--staleness {args.staleness}: give bounds >= 1 that include 1 (the targets are at S = 1; S = 0 always runs)")
     length_of = length_law(args.lengths, args.max_len)
     draws = np.array([length_of(s) for s in range(20000)])
     print(f"lengths {args.lengths}: mean {draws.mean():.1f}, max {draws.max()}, max/mean {draws.max() / draws.mean():.1f}"
           f" | {args.steps} steps x {args.groups_per_step} x {args.group_size} samples per configuration"
-          f" | pool {args.groups_per_step}/{args.threshold} groups, chunk {args.chunk}, micro {args.micro}, "
+          f" | pool {'(S + 1) x ' + str(args.groups_per_step) if args.threshold is None else f'{args.groups_per_step}/{args.threshold}'} groups, chunk {args.chunk}, micro {args.micro}, "
           f"collective cut {args.collective} | median of {args.repeats} interleaved repeats")
     ctx = mp.get_context("spawn")
     results, port = ctx.Queue(), free_port()
@@ -452,12 +457,18 @@ def main():
               f"{r['idle_frac']}{extra}")
     tps = {k: round(v["tokens_per_s"], 1) for k, v in res.items()}
     steps = {k: v["wall_decode_steps"] for k, v in res.items()}
+
+    def ratio(a, b):  # median over repeats of the ratio within a repeat: both ran minutes apart at most
+        return round(float(np.median([x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(got[a], got[b])])), 3)
+
+    best = max(args.staleness, key=lambda s: ratio(f"colocated_S{s}", "colocated_S0"))
     out = dict(tokens_per_s=tps, lengths=args.lengths, max_over_mean=round(float(draws.max() / draws.mean()), 2),
-               stale_over_sync_colocated=round(tps["colocated_S1"] / tps["colocated_S0"], 3),
-               stale_over_sync_separated=round(tps["separated_S1"] / tps["separated_S0"], 3),
-               colocated_stale_over_separated_sync=round(tps["colocated_S1"] / tps["separated_S0"], 3),
-               best_stale_over_sync_colocated=round(max(tps[f"colocated_S{s}"] for s in args.staleness) / tps["colocated_S0"], 3),
-               colocated_over_separated_sync_by_S={f"S{s}": round(tps[f"colocated_S{s}"] / tps["separated_S0"], 3)
+               stale_over_sync_colocated=ratio("colocated_S1", "colocated_S0"),
+               stale_over_sync_separated=ratio("separated_S1", "separated_S0"),
+               colocated_stale_over_separated_sync=ratio("colocated_S1", "separated_S0"),
+               best_stale_over_sync_colocated=dict(S=best, ratio=ratio(f"colocated_S{best}", "colocated_S0")),
+               stale_over_sync_colocated_by_S={f"S{s}": ratio(f"colocated_S{s}", "colocated_S0") for s in args.staleness},
+               colocated_over_separated_sync_by_S={f"S{s}": ratio(f"colocated_S{s}", "separated_S0")
                                                    for s in args.staleness},
                decode_steps_sync_over_stale_colocated={f"S{s}": round(steps["colocated_S0"] / steps[f"colocated_S{s}"], 3)
                                                        for s in args.staleness},
