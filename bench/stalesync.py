@@ -14,7 +14,8 @@ tail of EOS positions; each step is a real forward/backward and AdamW step of th
 S = 0 is the synchronous algorithm (stalesync.py reduces to it); S = 1, 2, 4 cut at the threshold.
 
 Regime (the defaults; printed in the header): lognormal(2.5, 1.2) lengths clipped to 256 (mean 24, max/mean
-10.7); 24 steps x 4 groups x 4 samples; a decode pool of (S + 1) x groups_per_step groups, the admission
+10.7); 48 steps x 4 groups x 4 samples (the first rounds and the pool still in flight at the end are
+transients: 24 steps understate the steady state); a decode pool of (S + 1) x groups_per_step groups, the admission
 capacity (threshold 1 / (S + 1); a fixed pool would give a larger S a later deadline but no more rows); chunks of 16 decode steps; the KV cache kept across the chunks of a round and
 re-prefilled once per round under the new weights (as AReaL does; stale KV would not be "the new weights");
 training packs each micro-batch into one row of <= 512 tokens (block-diagonal mask: the same loss as
@@ -37,7 +38,11 @@ not met; the JSON carries the figures that say why:
   colocated_stale_over_separated_sync  with decode cost flat in the batch, separated sync costs R + T_16
       = R + 2 T_8 per step and colocated S = 1 costs R / x + T_8, x < 2 that decode-step gain; the ratio
       (R + 2 T_8) / (R / x + T_8) is < max(x, 2) = 2 for any R, T: 2.5 is out of reach at S = 1 here.
-      colocated_over_separated_sync_by_S gives S = 2, 4 too.
+      colocated_over_separated_sync_by_S gives S = 2, 4 too: x grows with S, but see the next point.
+  stale_over_sync_colocated_by_S  a larger S with its pool at capacity cuts critical-path decode steps
+      2.5x (S = 2) to 4x (S = 4), the wall clock far less: each critical-path step costs more (about x2.4
+      at S = 4), since the pool keeps (S + 1) x the rows alive and re-prefills every in-flight prefix
+      under the new weights each round.
   concurrent_decode_slowdown  how much slower a rank decodes while the other rank is busy (x0.9 to x1.5 here,
       depending on the day):
       the two vCPUs are not independent devices, so a synchronous rank's idle time partly speeds up its
@@ -413,7 +418,7 @@ def main():
                    "uniform:A,B, pareto:ALPHA,MIN or fixed:N (tokens, clipped to [1, --max-len])")
     p.add_argument("--max-len", type=int, default=256, help="longest response")
     p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens")
-    p.add_argument("--steps", type=int, default=24, help="optimizer steps per configuration")
+    p.add_argument("--steps", type=int, default=48, help="optimizer steps per configuration")
     p.add_argument("--groups-per-step", type=int, default=4, help="global prompt groups per step")
     p.add_argument("--group-size", type=int, default=4, help="responses per prompt")
     p.add_argument("--micro", type=int, default=4, help="rows per padded training micro-batch (length-sorted)")
