@@ -4,7 +4,8 @@
 
 Real work, forced lengths: responses are decoded by the real policy (model.Policy, a KV cache kept
 between decode chunks, counter-seeded sampling) until each sample's drawn length, a stand-in for a long
-tail of EOS positions; each step is a real forward/backward and AdamW step of the policy on the batch.
+tail of EOS positions (check_decoder first checks that carrying the cache across chunks, and merging new
+rows in, changes no token); each step is a real forward/backward and AdamW step of the policy on the batch.
   colocated  both ranks generate their half of the batch, then train on it (gradients all-reduced); a
              round ends when every rank is ready (one all-reduce of a flag per decode chunk), and a rank
              ready first keeps decoding its in-flight tail meanwhile (--no-collective: it waits);
@@ -170,6 +171,29 @@ class CachedDecoder:
             valid=valid, pos=pos, logits=logits)
         return ([torch.tensor(x, dtype=torch.long) for x in out_t], [torch.tensor(x) for x in out_l],
                 [self.length_of(s) == n + len(x) for s, n, x in zip(seeds, n_done, out_t)])
+
+
+def check_decoder(length_of, n=6):
+    """The cache carried between calls changes nothing: rows decoded in chunks, new rows merged in midway,
+    give the tokens (exactly) and log-probs (to 1e-5) of each row decoded alone in one call."""
+    import torch
+    from model import ModelConfig, Policy
+    torch.manual_seed(0)
+    model = Policy(ModelConfig(vocab_size=14, max_seq_len=300))
+    prompts = [torch.randint(4, 14, (int(k),)) for k in torch.randint(5, 17, (n,))]
+    seeds = list(range(101, 101 + n))
+    got = {s: ([], []) for s in seeds}
+    dec, live = CachedDecoder(model, length_of), seeds[:n // 2]
+    for cut, add in ((5, seeds[n // 2:]), (7, []), (None, [])):  # chunk, chunk + new rows, to the end
+        ctx = [torch.cat([prompts[s - 101], torch.tensor(got[s][0], dtype=torch.long)]) for s in live]
+        toks, lps, done = dec(ctx, torch.tensor(live), torch.tensor([len(got[s][0]) for s in live]), cut)
+        for s, t, lp in zip(live, toks, lps):
+            got[s][0].extend(t.tolist()), got[s][1].extend(lp.tolist())
+        live = [s for s, d in zip(live, done) if not d] + add
+    for s in seeds:
+        toks, lps, _ = CachedDecoder(model, length_of)([prompts[s - 101]], torch.tensor([s]), torch.tensor([0]), None)
+        if toks[0].tolist() != got[s][0] or not torch.allclose(lps[0], torch.tensor(got[s][1]), atol=1e-5):
+            raise AssertionError(f"CachedDecoder: seed {s} decoded in chunks differs from one call")
 
 
 def train_step(model, opt, batch, group, micro_rows, pack_tokens=0):
@@ -438,6 +462,7 @@ def main():
     if 1 not in args.staleness or 0 in args.staleness:
         p.error(f"--staleness {args.staleness}: give bounds >= 1 that include 1 (the targets are at S = 1; S = 0 always runs)")
     length_of = length_law(args.lengths, args.max_len)
+    check_decoder(length_of)
     draws = np.array([length_of(s) for s in range(20000)])
     print(f"lengths {args.lengths}: mean {draws.mean():.1f}, max {draws.max()}, max/mean {draws.max() / draws.mean():.1f}"
           f" | {args.steps} steps x {args.groups_per_step} x {args.group_size} samples per configuration"
