@@ -15,9 +15,10 @@ rows in, changes no token); each step is a real forward/backward and AdamW step 
 S = 0 is the synchronous algorithm (stalesync.py reduces to it); S = 1, 2, 4 cut at the threshold.
 
 Regime (the defaults; printed in the header): lognormal(2.5, 1.2) lengths clipped to 256 (mean 24, max/mean
-10.7); 48 steps x 4 groups x 4 samples (the first rounds and the pool still in flight at the end are
-transients: 24 steps understate the steady state); a decode pool of (S + 1) x groups_per_step groups, the admission
-capacity (threshold 1 / (S + 1); a fixed pool would give a larger S a later deadline but no more rows); chunks of 16 decode steps; the KV cache kept across the chunks of a round and
+10.7); 48 steps x 4 groups x 4 samples (the first rounds, and the pool still in flight at the end, are
+transients: 24 steps understate the steady state); a decode pool of (S + 1) x groups_per_step groups, the
+admission capacity (threshold 1 / (S + 1): a fixed pool would give a larger S a later deadline but no more
+rows); chunks of 16 decode steps; the KV cache kept across the chunks of a round and
 re-prefilled once per round under the new weights (as AReaL does; stale KV would not be "the new weights");
 training packs each micro-batch into one row of <= 512 tokens (block-diagonal mask: the same loss as
 padded rows, measured to 3e-8 in the parameters, ~40% less time), so decode steps rather than padding
@@ -460,13 +461,15 @@ def main():
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every configuration; medians reported")
     args = p.parse_args()
     if 1 not in args.staleness or 0 in args.staleness:
-        p.error(f"--staleness {args.staleness}: give bounds >= 1 that include 1 (the targets are at S = 1; S = 0 always runs)")
+        p.error(f"--staleness {args.staleness}: give bounds >= 1 that include 1 (the targets are at S = 1; "
+                "S = 0 always runs)")
     length_of = length_law(args.lengths, args.max_len)
     check_decoder(length_of)
     draws = np.array([length_of(s) for s in range(20000)])
+    pool = f"(S + 1) x {args.groups_per_step}" if args.threshold is None else f"{args.groups_per_step}/{args.threshold}"
     print(f"lengths {args.lengths}: mean {draws.mean():.1f}, max {draws.max()}, max/mean {draws.max() / draws.mean():.1f}"
           f" | {args.steps} steps x {args.groups_per_step} x {args.group_size} samples per configuration"
-          f" | pool {'(S + 1) x ' + str(args.groups_per_step) if args.threshold is None else f'{args.groups_per_step}/{args.threshold}'} groups, chunk {args.chunk}, micro {args.micro}, "
+          f" | pool {pool} groups, chunk {args.chunk}, micro {args.micro}, "
           f"collective cut {args.collective} | median of {args.repeats} interleaved repeats")
     ctx = mp.get_context("spawn")
     results, port = ctx.Queue(), free_port()
@@ -497,7 +500,8 @@ def main():
                stale_over_sync_separated=ratio("separated_S1", "separated_S0"),
                colocated_stale_over_separated_sync=ratio("colocated_S1", "separated_S0"),
                best_stale_over_sync_colocated=dict(S=best, ratio=ratio(f"colocated_S{best}", "colocated_S0")),
-               stale_over_sync_colocated_by_S={f"S{s}": ratio(f"colocated_S{s}", "colocated_S0") for s in args.staleness},
+               stale_over_sync_colocated_by_S={f"S{s}": ratio(f"colocated_S{s}", "colocated_S0")
+                                               for s in args.staleness},
                colocated_over_separated_sync_by_S={f"S{s}": ratio(f"colocated_S{s}", "separated_S0")
                                                    for s in args.staleness},
                decode_steps_sync_over_stale_colocated={f"S{s}": round(steps["colocated_S0"] / steps[f"colocated_S{s}"], 3)
