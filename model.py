@@ -11,7 +11,9 @@ Sampling (`generate`) is batched over prompts of different lengths, left-padded,
 - it returns, for every generated token, its behaviour log-prob: log softmax(logits / temperature),
   the same quantity that `token_logprobs` recomputes in a training forward;
 - it continues sequences that were cut part-way: pass prompt + partial response as the context and
-  the number of response tokens already made (`n_done`). A round can be cut after `max_steps`.
+  the number of response tokens already made (`n_done`). A round can be cut after `max_steps`;
+- `Sampler(keep=True)` is the same sampler as an object that keeps the cut rows' KV cache for its next
+  call, so that a scheduler decoding in chunks (stalesync.py) reads each prefix once per weight version.
 
 Departures from a production sampler, on purpose:
 1. Randomness is counter-based: the uniform that picks a token is a hash of (the sample's seed, the
@@ -297,23 +299,12 @@ class Generation:
     done: list         # per row: True if it hit EOS or its budget, False if cut by max_steps
 
 
-@torch.no_grad()
-def generate(model, contexts, seeds, max_new_tokens, eos_id, pad_id=0, temperature=1.0,
-             top_p=1.0, n_done=None, max_steps=None):
-    """Sample responses for a batch of contexts (prompt + any partial response) of mixed lengths.
-
-    contexts: list of (T_i,) int64; seeds: (B,) int64, one per sample; n_done: response tokens each
-    context already holds (they count toward max_new_tokens); max_steps: cut the round after this
-    many decode steps (rows not done are returned with done=False, ready to be continued)."""
+def _prefill(model, contexts, pad_id, extra):
+    """Left-pad contexts (list of (T_i,)) into (B, P) and read them into a fresh cache with room for
+    `extra` more tokens. Returns the cache, next-token logits (B, V), validity (B, P) and lengths (B,)."""
     B, dev = len(contexts), model.head.weight.device
-    n_done = torch.zeros(B, dtype=torch.long) if n_done is None else torch.as_tensor(n_done)
-    budget = (max_new_tokens - n_done).clamp(min=0).to(dev)                   # (B,) tokens left
     lens = torch.tensor([len(c) for c in contexts], device=dev)               # (B,)
     P = int(lens.max())
-    steps = int(budget.max()) if max_steps is None else min(max_steps, int(budget.max()))
-    if P + steps > model.cfg.max_seq_len:
-        raise ValueError(f"context {P} + {steps} new tokens exceeds max_seq_len={model.cfg.max_seq_len}")
-    # Left-pad: (B, P) tokens, a validity mask, and each token's position within its own row.
     tokens = torch.full((B, P), pad_id, dtype=torch.long, device=dev)
     for b, c in enumerate(contexts):
         tokens[b, P - len(c):] = c.to(dev)
@@ -322,37 +313,118 @@ def generate(model, contexts, seeds, max_new_tokens, eos_id, pad_id=0, temperatu
     causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
     # A pad query attends to itself only, so that its softmax is never over an empty set.
     mask = (causal & valid[:, None, :]) | torch.eye(P, dtype=torch.bool, device=dev)  # (B, P, P)
-    w = model.head.weight
-    cache = KVCache(model.cfg, B, P + steps, dev, w.dtype, model.blocks[0].attn.n_heads)
+    cache = KVCache(model.cfg, B, P + extra, dev, model.head.weight.dtype, model.blocks[0].attn.n_heads)
     logits = model(tokens, positions, mask.unsqueeze(1), cache)[:, -1]         # (B, V)
-    next_pos = lens.clone()                                                    # (B,) position of the next token
-    seeds = torch.as_tensor(seeds, dtype=torch.long, device=dev)
-    out_tok, out_lp = [[] for _ in range(B)], [[] for _ in range(B)]
-    done = (budget == 0).tolist()
-    rows = (budget > 0).nonzero().squeeze(-1)                                  # (B',) live rows
-    logits, valid, next_pos, left = logits[rows], valid[rows], next_pos[rows], budget[rows]
-    cache.keep_rows(rows)
-    for step in range(steps):
-        if len(rows) == 0:
-            break
-        tok, lp = sample_tokens(logits, counter_uniform(seeds[rows], next_pos), temperature, top_p)
-        # One host sync per step: the stop test and the per-row outputs need the values.
-        for b, t, l in zip(rows.tolist(), tok.tolist(), lp.tolist()):
-            out_tok[b].append(t), out_lp[b].append(l)
-        left = left - 1
-        finished = (tok == eos_id) | (left == 0)                               # (B',)
-        for b in rows[finished].tolist():
-            done[b] = True
-        if bool(finished.any()):  # compact: finished rows leave the batch and stop costing compute
-            keep = (~finished).nonzero().squeeze(-1)
-            rows, tok, next_pos, valid, left = rows[keep], tok[keep], next_pos[keep], valid[keep], left[keep]
-            cache.keep_rows(keep)
-        if len(rows) == 0 or step == steps - 1:
-            break
-        valid = torch.cat([valid, valid.new_ones(len(rows), 1)], 1)            # (B', t)
-        logits = model(tok[:, None], next_pos[:, None], valid[:, None, None, :], cache)[:, -1]
-        next_pos = next_pos + 1
-    return Generation(
-        tokens=[torch.tensor(t, dtype=torch.long) for t in out_tok],
-        logprobs=[torch.tensor(lp, dtype=torch.float32) for lp in out_lp],
-        done=done)
+    return cache, logits, valid, lens
+
+
+def _left_pad(x, t, dim):
+    """Zeros (False) before x along dim, to length t: left-padded rows line up on their last column."""
+    shape = list(x.shape)
+    shape[dim] = t - x.shape[dim]
+    return torch.cat([x.new_zeros(shape), x], dim)
+
+
+class Sampler:
+    """generate() as an object that may keep its KV cache between calls: the step_fn of a scheduler that
+    decodes in chunks (stalesync.py). With keep=True a row cut by max_steps leaves its keys, values and
+    next-token logits behind, keyed by its seed; a later call naming that seed continues from them instead
+    of re-reading the prefix, and rows new to the call are prefilled and merged in. The tokens are those
+    of a fresh call (tests/test_model.py). reset() drops the cache: call it when the weights change (the
+    prefix must be read again under the new weights) and when the rollout phase ends (it is engine memory)."""
+
+    def __init__(self, model, max_new_tokens, eos_id, pad_id=0, temperature=1.0, top_p=1.0, keep=True):
+        self.model, self.max_new_tokens, self.eos_id, self.pad_id = model, max_new_tokens, eos_id, pad_id
+        self.temperature, self.top_p, self.keep = temperature, top_p, keep
+        self.state, self.steps = None, 0  # steps: decode forwards run, each over every live row
+
+    def reset(self):
+        self.state = None
+
+    def _resume(self, contexts, held, new, extra):
+        """The cache for held rows (from self.state) then new rows (prefilled), with room for `extra`."""
+        st, model, dev = self.state, self.model, self.model.head.weight.device
+        where = {s: i for i, s in enumerate(st["seeds"])}
+        idx = torch.tensor([where[s] for _, s in held], device=dev)
+        k, v = st["k"][:, idx], st["v"][:, idx]                                    # (L, R, H, t, hd)
+        valid, pos, logits = st["valid"][idx], st["pos"][idx], st["logits"][idx]     # (R, t), (R,), (R, V)
+        lens = torch.tensor([len(contexts[i]) for i, _ in held], device=dev)
+        if not torch.equal(valid.sum(1), lens):
+            raise RuntimeError("Sampler: a held row's context changed since it was cut; reset() after new weights")
+        if new:
+            c, lg, vd, ln = _prefill(model, [contexts[i] for i in new], self.pad_id, 0)
+            t = max(valid.shape[1], vd.shape[1])
+            k = torch.cat([_left_pad(k, t, 3), _left_pad(c.k, t, 3)], 1)
+            v = torch.cat([_left_pad(v, t, 3), _left_pad(c.v, t, 3)], 1)
+            valid = torch.cat([_left_pad(valid, t, 1), _left_pad(vd, t, 1)], 0)
+            pos, logits = torch.cat([pos, ln]), torch.cat([logits, lg])
+        t = valid.shape[1]
+        cache = KVCache(model.cfg, len(valid), t + extra, dev, k.dtype, model.blocks[0].attn.n_heads)
+        cache.k[:, :, :, :t], cache.v[:, :, :, :t], cache.length = k, v, t
+        return cache, logits, valid, pos
+
+    @torch.no_grad()
+    def __call__(self, contexts, seeds, n_done=None, max_steps=None):
+        model, B, dev = self.model, len(contexts), self.model.head.weight.device
+        n_done = torch.zeros(B, dtype=torch.long) if n_done is None else torch.as_tensor(n_done)
+        budget = (self.max_new_tokens - n_done).clamp(min=0).to(dev)              # (B,) tokens left
+        seeds = torch.as_tensor(seeds, dtype=torch.long, device=dev)
+        P = max(len(c) for c in contexts)
+        steps = int(budget.max()) if max_steps is None else min(max_steps, int(budget.max()))
+        if P + steps > model.cfg.max_seq_len:
+            raise ValueError(f"context {P} + {steps} new tokens exceeds max_seq_len={model.cfg.max_seq_len}")
+        kept = set() if self.state is None else set(self.state["seeds"])
+        held = [(i, s) for i, s in enumerate(seeds.tolist()) if s in kept]
+        if held:  # cache row r is call row order[r]: the held rows first, then the new ones
+            new = [i for i, s in enumerate(seeds.tolist()) if s not in kept]
+            order = torch.tensor([i for i, _ in held] + new, device=dev)
+            cache, logits, valid, next_pos = self._resume(contexts, held, new, steps)
+        else:     # a fresh call: the naive path, one prefill of every context
+            order = torch.arange(B, device=dev)
+            cache, logits, valid, next_pos = _prefill(model, contexts, self.pad_id, steps)
+        out_tok, out_lp = [[] for _ in range(B)], [[] for _ in range(B)]
+        done = (budget == 0).tolist()
+        live = (budget[order] > 0).nonzero().squeeze(-1)                           # (B',) cache rows
+        rows = order[live]                                                         # (B',) their call rows
+        logits, valid, next_pos, left = logits[live], valid[live], next_pos[live], budget[rows]
+        cache.keep_rows(live)
+        for step in range(steps):
+            if len(rows) == 0:
+                break
+            tok, lp = sample_tokens(logits, counter_uniform(seeds[rows], next_pos), self.temperature, self.top_p)
+            # One host sync per step: the stop test and the per-row outputs need the values.
+            for b, t, l in zip(rows.tolist(), tok.tolist(), lp.tolist()):
+                out_tok[b].append(t), out_lp[b].append(l)
+            left = left - 1
+            finished = (left == 0) if self.eos_id is None else (tok == self.eos_id) | (left == 0)  # (B',)
+            for b in rows[finished].tolist():
+                done[b] = True
+            if bool(finished.any()):  # compact: finished rows leave the batch and stop costing compute
+                keep = (~finished).nonzero().squeeze(-1)
+                rows, tok, next_pos, valid, left = rows[keep], tok[keep], next_pos[keep], valid[keep], left[keep]
+                cache.keep_rows(keep)
+            if len(rows) == 0 or (step == steps - 1 and not self.keep):  # kept rows need their next logits
+                break
+            valid = torch.cat([valid, valid.new_ones(len(rows), 1)], 1)            # (B', t)
+            logits = model(tok[:, None], next_pos[:, None], valid[:, None, None, :], cache)[:, -1]
+            next_pos = next_pos + 1
+            self.steps += 1
+        self.state = None if not (self.keep and len(rows)) else dict(
+            seeds=seeds[rows].tolist(), k=cache.k[:, :, :, :cache.length], v=cache.v[:, :, :, :cache.length],
+            valid=valid, pos=next_pos, logits=logits)
+        return Generation(
+            tokens=[torch.tensor(t, dtype=torch.long) for t in out_tok],
+            logprobs=[torch.tensor(lp, dtype=torch.float32) for lp in out_lp],
+            done=done)
+
+
+def generate(model, contexts, seeds, max_new_tokens, eos_id, pad_id=0, temperature=1.0,
+             top_p=1.0, n_done=None, max_steps=None):
+    """Sample responses for a batch of contexts (prompt + any partial response) of mixed lengths.
+
+    contexts: list of (T_i,) int64; seeds: (B,) int64, one per sample; n_done: response tokens each
+    context already holds (they count toward max_new_tokens); max_steps: cut the round after this
+    many decode steps (rows not done are returned with done=False, ready to be continued).
+    eos_id None: rows stop at their budget only."""
+    return Sampler(model, max_new_tokens, eos_id, pad_id, temperature, top_p, keep=False)(
+        contexts, seeds, n_done, max_steps)

@@ -60,7 +60,7 @@ import distqueue
 import fusion
 import moe_switch
 import stalesync
-from model import ModelConfig, Policy, generate, token_logprobs
+from model import ModelConfig, Policy, Sampler, generate, token_logprobs
 
 # ---------------------------------------------------------------------------------------------
 # The task: reverse a digit string. Tokens: PAD, EOS, BOS, "=", then the digits 0-9.
@@ -754,10 +754,9 @@ def train(cfg, out_dir=None):
         def seed_of(i):  # sample i of this replica: the seed the synchronous step would give it
             return int(sample_seeds(cfg, i // n_local + 1, roles.replica * n_local + i % n_local, 1, per_step))
 
-        def sampler(contexts, seeds, n_done, max_steps):
-            return generate(engine, contexts, seeds, cfg.max_new_tokens, EOS, PAD, cfg.temperature, cfg.top_p,
-                            n_done=n_done, max_steps=max_steps)
-
+        # Decode chunks of a round continue from the engine's KV cache (S > 0); reset() when a round ends
+        # (the cache is engine memory, and the next round's weights must read every prefix again).
+        sampler = Sampler(engine, cfg.max_new_tokens, EOS, PAD, cfg.temperature, cfg.top_p)
         sched = stalesync.StaleSync(stalesync.StaleConfig(cfg.staleness, n_prompts, G, cfg.threshold,
                                                           cfg.chunk_steps), sampler, next_prompt, seed_of)
     regenerated = [0]  # this replica's regenerations already reported
@@ -797,6 +796,7 @@ def train(cfg, out_dir=None):
             if store.check([f"{wkey}/{sched.version + 1}"]):
                 push()
                 sched.update(sched.version + 1)
+                sampler.reset()  # the in-flight prefixes are read again under the new weights
                 if is_eval_step(sched.version):  # scored here, read by trainer 0 when it logs that step
                     i, n = roles.replica, roles.replicas
                     with spans("eval"):
@@ -829,6 +829,7 @@ def train(cfg, out_dir=None):
             with spans("switch"):
                 to_rollout()
             b = sched.rollout(spans)  # S > 0: ends once enough groups are complete; the rest continue later
+            sampler.reset()
             with spans("switch"):
                 to_train()
             rewards, new_regen = put_batch(b)

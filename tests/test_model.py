@@ -1,6 +1,8 @@
 import torch
 
-from model import KVCache, ModelConfig, Policy, counter_uniform, generate, sample_tokens, token_logprobs
+import pytest
+
+from model import KVCache, ModelConfig, Policy, Sampler, counter_uniform, generate, sample_tokens, token_logprobs
 
 EOS = 1
 
@@ -82,6 +84,49 @@ def test_cut_and_continue_equals_one_round():
             toks, lps = torch.cat([toks, rest.tokens[j]]), torch.cat([lps, rest.logprobs[j]])
         assert torch.equal(toks, whole.tokens[i])
         torch.testing.assert_close(lps, whole.logprobs[i], atol=1e-5, rtol=0)
+
+
+def test_sampler_keeps_its_cache_across_chunks():
+    """Rows decoded in chunks by a Sampler that keeps its cache, with new rows merged in midway, give the
+    tokens of one uncut call; a chunk of held rows only reads no prefix again (no multi-token forward)."""
+    model = _model()
+    ctxs, seeds = _contexts([3, 9, 5, 12, 1, 7]), [11, 12, 13, 14, 15, 16]
+    whole = generate(model, ctxs, torch.tensor(seeds), max_new_tokens=30, eos_id=EOS, temperature=1.2)
+    sampler, got, prefills = Sampler(model, 30, EOS, temperature=1.2), {s: [[], []] for s in seeds}, []
+    hook = model.register_forward_pre_hook(lambda m, a: prefills.append(a[0].shape[1] > 1))
+    live, waiting, merged = seeds[:3], seeds[3:], False
+    while live or waiting:
+        add, waiting = waiting[:2], waiting[2:]
+        merged |= bool(add) and bool(live)
+        live = live + add
+        n_done = [len(got[s][0]) for s in live]
+        out = sampler([torch.cat([ctxs[seeds.index(s)], torch.tensor(got[s][0], dtype=torch.long)]) for s in live],
+                      torch.tensor(live), n_done, max_steps=3)
+        assert any(prefills) == bool(add)  # a prefix is read once: only new rows are prefilled
+        prefills.clear()
+        for s, t, lp in zip(live, out.tokens, out.logprobs):
+            got[s][0] += t.tolist()
+            got[s][1] += lp.tolist()
+        live = [s for s, d in zip(live, out.done) if not d]
+    hook.remove()
+    assert merged, "the test needs new rows merged into a held cache"
+    for i, s in enumerate(seeds):
+        assert got[s][0] == whole.tokens[i].tolist()
+        torch.testing.assert_close(torch.tensor(got[s][1]), whole.logprobs[i], atol=1e-5, rtol=0)
+    assert sampler.state is None  # every row finished: nothing held
+
+
+def test_sampler_refuses_a_changed_context_and_reset_drops_the_cache():
+    model = _model()
+    ctxs = _contexts([4, 6])
+    sampler = Sampler(model, 20, eos_id=None)  # no EOS: every row runs to its budget
+    out = sampler(ctxs, torch.tensor([1, 2]), max_steps=2)
+    assert not any(out.done) and sampler.state is not None
+    with pytest.raises(RuntimeError, match="context changed"):  # the tokens just made were not appended
+        sampler(ctxs, torch.tensor([1, 2]), n_done=[2, 2], max_steps=2)
+    sampler.reset()
+    again = sampler([torch.cat([c, t]) for c, t in zip(ctxs, out.tokens)], torch.tensor([1, 2]), n_done=[2, 2])
+    assert all(again.done) and [len(t) for t in again.tokens] == [18, 18]
 
 
 def test_sampler_follows_the_distribution_and_top_p():
