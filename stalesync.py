@@ -17,13 +17,16 @@ Contents, naive first:
 The rules (v = policy version = optimizer steps taken; k = index of the next batch, trained at version k):
   admission  a group may start only while groups_started < (S + v + 1) * groups_per_step, so that after
              the start groups_started <= (S + v + 1) * groups_per_step (AReaL's capacity) always holds;
-  cut        batch k is emitted once groups_per_step groups are complete AND every group that started at
-             a version <= k - S (its last chance to be trained with age <= S) is complete: oldest first;
+  cut        batch k is emitted once groups_per_step groups are complete AND the oldest groups_per_step of
+             those that started at a version <= k - S (their last chance to be trained with age <= S) are
+             complete; the batch takes those due groups first, then the oldest complete ones;
   age        a sample's age is k - start_version, start_version being the version of its first token;
-             a group that would be older than S at the next batch is regenerated from scratch, never
-             trained, and counted (stale/regenerated). Dropping it instead would bias training toward
-             short responses: the long ones are the ones that age out. With the cut rule above this only
-             happens when more than groups_per_step groups fall due at once (S >= 2, separated runs).
+             a group that would be older than S at the next batch (a due group that did not fit in batch k)
+             is regenerated from scratch with fresh samples, never trained, and counted
+             (stale/regenerated). Dropping it instead would lose its prompt: the prompts with long answers
+             are the ones that age out. A retry keeps the prompt mix, though for each prompt it still
+             favours the attempts that finish in time. With the cut rule above a group ages out only when
+             more than groups_per_step groups fall due at once, which needs S >= 2.
   S = 0      capacity admits exactly one batch per version and the cut waits for all of it; the sampler
              is then called once per round with no cut (max_steps=None): the very call sync_rollout
              makes, so the samples, updates and parameters are those of the synchronous path, bit for bit.

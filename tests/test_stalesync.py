@@ -53,23 +53,35 @@ def _check_batch(b, S, cfg, length_of=None, seed_of=lambda i: i):
     assert b.metrics["stale/age_max"] <= S
 
 
-def _simulate(S, seed, separated, steps=12):
+def _simulate(S, seed, separated, steps=12, cfg=None):
     """Generator and trainer at random speeds. Returns the scheduler, the sampler and the trained ids."""
     rng = np.random.default_rng(seed)
-    cfg = StaleConfig(staleness=S, groups_per_step=int(rng.integers(1, 4)), group_size=int(rng.integers(1, 5)),
-                      threshold=float(rng.choice([1.0, 0.5, 0.3])), chunk_steps=int(rng.integers(1, 9)))
-    sampler = ScriptedSampler(_lengths(rng))
-    sched = StaleSync(cfg, sampler, prompt_fn=lambda: torch.tensor([2, 5, 3]), seed_fn=lambda i: 7000 + i)
+    cfg = cfg or StaleConfig(staleness=S, groups_per_step=int(rng.integers(1, 4)), group_size=int(rng.integers(1, 5)),
+                             threshold=float(rng.choice([1.0, 0.5, 0.3])), chunk_steps=int(rng.integers(1, 9)))
+    sampler, first = ScriptedSampler(_lengths(rng)), {}  # first: seed -> version at its first token
+
+    def step_fn(contexts, seeds, n_done, max_steps):  # records ages outside the scheduler's own books
+        for s, n in zip(seeds.tolist(), n_done.tolist()):
+            if n == 0:
+                first[s] = sched.version
+        return sampler(contexts, seeds, n_done, max_steps)
+
+    sched = StaleSync(cfg, step_fn, prompt_fn=lambda: torch.tensor([2, 5, 3]), seed_fn=lambda i: 7000 + i)
     trained = []
+
+    def check(b):
+        _check_batch(b, S, cfg, sampler.length_of, lambda i: 7000 + i)
+        assert all(b.version - first[7000 + i] <= S for i in b.ids), "a sample older than S was trained"
     if not separated:  # colocated: rollout, train, update
         for _ in range(steps):
             b = sched.rollout()
             assert b.version == sched.version
-            _check_batch(b, S, cfg, sampler.length_of, lambda i: 7000 + i)
+            check(b)
             trained += b.ids
             sched.update()
         return sched, sampler, trained, cfg
     train_ticks, delay = int(rng.integers(1, 6)), int(rng.integers(0, 4))  # trainer speed, weight latency
+    gen_speed = float(rng.uniform(0.2, 1.0))  # the generator decodes a chunk on this share of the ticks
     queue, busy_until, trainer_v, arrivals, t = [], None, 0, [], 0
     while trainer_v < steps:
         t += 1
@@ -78,7 +90,8 @@ def _simulate(S, seed, separated, steps=12):
         arrivals = [a for a in arrivals if a[0] > t]
         sched.admit()
         assert sched.groups_started <= (S + sched.version + 1) * cfg.groups_per_step
-        sched.decode()
+        if rng.random() < gen_speed:
+            sched.decode()
         while sched.ready():
             queue.append(sched.take())
         if busy_until is not None and t >= busy_until:  # an optimizer step ends
@@ -87,7 +100,7 @@ def _simulate(S, seed, separated, steps=12):
         if busy_until is None and queue:
             b = queue.pop(0)
             assert b.version == trainer_v, "batches are trained in order, one optimizer step each"
-            _check_batch(b, S, cfg, sampler.length_of, lambda i: 7000 + i)
+            check(b)
             trained += b.ids
             busy_until = t + train_ticks
         assert t < 100_000, "no progress"
@@ -108,8 +121,23 @@ def test_bound_and_nothing_lost(S):
         assert {s - 7000 for s in sampler.seen} <= everything
         if S == 0:
             assert not acc["regenerated"] and not acc["in_flight"]
-        if S <= 1 and trial % 2 == 0:  # colocated, S <= 1: the cut rule makes regeneration impossible
+        if S <= 1:  # the cut rule makes regeneration impossible: at most groups_per_step groups fall due
             assert not acc["regenerated"], "a group aged out although the cut waits for due groups"
+
+
+@pytest.mark.parametrize("S", [2, 4])
+def test_bound_and_nothing_lost_while_groups_age_out(S):
+    """A pool at capacity and one group per step: groups pile up due at once and some are regenerated."""
+    regenerated = 0
+    for trial in range(8):
+        cfg = StaleConfig(staleness=S, groups_per_step=1, group_size=2, threshold=1 / (S + 1), chunk_steps=2)
+        sched, _, trained, _ = _simulate(S, seed=7 + 100 * S + trial, separated=trial % 2 == 1, steps=20, cfg=cfg)
+        acc = sched.accounting()
+        assert set(trained) == acc["trained"] and len(trained) == len(set(trained))
+        assert acc["trained"] | acc["regenerated"] | acc["in_flight"] == set(range(sched.next_id))
+        assert len(acc["regenerated"]) == cfg.group_size * sched.regenerated
+        regenerated += sched.regenerated
+    assert regenerated > 0, "no group aged out: the test does not exercise regeneration"
 
 
 def test_admission_inequality_is_strict_before_a_start():
