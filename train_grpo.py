@@ -780,6 +780,12 @@ def train(cfg, out_dir=None):
     # Trainer 0 announces each new version in the store; the generators take it between two decode chunks.
     store, wkey = distqueue.default_store(), f"w:{out_dir}"
 
+    def all_ready(mine):  # colocated: a rank whose batch is ready keeps decoding its tail until all are
+        flag = torch.tensor([float(mine)], device=device)
+        with spans("idle") if mine else contextlib.nullcontext():  # a ready rank's wait is idle time
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
     def wait_for(keys, what):  # poll the store, serving the queue all along; a dead peer times out
         deadline = time.monotonic() + cfg.pg_timeout_s
         while not store.check(keys):
@@ -828,7 +834,8 @@ def train(cfg, out_dir=None):
         if is_generator:  # 1-4. G responses per prompt of this replica's slice, scored, into the queue
             with spans("switch"):
                 to_rollout()
-            b = sched.rollout(spans)  # S > 0: ends once enough groups are complete; the rest continue later
+            # S > 0: the round ends once every rank has enough complete groups; the rest continue later
+            b = sched.rollout(spans, None if separated else all_ready)
             sampler.reset()
             with spans("switch"):
                 to_train()
@@ -889,7 +896,8 @@ def train(cfg, out_dir=None):
                     "time/rollout_s": spans.total("rollout", first_span),
                     "time/train_s": spans.total("train", first_span),
                     "time/switch_s": spans.total("switch", first_span), "time/step_s": step_s,
-                    "perf/idle_frac": spans.total("queue", first_span) / step_s,  # waiting for samples
+                    # waiting: for samples (queue), or, ready first, for the other ranks' rollouts (idle)
+                    "perf/idle_frac": sum(spans.total(n, first_span) for n in ("queue", "idle")) / step_s,
                     "queue/reads": q_reads,
                     # counted by the senders: the generators, which log nothing per step when ahead
                     **({} if ahead else {"queue/bytes_sent": q_sent, "queue/bytes_padded_equiv": q_padded}),
