@@ -341,6 +341,10 @@ class Sampler:
     def reset(self):
         self.state = None
 
+    def budget(self, seeds, n_done):
+        """Tokens each row may still make, (B,). Override for per-row budgets (bench/stalesync.py)."""
+        return (self.max_new_tokens - n_done).clamp(min=0)
+
     def _resume(self, contexts, held, new, extra):
         """The cache for held rows (from self.state) then new rows (prefilled), with room for `extra`."""
         st, model, dev = self.state, self.model, self.model.head.weight.device
@@ -367,8 +371,8 @@ class Sampler:
     def __call__(self, contexts, seeds, n_done=None, max_steps=None):
         model, B, dev = self.model, len(contexts), self.model.head.weight.device
         n_done = torch.zeros(B, dtype=torch.long) if n_done is None else torch.as_tensor(n_done)
-        budget = (self.max_new_tokens - n_done).clamp(min=0).to(dev)              # (B,) tokens left
         seeds = torch.as_tensor(seeds, dtype=torch.long, device=dev)
+        budget = self.budget(seeds, n_done).to(dev)                                # (B,) tokens left
         P = max(len(c) for c in contexts)
         steps = int(budget.max()) if max_steps is None else min(max_steps, int(budget.max()))
         if P + steps > model.cfg.max_seq_len:

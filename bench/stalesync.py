@@ -2,10 +2,10 @@
 
     python bench/stalesync.py --lengths lognormal:2.5,1.2   # also uniform:A,B  pareto:ALPHA,MIN  fixed:N
 
-Real work, forced lengths: responses are decoded by the real policy (model.Policy, a KV cache kept
-between decode chunks, counter-seeded sampling) until each sample's drawn length, a stand-in for a long
-tail of EOS positions (check_decoder first checks that carrying the cache across chunks, and merging new
-rows in, changes no token); each step is a real forward/backward and AdamW step of the policy on the batch.
+Real work, forced lengths: responses are decoded by the real policy (model.Sampler: a KV cache kept
+between the decode chunks of a round, counter-seeded sampling) until each sample's drawn length, a
+stand-in for a long tail of EOS positions; each step is a real forward/backward and AdamW step of the
+policy on the batch.
   colocated  both ranks generate their half of the batch, then train on it (gradients all-reduced); a
              round ends when every rank is ready (one all-reduce of a flag per decode chunk), and a rank
              ready first keeps decoding its in-flight tail meanwhile (--no-collective: it waits);
@@ -25,10 +25,12 @@ padded rows, measured to 3e-8 in the parameters, ~40% less time), so decode step
 dominate a step. Configurations run interleaved, the order rotated per repeat, 3 repeats; tokens_per_s are
 medians, and every ratio is the median over repeats of the ratio within one repeat (a shared host drifts).
 
-Why it is fair: every configuration trains the same number of steps of the same global batch; sample ids,
-seeds and so lengths are the same in every configuration; regenerated work counts in the wall time;
-tokens_per_s counts trained response tokens only, over the slowest rank's wall time, so the long tail
-a stale run still holds in flight at its end is not credited to it (a conservative bias).
+Why it is fair: every configuration trains the same number of steps of the same global batch size; a
+sample has the same global id, so the same seed and length, in every deployment (colocated rank r's
+local group g is global group (g // gps) * 2 gps + r gps + g % gps); regenerated groups take fresh ids,
+so a run that regenerates trains a slightly different set of lengths; regenerated work counts in the wall
+time; tokens_per_s counts trained response tokens only, over the slowest rank's wall time, so the long
+tail a stale run still holds in flight at its end is not credited to it (a conservative bias).
 
 Targets on a tail with max/mean >= 4: stale_over_sync_colocated >= 1.5 and
 colocated_stale_over_separated_sync >= 2.5 (both at S = 1). Measured on this 2-vCPU machine they are
@@ -65,8 +67,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
+from model import Sampler  # noqa: E402
 
 
 def free_port():
@@ -84,117 +88,16 @@ def length_law(spec, max_len, salt=1234):
     return lambda seed: int(np.clip(round(draw(np.random.default_rng([salt, int(seed)]))), 1, max_len))
 
 
-class CachedDecoder:
-    """step_fn for stalesync: decodes rows with a KV cache kept between calls (keyed by seed), until each
-    row's forced length. New rows are prefilled and merged; invalidate() (new weights) re-prefills all."""
+class ForcedLengths(Sampler):
+    """model.Sampler (the KV cache kept between a round's decode chunks, reset() with new weights) whose
+    rows run, EOS or not, to a length drawn per seed: a stand-in for a long tail of EOS positions."""
 
     def __init__(self, model, length_of):
-        self.model, self.length_of, self.state = model, length_of, None
-        self.steps = 0  # decode steps run (one forward of every live row), the mechanism's unit of time
+        super().__init__(model, max_new_tokens=None, eos_id=None)
+        self.length_of = length_of
 
-    def invalidate(self):
-        self.state = None
-
-    def _prefill(self, contexts):
-        import torch
-        from model import KVCache
-        B, lens = len(contexts), torch.tensor([len(c) for c in contexts])
-        P = int(lens.max())
-        tokens = torch.zeros(B, P, dtype=torch.long)
-        for b, c in enumerate(contexts):
-            tokens[b, P - len(c):] = c
-        valid = torch.arange(P)[None] >= (P - lens)[:, None]                                 # (B, P)
-        pos = (valid.long().cumsum(-1) - 1).clamp(min=0)                                     # (B, P)
-        mask = (torch.ones(P, P, dtype=torch.bool).tril() & valid[:, None]) | torch.eye(P, dtype=torch.bool)
-        cache = KVCache(self.model.cfg, B, P, "cpu", torch.float32)
-        logits = self.model(tokens, pos, mask[:, None], cache)[:, -1]                        # (B, V)
-        return dict(k=cache.k, v=cache.v, valid=valid, pos=lens.clone(), logits=logits)
-
-    @staticmethod
-    def _merge(a, b):
-        """Concatenate two cache states along rows, left-padding the shorter one in time."""
-        import torch
-        t = max(a["valid"].shape[1], b["valid"].shape[1])
-        def pad(s):
-            d = t - s["valid"].shape[1]
-            z = s["k"].new_zeros(s["k"].shape[:3] + (d, s["k"].shape[4]))
-            return dict(k=torch.cat([z, s["k"]], 3), v=torch.cat([z, s["v"]], 3), pos=s["pos"], logits=s["logits"],
-                        valid=torch.cat([s["valid"].new_zeros(len(s["valid"]), d), s["valid"]], 1))
-        a, b = pad(a), pad(b)
-        return {key: torch.cat([a[key], b[key]], 1 if key in ("k", "v") else 0) for key in a}
-
-    def __call__(self, contexts, seeds, n_done, max_steps):
-        import torch
-        from model import KVCache, counter_uniform, sample_tokens
-        seeds, n_done = seeds.tolist(), n_done.tolist()
-        old = self.state if self.state is not None else {"seeds": []}
-        where = {s: i for i, s in enumerate(old["seeds"])}
-        keep = [where[s] for s in seeds if s in where]
-        new = [i for i, s in enumerate(seeds) if s not in where]
-        parts = []
-        if keep:
-            idx = torch.tensor(keep)
-            parts.append({key: old[key][:, idx] if key in ("k", "v") else old[key][idx]
-                          for key in ("k", "v", "valid", "pos", "logits")})
-        if new:
-            parts.append(self._prefill([contexts[i] for i in new]))
-        st = parts[0] if len(parts) == 1 else self._merge(*parts)
-        order = [seeds.index(old["seeds"][i]) for i in keep] + new                          # row -> request
-        left = torch.tensor([self.length_of(seeds[j]) - n_done[j] for j in order])         # (R,)
-        steps = int(left.max()) if max_steps is None else min(max_steps, int(left.max()))
-        R, t = len(order), st["valid"].shape[1]
-        cache = KVCache(self.model.cfg, R, t + steps, "cpu", torch.float32)
-        cache.k[:, :, :, :t], cache.v[:, :, :, :t], cache.length = st["k"], st["v"], t
-        valid, pos, logits = st["valid"], st["pos"], st["logits"]
-        sd = torch.tensor([seeds[j] for j in order])
-        out_t, out_l = [[] for _ in seeds], [[] for _ in seeds]
-        rows = torch.arange(R)
-        with torch.no_grad():
-            for step in range(steps):
-                tok, lp = sample_tokens(logits, counter_uniform(sd[rows], pos))
-                for r, a, b in zip(rows.tolist(), tok.tolist(), lp.tolist()):
-                    out_t[order[r]].append(a), out_l[order[r]].append(b)
-                left = left - 1
-                live = (left[rows] > 0).nonzero().squeeze(-1)
-                if len(live) < len(rows):
-                    rows, tok, pos, valid = rows[live], tok[live], pos[live], valid[live]
-                    cache.keep_rows(live)
-                if len(rows) == 0:
-                    break
-                valid = torch.cat([valid, valid.new_ones(len(rows), 1)], 1)
-                logits = self.model(tok[:, None], pos[:, None], valid[:, None, None], cache)[:, -1]
-                self.steps += 1
-                pos = pos + 1
-        # rows cut by max_steps stay cached (with their next-token logits) for the next call
-        L = cache.length
-        self.state = None if len(rows) == 0 or steps == 0 else dict(
-            seeds=[seeds[order[r]] for r in rows.tolist()], k=cache.k[:, :, :, :L], v=cache.v[:, :, :, :L],
-            valid=valid, pos=pos, logits=logits)
-        return ([torch.tensor(x, dtype=torch.long) for x in out_t], [torch.tensor(x) for x in out_l],
-                [self.length_of(s) == n + len(x) for s, n, x in zip(seeds, n_done, out_t)])
-
-
-def check_decoder(length_of, n=6):
-    """The cache carried between calls changes nothing: rows decoded in chunks, new rows merged in midway,
-    give the tokens (exactly) and log-probs (to 1e-5) of each row decoded alone in one call."""
-    import torch
-    from model import ModelConfig, Policy
-    torch.manual_seed(0)
-    model = Policy(ModelConfig(vocab_size=14, max_seq_len=300))
-    prompts = [torch.randint(4, 14, (int(k),)) for k in torch.randint(5, 17, (n,))]
-    seeds = list(range(101, 101 + n))
-    got = {s: ([], []) for s in seeds}
-    dec, live = CachedDecoder(model, length_of), seeds[:n // 2]
-    for cut, add in ((5, seeds[n // 2:]), (7, []), (None, [])):  # chunk, chunk + new rows, to the end
-        ctx = [torch.cat([prompts[s - 101], torch.tensor(got[s][0], dtype=torch.long)]) for s in live]
-        toks, lps, done = dec(ctx, torch.tensor(live), torch.tensor([len(got[s][0]) for s in live]), cut)
-        for s, t, lp in zip(live, toks, lps):
-            got[s][0].extend(t.tolist()), got[s][1].extend(lp.tolist())
-        live = [s for s, d in zip(live, done) if not d] + add
-    for s in seeds:
-        toks, lps, _ = CachedDecoder(model, length_of)([prompts[s - 101]], torch.tensor([s]), torch.tensor([0]), None)
-        if toks[0].tolist() != got[s][0] or not torch.allclose(lps[0], torch.tensor(got[s][1]), atol=1e-5):
-            raise AssertionError(f"CachedDecoder: seed {s} decoded in chunks differs from one call")
+    def budget(self, seeds, n_done):
+        return torch.tensor([self.length_of(s) for s in seeds.tolist()]) - n_done
 
 
 def train_step(model, opt, batch, group, micro_rows, pack_tokens=0):
@@ -202,7 +105,6 @@ def train_step(model, opt, batch, group, micro_rows, pack_tokens=0):
     gradients all-reduced over `group` (None: no peers). pack_tokens > 0: each micro-batch is instead
     one packed row of up to pack_tokens tokens (block-diagonal causal mask, positions restart per
     sample), so no FLOP goes to padding; the loss is the same."""
-    import torch
     import torch.distributed as dist
     from model import token_logprobs
     order = sorted(range(len(batch.ids)), key=lambda i: len(batch.prompts[i]) + len(batch.responses[i]))
@@ -250,7 +152,6 @@ def train_step(model, opt, batch, group, micro_rows, pack_tokens=0):
 
 
 def run_config(rank, args, S, deploy, length_of):
-    import torch
     import torch.distributed as dist
     from model import ModelConfig, Policy
     from stalesync import Spans, StaleConfig, StaleSync
@@ -264,9 +165,14 @@ def run_config(rank, args, S, deploy, length_of):
     cfg = StaleConfig(staleness=S, groups_per_step=gps, group_size=args.group_size, threshold=threshold,
                       chunk_steps=args.chunk)
     rng = np.random.default_rng(rank)
-    decoder = CachedDecoder(model, length_of)
-    sched = StaleSync(cfg, decoder, lambda: torch.as_tensor(rng.integers(4, 14, args.prompt_len)),
-                      seed_fn=lambda i: rank * 10_000_000 + i)
+    decoder = ForcedLengths(model, length_of)
+    W = dist.get_world_size() if deploy == "colocated" else 1  # generating ranks
+
+    def global_id(i):  # this rank's sample i -> its id in the global batch sequence: the same sample (so the
+        g, j = divmod(i, args.group_size)  # same length) in every deployment; regenerated groups take new ids
+        return ((g // gps) * gps * W + rank * gps + g % gps) * args.group_size + j
+
+    sched = StaleSync(cfg, decoder, lambda: torch.as_tensor(rng.integers(4, 14, args.prompt_len)), seed_fn=global_id)
     spans, tokens, ages, round_steps = Spans(), 0, [], []
     dist.barrier()
     t0 = time.perf_counter()
@@ -286,7 +192,7 @@ def run_config(rank, args, S, deploy, length_of):
                 dist.barrier()
             with spans("train"):
                 train_step(model, opt, b, None if dist.get_world_size() == 1 else dist.group.WORLD, args.micro, args.pack)
-            decoder.invalidate(), sched.update()
+            decoder.reset(), sched.update()
             tokens, ages = tokens + b.metrics["rollout/response_tokens"], ages + [b.metrics]
     elif rank == 0:  # separated: the generator
         got, pending, n_sent = threading.Event(), [], 0
@@ -298,7 +204,7 @@ def run_config(rank, args, S, deploy, length_of):
         def new_weights():  # between decode chunks: load, drop the KV cache, version + 1
             waiter.join(), got.clear()
             torch.nn.utils.vector_to_parameters(flat.clone(), model.parameters())  # flat is the recv buffer
-            decoder.invalidate(), sched.update()
+            decoder.reset(), sched.update()
             return start_listen(sched.version + 1)
 
         def start_listen(v):
@@ -366,7 +272,6 @@ def concurrency_probe(rank, n_steps=150, rows=8):
     """ms per decode step of `rows` rows when this rank decodes alone (the peer blocked in a recv) and when
     both ranks decode at once. Real devices do not slow each other; CPU cores sharing a host can, and then
     a synchronous rank's idle time is partly recovered by its busy peer, which shrinks every idle-removal gain."""
-    import torch
     import torch.distributed as dist
     from model import KVCache, ModelConfig, Policy
     torch.manual_seed(0)
@@ -396,7 +301,6 @@ def concurrency_probe(rank, n_steps=150, rows=8):
 
 
 def worker(rank, args, port, results):
-    import torch
     import torch.distributed as dist
     torch.set_num_threads(1)  # 2 processes x 1 thread on 2 cores
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -464,7 +368,6 @@ def main():
         p.error(f"--staleness {args.staleness}: give bounds >= 1 that include 1 (the targets are at S = 1; "
                 "S = 0 always runs)")
     length_of = length_law(args.lengths, args.max_len)
-    check_decoder(length_of)
     draws = np.array([length_of(s) for s in range(20000)])
     pool = f"(S + 1) x {args.groups_per_step}" if args.threshold is None else f"{args.groups_per_step}/{args.threshold}"
     print(f"lengths {args.lengths}: mean {draws.mean():.1f}, max {draws.max()}, max/mean {draws.max() / draws.mean():.1f}"
