@@ -41,12 +41,13 @@ not met; the JSON carries the figures that say why:
       and the gain is < 2 (simulating this scheduler: 1.58 at 16 steps, 1.64 at 32, 1.77 at 64).
   colocated_stale_over_separated_sync  with decode cost flat in the batch, separated sync costs R + T_16
       = R + 2 T_8 per step and colocated S = 1 costs R / x + T_8, x < 2 that decode-step gain; the ratio
-      (R + 2 T_8) / (R / x + T_8) is < max(x, 2) = 2 for any R, T: 2.5 is out of reach at S = 1 here.
+      (R + 2 T_8) / (R / x + T_8) is < max(x, 2) = 2 for any R, T: 2.5 is out of reach at S = 1 here
+      (a separated generator decoding twice the rows per step loosens this by a few percent).
       colocated_over_separated_sync_by_S gives S = 2, 4 too: x grows with S, but see the next point.
   stale_over_sync_colocated_by_S  a larger S with its pool at capacity cuts critical-path decode steps
-      2.5x (S = 2) to 4x (S = 4), the wall clock far less: each critical-path step costs more (about x2.2
-      at S = 4), since the pool keeps (S + 1) x the rows alive and re-prefills every in-flight prefix
-      under the new weights each round.
+      2.5x (S = 2) to 4x (S = 4), the wall clock far less: each critical-path step costs more (x1.3 at
+      S = 1, x1.9 at S = 4), since the pool keeps (S + 1) x the rows alive and re-prefills every
+      in-flight prefix under the new weights each round.
   concurrent_decode_slowdown  how much slower a rank decodes while the other rank is busy (x0.9 to x1.5 here,
       depending on the day):
       the two vCPUs are not independent devices, so a synchronous rank's idle time partly speeds up its
