@@ -377,6 +377,9 @@ class Sampler:
         steps = int(budget.max()) if max_steps is None else min(max_steps, int(budget.max()))
         if P + steps > model.cfg.max_seq_len:
             raise ValueError(f"context {P} + {steps} new tokens exceeds max_seq_len={model.cfg.max_seq_len}")
+        if self.keep and len(set(seeds.tolist())) != B:
+            raise ValueError(f"Sampler(keep=True) keys rows by seed, but {B} rows have only "
+                             f"{len(set(seeds.tolist()))} distinct seeds")
         kept = set() if self.state is None else set(self.state["seeds"])
         held = [(i, s) for i, s in enumerate(seeds.tolist()) if s in kept]
         if held:  # cache row r is call row order[r]: the held rows first, then the new ones

@@ -124,6 +124,8 @@ def test_sampler_refuses_a_changed_context_and_reset_drops_the_cache():
     assert not any(out.done) and sampler.state is not None
     with pytest.raises(RuntimeError, match="context changed"):  # the tokens just made were not appended
         sampler(ctxs, torch.tensor([1, 2]), n_done=[2, 2], max_steps=2)
+    with pytest.raises(ValueError, match="distinct seeds"):  # rows are keyed by seed
+        sampler(ctxs, torch.tensor([3, 3]), max_steps=2)
     sampler.reset()
     again = sampler([torch.cat([c, t]) for c, t in zip(ctxs, out.tokens)], torch.tensor([1, 2]), n_done=[2, 2])
     assert all(again.done) and [len(t) for t in again.tokens] == [18, 18]
