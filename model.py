@@ -362,6 +362,9 @@ class Sampler:
             v = torch.cat([_left_pad(v, t, 3), _left_pad(c.v, t, 3)], 1)
             valid = torch.cat([_left_pad(valid, t, 1), _left_pad(vd, t, 1)], 0)
             pos, logits = torch.cat([pos, ln]), torch.cat([logits, lg])
+        self.state = None  # gathered above: free the old cache before allocating the new one
+        lead = int(valid.any(0).long().argmax())  # columns before it are padding in every row: drop them
+        k, v, valid = k[:, :, :, lead:], v[:, :, :, lead:], valid[:, lead:]
         t = valid.shape[1]
         cache = KVCache(model.cfg, len(valid), t + extra, dev, k.dtype, model.blocks[0].attn.n_heads)
         cache.k[:, :, :, :t], cache.v[:, :, :, :t], cache.length = k, v, t

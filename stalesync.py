@@ -43,7 +43,8 @@ Departures from the paper and its relatives:
    of samples and weights is the caller's (a queue, p2p): this file has no process groups.
 3. The sampler is a callable step_fn(contexts, seeds, n_done, max_steps) -> (tokens, logprobs, done),
    called once per decode chunk on every in-flight row; a stateless sampler (model.generate) re-prefills
-   the prefix each chunk, a cached one (bench/stalesync.py) keeps its KV cache between chunks, keyed by seed.
+   the prefix each chunk, a cached one (model.Sampler) keeps its KV cache between chunks, keyed by seed,
+   and update() calls its reset(): new weights, so every prefix is read again.
 4. Ages are counted in optimizer steps of the trainer (batch index), not wall time.
 
     python -m pytest tests/test_stalesync.py
@@ -238,8 +239,12 @@ class StaleSync:
             return self.take()
 
     def update(self, version=None):
-        """New weights reached the sampler: version + 1 (colocated), or the version received (separated)."""
+        """New weights reached the sampler: version + 1 (colocated), or the version received (separated).
+        A sampler that keeps a KV cache between calls (one with a reset() method, model.Sampler) drops
+        it here: every in-flight prefix must be read again under the new weights."""
         self.version = self.version + 1 if version is None else int(version)
+        if hasattr(self.step_fn, "reset"):
+            self.step_fn.reset()
 
     # --- accounting and checkpoint
     def accounting(self):

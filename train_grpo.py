@@ -754,8 +754,8 @@ def train(cfg, out_dir=None):
         def seed_of(i):  # sample i of this replica: the seed the synchronous step would give it
             return int(sample_seeds(cfg, i // n_local + 1, roles.replica * n_local + i % n_local, 1, per_step))
 
-        # Decode chunks of a round continue from the engine's KV cache (S > 0); reset() when a round ends
-        # (the cache is engine memory, and the next round's weights must read every prefix again).
+        # Decode chunks of a round continue from the engine's KV cache (S > 0); sched.update() drops it
+        # (the new weights must read every prefix again).
         sampler = Sampler(engine, cfg.max_new_tokens, EOS, PAD, cfg.temperature, cfg.top_p)
         sched = stalesync.StaleSync(stalesync.StaleConfig(cfg.staleness, n_prompts, G, cfg.threshold,
                                                           cfg.chunk_steps), sampler, next_prompt, seed_of)
@@ -801,8 +801,7 @@ def train(cfg, out_dir=None):
         while sched.version < cfg.steps:
             if store.check([f"{wkey}/{sched.version + 1}"]):
                 push()
-                sched.update(sched.version + 1)
-                sampler.reset()  # the in-flight prefixes are read again under the new weights
+                sched.update(sched.version + 1)  # also drops the sampler's cache: prefixes are read again
                 if is_eval_step(sched.version):  # scored here, read by trainer 0 when it logs that step
                     i, n = roles.replica, roles.replicas
                     with spans("eval"):
@@ -836,7 +835,7 @@ def train(cfg, out_dir=None):
                 to_rollout()
             # S > 0: the round ends once every rank has enough complete groups; the rest continue later
             b = sched.rollout(spans, None if separated else all_ready)
-            sampler.reset()
+            sampler.reset()  # free the engine's KV cache before TRAIN (update() would drop it only after)
             with spans("switch"):
                 to_train()
             rewards, new_regen = put_batch(b)

@@ -193,7 +193,7 @@ def run_config(rank, args, S, deploy, length_of):
                 dist.barrier()
             with spans("train"):
                 train_step(model, opt, b, None if dist.get_world_size() == 1 else dist.group.WORLD, args.micro, args.pack)
-            decoder.reset(), sched.update()
+            sched.update()  # drops the sampler's KV cache too
             tokens, ages = tokens + b.metrics["rollout/response_tokens"], ages + [b.metrics]
     elif rank == 0:  # separated: the generator
         got, pending, n_sent = threading.Event(), [], 0
@@ -205,7 +205,7 @@ def run_config(rank, args, S, deploy, length_of):
         def new_weights():  # between decode chunks: load, drop the KV cache, version + 1
             waiter.join(), got.clear()
             torch.nn.utils.vector_to_parameters(flat.clone(), model.parameters())  # flat is the recv buffer
-            decoder.reset(), sched.update()
+            sched.update()  # drops the sampler's KV cache too
             return start_listen(sched.version + 1)
 
         def start_listen(v):

@@ -222,8 +222,10 @@ def test_separated_generators_run_ahead_within_s(tmp_path, world):
     assert s["eval_accuracy_after"] == steps[-1]["eval/accuracy"]
 
 
-def test_bounded_staleness_run_keeps_ages_within_s(tmp_path):
-    mode = {"staleness": 1, "threshold": 0.5, "chunk_steps": 2, "steps": 4, "decoupled": True}
+@pytest.mark.parametrize("infer_tp", [1, 2])
+def test_bounded_staleness_run_keeps_ages_within_s(tmp_path, infer_tp):
+    """Colocated S = 1: a round ends when every rank is ready (with TP 2 both ranks are one replica)."""
+    mode = {"staleness": 1, "threshold": 0.5, "chunk_steps": 2, "steps": 4, "decoupled": True, "infer_tp": infer_tp}
     (_, p0), (_, p1) = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path), mode))
     assert torch.equal(p0, p1)
     lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")][1:]

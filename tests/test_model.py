@@ -100,9 +100,11 @@ def test_sampler_keeps_its_cache_across_chunks():
         merged |= bool(add) and bool(live)
         live = live + add
         n_done = [len(got[s][0]) for s in live]
-        out = sampler([torch.cat([ctxs[seeds.index(s)], torch.tensor(got[s][0], dtype=torch.long)]) for s in live],
-                      torch.tensor(live), n_done, max_steps=3)
+        contexts = [torch.cat([ctxs[seeds.index(s)], torch.tensor(got[s][0], dtype=torch.long)]) for s in live]
+        out = sampler(contexts, torch.tensor(live), n_done, max_steps=3)
         assert any(prefills) == bool(add)  # a prefix is read once: only new rows are prefilled
+        if sampler.state is not None:  # no column that is padding in every row survives a merge
+            assert sampler.state["k"].shape[3] <= max(map(len, contexts)) + 3
         prefills.clear()
         for s, t, lp in zip(live, out.tokens, out.logprobs):
             got[s][0] += t.tolist()
@@ -126,9 +128,19 @@ def test_sampler_refuses_a_changed_context_and_reset_drops_the_cache():
         sampler(ctxs, torch.tensor([1, 2]), n_done=[2, 2], max_steps=2)
     with pytest.raises(ValueError, match="distinct seeds"):  # rows are keyed by seed
         sampler(ctxs, torch.tensor([3, 3]), max_steps=2)
+    with torch.no_grad():  # new weights: a held cache is now stale
+        model.head.weight.mul_(-1.0)
+    ctxs2 = [torch.cat([c, t]) for c, t in zip(ctxs, out.tokens)]
+    fresh = generate(model, ctxs2, torch.tensor([1, 2]), 20, None, n_done=[2, 2])
+    stale = Sampler(model, 20, eos_id=None)
+    stale.state = sampler.state  # the cache kept under the old weights
+    stale = stale(ctxs2, torch.tensor([1, 2]), n_done=[2, 2])
+    assert not all(torch.allclose(a, b) for a, b in zip(stale.logprobs, fresh.logprobs))
     sampler.reset()
-    again = sampler([torch.cat([c, t]) for c, t in zip(ctxs, out.tokens)], torch.tensor([1, 2]), n_done=[2, 2])
+    again = sampler(ctxs2, torch.tensor([1, 2]), n_done=[2, 2])
     assert all(again.done) and [len(t) for t in again.tokens] == [18, 18]
+    assert all(torch.equal(a, b) for a, b in zip(again.tokens, fresh.tokens))
+    assert all(torch.equal(a, b) for a, b in zip(again.logprobs, fresh.logprobs))  # a fresh call, exactly
 
 
 def test_sampler_follows_the_distribution_and_top_p():

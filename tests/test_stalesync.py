@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from model import ModelConfig, Policy, counter_uniform, generate, sample_tokens, token_logprobs
+from model import ModelConfig, Policy, Sampler, counter_uniform, generate, sample_tokens, token_logprobs
 from stalesync import Spans, StaleConfig, StaleSync, off_policy_logprobs, sync_rollout
 from train_grpo import (EOS, PAD, VOCAB, grpo_loss, group_advantages, make_prompts, policy_logprobs,
                         response_batch, score)
@@ -216,14 +216,16 @@ def test_s0_equals_the_synchronous_path():
     assert all(done) and len(toks) == G
 
 
-def test_partial_rollout_continues_under_new_weights():
+@pytest.mark.parametrize("cached", [False, True])
+def test_partial_rollout_continues_under_new_weights(cached):
+    """cached: model.Sampler keeps the KV cache between chunks, and update() must drop it."""
     G, max_new = 2, 12
     model = _tiny_policy(1)
     snapshots = {0: copy.deepcopy(model.state_dict())}
     rng = np.random.default_rng(1)
     cfg = StaleConfig(staleness=1, groups_per_step=2, group_size=G, threshold=0.5, chunk_steps=3)
-    sched = StaleSync(cfg, _sampler(model, max_new),
-                      prompt_fn=lambda: make_prompts(rng, 1, max_digits=6)[0])
+    sampler = Sampler(model, max_new, EOS, PAD) if cached else _sampler(model, max_new)
+    sched = StaleSync(cfg, sampler, prompt_fn=lambda: make_prompts(rng, 1, max_digits=6)[0])
     g = torch.Generator().manual_seed(0)
     continued = []
     for v in range(4):
