@@ -271,6 +271,8 @@ class StaleSync:
             raise ValueError(f"checkpoint config {sd['cfg']} differs from this scheduler's {vars(self.cfg)}")
         for key in ("version", "batches_out", "groups_started", "next_id", "regenerated"):
             setattr(self, key, sd[key])
+        if hasattr(self.step_fn, "reset"):  # a sampler's KV cache is not checkpointed: prefixes are read again
+            self.step_fn.reset()
         self.fate = dict(sd["fate"])
         self.pool = [dict(gid=g["gid"], prompt=g["prompt"].clone(), start_version=g["start_version"],
                           samples=[dict(id=s["id"], seed=s["seed"], done=s["done"], tokens=s["tokens"].tolist(),
