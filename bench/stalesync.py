@@ -45,8 +45,8 @@ not met; the JSON carries the figures that say why:
       (a separated generator decoding twice the rows per step loosens this by a few percent).
       colocated_over_separated_sync_by_S gives S = 2, 4 too: x grows with S, but see the next point.
   stale_over_sync_colocated_by_S  a larger S with its pool at capacity cuts critical-path decode steps
-      2.5x (S = 2) to 4x (S = 4), the wall clock far less: each critical-path step costs more (x1.3 at
-      S = 1, x1.9 at S = 4), since the pool keeps (S + 1) x the rows alive and re-prefills every
+      2.5x (S = 2) to 4x (S = 4), the wall clock far less: each critical-path step costs more (x1.2 to
+      x1.3 at S = 1, x1.6 to x1.9 at S = 4), since the pool keeps (S + 1) x the rows alive and re-prefills every
       in-flight prefix under the new weights each round.
   concurrent_decode_slowdown  how much slower a rank decodes while the other rank is busy (x0.9 to x1.5 here,
       depending on the day):
