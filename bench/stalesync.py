@@ -33,8 +33,9 @@ time; tokens_per_s counts trained response tokens only, over the slowest rank's 
 tail a stale run still holds in flight at its end is not credited to it (a conservative bias).
 
 Targets on a tail with max/mean >= 4: stale_over_sync_colocated >= 1.5 and
-colocated_stale_over_separated_sync >= 2.5 (both at S = 1). Measured on this 2-vCPU machine they are
-not met; the JSON carries the figures that say why:
+colocated_stale_over_separated_sync >= 2.5 (both at S = 1). Measured on this 2-vCPU machine the first
+sits on its target (1.38 to 1.5 from run to run) and the second is far from it; the JSON carries the
+figures that say why:
   decode_steps_sync_over_stale_colocated  the mechanism in device-independent units (critical-path decode
       steps, per round the max over ranks). At S = 1 every group has at most 2 rounds (batch k must take
       the groups started at version k - 1), so d_(k-1) + d_k >= the longest sample started in round k - 1
@@ -46,8 +47,8 @@ not met; the JSON carries the figures that say why:
       colocated_over_separated_sync_by_S gives S = 2, 4 too: x grows with S, but see the next point.
   stale_over_sync_colocated_by_S  a larger S with its pool at capacity cuts critical-path decode steps
       2.5x (S = 2) to 4x (S = 4), the wall clock far less: each critical-path step costs more (x1.2 to
-      x1.3 at S = 1, x1.6 to x1.9 at S = 4), since the pool keeps (S + 1) x the rows alive and re-prefills every
-      in-flight prefix under the new weights each round.
+      x1.3 at S = 1, x1.6 to x1.9 at S = 4), since the pool keeps (S + 1) x the rows alive and
+      re-prefills every in-flight prefix under the new weights each round.
   concurrent_decode_slowdown  how much slower a rank decodes while the other rank is busy (x0.9 to x1.5 here,
       depending on the day):
       the two vCPUs are not independent devices, so a synchronous rank's idle time partly speeds up its
