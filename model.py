@@ -380,13 +380,14 @@ class Sampler:
         steps = int(budget.max()) if max_steps is None else min(max_steps, int(budget.max()))
         if P + steps > model.cfg.max_seq_len:
             raise ValueError(f"context {P} + {steps} new tokens exceeds max_seq_len={model.cfg.max_seq_len}")
-        if self.keep and len(set(seeds.tolist())) != B:
+        call = seeds.tolist()
+        if self.keep and len(set(call)) != B:
             raise ValueError(f"Sampler(keep=True) keys rows by seed, but {B} rows have only "
-                             f"{len(set(seeds.tolist()))} distinct seeds")
+                             f"{len(set(call))} distinct seeds")
         kept = set() if self.state is None else set(self.state["seeds"])
-        held = [(i, s) for i, s in enumerate(seeds.tolist()) if s in kept]
+        held = [(i, s) for i, s in enumerate(call) if s in kept]
         if held:  # cache row r is call row order[r]: the held rows first, then the new ones
-            new = [i for i, s in enumerate(seeds.tolist()) if s not in kept]
+            new = [i for i, s in enumerate(call) if s not in kept]
             order = torch.tensor([i for i, _ in held] + new, device=dev)
             cache, logits, valid, next_pos = self._resume(contexts, held, new, steps)
         else:     # a fresh call: the naive path, one prefill of every context
