@@ -2,7 +2,8 @@ import torch
 
 import pytest
 
-from model import KVCache, ModelConfig, Policy, Sampler, counter_uniform, generate, sample_tokens, token_logprobs
+from model import (KVCache, ModelConfig, Policy, Sampler, _length_buckets, counter_uniform, generate, sample_tokens,
+                   token_logprobs)
 
 EOS = 1
 
@@ -56,6 +57,42 @@ def test_batch_of_mixed_lengths_equals_each_alone():
         assert torch.equal(batch.tokens[i], alone.tokens[0])
         torch.testing.assert_close(batch.logprobs[i], alone.logprobs[0], atol=1e-5, rtol=0)
         assert batch.done[i] and alone.done[0]
+
+
+def test_length_buckets_are_an_optimal_partition():
+    """The prefill's buckets cover every row once and minimise padded tokens + a forward's fixed cost,
+    checked against every split of the rows sorted by length."""
+    import itertools
+    g = torch.Generator().manual_seed(3)
+    for trial in range(40):
+        B = int(torch.randint(1, 8, (1,), generator=g))
+        lens = torch.randint(1, 300, (B,), generator=g).tolist() if trial % 4 else [16] * B
+        cost = int(torch.randint(0, 300, (1,), generator=g))
+        buckets = _length_buckets(lens, cost)
+        assert sorted(i for b in buckets for i in b) == list(range(B))
+        assert all(b == sorted(b) for b in buckets)
+        got = sum(len(b) * max(lens[i] for i in b) + cost for b in buckets)
+        srt = sorted(lens, reverse=True)
+        best = min(sum((e - s) * srt[s] + cost for s, e in zip((0,) + cuts, cuts + (B,)))
+                   for n in range(B) for cuts in itertools.combinations(range(1, B), n))
+        assert got == best
+        if len(set(lens)) == 1:
+            assert len(buckets) == 1  # equal lengths: one forward, as before
+
+
+def test_prefill_in_length_buckets_equals_each_alone():
+    """Long held rows and short new prompts are prefilled in separate forwards (no short row padded to the
+    longest); every row still samples what it samples alone."""
+    model = _model()
+    ctxs = _contexts([40, 2, 3, 44, 1, 4])
+    assert len(_length_buckets([len(c) for c in ctxs])) > 1
+    seeds = torch.tensor([21, 22, 23, 24, 25, 26])
+    batch = generate(model, ctxs, seeds, max_new_tokens=15, eos_id=EOS)
+    for i, c in enumerate(ctxs):
+        alone = generate(model, [c], seeds[i:i + 1], max_new_tokens=15, eos_id=EOS)
+        assert len(alone.tokens[0]) > 1
+        assert torch.equal(batch.tokens[i], alone.tokens[0])
+        torch.testing.assert_close(batch.logprobs[i], alone.logprobs[0], atol=1e-5, rtol=0)
 
 
 def test_stops_at_eos_or_budget():
