@@ -82,17 +82,27 @@ def test_length_buckets_are_an_optimal_partition():
 
 def test_prefill_in_length_buckets_equals_each_alone():
     """Long held rows and short new prompts are prefilled in separate forwards (no short row padded to the
-    longest); every row still samples what it samples alone."""
+    longest); every row still samples what it samples alone, in one call or merged into a held cache."""
     model = _model()
-    ctxs = _contexts([40, 2, 3, 44, 1, 4])
+    ctxs = _contexts([40, 2, 3, 44, 1, 4, 2, 3, 5, 1, 2])
     assert len(_length_buckets([len(c) for c in ctxs])) > 1
-    seeds = torch.tensor([21, 22, 23, 24, 25, 26])
+    seeds = torch.arange(21, 32)
     batch = generate(model, ctxs, seeds, max_new_tokens=15, eos_id=EOS)
+    # The same rows through a caching Sampler: two held rows, then the rest merged in (their prefill split).
+    sampler, got = Sampler(model, 15, EOS), {}
+    first = sampler(ctxs[:2], seeds[:2], max_steps=2)
+    assert not any(first.done) and len(_length_buckets([len(c) for c in ctxs[2:]])) > 1
+    rest = sampler([torch.cat([c, t]) for c, t in zip(ctxs[:2], first.tokens)] + ctxs[2:], seeds,
+                   n_done=[len(t) for t in first.tokens] + [0] * (len(ctxs) - 2))
     for i, c in enumerate(ctxs):
         alone = generate(model, [c], seeds[i:i + 1], max_new_tokens=15, eos_id=EOS)
         assert len(alone.tokens[0]) > 1
         assert torch.equal(batch.tokens[i], alone.tokens[0])
         torch.testing.assert_close(batch.logprobs[i], alone.logprobs[0], atol=1e-5, rtol=0)
+        toks = torch.cat([first.tokens[i], rest.tokens[i]]) if i < 2 else rest.tokens[i]
+        lps = torch.cat([first.logprobs[i], rest.logprobs[i]]) if i < 2 else rest.logprobs[i]
+        assert torch.equal(toks, alone.tokens[0])
+        torch.testing.assert_close(lps, alone.logprobs[0], atol=1e-5, rtol=0)
 
 
 def test_stops_at_eos_or_budget():
