@@ -264,12 +264,12 @@ class StaleSync:
                               for s in g["samples"]]) for g in self.pool]
         return dict(cfg=vars(self.cfg).copy(), version=self.version, batches_out=self.batches_out,
                     groups_started=self.groups_started, next_id=self.next_id, regenerated=self.regenerated,
-                    fate=dict(self.fate), pool=pool)
+                    max_admitted_over=self.max_admitted_over, fate=dict(self.fate), pool=pool)
 
     def load_state_dict(self, sd):
         if sd["cfg"] != vars(self.cfg):
             raise ValueError(f"checkpoint config {sd['cfg']} differs from this scheduler's {vars(self.cfg)}")
-        for key in ("version", "batches_out", "groups_started", "next_id", "regenerated"):
+        for key in ("version", "batches_out", "groups_started", "next_id", "regenerated", "max_admitted_over"):
             setattr(self, key, sd[key])
         if hasattr(self.step_fn, "reset"):  # a sampler's KV cache is not checkpointed: prefixes are read again
             self.step_fn.reset()

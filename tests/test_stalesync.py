@@ -286,6 +286,7 @@ def test_state_dict_resumes_bit_exactly():
     b.load_state_dict(torch.load(buf, weights_only=True))
     cb["n"] = ca["n"]
     assert b.accounting() == a.accounting() and any(s["tokens"] for g in b.pool for s in g["samples"])
+    assert b.max_admitted_over == a.max_admitted_over > -10**9  # the admission record survives a resume
     for _ in range(4):
         x, y = a.rollout(), b.rollout()
         a.update(), b.update()
