@@ -49,6 +49,9 @@ figures that say why:
       2.5x (S = 2) to 4x (S = 4), the wall clock far less: each critical-path step costs more (x1.2 to
       x1.3 at S = 1, x1.6 to x1.9 at S = 4), since the pool keeps (S + 1) x the rows alive and
       re-prefills every in-flight prefix under the new weights each round.
+  stale_over_sync_colocated_ceiling_by_S  what the decode-step gain alone would give: the sync step with its
+      rollout divided by that gain and its training unchanged; the gap to the measured ratio is the stale
+      pool's extra cost per step, its re-prefills and its waits.
   concurrent_decode_slowdown  how much slower a rank decodes while the other rank is busy (x0.9 to x1.5 here,
       depending on the day):
       the two vCPUs are not independent devices, so a synchronous rank's idle time partly speeds up its
@@ -399,6 +402,14 @@ def main():
     def ratio(a, b):  # median over repeats of the ratio within a repeat: both ran minutes apart at most
         return round(float(np.median([x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(got[a], got[b])])), 3)
 
+    def ceiling(S):
+        """The S run's speed-up if its rollout were the sync rollout divided by the decode-step gain (every step
+        as cheap as a sync one, no re-prefill, no extra wait) and the rest of a step unchanged; a wall-time ratio
+        for the same work, the median over repeats. Loose: sync's rollout_s (rank 0) includes its prefill and idle."""
+        gain = steps["colocated_S0"] / steps[f"colocated_S{S}"]
+        return round(float(np.median([r["wall_s"] / (r["rollout_s"] / gain + r["wall_s"] - r["rollout_s"])
+                                      for r in got["colocated_S0"]])), 3)
+
     best = max(args.staleness, key=lambda s: ratio(f"colocated_S{s}", "colocated_S0"))
     out = dict(tokens_per_s=tps, lengths=args.lengths, max_over_mean=round(float(draws.max() / draws.mean()), 2),
                stale_over_sync_colocated=ratio("colocated_S1", "colocated_S0"),
@@ -411,6 +422,7 @@ def main():
                                                    for s in args.staleness},
                decode_steps_sync_over_stale_colocated={f"S{s}": round(steps["colocated_S0"] / steps[f"colocated_S{s}"], 3)
                                                        for s in args.staleness},
+               stale_over_sync_colocated_ceiling_by_S={f"S{s}": ceiling(s) for s in args.staleness},
                rollout_over_train_sync_colocated=round(res["colocated_S0"]["rollout_s"] / res["colocated_S0"]["train_s"], 2),
                idle_frac={k: v["idle_frac"] for k, v in res.items()}, repeats=args.repeats,
                concurrent_decode_slowdown=[p["concurrent_slowdown"] for p in probe])
