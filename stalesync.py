@@ -224,10 +224,11 @@ class StaleSync:
         """Colocated round: admit (refilling the pool), decode chunks until ready, emit batch k = version.
 
         all_ready(mine: bool) -> bool, optional: this rank's readiness combined over the ranks that train
-        together (an all-reduce MIN of one flag, called exactly once per loop turn on every rank). A rank
-        that is ready before its peers keeps decoding its in-flight long tail instead of idling at the
-        gradient all-reduce; with nothing in flight it only waits. S = 0 is unchanged (nothing is ever in
-        flight once this rank's batch is complete)."""
+        together (an all-reduce MIN of one flag, called exactly once per loop turn on every rank; a rank
+        that is not ready knows the answer and may post its flag without waiting for it). A rank that is
+        ready before its peers keeps decoding its in-flight long tail instead of idling at the gradient
+        all-reduce; with nothing in flight it only waits. S = 0 is unchanged (nothing is ever in flight
+        once this rank's batch is complete)."""
         if self.batches_out != self.version:
             raise RuntimeError(f"colocated rollout at version {self.version} but {self.batches_out} batches out: "
                                "call update() after each optimizer step")

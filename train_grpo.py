@@ -780,10 +780,18 @@ def train(cfg, out_dir=None):
     # Trainer 0 announces each new version in the store; the generators take it between two decode chunks.
     store, wkey = distqueue.default_store(), f"w:{out_dir}"
 
+    posted = []  # colocated: not-ready flags in flight, (work, tensor)
+
     def all_ready(mine):  # colocated: a rank whose batch is ready keeps decoding its tail until all are
         flag = torch.tensor([float(mine)], device=device)
-        with spans("idle") if mine else contextlib.nullcontext():  # a ready rank's wait is idle time
+        if not mine:  # the MIN is 0 whatever the others say: post the flag and go on decoding, no wait
+            posted.append((dist.all_reduce(flag, op=dist.ReduceOp.MIN, async_op=True), flag))
+            return False
+        with spans("idle"):  # a ready rank waits for the answer: idle time
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            for work, _ in posted:  # paired by now (collectives match in order): surface any error
+                work.wait()
+        posted.clear()
         return bool(flag.item())
 
     def wait_for(keys, what):  # poll the store, serving the queue all along; a dead peer times out

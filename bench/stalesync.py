@@ -7,8 +7,9 @@ between the decode chunks of a round, counter-seeded sampling) until each sample
 stand-in for a long tail of EOS positions; each step is a real forward/backward and AdamW step of the
 policy on the batch.
   colocated  both ranks generate their half of the batch, then train on it (gradients all-reduced); a
-             round ends when every rank is ready (one all-reduce of a flag per decode chunk), and a rank
-             ready first keeps decoding its in-flight tail meanwhile (--no-collective: it waits);
+             round ends when every rank is ready (one all-reduce of a flag per decode chunk; a rank not
+             ready posts its flag and decodes on without waiting for the answer, which can only be no), and
+             a rank ready first keeps decoding its in-flight tail meanwhile (--no-collective: it waits);
   separated  rank 0 generates, rank 1 trains; batches go 0 -> 1, weights 1 -> 0 (gloo p2p), the new
              weights reach the generator between its decode chunks, so at S >= 1 it keeps generating
              while the trainer trains.
@@ -33,9 +34,9 @@ time; tokens_per_s counts trained response tokens only, over the slowest rank's 
 tail a stale run still holds in flight at its end is not credited to it (a conservative bias).
 
 Targets on a tail with max/mean >= 4: stale_over_sync_colocated >= 1.5 and
-colocated_stale_over_separated_sync >= 2.5 (both at S = 1). Measured on this 2-vCPU machine the first
-sits on its target (1.38 to 1.5 from run to run) and the second is far from it; the JSON carries the
-figures that say why:
+colocated_stale_over_separated_sync >= 2.5 (both at S = 1). Measured on this 2-vCPU machine (README) the
+first lands at 1.37 to 1.5 from run to run, against a ceiling of about 1.61, and the second at about 1.55
+(2.4 at S = 4); the JSON carries the figures that say why:
   decode_steps_sync_over_stale_colocated  the mechanism in device-independent units (critical-path decode
       steps, per round the max over ranks). At S = 1 every group has at most 2 rounds (batch k must take
       the groups started at version k - 1), so d_(k-1) + d_k >= the longest sample started in round k - 1
@@ -46,18 +47,20 @@ figures that say why:
       (a separated generator decoding twice the rows per step loosens this by a few percent).
       colocated_over_separated_sync_by_S gives S = 2, 4 too: x grows with S, but see the next point.
   stale_over_sync_colocated_by_S  a larger S with its pool at capacity cuts critical-path decode steps
-      2.5x (S = 2) to 4x (S = 4), the wall clock far less: each critical-path step costs more (x1.2 to
-      x1.3 at S = 1, x1.6 to x1.9 at S = 4), since the pool keeps (S + 1) x the rows alive and
-      re-prefills every in-flight prefix under the new weights each round.
+      2.5x (S = 2) to 4x (S = 4), the wall clock far less: training is a fixed share of every step, and
+      each critical-path step costs more, since the pool keeps (S + 1) x the rows alive (wider KV caches
+      too) and re-prefills every in-flight prefix under the new weights each round (in length buckets:
+      model._prefill).
   stale_over_sync_colocated_ceiling_by_S  what the decode-step gain alone would give: the sync step with its
       rollout divided by that gain and its training unchanged; the gap to the measured ratio is the stale
       pool's extra cost per step, its re-prefills and its waits.
   concurrent_decode_slowdown  how much slower a rank decodes while the other rank is busy (x0.9 to x1.5 here,
-      depending on the day):
+      depending on the day; x1.0 on 2026-11-30):
       the two vCPUs are not independent devices, so a synchronous rank's idle time partly speeds up its
       busy peer, and every idle-removal gain of StaleSync is shrunk by up to that factor.
-  Also: decode is not flat in the batch on these cores (1 row 1.4 ms, 16 rows 2.0 ms, 32 rows 2.6 ms
-  per step), and a stale pool keeps more rows alive than a synchronous tail does.
+  Also: decode is nearly flat in the batch on these cores, less so in the KV width (2 rows x 32 columns
+  0.8 ms per step, 8 x 272 1.1 ms, 40 x 64 1.4 ms, 40 x 272 2.1 ms), and a stale pool keeps more rows, and
+  longer ones, alive than a synchronous tail does.
 The last line printed is one JSON object.
 """
 import argparse
@@ -185,10 +188,18 @@ def run_config(rank, args, S, deploy, length_of):
     t0 = time.perf_counter()
     flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
     if deploy == "colocated":
+        posted = []  # the not-ready flags still in flight: (work, tensor)
+
         def all_ready(mine):  # the round ends when every rank is ready; until then a ready rank keeps decoding
             flag = torch.tensor([float(mine)])
-            with spans("idle" if mine else "sync"):  # a ready rank's wait counts as idle (nested in "rollout")
+            if not mine:  # the MIN is 0 whatever the peers say: post the flag and go on decoding, no wait
+                posted.append((dist.all_reduce(flag, op=dist.ReduceOp.MIN, async_op=True), flag))
+                return False
+            with spans("idle"):  # a ready rank waits for the answer: idle (nested in "rollout")
                 dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+                for work, _ in posted:  # matched by now (collectives pair up in order): surface any error
+                    work.wait()
+            posted.clear()
             return bool(flag.item())
 
         for _ in range(args.steps):
