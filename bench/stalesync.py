@@ -35,8 +35,8 @@ tail a stale run still holds in flight at its end is not credited to it (a conse
 
 Targets on a tail with max/mean >= 4: stale_over_sync_colocated >= 1.5 and
 colocated_stale_over_separated_sync >= 2.5 (both at S = 1). Measured on this 2-vCPU machine (README) the
-first lands at 1.37 to 1.5 from run to run, against a ceiling of about 1.61, and the second at about 1.55
-(2.4 at S = 4); the JSON carries the figures that say why:
+first lands at 1.37 to 1.5 from run to run, against a ceiling of about 1.61, and the second at 1.55 to
+1.68 (2.4 at S = 4); the JSON carries the figures that say why:
   decode_steps_sync_over_stale_colocated  the mechanism in device-independent units (critical-path decode
       steps, per round the max over ranks). At S = 1 every group has at most 2 rounds (batch k must take
       the groups started at version k - 1), so d_(k-1) + d_k >= the longest sample started in round k - 1
