@@ -89,7 +89,7 @@ def test_prefill_in_length_buckets_equals_each_alone():
     seeds = torch.arange(21, 32)
     batch = generate(model, ctxs, seeds, max_new_tokens=15, eos_id=EOS)
     # The same rows through a caching Sampler: two held rows, then the rest merged in (their prefill split).
-    sampler, got = Sampler(model, 15, EOS), {}
+    sampler = Sampler(model, 15, EOS)
     first = sampler(ctxs[:2], seeds[:2], max_steps=2)
     assert not any(first.done) and len(_length_buckets([len(c) for c in ctxs[2:]])) > 1
     rest = sampler([torch.cat([c, t]) for c, t in zip(ctxs[:2], first.tokens)] + ctxs[2:], seeds,
