@@ -382,6 +382,17 @@ class Sampler:
     def reset(self):
         self.state = None
 
+    def state_dict(self):
+        """The held rows' cache (seeds, keys, values, validity, positions, next logits) and the step count:
+        with it a resumed scheduler continues bit-exactly; without it (reset()) the prefixes are read again,
+        the same tokens up to rounding of the log-probs. An engine that cannot export its cache resets."""
+        st = None if self.state is None else {k: (v.clone() if torch.is_tensor(v) else list(v))
+                                              for k, v in self.state.items()}
+        return dict(state=st, steps=self.steps)
+
+    def load_state_dict(self, sd):
+        self.state, self.steps = sd["state"], sd["steps"]
+
     def budget(self, seeds, n_done):
         """Tokens each row may still make, (B,). Override for per-row budgets (bench/stalesync.py)."""
         return (self.max_new_tokens - n_done).clamp(min=0)
@@ -417,10 +428,12 @@ class Sampler:
         n_done = torch.zeros(B, dtype=torch.long) if n_done is None else torch.as_tensor(n_done)
         seeds = torch.as_tensor(seeds, dtype=torch.long, device=dev)
         budget = self.budget(seeds, n_done).to(dev)                                # (B,) tokens left
-        P = max(len(c) for c in contexts)
         steps = int(budget.max()) if max_steps is None else min(max_steps, int(budget.max()))
-        if P + steps > model.cfg.max_seq_len:
-            raise ValueError(f"context {P} + {steps} new tokens exceeds max_seq_len={model.cfg.max_seq_len}")
+        need = [len(c) + min(steps, int(b)) for c, b in zip(contexts, budget.tolist())]  # per row: positions used
+        if max(need) > model.cfg.max_seq_len:
+            i = max(range(B), key=need.__getitem__)
+            raise ValueError(f"row {i}: context {len(contexts[i])} + {need[i] - len(contexts[i])} new tokens "
+                             f"exceeds max_seq_len={model.cfg.max_seq_len}")
         call = seeds.tolist()
         if self.keep and len(set(call)) != B:
             raise ValueError(f"Sampler(keep=True) keys rows by seed, but {B} rows have only "

@@ -91,8 +91,9 @@ class StaleConfig:
         if not 0 < self.threshold <= 1:
             raise ValueError(f"threshold={self.threshold!r} is outside the valid range (0, 1]")
         for name in ("groups_per_step", "group_size", "chunk_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 1")
+            x = getattr(self, name)
+            if not isinstance(x, int) or isinstance(x, bool) or x < 1:
+                raise ValueError(f"{name}={x!r} must be an integer >= 1")
 
     @property
     def pool_groups(self):
@@ -243,7 +244,11 @@ class StaleSync:
         """New weights reached the sampler: version + 1 (colocated), or the version received (separated).
         A sampler that keeps a KV cache between calls (one with a reset() method, model.Sampler) drops
         it here: every in-flight prefix must be read again under the new weights."""
-        self.version = self.version + 1 if version is None else int(version)
+        if version is not None and not (isinstance(version, int) and self.version <= version <= self.batches_out):
+            raise ValueError(f"update(version={version!r}): weights of version v are trained on batches < v, so "
+                             f"v must be an integer in [{self.version}, {self.batches_out}] (the sampler's version "
+                             "up to the batches emitted)")
+        self.version = self.version + 1 if version is None else version
         if hasattr(self.step_fn, "reset"):
             self.step_fn.reset()
 
@@ -265,14 +270,17 @@ class StaleSync:
                               for s in g["samples"]]) for g in self.pool]
         return dict(cfg=vars(self.cfg).copy(), version=self.version, batches_out=self.batches_out,
                     groups_started=self.groups_started, next_id=self.next_id, regenerated=self.regenerated,
-                    max_admitted_over=self.max_admitted_over, fate=dict(self.fate), pool=pool)
+                    max_admitted_over=self.max_admitted_over, fate=dict(self.fate), pool=pool,
+                    sampler=self.step_fn.state_dict() if hasattr(self.step_fn, "state_dict") else None)
 
     def load_state_dict(self, sd):
         if sd["cfg"] != vars(self.cfg):
             raise ValueError(f"checkpoint config {sd['cfg']} differs from this scheduler's {vars(self.cfg)}")
         for key in ("version", "batches_out", "groups_started", "next_id", "regenerated", "max_admitted_over"):
             setattr(self, key, sd[key])
-        if hasattr(self.step_fn, "reset"):  # a sampler's KV cache is not checkpointed: prefixes are read again
+        if sd["sampler"] is not None:  # the held rows' KV cache too (model.Sampler): a bit-exact resume
+            self.step_fn.load_state_dict(sd["sampler"])
+        elif hasattr(self.step_fn, "reset"):  # a cache not checkpointed: the prefixes are read again
             self.step_fn.reset()
         self.fate = dict(sd["fate"])
         self.pool = [dict(gid=g["gid"], prompt=g["prompt"].clone(), start_version=g["start_version"],

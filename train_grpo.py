@@ -268,9 +268,9 @@ def validate(cfg, world_size):
             errors.append(f"--infer-ep {cfg.infer_ep}: an engine with experts spread over ranks needs every rank "
                           "to decode in lock-step, which this script's sampler does not do; use --infer-ep 1")
     try:
-        stalesync.StaleConfig(cfg.staleness, 1, max(cfg.group_size, 1), cfg.threshold, max(cfg.chunk_steps, 1))
+        stalesync.StaleConfig(cfg.staleness, 1, max(cfg.group_size, 1), cfg.threshold, cfg.chunk_steps)
     except (ValueError, TypeError) as e:
-        errors.append(f"--staleness {cfg.staleness} / --threshold {cfg.threshold}: {e}")
+        errors.append(f"--staleness {cfg.staleness} / --threshold {cfg.threshold} / --chunk-steps {cfg.chunk_steps}: {e}")
     if cfg.infer_tp not in (1, 2, 4) or world_size % cfg.infer_tp or cfg.n_heads % cfg.infer_tp:
         errors.append(f"--infer-tp {cfg.infer_tp} must be 1, 2 or 4 and divide both the world size "
                       f"{world_size} and --n-heads {cfg.n_heads}")

@@ -108,6 +108,7 @@ def test_task_has_a_long_tail():
     (["--deploy", "separated", "--infer-tp", "2"], "--deploy separated needs an even world size"),
     (["--staleness", "-1"], "--staleness -1"),
     (["--threshold", "1.5"], "threshold=1.5 is outside the valid range (0, 1]"),
+    (["--chunk-steps", "0"], "--chunk-steps 0: chunk_steps=0 must be an integer >= 1"),
     (["--infer-tp", "4"], "--infer-tp 4 must be 1, 2 or 4 and divide both the world size 2"),
     (["--top-p", "1.5"], "--top-p 1.5"),
     (["--max-new-tokens", "10"], "--max-new-tokens 10 cannot hold"),

@@ -165,6 +165,20 @@ def test_sampler_keeps_its_cache_across_chunks():
     assert sampler.state is None  # every row finished: nothing held
 
 
+def test_length_limit_is_checked_per_row():
+    """A long held row near the end of its budget decodes next to a fresh prompt with a large budget: each
+    row fits max_seq_len (64) though the longest context plus the chunk does not (58 + 8)."""
+    model = _model()
+    ctxs, seeds = _contexts([58, 5]), torch.tensor([1, 2])
+    out = generate(model, ctxs, seeds, max_new_tokens=34, eos_id=None, n_done=[30, 0], max_steps=8)
+    assert [len(t) for t in out.tokens] == [4, 8] and out.done == [True, False]
+    for i in range(2):  # as each row alone
+        alone = generate(model, ctxs[i:i + 1], seeds[i:i + 1], 34, None, n_done=[[30, 0][i]], max_steps=8)
+        assert torch.equal(alone.tokens[0], out.tokens[i])
+    with pytest.raises(ValueError, match="row 0: context 60 \\+ 8 new tokens exceeds max_seq_len=64"):
+        generate(model, _contexts([60, 5]), seeds, max_new_tokens=34, eos_id=None, n_done=[20, 0], max_steps=8)
+
+
 def test_sampler_refuses_a_changed_context_and_reset_drops_the_cache():
     model = _model()
     ctxs = _contexts([4, 6])

@@ -296,6 +296,35 @@ def test_state_dict_resumes_bit_exactly():
         StaleSync(StaleConfig(staleness=1), None, None).load_state_dict(a.state_dict())
 
 
+def test_state_dict_with_a_cached_sampler_resumes_bit_exactly():
+    """model.Sampler holds the KV cache of the rows cut mid-round: it travels in the checkpoint, so the
+    resumed run continues from it, as the original does, with the very same log-prob bits."""
+    torch.manual_seed(1)  # the default policy: re-reading a prefix then changes some log-prob bits
+    model = Policy(ModelConfig(vocab_size=VOCAB, max_seq_len=60))
+    cfg = StaleConfig(staleness=1, groups_per_step=2, group_size=3, threshold=0.5, chunk_steps=3)
+
+    def make():
+        rng = np.random.default_rng(3)
+        return StaleSync(cfg, Sampler(model, 30, EOS, PAD), lambda: make_prompts(rng, 1, max_digits=8)[0]), rng
+
+    (a, ra), (b, rb) = make(), make()
+    for _ in range(2):
+        a.rollout(), a.update()
+    a.admit(), a.decode()  # mid-round: the sampler holds the cut rows' cache
+    assert a.step_fn.state is not None
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    b.load_state_dict(torch.load(buf, weights_only=True))
+    rb.bit_generator.state = ra.bit_generator.state
+    assert b.step_fn.state["seeds"] == a.step_fn.state["seeds"]
+    for _ in range(3):
+        x, y = a.rollout(), b.rollout()
+        a.update(), b.update()
+        assert x.ids == y.ids
+        assert all(torch.equal(p, q) for p, q in zip(x.responses + x.logprobs, y.responses + y.logprobs))
+
+
 def test_off_policy_logprobs_and_spans():
     beh, prox = torch.log(torch.tensor([[0.5, 0.2]])), torch.log(torch.tensor([[0.25, 0.4]]))
     old, w = off_policy_logprobs(beh, prox)
@@ -314,10 +343,23 @@ def test_off_policy_logprobs_and_spans():
 @pytest.mark.parametrize("kwargs, match", [(dict(staleness=-1), r"staleness=-1 .*>= 0"),
                                            (dict(threshold=0.0), r"threshold=0.0 .*\(0, 1\]"),
                                            (dict(threshold=1.5), r"threshold=1.5 .*\(0, 1\]"),
-                                           (dict(groups_per_step=0), r"groups_per_step=0")])
+                                           (dict(groups_per_step=0), r"groups_per_step=0"),
+                                           (dict(groups_per_step=1.5), r"groups_per_step=1.5 .*integer"),
+                                           (dict(chunk_steps=2.5), r"chunk_steps=2.5 .*integer")])
 def test_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         StaleConfig(**kwargs)
+
+
+def test_update_refuses_a_version_it_cannot_have():
+    sched = StaleSync(StaleConfig(staleness=1, groups_per_step=1, group_size=1), ScriptedSampler(lambda s: 3),
+                      prompt_fn=lambda: torch.tensor([2, 3]))
+    sched.update(sched.rollout().version + 1)  # weights trained on batch 0: version 1
+    for bad in (0, 2, "1", 1.0):  # older than the sampler's; trained on a batch not emitted yet; not an int
+        with pytest.raises(ValueError, match=f"update\\(version={bad!r}\\)"):
+            sched.update(bad)
+    sched.update(1)  # the same weights again: allowed, the cache is dropped
+    assert sched.version == 1
 
 
 @pytest.mark.parametrize("S", [0, 1, 2])
