@@ -250,6 +250,8 @@ def push_weights(model, engine, src, group, bucket_bytes, meta=None, device=None
     bucket buffer and hands the views to engine.load_weights, which cuts its TP piece. Every trainer and
     generator calls this. meta: weight_meta(model) (src sends it when None). Returns the bytes broadcast."""
     members = dist.get_process_group_ranks(group) if group is not None else [src]
+    if src not in members:
+        raise ValueError(f"push_weights: src rank {src} is not in the group's ranks {members}")
     in_group = dist.get_rank() in members
     if model is not None:
         reshard_all(model)
@@ -380,6 +382,28 @@ class FusedActor:
         self._hosts = offload(self._off, self._hosts)
         # 2. the inference weights: gather a bucket, (re-)allocate its engine weights, load, free the bucket
         params, eng = dict(self.model.named_parameters()), self._engine_weights()
+        try:
+            peak, gathered = self._build(params, eng)
+        except BaseException:  # back to TRAIN as it was: no engine weights, the train-only state on the device
+            if self.manage_engine:
+                for s in storages(eng.values()):
+                    s.resize_(0)
+            reload(self._off, self._hosts)
+            self._off = []
+            raise
+        self.stats["switch/peak_extra_bytes"] = max(0, peak - self.resident_bytes())  # over the weights built
+        # 3. the training shards too, if asked (they are 1/W of the model and needed first thing back)
+        if self.offload_params:
+            self._param_off = storages([p for n, p in self.model.named_parameters() if n not in self.skip],
+                                       self.device)
+            self._param_hosts = offload(self._param_off, self._param_hosts)
+        self._finish(ROLLOUT, t0)
+        self.stats["switch/gather_bytes"] = gathered
+        self.stats["switch/bytes"] = 2 * self.stats["switch/offload_bytes"] + gathered  # moved per round trip
+        return self.engine
+
+    def _build(self, params, eng):
+        """The inference weights, bucket by bucket. Returns (peak bytes held, bytes gathered)."""
         peak, gathered, loaded = 0, 0, set()
         for bucket in [sum(self.buckets, [])] if self.naive else self.buckets:
             if self.naive:
@@ -397,23 +421,16 @@ class FusedActor:
             else:
                 flat, pairs = gather_bucket(params, bucket, self.device)
                 extra = flat.nbytes
+            names = [n for n, _ in pairs]  # no loop variable may keep a view of the bucket alive
             if self.manage_engine:
-                for name, _ in pairs:
+                for name in names:
                     eng[name].untyped_storage().resize_(eng[name].nbytes)
             peak, gathered = max(peak, self.resident_bytes() + extra), gathered + extra
-            loaded |= set(self.engine.load_weights(pairs) or [n for n, _ in pairs])
+            loaded |= set(self.engine.load_weights(pairs) or names)
             flat = pairs = None  # free the bucket before the next one
         if loaded != set(eng):
             raise RuntimeError(f"engine weights not loaded: {sorted(set(eng) - loaded)}")
-        # 3. the training shards too, if asked (they are 1/W of the model and needed first thing back)
-        if self.offload_params:
-            self._param_off = storages([p for n, p in self.model.named_parameters() if n not in self.skip],
-                                       self.device)
-            self._param_hosts = offload(self._param_off, self._param_hosts)
-        self._finish(ROLLOUT, t0, peak)
-        self.stats["switch/gather_bytes"] = gathered
-        self.stats["switch/bytes"] = 2 * self.stats["switch/offload_bytes"] + gathered  # moved per round trip
-        return self.engine
+        return peak, gathered
 
     @torch.no_grad()
     def to_train(self):
@@ -427,23 +444,20 @@ class FusedActor:
         reload(self._off, self._hosts)
         self._off, self._param_off = [], []
         self.round_trips += 1
-        self._finish(TRAIN, t0, 0)  # frees first, then re-allocates: never above its start or end bytes
+        self._finish(TRAIN, t0)  # frees first, then re-allocates: never above its start or end bytes
 
-    def _finish(self, phase, t0, peak):
-        """peak: the most bytes held while building the inference weights; its excess over the final bytes
-        is the switch's extra memory, at most one bucket (to_rollout offloads before it builds)."""
+    def _finish(self, phase, t0):
         if self.device.type == "cuda":  # non-blocking copies must land before the time is taken
             torch.cuda.current_stream(self.device).synchronize()
         self.phase = phase
-        end = self.resident_bytes()
         key = "to_rollout" if phase == ROLLOUT else "to_train"
         self.stats[f"time/{key}_s"] = time.perf_counter() - t0
-        if phase == ROLLOUT:
-            self.stats["switch/peak_extra_bytes"] = max(0, peak - end)
         self.record()
 
     # -- resume
     def state_dict(self):
+        """The phase and counters. Save the model and optimizer themselves in TRAIN: in ROLLOUT their grads
+        and optimizer states live in this module's host buffers, their device storages freed."""
         return {"phase": self.phase, "round_trips": self.round_trips}
 
     def load_state_dict(self, state):

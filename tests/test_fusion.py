@@ -237,6 +237,51 @@ def test_wrong_phase_is_named():
     assert fresh.phase == ROLLOUT and fresh.round_trips == 0
 
 
+def test_a_failed_switch_leaves_train_intact():
+    """load_weights fails midway (an engine out of memory, say): to_rollout raises, and TRAIN is as it was,
+    the optimizer states back on the device and no engine weight left; a retry then works."""
+    actor = _plain_actor(inplace=False)
+    model, opt = actor.model, actor.optimizer
+    _backward(model, 0, 0)
+    opt.step()
+    before = _snapshot(model, opt)
+    load, calls = actor.engine.load_weights, []
+
+    def failing(pairs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("engine out of memory")
+        return load(pairs)
+    actor.engine.load_weights = failing
+    with pytest.raises(RuntimeError, match="engine out of memory"):
+        actor.to_rollout()
+    assert actor.phase == TRAIN and held_bytes(actor.engine.parameters()) == 0
+    assert all(torch.equal(a, b) for a, b in zip(_snapshot(model, opt), before))
+    with rollout(actor):
+        pass
+    assert all(torch.equal(a, b) for a, b in zip(_snapshot(model, opt), before))
+
+
+def test_a_bucket_is_freed_before_the_next_is_gathered(monkeypatch):
+    """The bound "final weights + one bucket" needs every view of bucket k gone when bucket k + 1 is
+    allocated; with offload_params the reported peak extra is still at most one bucket."""
+    import weakref
+    import fusion
+    alive, views = [], fusion.bucket_views
+
+    def tracked(bucket, device):
+        assert not [r for r in alive if r() is not None], "a view of the previous bucket is still alive"
+        flat, pairs = views(bucket, device)
+        alive[:] = [weakref.ref(flat)] + [weakref.ref(t) for _, t in pairs]
+        return flat, pairs
+    monkeypatch.setattr(fusion, "bucket_views", tracked)
+    for offload_params in (False, True):
+        actor = _plain_actor(inplace=False, offload_params=offload_params)
+        with rollout(actor):
+            assert not [r for r in alive if r() is not None]
+        assert len(actor.buckets) > 2 and 0 < actor.metrics()["switch/peak_extra_bytes"] <= BUCKET
+
+
 def test_reference_model_lives_on_host_between_uses():
     torch.manual_seed(0)
     ref = Policy(CFG).eval()
