@@ -93,7 +93,7 @@ def pack_cells(cells):
 def unpack_cells(header, payload, dtypes):
     """Inverse of pack_cells; dtypes (K,) come from the spec, not the wire."""
     nbytes = [int(n) * torch.empty(0, dtype=d).element_size() for n, d in zip(header.tolist(), dtypes)]
-    if len(nbytes) != len(dtypes) or sum(nbytes) != payload.numel():
+    if header.numel() != len(dtypes) or sum(nbytes) != payload.numel():
         raise ValueError(f"header lengths {header.tolist()} x dtypes give {sum(nbytes)} bytes, "
                          f"payload has {payload.numel()}")
     # .clone() realigns each slice so that .view(dtype) is legal
@@ -136,6 +136,9 @@ class QueueSpec:
                              f"columns {list(self.columns)}")
         if self.timeout_s <= 0 or self.poll_s <= 0:
             raise ValueError(f"timeout_s={self.timeout_s} and poll_s={self.poll_s} must be > 0")
+        bad = [x for x in [*self.columns, *self.stages] if not x or set(x) & set("|:,;=/ \t\n")]
+        if bad:  # they are written into '|:,;='-separated control messages and '/'-joined store keys
+            raise ValueError(f"column or stage names {bad} are empty or contain one of | : , ; = / or whitespace")
 
 
 @dataclass
@@ -213,7 +216,7 @@ class DistQueue:
                                      f"value, others a 1-D tensor")
                 if (r, c) in self.cells or r in self.ready[c]:
                     raise ValueError(f"cell (row {r}, column '{c}') written twice")
-                cells[(r, c)] = t.detach().reshape(-1).cpu()  # stays in host memory (departure 1)
+                cells[(r, c)] = t.detach().reshape(-1).to("cpu", copy=True)  # own copy, in host memory (departure 1)
         self.cells.update(cells)
         self.next_local += len(ids) if new else 0
         for c in columns:
@@ -288,6 +291,9 @@ class DistQueue:
             self._refresh(cols)
             cand = sorted(r for r in self.ready[cols[0]] if r not in self.taken[stage]
                           and all(r in self.ready[c] for c in cols) and (only is None or r in only))
+            if len(mine) + len(cand) < min_rows:  # not enough yet: claim nothing, so that a get that times out
+                return False                      # leaves its rows to the next reader (a reader racing for the
+                                                  # same rows may still win some of them first, then time out)
             won = []
             for r in cand[: n - len(mine)]:
                 self.taken[stage].add(r)
@@ -318,7 +324,7 @@ class DistQueue:
         for o, keys in owners.items():
             if o == self.rank:  # local cells: no transfer
                 for k in keys:
-                    got[k] = self.cells[k]
+                    got[k] = self.cells[k].clone()  # the consumer may write into it; other stages read it too
                     self._delivered(k, stage)
                 continue
             tags[o] = int(self.store.add(self._k("tag"), 1))
@@ -387,6 +393,10 @@ class DistQueue:
         if not 0 <= min_rows <= n or n < max(dp, 1):
             raise ValueError(f"n={n}, min_rows={min_rows}, dp size {dp}: need 0 <= min_rows <= n and n >= dp")
         deadline = time.monotonic() + self.spec.timeout_s
+        for g, what in ((dp_group, "dp_group"), (group, "group")):
+            if g is not None and dist.get_rank(g) < 0:
+                raise ValueError(f"rank {self.rank} is not in the {what} it passed (ranks "
+                                 f"{dist.get_process_group_ranks(g)})")
         if group is not None and dist.get_backend(group) != "gloo":
             raise ValueError(f"group backend is {dist.get_backend(group)}; the broadcast needs a gloo group")
         leader = dist.get_global_rank(group, 0) if group is not None else self.rank
@@ -402,6 +412,7 @@ class DistQueue:
         def bcast(t, what):
             w = dist.broadcast(t, leader, group=group, async_op=True)
             self._wait(w.is_completed, deadline, lambda: f"in stage '{stage}' waiting for {what} from leader {leader}")
+            w.wait()  # completed may mean failed (a dead leader): raise that, never read an unfilled buffer
         meta = torch.tensor([len(batch.ids) if batch else 0], dtype=torch.int64)  # (1,)
         bcast(meta, "the batch size")
         B = int(meta)

@@ -119,6 +119,25 @@ def test_only_takes_the_named_rows():
         q.get("b", 1, only={5})                             # taken already: never again
 
 
+def test_a_get_that_times_out_strands_no_row_and_cells_are_copies():
+    spec = dq.QueueSpec(columns={"x": "int64"}, stages={"a": ("x",), "b": ("x",)}, timeout_s=0.2)
+    q = dq.DistQueue(spec, dq.default_store())
+    buf = torch.arange(4)
+    q.put({"x": [buf, buf + 10, buf + 20]})
+    buf.zero_()  # the producer reuses its buffer: the queue kept its own copy
+    with pytest.raises(TimeoutError, match="waiting for 4 more rows"):
+        q.get("a", 4)  # 3 rows only: it claims none of them
+    q.put({"x": [torch.arange(2)]})
+    got = q.get("a", 4)
+    assert got.ids == [0, 1, 2, 3] and torch.equal(got.cols["x"][0], torch.arange(4))
+    got.cols["x"][1].fill_(7)  # a consumer writes into its batch: stage b still reads what was put
+    assert [t.tolist() for t in q.get("b", 4).cols["x"]] == [[0, 1, 2, 3], [10, 11, 12, 13], [20, 21, 22, 23], [0, 1]]
+    with pytest.raises(ValueError, match=r"stage names \['a\|b', 'x y'\]"):  # they would break the control messages
+        dq.QueueSpec(columns={"x": "int64"}, stages={"a|b": ("x",), "x y": ("x",)})
+    with pytest.raises(ValueError, match=r"header lengths \[2, 0, 5\]"):  # one more cell than dtypes
+        dq.unpack_cells(torch.tensor([2, 0, 5]), torch.zeros(16, dtype=torch.uint8), [torch.int64] * 2)
+
+
 # ---------------------------------------------------------------- multi-rank
 
 
@@ -235,3 +254,32 @@ def test_dead_producer_makes_consumer_raise_naming_stage_and_rows():
     assert len(errors) == 2  # both waits raised instead of hanging
     assert "stage 'score'" in errors[0] and "rows [1, 3] are missing columns ['response']" in errors[0]
     assert "stage 'gen'" in errors[1] and "rows [1, 3] from rank 1" in errors[1]
+
+
+def _dead_leader(rank, world):
+    """Model-parallel group {0, 1}, leader 0. Rank 1 names a group it is not in (refused at once), then
+    reads through the leader, which has died: an error, never an empty batch."""
+    only0, group = dist.new_group([0]), dist.new_group([0, 1])
+    spec = dq.QueueSpec(columns={"x": "int64"}, stages={"t": ("x",)}, timeout_s=20)
+    q = dq.DistQueue(spec, dq.default_store(), rank, world)
+    if rank == 0:
+        dq.default_store().wait(["t/put"])
+        return None  # the leader leaves: its process group is destroyed and the process exits
+    out = []
+    try:
+        q.get("t", 1, group=only0)
+    except ValueError as e:
+        out.append(str(e))
+    q.put({"x": [torch.arange(3)] * 4})
+    dq.default_store().set("t/put", "1")
+    try:
+        out.append(f"returned {q.get('t', 4, group=group).ids}")
+    except Exception as e:  # gloo's error for the lost peer, or the queue's timeout
+        out.append(type(e).__name__)
+    return out
+
+
+def test_a_dead_leader_is_an_error_and_a_foreign_group_is_refused():
+    out = run_distributed(_dead_leader, world_size=2)[1]
+    assert out[0] == "rank 1 is not in the group it passed (ranks [0])"
+    assert not out[1].startswith("returned"), out
