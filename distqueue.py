@@ -20,7 +20,8 @@ Public API (everything else is private):
 
 Design:
 - Control plane: torch.distributed Store (TCPStore under torchrun): per-column ready logs
-  ("row,owner,len;"), one atomic `add` per (stage, row) claim, request queues per owner, sent/ack flags.
+  ("row,owner,len;", a counter and one key per put: a poll fetches only the new entries), one atomic
+  `add` per (stage, row) claim, request queues per owner, sent/ack flags.
 - Data plane: p2p isend/irecv of packed tensors on `pg`: a header of per-cell lengths (K,) int64 first,
   then one uint8 payload. The header is per cell (row x field), so fields of different lengths and
   dtypes share ONE header and ONE payload; dtypes come from the spec, never over the wire.
@@ -181,7 +182,7 @@ class DistQueue:
 
     def _reset_caches(self):
         self.ready = {c: {} for c in self.spec.columns}  # col -> {row: (owner, length)}
-        self.ready_off = {c: 0 for c in self.spec.columns}
+        self.ready_off = {c: 0 for c in self.spec.columns}  # col -> entries of its ready log read so far
         self.taken = {s: set() for s in self.spec.stages}  # rows known to be claimed, per stage
 
     def _k(self, *parts):
@@ -219,8 +220,9 @@ class DistQueue:
                 cells[(r, c)] = t.detach().reshape(-1).to("cpu", copy=True)  # own copy, in host memory (departure 1)
         self.cells.update(cells)
         self.next_local += len(ids) if new else 0
-        for c in columns:
-            self.store.append(self._k("ready", c), "".join(f"{r},{self.rank},{cells[(r, c)].numel()};" for r in ids))
+        for c in columns:  # the ready log: a counter, then one key per entry, so a poll reads only what is new
+            i = int(self.store.add(self._k("ready", c, "n"), 1)) - 1
+            self.store.set(self._k("ready", c, i), "".join(f"{r},{self.rank},{cells[(r, c)].numel()};" for r in ids))
         self.serve()
         return ids
 
@@ -274,15 +276,13 @@ class DistQueue:
 
     # --- consumers: claim (control plane), pull (data plane)
     def _refresh(self, cols):
-        for c in cols:
-            k = self._k("ready", c)
-            if not self.store.check([k]):
-                continue
-            log = self.store.get(k).decode()
-            for e in log[self.ready_off[c]:].split(";")[:-1]:
-                r, o, n = map(int, e.split(","))
-                self.ready[c][r] = (o, n)
-            self.ready_off[c] = len(log)
+        for c in cols:  # entries in order; one counted but not yet written is read at a later poll
+            n = int(self.store.add(self._k("ready", c, "n"), 0))
+            while self.ready_off[c] < n and self.store.check([k := self._k("ready", c, self.ready_off[c])]):
+                for e in self.store.get(k).decode().split(";")[:-1]:
+                    r, o, length = map(int, e.split(","))
+                    self.ready[c][r] = (o, length)
+                self.ready_off[c] += 1
 
     def _claim(self, stage, n, min_rows, deadline, only=None):
         cols, mine = self.spec.stages[stage], []
@@ -448,9 +448,12 @@ class DistQueue:
         self.serve()
         if self.inflight or self.store.queue_len(self._k("req", self.rank)):
             raise RuntimeError("state_dict() needs a quiescent queue: transfers are still in flight")
-        shared = {k: self.store.get(k).decode() for k in
-                  [self._k("ready", c) for c in self.spec.columns] + [self._k("claimed", s) for s in self.spec.stages]
+        shared = {k: self.store.get(k).decode() for k in [self._k("claimed", s) for s in self.spec.stages]
                   if self.store.check([k])}
+        for c in self.spec.columns:  # each ready log as one entry
+            n = int(self.store.add(self._k("ready", c, "n"), 0))
+            shared[self._k("ready", c, 0)] = "".join(self.store.get(self._k("ready", c, i)).decode() for i in range(n))
+            shared[self._k("ready", c, "n")] = "1"
         shared.update({self._k("reads", s): str(self.reads(s)) for s in self.spec.stages})
         return {"cells": dict(self.cells), "served": {k: sorted(v) for k, v in self.served.items()},
                 "next_local": self.next_local, "steps": dict(self.steps), "metrics": dict(self.m),

@@ -71,7 +71,7 @@ def test_malformed_input_rejected_before_anything_is_published():
         q.put({"reward": [torch.ones(2)]})
     with pytest.raises(KeyError, match="unknown stage 'trian'"):
         q.get("trian", 1)
-    assert not q.cells and not store.check(["dq/ready/prompt"])  # nothing was published
+    assert not q.cells and not store.check(["dq/ready/prompt/n"])  # nothing was published
     assert q.put({"prompt": [torch.arange(3)]}) == [0]  # and the first valid row still gets id 0
 
 
@@ -136,6 +136,32 @@ def test_a_get_that_times_out_strands_no_row_and_cells_are_copies():
         dq.QueueSpec(columns={"x": "int64"}, stages={"a|b": ("x",), "x y": ("x",)})
     with pytest.raises(ValueError, match=r"header lengths \[2, 0, 5\]"):  # one more cell than dtypes
         dq.unpack_cells(torch.tensor([2, 0, 5]), torch.zeros(16, dtype=torch.uint8), [torch.int64] * 2)
+
+
+def test_an_idle_poll_fetches_nothing_old():
+    """A reader polls the ready logs at every wait: it must fetch only new entries, not the whole history
+    (600 steps of train_grpo's defaults made each poll fetch 0.8 MB per column)."""
+    class CountingStore:
+        def __init__(self):
+            self.store, self.got = dist.HashStore(), 0
+
+        def get(self, key):
+            value = self.store.get(key)
+            self.got += len(value)
+            return value
+
+        def __getattr__(self, name):
+            return getattr(self.store, name)
+    spec = dq.QueueSpec(columns={"x": "int64"}, stages={"a": ("x",)}, timeout_s=0.1)
+    store = CountingStore()
+    q = dq.DistQueue(spec, store)
+    for _ in range(20):
+        q.put({"x": [torch.arange(3)] * 4})
+    assert len(q.get("a", 80).ids) == 80
+    before = store.got
+    with pytest.raises(TimeoutError):
+        q.get("a", 1)  # polls for 0.1 s: nothing new
+    assert store.got == before
 
 
 # ---------------------------------------------------------------- multi-rank
