@@ -375,6 +375,9 @@ class Sampler:
     prefix must be read again under the new weights) and when the rollout phase ends (it is engine memory)."""
 
     def __init__(self, model, max_new_tokens, eos_id, pad_id=0, temperature=1.0, top_p=1.0, keep=True):
+        if not (float(temperature) >= 0 and float(temperature) < float("inf")) or not 0 < top_p <= 1:
+            raise ValueError(f"temperature={temperature!r} must be finite and >= 0 (0: greedy) and top_p={top_p!r} "
+                             "in (0, 1]")
         self.model, self.max_new_tokens, self.eos_id, self.pad_id = model, max_new_tokens, eos_id, pad_id
         self.temperature, self.top_p, self.keep = temperature, top_p, keep
         self.state, self.steps = None, 0  # steps: decode forwards run, each over every live row
@@ -404,9 +407,9 @@ class Sampler:
         idx = torch.tensor([where[s] for _, s in held], device=dev)
         k, v = st["k"][:, idx], st["v"][:, idx]                                    # (L, R, H, t, hd)
         valid, pos, logits = st["valid"][idx], st["pos"][idx], st["logits"][idx]     # (R, t), (R,), (R, V)
-        lens = torch.tensor([len(contexts[i]) for i, _ in held], device=dev)
-        if not torch.equal(valid.sum(1), lens):
-            raise RuntimeError("Sampler: a held row's context changed since it was cut; reset() after new weights")
+        if any(not torch.equal(contexts[i].cpu(), st["ctx"][where[s]]) for i, s in held):
+            raise RuntimeError("Sampler: a held row's context is not the one it was cut with (its prefix and the "
+                               "tokens it made); reset() after new weights or to start a seed afresh")
         if new:
             c, lg, vd, ln = _prefill(model, [contexts[i] for i in new], self.pad_id, 0)
             t = max(valid.shape[1], vd.shape[1])
@@ -429,6 +432,8 @@ class Sampler:
         seeds = torch.as_tensor(seeds, dtype=torch.long, device=dev)
         budget = self.budget(seeds, n_done).to(dev)                                # (B,) tokens left
         steps = int(budget.max()) if max_steps is None else min(max_steps, int(budget.max()))
+        if min(map(len, contexts)) == 0:
+            raise ValueError(f"row {[len(c) for c in contexts].index(0)}: an empty context (a prompt needs a token)")
         need = [len(c) + min(steps, int(b)) for c, b in zip(contexts, budget.tolist())]  # per row: positions used
         if max(need) > model.cfg.max_seq_len:
             i = max(range(B), key=need.__getitem__)
@@ -476,7 +481,8 @@ class Sampler:
             self.steps += 1
         self.state = None if not (self.keep and len(rows)) else dict(
             seeds=seeds[rows].tolist(), k=cache.k[:, :, :, :cache.length], v=cache.v[:, :, :, :cache.length],
-            valid=valid, pos=next_pos, logits=logits)
+            valid=valid, pos=next_pos, logits=logits,  # ctx: each held row's context, checked when it resumes
+            ctx=[torch.cat([contexts[b].cpu(), torch.tensor(out_tok[b], dtype=torch.long)]) for b in rows.tolist()])
         return Generation(
             tokens=[torch.tensor(t, dtype=torch.long) for t in out_tok],
             logprobs=[torch.tensor(lp, dtype=torch.float32) for lp in out_lp],

@@ -169,6 +169,17 @@ def _rank(group):
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
+def _check_ep_group(layout, group, rank):
+    """The group an EP layer's all-to-alls run on must be this rank's EP group of the layout: another group of
+    the same size (the DP group, say) would route rows to the wrong experts, silently. None: the world."""
+    if layout.ep == 1:  # no all-to-all
+        return
+    have = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    if have != layout.ep_group_ranks(rank):
+        raise ValueError(f"EP group ranks {have} are not rank {rank}'s EP group {layout.ep_group_ranks(rank)} "
+                         f"under {layout}; pass the first group new_groups(layout) returns")
+
+
 def _held_bytes(*dicts):
     """Bytes of the distinct storages behind the tensors of the given name -> {e: tensor} dicts."""
     seen = {}
@@ -277,6 +288,7 @@ def reshard(experts, src, dst, bucket_bytes, group=None):
             max(stats["peak_switch_bytes"], held)
         for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait()
+        ops = t = work = None  # they hold the round's sent slices: let the frees below free them
         for n, e in sent:
             pending[(n, e)] -= 1
             if not pending[(n, e)] and e not in need:
@@ -301,6 +313,7 @@ class EPMoE(nn.Module):
         so that every layout starts from the same weights."""
         super().__init__()
         self.top_k, self.layout, self.group, self.rank = top_k, layout, group, _rank(None)
+        _check_ep_group(layout, group, self.rank)
         self.router = nn.utils.skip_init(nn.Linear, d_model, n_experts, bias=False)  # (E, D), replicated
         shapes = dict(w_gate=(d_model, d_hidden), w_up=(d_model, d_hidden), w_down=(d_hidden, d_model))
         own = set(layout.owned(self.rank))
@@ -353,6 +366,7 @@ class EPMoE(nn.Module):
 
     def switch(self, layout, group, bucket_bytes, world_group=None):
         """Re-shard the experts in place to `layout` (EP group `group`). Grads must be None."""
+        _check_ep_group(layout, group, self.rank)
         own = self.layout.owned(self.rank)
         if any(getattr(self, n)[e].grad is not None for n in EXPERT_NAMES for e in own):
             raise ValueError("expert grads are set: clear or offload them before a switch")

@@ -185,8 +185,11 @@ def test_sampler_refuses_a_changed_context_and_reset_drops_the_cache():
     sampler = Sampler(model, 20, eos_id=None)  # no EOS: every row runs to its budget
     out = sampler(ctxs, torch.tensor([1, 2]), max_steps=2)
     assert not any(out.done) and sampler.state is not None
-    with pytest.raises(RuntimeError, match="context changed"):  # the tokens just made were not appended
+    with pytest.raises(RuntimeError, match="not the one it was cut with"):  # the tokens made not appended
         sampler(ctxs, torch.tensor([1, 2]), n_done=[2, 2], max_steps=2)
+    other = [torch.cat([c, (t + 1) % 14]) for c, t in zip(ctxs, out.tokens)]  # the right length, other tokens
+    with pytest.raises(RuntimeError, match="not the one it was cut with"):
+        sampler(other, torch.tensor([1, 2]), n_done=[2, 2], max_steps=2)
     with pytest.raises(ValueError, match="distinct seeds"):  # rows are keyed by seed
         sampler(ctxs, torch.tensor([3, 3]), max_steps=2)
     with torch.no_grad():  # new weights: a held cache is now stale
@@ -202,6 +205,16 @@ def test_sampler_refuses_a_changed_context_and_reset_drops_the_cache():
     assert all(again.done) and [len(t) for t in again.tokens] == [18, 18]
     assert all(torch.equal(a, b) for a, b in zip(again.tokens, fresh.tokens))
     assert all(torch.equal(a, b) for a, b in zip(again.logprobs, fresh.logprobs))  # a fresh call, exactly
+
+
+@pytest.mark.parametrize("kw, match", [(dict(temperature=-1.0), "temperature=-1.0"),
+                                       (dict(temperature=float("nan")), "temperature=nan"),
+                                       (dict(top_p=0.0), "top_p=0.0"), (dict(top_p=1.5), "top_p=1.5")])
+def test_bad_sampling_arguments_and_an_empty_context_are_refused(kw, match):
+    with pytest.raises(ValueError, match=match):
+        Sampler(_model(), 4, EOS, **kw)
+    with pytest.raises(ValueError, match="row 1: an empty context"):
+        generate(_model(), [torch.tensor([3]), torch.tensor([], dtype=torch.long)], torch.tensor([1, 2]), 4, EOS)
 
 
 def test_sampler_follows_the_distribution_and_top_p():

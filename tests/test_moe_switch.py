@@ -124,6 +124,19 @@ def _all_checks(rank, world_size):
     assert all(torch.equal(plain[k], switched[k]) for k in plain)
     e0 = EPLayout(2, W, E).owned(rank)[0]
     assert not torch.equal(plain[f"w_gate.{e0}"], full["w_gate"][e0])  # training did move the experts
+    moe = types.SimpleNamespace(router=types.SimpleNamespace(weight=router), top_k=K, **full)
+    for wrong in (groups[2][1], None):  # EP 2's DP group has the EP group's size; None is the world (4)
+        try:  # refused before any collective: it would route rows to the wrong experts, silently
+            EPMoE.from_dense(moe, EPLayout(2, W, E), wrong)
+            raise AssertionError("a wrong EP group was accepted")
+        except ValueError as e:
+            assert f"not rank {rank}'s EP group {EPLayout(2, W, E).ep_group_ranks(rank)}" in str(e)
+    layer = _layer(2, router, full, groups)
+    try:
+        layer.switch(EPLayout(4, W, E), groups[2][0], BUCKET)
+        raise AssertionError("switch() accepted the old layout's group")
+    except ValueError as e:
+        assert "EP group" in str(e) and layer.layout.ep == 2  # nothing moved
     return trips
 
 
