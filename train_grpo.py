@@ -300,12 +300,23 @@ def validate(cfg, world_size):
         errors.append(f"--kl-coef {cfg.kl_coef} must be >= 0, --clip-eps {cfg.clip_eps} and --lr {cfg.lr} > 0")
     if cfg.micro_batches < 1:
         errors.append(f"--micro-batches {cfg.micro_batches} must be >= 1")
+    if not cfg.grad_clip > 0 or not cfg.warmup_lr > 0:
+        errors.append(f"--grad-clip {cfg.grad_clip} and --warmup-lr {cfg.warmup_lr} must be > 0")
+    if cfg.warmup_steps < 0 or cfg.seed < 0 or cfg.pg_timeout_s < 1:
+        errors.append(f"--warmup-steps {cfg.warmup_steps} and --seed {cfg.seed} must be >= 0, "
+                      f"--pg-timeout-s {cfg.pg_timeout_s} >= 1")
     if cfg.steps < 1 or cfg.eval_every < 1:
         errors.append(f"--steps {cfg.steps} and --eval-every {cfg.eval_every} must be >= 1")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         errors.append("--device cuda: no CUDA device is available; use --device cpu or auto")
     try:
-        model_config(cfg)
+        with torch.device("meta"):  # shapes only: the largest weight a bucket must hold
+            params = dict(Policy(model_config(cfg)).named_parameters())
+        biggest = max(((p.nbytes, n) for n, p in params.items() if not (cfg.train_ep and ".moe.w_" in n)),
+                      key=lambda x: x[0])  # the first of the largest
+        if cfg.bucket_kb * 1024 < biggest[0]:
+            errors.append(f"--bucket-kb {cfg.bucket_kb} is smaller than the largest weight, {biggest[1]} "
+                          f"({biggest[0]} bytes); use at least {-(-biggest[0] // 1024)}")
     except ValueError as e:
         errors.append(str(e))
     if errors:
@@ -471,11 +482,14 @@ def finish_grads(model, max_norm, experts=None):
     return experts.clip_grads(model, max_norm)
 
 
-def warmup(model, stream, cfg, device, rank, n_ranks, group=None, experts=None):
-    """Supervised warm-up: cross-entropy on the reference answers, data parallel over `group`."""
+def warmup(model, stream, cfg, device, rank, n_ranks, group=None, experts=None, on_step=None):
+    """Supervised warm-up: cross-entropy on the reference answers, data parallel over `group`.
+    on_step(steps done), optional: a heartbeat for ranks that wait for the warm-up to end."""
     opt = torch.optim.AdamW(param_groups(model, experts), lr=cfg.warmup_lr, betas=(0.9, 0.98), weight_decay=0.0)
     n = cfg.warmup_batch // n_ranks
-    for _ in range(cfg.warmup_steps):
+    for i in range(cfg.warmup_steps):
+        if on_step:
+            on_step(i)
         prompts = stream.next(cfg.warmup_batch)[rank * n:(rank + 1) * n]
         tokens, mask, _ = response_batch(prompts, [answer(p) for p in prompts])
         tokens, mask = tokens.to(device), mask.to(device)
@@ -679,10 +693,27 @@ def train(cfg, out_dir=None):
         pg=None if device.type == "cpu" else dist.new_group(backend="gloo", timeout=datetime.timedelta(
             seconds=cfg.pg_timeout_s)))
 
+    # --deploy separated: trainer 0 counts its warm-up steps in the store (a heartbeat); the generators
+    # wait on it rather than in the first weight push, whose broadcast would time out on a long warm-up.
+    # --staleness S > 0: the generators run ahead, decoupled from the trainers' steps; trainer 0
+    # announces each new version in the store and the generators take it between two decode chunks.
+    store, wkey = distqueue.default_store(), f"w:{out_dir}"
+    heartbeat = f"{wkey}/warmup_steps"
     if is_trainer:
         with spans("warmup"):
             warmup(model, warm_stream, cfg, device, roles.trainers.index(rank), len(roles.trainers), train_group,
-                   experts)
+                   experts, on_step=(lambda i: store.set(heartbeat, str(i))) if separated and rank == 0 else None)
+        if separated and rank == 0:
+            store.set(heartbeat, str(cfg.warmup_steps))
+    elif cfg.warmup_steps:  # a generator: wait while the count moves, at most pg_timeout_s without a step
+        seen, since = None, time.monotonic()
+        while seen != str(cfg.warmup_steps):
+            now = store.get(heartbeat).decode() if store.check([heartbeat]) else None
+            seen, since = now, (time.monotonic() if now != seen else since)
+            if time.monotonic() - since > cfg.pg_timeout_s:
+                raise TimeoutError(f"rank {rank}: trainer 0's warm-up made no step in {cfg.pg_timeout_s}s "
+                                   f"(last at {seen} of {cfg.warmup_steps}): is it alive?")
+            time.sleep(0.05)
     opt = torch.optim.AdamW(param_groups(model, experts), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0) \
         if is_trainer else None
     ref = None
@@ -776,9 +807,6 @@ def train(cfg, out_dir=None):
     def is_eval_step(step):
         return step == 1 or step % cfg.eval_every == 0 or step == cfg.steps
 
-    # --deploy separated --staleness S > 0: the generators run ahead, decoupled from the trainers' steps.
-    # Trainer 0 announces each new version in the store; the generators take it between two decode chunks.
-    store, wkey = distqueue.default_store(), f"w:{out_dir}"
 
     posted = []  # colocated: not-ready flags in flight, (work, tensor)
 
@@ -853,7 +881,7 @@ def train(cfg, out_dir=None):
                 partial, regen = b.metrics["stale/partial_continued"], new_regen
                 if separated:
                     queue.drain()  # serve the trainers' reads before blocking in the weight push
-        stats = np.zeros(4)
+        stats = np.zeros(6)
         if is_trainer:  # 5-6. a token-balanced share of the global batch; reference log-probs; updates
             only = None
             if ahead:  # batch step - 1 of every replica, whichever replica runs furthest ahead (row ids:
@@ -896,9 +924,9 @@ def train(cfg, out_dir=None):
         elif is_eval_step(step):
             acc = rec["eval/accuracy"] = evaluate()
         rl_tokens, rl_time = rl_tokens + n_tok_all, rl_time + step_s
-        n_tr = len(roles.trainers)
-        rec.update({"step": step, "reward/mean": reward_all / per_step, "loss": agg[0] / n_tr,
-                    "clip_frac": agg[1] / n_tr, "ratio_mean": agg[2] / n_tr, "k3_mean": agg[3] / n_tr,
+        items, toks = max(agg[4], 1.0), max(agg[5], 1.0)  # token- (or sequence-) weighted over all trainers
+        rec.update({"step": step, "reward/mean": reward_all / per_step, "loss": agg[0] / items,
+                    "clip_frac": agg[1] / toks, "ratio_mean": agg[2] / toks, "k3_mean": agg[3] / toks,
                     "rollout/response_tokens": n_tok_all, "perf/tokens_per_s": n_tok_all / step_s,
                     "time/rollout_s": spans.total("rollout", first_span),
                     "time/train_s": spans.total("train", first_span),
@@ -947,7 +975,9 @@ def length_chunks(rows, lengths, k):
 
 
 def train_on(model, opt, ref, batch, cfg, device, group, experts=None):
-    """GRPO updates on this rank's share of the batch. Returns [loss, clip_frac, ratio_mean, k3_mean]."""
+    """GRPO updates on this rank's share of the batch. Returns sums to be added over the ranks, then divided:
+    [loss x items, clip_frac x tokens, ratio_mean x tokens, k3_mean x tokens, items, tokens] (items: the
+    loss's unit, tokens or sequences), so that the logged figures are means over the whole batch."""
     P, R, B = batch.cols["prompt"], batch.cols["response"], len(batch.ids)
     lengths = [len(p) + len(r) for p, r in zip(P, R)]
     adv_all = batch.stack("advantage")                                              # (B,)
@@ -970,7 +1000,7 @@ def train_on(model, opt, ref, batch, cfg, device, group, experts=None):
                         lp = policy_logprobs(m, tokens, cfg.temperature)            # (b, T-1)
                         store.update({i: lp[j][mask[j]].cpu() for j, i in enumerate(rows)})  # (n_i,)
         fusion.reshard_all(model)  # FSDP2 leaves modules unsharded after a no-grad forward
-    stats, n_stats = np.zeros(4), 0
+    stats = np.zeros(6)
     # 6. optimizer steps over mini-batches, each accumulated over length-sorted micro-batches
     for mb in np.array_split(np.arange(B), cfg.updates_per_batch):
         token_mean = cfg.loss_agg == "token-mean"
@@ -995,11 +1025,13 @@ def train_on(model, opt, ref, batch, cfg, device, group, experts=None):
             n_items = int(mask.sum()) if token_mean else len(rows)
             (loss * (0.0 if stand_in else n_items * dist.get_world_size(group) / max(n_global, 1.0))).backward()
             if not stand_in:
-                stats, n_stats = stats + [loss.item(), m["clip_frac"], m["ratio_mean"], m["k3_mean"]], n_stats + 1
+                n_tok = float(mask.sum())
+                stats += [loss.item() * n_items, m["clip_frac"] * n_tok, m["ratio_mean"] * n_tok,
+                          m["k3_mean"] * n_tok, n_items, n_tok]
         finish_grads(model, cfg.grad_clip, experts)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return stats / max(n_stats, 1)
+    return stats
 
 
 def main(argv=None):

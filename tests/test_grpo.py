@@ -109,6 +109,10 @@ def test_task_has_a_long_tail():
     (["--staleness", "-1"], "--staleness -1"),
     (["--threshold", "1.5"], "threshold=1.5 is outside the valid range (0, 1]"),
     (["--chunk-steps", "0"], "--chunk-steps 0: chunk_steps=0 must be an integer >= 1"),
+    (["--grad-clip", "0"], "--grad-clip 0.0 and --warmup-lr 0.005 must be > 0"),
+    (["--warmup-steps", "-5"], "--warmup-steps -5 and --seed 0 must be >= 0"),
+    (["--pg-timeout-s", "0"], "--pg-timeout-s 0 >= 1"),
+    (["--bucket-kb", "1"], "--bucket-kb 1 is smaller than the largest weight, blocks.0.moe.w_gate (131072 bytes)"),
     (["--infer-tp", "4"], "--infer-tp 4 must be 1, 2 or 4 and divide both the world size 2"),
     (["--top-p", "1.5"], "--top-p 1.5"),
     (["--max-new-tokens", "10"], "--max-new-tokens 10 cannot hold"),
@@ -176,6 +180,9 @@ def test_two_ranks_train_to_identical_parameters(tmp_path):
     assert s0["eval_accuracy_after"] == s_one["eval_accuracy_after"]
     lines = [json.loads(l) for l in open(tmp_path / "w2" / "metrics.jsonl")]
     assert [l["step"] for l in lines] == [0, 1, 2, 3]
+    for a, b in zip(lines[1:], [json.loads(l) for l in open(tmp_path / "w1" / "metrics.jsonl")][1:]):
+        for key in ("loss", "clip_frac", "ratio_mean", "k3_mean"):  # means over the whole batch, whatever
+            assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(b[key])), (key, a[key], b[key])  # the split
     assert any(0 < l["reward/mean"] < 1 and abs(l["loss"]) > 1e-4 for l in lines[1:])  # real RL updates
     for key in ["reward/mean", "perf/tokens_per_s", "time/rollout_s", "time/train_s", "time/switch_s",
                 "mem/train_bytes", "mem/rollout_bytes", "time/to_rollout_s", "queue/bytes_sent"]:
@@ -221,6 +228,17 @@ def test_separated_generators_run_ahead_within_s(tmp_path, world):
     assert all(l["stale/partial_continued"] >= 0 and l["stale/regenerated"] >= 0 for l in steps)
     assert [l["step"] for l in steps if "eval/accuracy" in l] == [1, 3, 6]
     assert s["eval_accuracy_after"] == steps[-1]["eval/accuracy"]
+
+
+def test_separated_generators_wait_out_a_warm_up_longer_than_the_timeout(tmp_path):
+    """The generators wait for the trainers' warm-up on a heartbeat in the store, not in the first weight
+    broadcast: a warm-up several times --pg-timeout-s long is not taken for a dead peer."""
+    mode = {"deploy": "separated", "warmup_steps": 500, "pg_timeout_s": 2, "steps": 1, "eval_every": 1}
+    (s, p), _ = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path), mode), timeout_s=120)
+    assert torch.isfinite(p).all() and s["eval_accuracy_after"] >= 0
+    spans = [json.loads(l) for l in open(tmp_path / "spans_rank0.jsonl")]
+    warm = sum(x["end"] - x["start"] for x in spans if x["name"] == "warmup")
+    assert warm > 1.5 * mode["pg_timeout_s"], f"a warm-up of {warm:.1f}s is too short to test anything"
 
 
 @pytest.mark.parametrize("infer_tp", [1, 2])
