@@ -289,6 +289,9 @@ def validate(cfg, world_size):
         errors.append(f"--eval-prompts {cfg.eval_prompts} must be at least the world size {world_size}")
     if not 1 <= cfg.max_digits <= 32:
         errors.append(f"--max-digits {cfg.max_digits} must be in [1, 32]")
+    elif len(eval_set(cfg)[1]) >= sum(10 ** k for k in range(1, cfg.max_digits + 1)):
+        errors.append(f"--eval-prompts {cfg.eval_prompts} with --max-digits {cfg.max_digits}: the held-out set "
+                      "takes every possible prompt and leaves none to train on; allow more digits or fewer prompts")
     if cfg.max_new_tokens < cfg.max_digits + 1:
         errors.append(f"--max-new-tokens {cfg.max_new_tokens} cannot hold the longest answer "
                       f"({cfg.max_digits + 1} tokens); use at least {cfg.max_digits + 1}")
@@ -398,14 +401,38 @@ def print0(*a):
 # The loop
 # ---------------------------------------------------------------------------------------------
 
-class PromptStream:
-    """An endless, seeded stream of prompts. Every rank draws the same global batch."""
+EVAL_SEED = 20261129  # the held-out prompts' stream: fixed, whatever --seed says
 
-    def __init__(self, seed, max_digits):
-        self.rng, self.max_digits = np.random.default_rng(seed), max_digits
+
+def eval_set(cfg):
+    """The held-out prompts: a fixed draw of --eval-prompts, and the set of distinct ones."""
+    prompts = PromptStream(EVAL_SEED, cfg.max_digits).next(cfg.eval_prompts)
+    return prompts, {tuple(p.tolist()) for p in prompts}
+
+
+def prompt_streams(cfg):
+    """(held-out prompts, warm-up stream, RL stream): the training streams never give a held-out prompt."""
+    eval_prompts, held_out = eval_set(cfg)
+    warm, rl = (PromptStream(s, cfg.max_digits, exclude=held_out) for s in np.random.SeedSequence(cfg.seed).spawn(2))
+    return eval_prompts, warm, rl
+
+
+class PromptStream:
+    """An endless, seeded stream of prompts. Every rank draws the same global batch. exclude: prompts
+    (tuples of tokens) redrawn whenever drawn: the training streams never give a held-out prompt."""
+
+    def __init__(self, seed, max_digits, exclude=frozenset()):
+        self.rng, self.max_digits, self.exclude = np.random.default_rng(seed), max_digits, exclude
 
     def next(self, n):
-        return make_prompts(self.rng, n, self.max_digits)
+        out, tries = [], 0
+        while len(out) < n:
+            tries += n - len(out)
+            if tries > 1000 * n + 10**5:
+                raise RuntimeError(f"{tries} draws gave only {len(out)} of {n} prompts outside the held-out set")
+            out += [p for p in make_prompts(self.rng, n - len(out), self.max_digits)
+                    if tuple(p.tolist()) not in self.exclude]
+        return out
 
     def state_dict(self):
         return {"rng": self.rng.bit_generator.state}
@@ -674,9 +701,7 @@ def train(cfg, out_dir=None):
         out_dir = name[0]
     os.makedirs(out_dir, exist_ok=True)
     spans = Spans(device)
-    seeds = np.random.SeedSequence(cfg.seed).spawn(2)
-    warm_stream, rl_stream = PromptStream(seeds[0], cfg.max_digits), PromptStream(seeds[1], cfg.max_digits)
-    eval_prompts = PromptStream(20261129, cfg.max_digits).next(cfg.eval_prompts)  # fixed held-out set
+    eval_prompts, warm_stream, rl_stream = prompt_streams(cfg)  # the held-out set is fixed, never trained on
     is_trainer, is_generator = rank in roles.trainers, rank in roles.generators
     model, engine, train_group, tp_group, push_group, experts = build(cfg, roles, device)
     # The queue between rollout and training: samples travel packed, token-balanced over the trainers.
@@ -916,13 +941,6 @@ def train(cfg, out_dir=None):
             regen_total += regen_all  # groups restarted because they would have aged past S, so far
             rec["stale/partial_continued"], rec["stale/regenerated"] = partial_all, regen_total
         step_s = time.perf_counter() - t0
-        if is_eval_step(step) and ahead:
-            keys = [f"{wkey}/eval/{step}/{i}" for i in range(roles.replicas)]
-            if rank == 0:
-                wait_for(keys, f"held-out accuracy of version {step}")
-                acc = rec["eval/accuracy"] = sum(float(store.get(k)) for k in keys) / len(eval_prompts)
-        elif is_eval_step(step):
-            acc = rec["eval/accuracy"] = evaluate()
         rl_tokens, rl_time = rl_tokens + n_tok_all, rl_time + step_s
         items, toks = max(agg[4], 1.0), max(agg[5], 1.0)  # token- (or sequence-) weighted over all trainers
         rec.update({"step": step, "reward/mean": reward_all / per_step, "loss": agg[0] / items,
@@ -937,6 +955,14 @@ def train(cfg, out_dir=None):
                     # counted by the senders: the generators, which log nothing per step when ahead
                     **({} if ahead else {"queue/bytes_sent": q_sent, "queue/bytes_padded_equiv": q_padded}),
                     **(actor.metrics() if actor else {}), **(experts.stats if experts else {})})
+        # after the step's figures are taken: the evaluation's own phase switch is not the step's
+        if is_eval_step(step) and ahead:
+            keys = [f"{wkey}/eval/{step}/{i}" for i in range(roles.replicas)]
+            if rank == 0:
+                wait_for(keys, f"held-out accuracy of version {step}")
+                acc = rec["eval/accuracy"] = sum(float(store.get(k)) for k in keys) / len(eval_prompts)
+        elif is_eval_step(step):
+            acc = rec["eval/accuracy"] = evaluate()
         if metrics_file:
             metrics_file.write(json.dumps(rec) + "\n")
             metrics_file.flush()

@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -102,6 +103,18 @@ def test_task_has_a_long_tail():
 
 # --- arguments ------------------------------------------------------------------------------
 
+def test_training_prompts_are_never_held_out_ones():
+    cfg = T.Config()
+    eval_prompts, warm, rl = T.prompt_streams(cfg)
+    held = {tuple(p.tolist()) for p in eval_prompts}
+    drawn = warm.next(3000) + rl.next(3000)
+    assert not any(tuple(p.tolist()) in held for p in drawn)
+    plain = T.PromptStream(np.random.SeedSequence(cfg.seed).spawn(2)[1], cfg.max_digits).next(3000)
+    assert sum(tuple(p.tolist()) in held for p in plain) > 10  # without the exclusion they overlap (~1%)
+    again = T.prompt_streams(cfg)[2]  # the same stream on every rank and every run
+    assert all(torch.equal(a, b) for a, b in zip(again.next(3000), drawn[3000:]))
+
+
 @pytest.mark.parametrize("flags, text", [
     (["--group-size", "1"], "--group-size 1"),
     (["--prompts-per-step", "3"], "--prompts-per-step 3 must be a positive multiple of the 2 rollout replicas"),
@@ -188,7 +201,9 @@ def test_two_ranks_train_to_identical_parameters(tmp_path):
                 "mem/train_bytes", "mem/rollout_bytes", "time/to_rollout_s", "queue/bytes_sent"]:
         assert all(key in l for l in lines[1:]), key
     assert "eval/accuracy" in lines[1] and "eval/accuracy" in lines[-1]
-    assert lines[1]["mem/rollout_optim_bytes"] == 0 and lines[1]["mem/train_optim_bytes"] > 0
+    # the step's own switches (not an evaluation's): back in TRAIN at step 1, AdamW has no state yet
+    assert lines[1]["mem/train_optim_bytes"] == 0 < lines[2]["mem/train_optim_bytes"]
+    assert lines[2]["mem/rollout_optim_bytes"] == 0
     summary = json.load(open(tmp_path / "w2" / "summary.json"))
     assert {"eval_accuracy_before", "eval_accuracy_after", "wall_s", "tokens_per_s", "config"} <= set(summary)
     assert os.path.exists(tmp_path / "w2" / "spans_rank1.jsonl")
