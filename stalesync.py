@@ -54,6 +54,7 @@ Shapes: B samples in a batch, G group size, T response tokens (n_i per sample), 
 v policy version, k batch index.
 """
 import math
+import numbers
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -85,14 +86,14 @@ class StaleConfig:
     chunk_steps: int = 8             # decode steps per sampler call between cut checks (S > 0 only)
 
     def __post_init__(self):
-        if not isinstance(self.staleness, int) or isinstance(self.staleness, bool) or self.staleness < 0:
+        if not _is_int(self.staleness) or self.staleness < 0:
             raise ValueError(f"staleness={self.staleness!r} is invalid: it must be an integer >= 0 "
                              "(0 is the synchronous algorithm)")
         if not 0 < self.threshold <= 1:
             raise ValueError(f"threshold={self.threshold!r} is outside the valid range (0, 1]")
         for name in ("groups_per_step", "group_size", "chunk_steps"):
             x = getattr(self, name)
-            if not isinstance(x, int) or isinstance(x, bool) or x < 1:
+            if not _is_int(x) or x < 1:
                 raise ValueError(f"{name}={x!r} must be an integer >= 1")
 
     @property
@@ -244,11 +245,11 @@ class StaleSync:
         """New weights reached the sampler: version + 1 (colocated), or the version received (separated).
         A sampler that keeps a KV cache between calls (one with a reset() method, model.Sampler) drops
         it here: every in-flight prefix must be read again under the new weights."""
-        if version is not None and not (isinstance(version, int) and self.version <= version <= self.batches_out):
+        if version is not None and not (_is_int(version) and self.version <= version <= self.batches_out):
             raise ValueError(f"update(version={version!r}): weights of version v are trained on batches < v, so "
                              f"v must be an integer in [{self.version}, {self.batches_out}] (the sampler's version "
                              "up to the batches emitted)")
-        self.version = self.version + 1 if version is None else version
+        self.version = self.version + 1 if version is None else int(version)
         if hasattr(self.step_fn, "reset"):
             self.step_fn.reset()
 
@@ -287,6 +288,10 @@ class StaleSync:
                           samples=[dict(id=s["id"], seed=s["seed"], done=s["done"], tokens=s["tokens"].tolist(),
                                         logprobs=s["logprobs"].tolist(), versions=s["versions"].tolist())
                                    for s in g["samples"]]) for g in sd["pool"]]
+
+
+def _is_int(x):
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)  # numpy integers too
 
 
 def _complete(g):
