@@ -36,7 +36,7 @@ tail a stale run still holds in flight at its end is not credited to it (a conse
 Targets on a tail with max/mean >= 4: stale_over_sync_colocated >= 1.5 and
 colocated_stale_over_separated_sync >= 2.5 (both at S = 1). Measured on this 2-vCPU machine (README) the
 first lands at 1.37 to 1.5 from run to run, against a ceiling of about 1.61, and the second at 1.55 to
-1.68 (2.4 at S = 4; at S = 1 it is < 2 by construction, below); the JSON carries the figures that say why:
+1.68 (2.4 to 2.5 at S = 4; at S = 1 it is < 2 by construction, below); the JSON carries the figures that say why:
   decode_steps_sync_over_stale_colocated  the mechanism in device-independent units (critical-path decode
       steps, per round the max over ranks). At S = 1 every group has at most 2 rounds (batch k must take
       the groups started at version k - 1), so d_(k-1) + d_k >= the longest sample started in round k - 1
@@ -49,7 +49,7 @@ first lands at 1.37 to 1.5 from run to run, against a ceiling of about 1.61, and
       gain. Staleness divides only the a D term and separation doubles only the others, so the ratio is
       < max(x, 2) = 2 for any a, b, D, N, T, plus the separated weight transfer over a stale step (~0.5 ms
       over ~120 ms here): 2.5 at S = 1 cannot be reached with 2 ranks. Its x = 1 case, separated sync over
-      colocated sync, is 1.14 here (latency-bound) and 1.8 in bench/fusion.py (compute-bound).
+      colocated sync, is 1.09 to 1.14 here (latency-bound) and 1.8 in bench/fusion.py (compute-bound).
       colocated_over_separated_sync_by_S gives S = 2, 4 too: x grows with S, but see the next point.
   stale_over_sync_colocated_by_S  a larger S with its pool at capacity cuts critical-path decode steps
       2.5x (S = 2) to 4x (S = 4), the wall clock far less: training is a fixed share of every step, and
