@@ -174,7 +174,8 @@ def _check_ep_group(layout, group, rank):
     the same size (the DP group, say) would route rows to the wrong experts, silently. None: the world."""
     if layout.ep == 1:  # no all-to-all
         return
-    have = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    have = dist.get_process_group_ranks(group) if group is not None else list(range(world))
     if have != layout.ep_group_ranks(rank):
         raise ValueError(f"EP group ranks {have} are not rank {rank}'s EP group {layout.ep_group_ranks(rank)} "
                          f"under {layout}; pass the first group new_groups(layout) returns")
