@@ -270,7 +270,8 @@ def validate(cfg, world_size):
     try:
         stalesync.StaleConfig(cfg.staleness, 1, max(cfg.group_size, 1), cfg.threshold, cfg.chunk_steps)
     except (ValueError, TypeError) as e:
-        errors.append(f"--staleness {cfg.staleness} / --threshold {cfg.threshold} / --chunk-steps {cfg.chunk_steps}: {e}")
+        errors.append(f"--staleness {cfg.staleness} / --threshold {cfg.threshold} / "
+                      f"--chunk-steps {cfg.chunk_steps}: {e}")
     if cfg.infer_tp not in (1, 2, 4) or world_size % cfg.infer_tp or cfg.n_heads % cfg.infer_tp:
         errors.append(f"--infer-tp {cfg.infer_tp} must be 1, 2 or 4 and divide both the world size "
                       f"{world_size} and --n-heads {cfg.n_heads}")
@@ -413,8 +414,8 @@ def eval_set(cfg):
 def prompt_streams(cfg):
     """(held-out prompts, warm-up stream, RL stream): the training streams never give a held-out prompt."""
     eval_prompts, held_out = eval_set(cfg)
-    warm, rl = (PromptStream(s, cfg.max_digits, exclude=held_out) for s in np.random.SeedSequence(cfg.seed).spawn(2))
-    return eval_prompts, warm, rl
+    warm, rl = np.random.SeedSequence(cfg.seed).spawn(2)
+    return eval_prompts, PromptStream(warm, cfg.max_digits, held_out), PromptStream(rl, cfg.max_digits, held_out)
 
 
 class PromptStream:
@@ -831,7 +832,6 @@ def train(cfg, out_dir=None):
 
     def is_eval_step(step):
         return step == 1 or step % cfg.eval_every == 0 or step == cfg.steps
-
 
     posted = []  # colocated: not-ready flags in flight, (work, tensor)
 
