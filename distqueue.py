@@ -1,4 +1,5 @@
-"""DistQueue: the data queue between RL stages (PAPER.md section 3), packed and read hierarchically.
+# Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (the LICENSE file).
+"""DistQueue: the data queue between RL stages, packed and read hierarchically.
 
 Rows (samples) by columns (fields) flow rollout -> scoring -> reference log-probs -> training. Each cell
 stays on the rank that wrote it until a stage wants it ("split, cache and read dynamically"); a stage
@@ -13,9 +14,10 @@ Public API (everything else is private):
     q = DistQueue(spec, store=default_store(), rank=r, world_size=w, pg=None)  # pg: a gloo group
     ids = q.put({"prompt": [t...], "response": [t...], "reward": [0.5, ...]})  # new rows -> row ids
     q.put({"old_logprobs": [t...]}, ids=ids)        # write more columns of existing rows
-    b = q.get("train", n, dp_group=None, group=None, min_rows=None)  # -> Batch
+    b = q.get("train", n, dp_group=None, group=None, min_rows=None)  # -> Rows
     b.ids, b.cols["response"] (list of 1-D), b.stack("reward") (B,), b.packed("response") (flat, lens)
-    q.drain(); q.metrics(); q.reads("train"); q.state_dict(); q.load_state_dict(sd)
+    q.drain(); q.metrics()  # the whole queue's traffic, whichever rank asks
+    q.reads("train"); q.state_dict(); q.load_state_dict(sd)
     pad/unpad (naive), pack/unpack, pack_cells/unpack_cells, balance_split: pure primitives.
 
 Design:
@@ -143,7 +145,8 @@ class QueueSpec:
 
 
 @dataclass
-class Batch:
+class Rows:
+    """What a stage read: row ids and, per field, one 1-D tensor per row."""
     ids: list               # (B,) row ids, ascending
     cols: dict              # field -> list of B 1-D tensors
     tmax: dict = field(default_factory=dict)  # field -> longest cell of the step's global batch
@@ -173,8 +176,6 @@ class DistQueue:
         self.served = {}         # (row, col) -> stages it was delivered to so far
         self.next_local = 0      # rows this rank created (ids = next_local * world + rank)
         self.steps = {s: 0 for s in spec.stages}  # balanced reads per stage (plan keys)
-        self.m = {"queue/bytes_sent": 0, "queue/bytes_padded_equiv": 0, "queue/reads": 0,
-                  "queue/bytes_bcast": 0}
         self.inflight = {}       # tag -> (works, tensors) kept alive until the receiver acks
         self._reset_caches()
         if dist.is_initialized() and dist.get_backend(pg) != "gloo":  # host tensors, async p2p: gloo only
@@ -244,8 +245,8 @@ class DistQueue:
             tm = dict(x.split("=") for x in tmax.split(",") if x)
             pad_bytes = sum(int(tm.get(c, self.cells[(r, c)].numel())) * self.cells[(r, c)].element_size()
                             for r, c in keys)
-            self.m["queue/bytes_sent"] += header.nbytes + payload.nbytes
-            self.m["queue/bytes_padded_equiv"] += header.nbytes + pad_bytes
+            self._count("bytes_sent", header.nbytes + payload.nbytes)
+            self._count("bytes_padded_equiv", header.nbytes + pad_bytes)
             for k in keys:
                 self._delivered(k, stage)
         for tag in [t for t in self.inflight if self.store.check([self._k("ack", t)])]:
@@ -348,7 +349,7 @@ class DistQueue:
             got.update(zip(keys, unpack_cells(header, payload, dtypes)))
             self.store.set(self._k("ack", tag), "1")
             self.store.delete_key(self._k("sent", tag))
-        return Batch(list(rows), {c: [got[(r, c)] for r in rows] for c in cols}, dict(tmax))
+        return Rows(list(rows), {c: [got[(r, c)] for r in rows] for c in cols}, dict(tmax))
 
     def _read(self, stage, n, min_rows, dp_group, step, deadline, only=None):
         cols = self.spec.stages[stage]
@@ -373,7 +374,6 @@ class DistQueue:
             rows, tmax = [int(x) for x in ids.split(",") if x], {c: int(v) for c, v in (x.split("=") for x in tm.split(","))}
             self._refresh(cols)
         self.store.add(self._k("reads", stage), 1)
-        self.m["queue/reads"] += 1
         batch = self._pull(stage, rows, tmax, deadline)
         if dp_size > 1:  # return only when the whole DP group has its rows: SPMD code may then enter a
             done = self._k("done", stage, step, root)  # collective without starving a peer's pull
@@ -420,7 +420,7 @@ class DistQueue:
             flat = [batch.cols[c][i] for i in range(B) for c in cols]  # row-major cells, K = B * C
             header, payload = pack_cells(flat)
             header = torch.cat([torch.tensor(batch.ids).view(B, 1), header.view(B, len(cols))], 1)  # (B, 1+C)
-            self.m["queue/bytes_bcast"] += header.nbytes + payload.nbytes
+            self._count("bytes_bcast", header.nbytes + payload.nbytes)
         else:
             header = torch.empty(B, 1 + len(cols), dtype=torch.int64)  # (B, 1+C)
         if B:
@@ -434,11 +434,21 @@ class DistQueue:
         if batch is not None:
             return batch
         cells = unpack_cells(header[:, 1:].reshape(-1), payload, dtypes * B)  # K = B * C
-        return Batch(header[:, 0].tolist(), {c: cells[j::len(cols)] for j, c in enumerate(cols)})
+        return Rows(header[:, 0].tolist(), {c: cells[j::len(cols)] for j, c in enumerate(cols)})
 
     # --- observability and checkpointing
+    COUNTERS = ("bytes_sent", "bytes_padded_equiv", "bytes_bcast")
+
+    def _count(self, name, n):
+        self.store.add(self._k("count", name), int(n))
+
     def metrics(self):
-        return dict(self.m)
+        """The whole queue's traffic so far, counted in the store by the ranks that sent it: packed bytes
+        sent (headers included), what padding each field to the step's longest cell would have sent,
+        bytes broadcast inside model-parallel groups, and stage reads."""
+        out = {f"queue/{c}": int(self.store.add(self._k("count", c), 0)) for c in self.COUNTERS}
+        out["queue/reads"] = sum(self.reads(s) for s in self.spec.stages)
+        return out
 
     def reads(self, stage):
         return int(self.store.add(self._k("reads", stage), 0))
@@ -455,15 +465,16 @@ class DistQueue:
             shared[self._k("ready", c, 0)] = "".join(self.store.get(self._k("ready", c, i)).decode() for i in range(n))
             shared[self._k("ready", c, "n")] = "1"
         shared.update({self._k("reads", s): str(self.reads(s)) for s in self.spec.stages})
+        shared.update({self._k("count", c): str(int(self.store.add(self._k("count", c), 0))) for c in self.COUNTERS})
         return {"cells": dict(self.cells), "served": {k: sorted(v) for k, v in self.served.items()},
-                "next_local": self.next_local, "steps": dict(self.steps), "metrics": dict(self.m),
+                "next_local": self.next_local, "steps": dict(self.steps),
                 "shared": shared}
 
     def load_state_dict(self, sd):
         """Every rank loads its own dict; rank 0 restores the control plane into a fresh store."""
         self.cells, self.next_local = dict(sd["cells"]), sd["next_local"]
         self.served = {k: set(v) for k, v in sd["served"].items()}
-        self.steps, self.m = dict(sd["steps"]), dict(sd["metrics"])
+        self.steps = dict(sd["steps"])
         done = self._k("restored")
         if self.rank == 0:
             for k, v in sd["shared"].items():

@@ -1,6 +1,7 @@
+# Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (the LICENSE file).
 """RL Fusion: the actor's training and its rollout share every device, one phase at a time.
 
-PAPER.md section 1 ("colocated" deployment, layout switching, zero-redundancy memory switching):
+The colocated deployment, with layout switching and zero-redundancy memory switching:
   TRAIN    the training layout: FSDP2 parameter shards over all W ranks, their grads and optimizer states.
   ROLLOUT  the inference layout, TP degree t and W/t data-parallel replicas: each rank holds its TP piece
            of every weight, built from the training shards, plus the engine's KV cache. The optimizer
@@ -8,6 +9,8 @@ PAPER.md section 1 ("colocated" deployment, layout switching, zero-redundancy me
 to_rollout() offloads, then builds the inference weights bucket by bucket: all-gather a bucket of shards,
 hand (name, full tensor) pairs to the engine's load_weights (vLLM's shape), free the bucket. No rank ever
 holds more than its final inference weights plus one bucket. to_train() frees them and brings the rest back.
+Other state that changes layout between the phases (moe_switch.py's experts) rides along as a "mover":
+any object with to_rollout() and to_train(), called inside the same switch.
 
 Contents, primitives first:
   Layout             validated layout: world size, TP degree (rest data-parallel), FSDP or not; new_groups()
@@ -18,7 +21,7 @@ Contents, primitives first:
   gather_bucket      gather_into for a bucket of weights, into one flat buffer; (name, full view) pairs
   push_weights       separated deployment: trainers gather a bucket, trainer `src` broadcasts it to generators
   FusedActor         the two phases: to_rollout(), to_train(), metrics(), state_dict(); `with rollout(actor)`
-  HostOffloaded      a frozen module (the reference model) kept on host except inside `with on_device(ref)`
+  HostOffloaded      a frozen module (the reference model) kept on host except inside `with ref.on_device()`
 
 Departures from the paper:
   1. Training is FSDP (ZeRO-3) over all ranks, inference is TP; the EP change lives in moe_switch.py, and
@@ -287,10 +290,12 @@ class FusedActor:
     writes straight into the engine's weights and load_weights is not called; pass inplace=False for an
     engine whose load_weights does more than copy. skip: names of weights that someone else moves
     between the phases (moe_switch.py's experts): not built, freed, offloaded (offload_params) or
-    counted as inference weights here; their grads and optimizer states are still offloaded."""
+    counted as inference weights here; their grads and optimizer states are still offloaded. movers:
+    objects with to_rollout() and to_train() (and optionally a `stats` dict for metrics()), called at
+    the end of to_rollout() and at the start of to_train(), in reverse order: one switch moves all."""
 
     def __init__(self, model, optimizer, engine, train_layout, infer_layout, bucket_bytes=1 << 20,
-                 offload_params=False, naive=False, manage_engine=True, inplace=None, skip=()):
+                 offload_params=False, naive=False, manage_engine=True, inplace=None, skip=(), movers=()):
         world = dist.get_world_size() if dist.is_initialized() else 1
         if not train_layout.fsdp or infer_layout.fsdp or train_layout.world_size != infer_layout.world_size:
             raise ValueError(f"train layout {train_layout} must be FSDP and inference layout {infer_layout} "
@@ -308,7 +313,7 @@ class FusedActor:
         self.model, self.optimizer, self.engine = model, optimizer, engine
         self.train_layout, self.infer_layout, self.bucket_bytes = train_layout, infer_layout, bucket_bytes
         self.offload_params, self.naive, self.manage_engine = offload_params, naive, manage_engine
-        self.device, self.skip = next(model.parameters()).device, set(skip)
+        self.device, self.skip, self.movers = next(model.parameters()).device, set(skip), list(movers)
         reshard_all(model)
         meta = [m for m in weight_meta(model) if m[0] not in self.skip]
         self.buckets = plan_buckets(meta, bucket_bytes)
@@ -354,9 +359,12 @@ class FusedActor:
             if self.device.type == "cuda" else self.resident_bytes()
 
     def metrics(self):
-        """Flat dict for metrics.jsonl: mem/*, time/to_rollout_s, time/to_train_s, switch/*."""
-        return dict(self.stats, **{"switch/round_trips": self.round_trips, "switch/bucket_bytes": self.bucket_bytes,
-                                   "switch/buckets": len(self.buckets)})
+        """Flat dict for metrics.jsonl: mem/*, time/to_rollout_s, time/to_train_s, switch/*, the movers' stats."""
+        out = dict(self.stats, **{"switch/round_trips": self.round_trips, "switch/bucket_bytes": self.bucket_bytes,
+                                  "switch/buckets": len(self.buckets)})
+        for m in self.movers:
+            out.update(getattr(m, "stats", {}))
+        return out
 
     def _expect(self, phase, call):
         if self.phase != phase:
@@ -397,6 +405,9 @@ class FusedActor:
             self._param_off = storages([p for n, p in self.model.named_parameters() if n not in self.skip],
                                        self.device)
             self._param_hosts = offload(self._param_off, self._param_hosts)
+        # 4. whatever else changes layout (the experts' EP re-shard)
+        for m in self.movers:
+            m.to_rollout()
         self._finish(ROLLOUT, t0)
         self.stats["switch/gather_bytes"] = gathered
         self.stats["switch/bytes"] = 2 * self.stats["switch/offload_bytes"] + gathered  # moved per round trip
@@ -437,6 +448,8 @@ class FusedActor:
         """ROLLOUT -> TRAIN: free the inference weights, bring the training state back."""
         self._expect(ROLLOUT, "to_train")
         t0 = time.perf_counter()
+        for m in reversed(self.movers):
+            m.to_train()
         if self.manage_engine:
             for s in storages(self._engine_weights().values()):
                 s.resize_(0)
@@ -479,14 +492,15 @@ def rollout(actor):
 
 class HostOffloaded:
     """Fully colocated: a frozen module (the reference model) whose parameters and buffers live in host
-    memory, and on the device only inside `with on_device(ref) as module:`. Starts offloaded."""
+    memory, and on the device only inside `with ref.on_device() as module:`. Starts offloaded.
+    offload=False keeps it on the device: the same interface, nothing moves."""
 
-    def __init__(self, module):
-        self.module, self._stores, self._hosts, self.on_host = module, [], [], False
+    def __init__(self, module, offload=True):
+        self.module, self.enabled, self._stores, self._hosts, self.on_host = module, offload, [], [], False
         self.offload()
 
     def offload(self):
-        if not self.on_host:
+        if self.enabled and not self.on_host:
             ts = list(self.module.parameters()) + list(self.module.buffers())
             self._stores = storages(ts, next(iter(ts)).device)
             self._hosts, self.on_host = offload(self._stores, self._hosts), True
@@ -499,11 +513,10 @@ class HostOffloaded:
     def resident_bytes(self):
         return held_bytes(list(self.module.parameters()) + list(self.module.buffers()))
 
-
-@contextmanager
-def on_device(ref):
-    ref.load()
-    try:
-        yield ref.module
-    finally:
-        ref.offload()
+    @contextmanager
+    def on_device(self):
+        self.load()
+        try:
+            yield self.module
+        finally:
+            self.offload()

@@ -1,3 +1,4 @@
+# Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (the LICENSE file).
 """The tiny MoE policy: a decoder-only transformer, and batched sampling with a KV cache.
 
 Architecture, Qwen-MoE / DeepSeek-MoE style: token embedding -> L x [RMSNorm -> causal attention with
@@ -9,7 +10,7 @@ Sampling (`generate`) is batched over prompts of different lengths, left-padded,
 - temperature and top-p; greedy when temperature is 0;
 - it stops a row at EOS or when its response reaches `max_new_tokens`;
 - it returns, for every generated token, its behaviour log-prob: log softmax(logits / temperature),
-  the same quantity that `token_logprobs` recomputes in a training forward;
+  the same quantity that `grpo.token_logprobs` recomputes in a training forward;
 - it continues sequences that were cut part-way: pass prompt + partial response as the context and
   the number of response tokens already made (`n_done`). A round can be cut after `max_steps`;
 - the prefill reads the contexts in length buckets, one forward each: a partial rollout's long held
@@ -48,7 +49,7 @@ import torch.nn.functional as F
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 14      # V: the task's alphabet (train_grpo.py defines it)
+    vocab_size: int = 14      # V: the task's alphabet (task.py defines it)
     d_model: int = 64         # D
     n_layers: int = 2         # L
     n_heads: int = 4          # H
@@ -223,12 +224,6 @@ class Policy(nn.Module):
             p.copy_(w)
             loaded.add(name)
         return loaded
-
-
-def token_logprobs(logits, targets, temperature=1.0):
-    """log softmax(logits / temperature) at targets: (B, T, V), (B, T) -> (B, T)."""
-    logp = F.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
-    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
+# Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (the LICENSE file).
 """Expert-parallel MoE whose EP degree changes between training and rollout, re-sharded in buckets.
 
-RL Fusion (PAPER.md section 1, "zero-redundancy memory switching for MoE"): training and inference share
+RL Fusion's zero-redundancy memory switching for MoE: training and inference share
 the devices but want different expert-parallel (EP) degrees, so at each phase change the expert weights
 move from one EP layout to the other. Parameters are managed in buckets and no rank ever holds a
 redundant copy of an expert: only the experts whose owner changes move, one bucket at a time, and each
@@ -13,6 +14,8 @@ Contents, primitives first:
   reshard_naive      naive switch: materialise every expert on every rank, keep what the target needs
   reshard            the switch: move only changed-owner slices, bucket by bucket, free each once sent
   EPMoE              EP layer: route, dispatch (counts, then packed tokens), local experts, combine; switch()
+  ExpertParallel     a whole model's MoE layers made EP: the phase-change mover (to_rollout / to_train),
+                     the expert grads synced over replicas and clipped with the rest, dense_state_dict
 
 Departures from the paper:
   1. Each expert slice (name, e) is its own tensor, not a view of a stacked (E, D, H) parameter: a slice
@@ -40,6 +43,7 @@ Shapes: N tokens, D model width, H expert hidden width, E experts, k experts per
 W world size, L = E / P local experts, M tokens received by this rank, B bucket bytes.
 """
 import datetime
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -388,3 +392,136 @@ class EPMoE(nn.Module):
         for n, slices in experts.items():
             for e, t in slices.items():
                 getattr(self, n)[e].data = t
+
+
+# ----------------------------------------------------------------------------- a whole model
+def is_dense_moe(m):
+    """The dense MoE this file converts from: router (E, D), stacked w_gate/w_up (E, D, H), w_down (E, H, D)."""
+    return all(hasattr(m, a) for a in ("router", "top_k", *EXPERT_NAMES)) and not isinstance(m, EPMoE)
+
+
+def swap_layers(module, make):
+    """Replace every dense MoE submodule m of module by make(m). Returns the new layers, in order."""
+    layers = []
+    for name, child in list(module.named_modules()):
+        if is_dense_moe(child):
+            parent, _, attr = name.rpartition(".")
+            layers.append(make(child))
+            setattr(module.get_submodule(parent), attr, layers[-1])
+    return layers
+
+
+class ExpertParallel:
+    """Every MoE layer of a model expert-parallel, with one EP degree in training and another in rollout.
+
+    apply(model, engine): the model's dense MoE layers become EPMoE layers under the training layout (they
+    keep their weights; the caller leaves them out of FSDP), the engine's become empty EPMoE layers under
+    the inference layout. to_rollout() re-shards the model's experts to the inference layout, bucket by
+    bucket, and the engine's experts alias the moved tensors (no copy); to_train() moves them back, bit
+    for bit. Call them after the experts' grads and optimizer states have left the device: as a mover of
+    fusion.FusedActor, inside its switch. clip_grads(model, max_norm) is the clip of the training step."""
+
+    def __init__(self, train_ep, infer_ep, world_size, n_experts, bucket_bytes, timeout_s=300.0):
+        self.train_layout = EPLayout(train_ep, world_size, n_experts)
+        self.infer_layout = EPLayout(infer_ep, world_size, n_experts)
+        self.train_groups = new_groups(self.train_layout, timeout_s)  # (EP, DP); collective
+        self.infer_groups = new_groups(self.infer_layout, timeout_s)
+        self.bucket_bytes, self.world, self.stats = bucket_bytes, world_size, {}
+        self.model_layers, self.engine_layers, self.names = [], [], set()
+
+    def apply(self, model, engine=None):
+        self.model_layers = swap_layers(model, lambda m: EPMoE.from_dense(m, self.train_layout, self.train_groups[0]))
+        self.names = {n for n, _ in model.named_parameters() if n.split(".")[-2] in EXPERT_NAMES}
+        if engine is not None:
+            self.engine_layers = swap_layers(engine, self._empty_like)
+
+    def _empty_like(self, moe):
+        E, D, H = moe.w_gate.shape
+        ep = EPMoE(D, H, E, moe.top_k, self.infer_layout, self.infer_groups[0])
+        ep.to(moe.router.weight.device).requires_grad_(False)
+        _untie(ep)
+        return ep
+
+    def params(self, model):
+        """The model's expert parameters (one per global expert; empty where this rank owns none)."""
+        return [p for n, p in model.named_parameters() if n in self.names]
+
+    @torch.no_grad()
+    def to_rollout(self):
+        t0, moved = time.perf_counter(), []
+        for m, e in zip(self.model_layers, self.engine_layers):
+            moved.append(m.switch(self.infer_layout, self.infer_groups[0], self.bucket_bytes))
+            for n in EXPERT_NAMES:
+                for pm, pe in zip(getattr(m, n), getattr(e, n)):
+                    pe.data = pm.data  # the engine's experts are the moved tensors themselves
+        self._record("to_infer", t0, moved)
+
+    @torch.no_grad()
+    def to_train(self):
+        t0, moved = time.perf_counter(), []
+        for m, e in zip(self.model_layers, self.engine_layers):
+            _untie(e)  # the switch must hold the only reference, or nothing could be freed
+            moved.append(m.switch(self.train_layout, self.train_groups[0], self.bucket_bytes))
+        self._record("to_train", t0, moved)
+
+    def _record(self, key, t0, moved):
+        self.stats.update({f"time/ep_{key}_s": time.perf_counter() - t0,
+                           f"ep/{key}_bytes_moved": sum(s["bytes_moved"] for s in moved),
+                           f"ep/{key}_bytes_min": sum(s["bytes_min"] for s in moved),
+                           f"ep/{key}_peak_extra_bytes": max(s["peak_extra_bytes"] for s in moved),
+                           f"ep/{key}_layer_peak_switch_bytes": max(s["peak_switch_bytes"] for s in moved),
+                           f"ep/{key}_layer_target_bytes": moved[0]["to_bytes"]})  # one layer at a time
+
+    def sync_grads(self, model):
+        """After backward: an owned expert's grad sums its EP group's tokens; summed over the replicas and
+        divided by the world, it is the mean over all ranks (what FSDP gives the dense weights)."""
+        grads = [p.grad for p in self.params(model) if p.numel()]
+        flat = torch.cat([g.flatten() for g in grads]) / self.world
+        if self.train_layout.dp > 1:
+            dist.all_reduce(flat, group=self.train_groups[1])
+        for g, f in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(f.view_as(g))
+
+    def clip_grads(self, model, max_norm):
+        """sync_grads, then clip_grad_norm_ over the FSDP shards and the owned experts together."""
+        self.sync_grads(model)
+        experts = set(map(id, self.params(model)))
+        dense = [p.grad for p in model.parameters() if id(p) not in experts and p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(dense)
+        sq = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).double() ** 2
+        own = sum(p.grad.double().pow(2).sum() for p in self.params(model) if p.numel()).reshape(1)
+        dist.all_reduce(own)  # every expert counted once per replica
+        total = (sq + own[0] / self.train_layout.dp).sqrt()
+        coef = min(1.0, max_norm / (float(total) + 1e-6))
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+        return total
+
+
+def _untie(moe):
+    for n in EXPERT_NAMES:
+        for p in getattr(moe, n):
+            p.data = p.data.new_empty(0)
+
+
+def dense_state_dict(model):
+    """The whole model on every rank (collective), in the dense model's names and order: FSDP2 shards
+    gathered; EP experts (one tensor per expert, on their owners) broadcast by their first holder and
+    stacked (E, ...). What a checkpoint or a dense reference model loads."""
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    ep = {name: m for name, m in model.named_modules() if isinstance(m, EPMoE)}
+    out = {}
+    for k, v in full.items():
+        name = k.rsplit(".", 2)[0]
+        if name in ep and f"{name}.w_gate" not in out:  # the dense MoE's order: its own parameters
+            m = ep[name]                                    # (w_gate, w_up, w_down) before router.weight
+            for n in EXPERT_NAMES:
+                like = getattr(m, n)[m.layout.owned(_rank(None))[0]]
+                experts = [p.detach().clone() if p.numel() else torch.empty_like(like) for p in getattr(m, n)]
+                for e, t in enumerate(experts):
+                    dist.broadcast(t, src=m.layout.holders(e)[0])
+                out[f"{name}.{n}"] = torch.stack(experts)                                 # (E, ...)
+        if name not in ep or k.endswith(".router.weight"):
+            out[k] = v
+    return out

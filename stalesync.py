@@ -1,4 +1,5 @@
-"""StaleSync: bounded-staleness, quasi-asynchronous rollout (PAPER.md section 2), with partial rollouts.
+# Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (the LICENSE file).
+"""StaleSync: bounded-staleness, quasi-asynchronous rollout, with partial rollouts.
 
 Synchronous RL waits, at every step, for the longest sample of the rollout. StaleSync lets generation run
 ahead of training as long as no sample is trained on a policy more than S versions newer than the one
@@ -11,8 +12,8 @@ Contents, naive first:
   sync_rollout      the naive round: one sampler call that waits for its longest sample
   StaleConfig       validated knobs: S, groups per step, group size, threshold, decode chunk
   StaleSync         the scheduler: admission, decode chunks, cut at threshold, age bound, accounting
-  off_policy_logprobs   which log-probs the clipped ratio uses (behaviour, or decoupled proximal)
-  Spans             (name, start, end) timing; perf/tokens_per_s and perf/idle_frac from it
+  AllReady          colocated: the ranks' "my batch is ready" flags combined, one all-reduce per chunk
+  Spans             (name, start, end) timing of every phase; perf/tokens_per_s and perf/idle_frac
 
 The rules (v = policy version = optimizer steps taken; k = index of the next batch, trained at version k):
   admission  a group may start only while groups_started < (S + v + 1) * groups_per_step, so that after
@@ -40,7 +41,7 @@ Departures from the paper and its relatives:
 2. The scheduler is a plain object driven by the caller (colocated: `rollout(spans, all_ready)` then `update()`,
    all_ready combining the ranks' ready flags so that a rank ready first keeps decoding its tail;
    separated: `admit/decode/ready/take` on the generator and `update(v)` when weights arrive); transport
-   of samples and weights is the caller's (a queue, p2p): this file has no process groups.
+   of samples and weights is the caller's (a queue, p2p). The one collective here is AllReady's flag.
 3. The sampler is a callable step_fn(contexts, seeds, n_done, max_steps) -> (tokens, logprobs, done),
    called once per decode chunk on every in-flight row; a stateless sampler (model.generate) re-prefills
    the prefix each chunk, a cached one (model.Sampler) keeps its KV cache between chunks, keyed by seed,
@@ -56,10 +57,11 @@ v policy version, k batch index.
 import math
 import numbers
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 
 def _unpack(out):
@@ -201,6 +203,7 @@ class StaleSync:
         chosen_ids = {id(g) for g in chosen}
         self.pool = [g for g in self.pool if id(g) not in chosen_ids]
         self.batches_out += 1
+        regenerated_before = self.regenerated
         for g in self.pool:  # trained at >= k + 1 they would be older than S: restart them now
             if g["start_version"] is not None and g["start_version"] <= k - self.cfg.staleness:
                 for s in g["samples"]:
@@ -212,7 +215,8 @@ class StaleSync:
             self.fate[s["id"]] = "trained"
         ages = [k - g["start_version"] for g, _ in samples]                                        # (B,)
         metrics = {"stale/age_max": max(ages), "stale/age_mean": sum(ages) / len(ages),
-                   "stale/regenerated": self.regenerated,
+                   "stale/regenerated": self.regenerated,  # so far; at this cut:
+                   "stale/regenerated_at_cut": self.regenerated - regenerated_before,
                    "stale/partial_continued": sum(len(set(s["versions"])) > 1 for _, s in samples),
                    "rollout/response_tokens": sum(len(s["tokens"]) for _, s in samples)}
         return Batch(version=k, ids=[s["id"] for _, s in samples], prompts=[g["prompt"] for g, _ in samples],
@@ -234,7 +238,7 @@ class StaleSync:
         if self.batches_out != self.version:
             raise RuntimeError(f"colocated rollout at version {self.version} but {self.batches_out} batches out: "
                                "call update() after each optimizer step")
-        with (spans("rollout") if spans else _null()):
+        with (spans("rollout") if spans else nullcontext()):
             while not (self.ready() if all_ready is None else all_ready(self.ready())):
                 self.admit()
                 if self.decode() == 0 and not self.ready():
@@ -290,6 +294,30 @@ class StaleSync:
                                    for s in g["samples"]]) for g in sd["pool"]]
 
 
+class AllReady:
+    """Colocated rounds: this rank's `ready()` combined over the ranks that train together, the
+    all_ready of StaleSync.rollout. One all-reduce MIN of a flag per decode chunk on every rank. A rank
+    that is not ready knows the answer (the MIN is 0), so it posts its flag without waiting and decodes
+    on; a rank that is ready waits for the answer (idle time, spanned "idle") and keeps decoding its
+    in-flight tail while the answer is no."""
+
+    def __init__(self, group=None, device="cpu", spans=None):
+        self.group, self.device, self.spans = group, device, spans
+        self.posted = []  # not-ready flags in flight: (work, tensor)
+
+    def __call__(self, mine):
+        flag = torch.tensor([float(mine)], device=self.device)
+        if not mine:
+            self.posted.append((dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True), flag))
+            return False
+        with (self.spans("idle") if self.spans else nullcontext()):
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+            for work, _ in self.posted:  # paired by now (collectives match in order): surface any error
+                work.wait()
+        self.posted.clear()
+        return bool(flag.item())
+
+
 def _is_int(x):
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)  # numpy integers too
 
@@ -298,34 +326,14 @@ def _complete(g):
     return all(s["done"] for s in g["samples"])
 
 
-@contextmanager
-def _null():
-    yield
-
-
-# ----------------------------------------------------------------------------- off-policy correction
-def off_policy_logprobs(behaviour, proximal=None, decoupled=False, max_weight=None):
-    """Which log-probs grpo_loss takes as old_logprobs, and a per-token weight. behaviour, proximal (B, T).
-
-    Coupled (default): old = behaviour, the recorded sampler log-probs (tokens of a partial rollout come
-    from several versions); the clipped ratio pi_theta / pi_behaviour carries the whole correction.
-    Decoupled (AReaL): old = proximal, recomputed with the current weights before the update, so the clip
-    is around a recent policy; weight = pi_prox / pi_behaviour (optionally capped) multiplies each
-    token's surrogate. Returns (old (B, T), weight (B, T) or None)."""
-    if not decoupled:
-        return behaviour, None
-    if proximal is None:
-        raise ValueError("decoupled=True needs proximal log-probs recomputed with the current weights")
-    w = torch.exp(torch.clamp(proximal - behaviour, -20, 20))                                  # (B, T)
-    return proximal, (w if max_weight is None else w.clamp(max=max_weight))
-
-
 # ----------------------------------------------------------------------------- timing
 class Spans:
-    """Records (name, start, end) for every timed phase; spans named in `idle` count as waiting."""
+    """Records (name, start, end) for every timed phase; spans named in `idle` count as waiting.
+    device: on CUDA, a span ends only once the device's queued work has (the times are then real)."""
 
-    def __init__(self, idle=("idle",)):
+    def __init__(self, idle=("idle",), device=None):
         self.spans, self.idle, self.t0 = [], set(idle), time.perf_counter()
+        self.cuda = device if device is not None and torch.device(device).type == "cuda" else None
 
     @contextmanager
     def __call__(self, name):
@@ -333,9 +341,12 @@ class Spans:
         try:
             yield
         finally:
+            if self.cuda is not None:
+                torch.cuda.synchronize(self.cuda)
             self.spans.append((name, t0, time.perf_counter()))
 
     def total(self, name, since=0):
+        """Seconds spent in spans called `name`, over the spans recorded since index `since`."""
         return sum(t1 - t0 for n, t0, t1 in self.spans[since:] if n == name)
 
     def perf(self, tokens, since_t=None):

@@ -233,6 +233,7 @@ def _hierarchical(rank, world, steps):
                      for b in out["batches"]]
     out["longest"] = [max(len(p) + len(r) for p, r in zip(b[1]["prompt"], b[1]["response"])) for b in out["batches"]]
     q.drain()
+    dist.barrier()
     out["metrics"] = q.metrics()
     dist.barrier()
     return out
@@ -252,9 +253,10 @@ def test_hierarchical_read_one_read_per_group_identical_data_balanced_tokens():
         assert abs(t0 - t2) <= max(outs[0]["longest"][s], outs[2]["longest"][s])
     flat = [o["batches"][steps][0] for o in outs]
     assert sorted(sum(flat, [])) == sorted(i for o in outs for i in o["batches"][steps][2])
-    sent = sum(o["metrics"]["queue/bytes_sent"] for o in outs)
-    padded = sum(o["metrics"]["queue/bytes_padded_equiv"] for o in outs)
+    assert all(o["metrics"] == outs[0]["metrics"] for o in outs)  # the whole queue's counts, on any rank
+    sent, padded = outs[0]["metrics"]["queue/bytes_sent"], outs[0]["metrics"]["queue/bytes_padded_equiv"]
     assert 0 < sent < padded  # packed transfer moved the data, and less than padding would have
+    assert outs[0]["metrics"]["queue/bytes_bcast"] > 0 and outs[0]["metrics"]["queue/reads"] == reads[-1]
 
 
 def _dead_producer(rank, world):

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fusion import (ROLLOUT, TRAIN, FusedActor, HostOffloaded, Layout, held_bytes, on_device, plan_buckets,
+from fusion import (ROLLOUT, TRAIN, FusedActor, HostOffloaded, Layout, held_bytes, plan_buckets,
                     push_weights, rollout, weight_meta)
 from model import ModelConfig, Policy, generate
 from tests.distributed import run_distributed
@@ -291,7 +291,7 @@ def test_reference_model_lives_on_host_between_uses():
     off = HostOffloaded(ref)
     assert off.resident_bytes() == 0
     for _ in range(3):
-        with on_device(off) as module, torch.no_grad():
+        with off.on_device() as module, torch.no_grad():
             assert off.resident_bytes() > 0
             assert torch.equal(module(tok), want)
         assert off.resident_bytes() == 0

@@ -1,16 +1,10 @@
-import json
-import os
-import subprocess
-import sys
-
+"""grpo.py's math against slow loop references, and task.py's task and reward."""
 import numpy as np
 import pytest
 import torch
 
-import train_grpo as T
-from tests.distributed import run_distributed
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import grpo
+import task
 
 
 # --- slow, loop-based references -----------------------------------------------------------
@@ -46,14 +40,14 @@ def slow_grpo_loss(lp, old, ref, adv, mask, clip_eps, kl_coef, loss_agg):
 @pytest.mark.parametrize("scale_by_std", [True, False])
 def test_group_advantages_match_loop_reference(scale_by_std):
     rewards = torch.tensor([1., 0., 0., 1., 1., 1., 1., 1., 0.5, 0., 2., 1.])
-    got = T.group_advantages(rewards, 4, eps=1e-6, scale_by_std=scale_by_std)
+    got = grpo.group_advantages(rewards, 4, eps=1e-6, scale_by_std=scale_by_std)
     torch.testing.assert_close(got, slow_group_advantages(rewards, 4, 1e-6, scale_by_std))
     assert got[4:8].abs().max() == 0                     # a group of equal rewards has no signal
 
 
 def test_group_advantages_reject_ragged_groups():
     with pytest.raises(ValueError, match="groups of 4"):
-        T.group_advantages(torch.zeros(6), 4)
+        grpo.group_advantages(torch.zeros(6), 4)
 
 
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
@@ -65,7 +59,7 @@ def test_grpo_loss_matches_loop_reference(loss_agg, kl_coef):
     adv = torch.randn(B, generator=g)
     mask = torch.rand(B, L, generator=g) > 0.3
     mask[0] = False                                       # an empty row must not divide by zero
-    loss, m = T.grpo_loss(lp, old, ref, adv, mask, 0.2, kl_coef, loss_agg)
+    loss, m = grpo.grpo_loss(lp, old, ref, adv, mask, 0.2, kl_coef, loss_agg)
     expect = slow_grpo_loss(lp, old, ref, adv, mask, 0.2, kl_coef, "token-mean" if loss_agg == "token-mean" else "seq")
     assert abs(float(loss) - expect) < 1e-5
     ratio = torch.exp(lp - old)[mask]
@@ -81,188 +75,42 @@ def test_grpo_loss_gradient_is_the_policy_gradient_on_policy():
     # At ratio 1 with no KL, d loss / d logprob = -A / n_tokens for every unmasked token.
     lp = torch.zeros(2, 3, requires_grad=True)
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
-    loss, _ = T.grpo_loss(lp, lp.detach(), None, torch.tensor([2.0, -1.0]), mask)
+    loss, _ = grpo.grpo_loss(lp, lp.detach(), None, torch.tensor([2.0, -1.0]), mask)
     loss.backward()
     expect = torch.tensor([[-2 / 3, -2 / 3, 0], [1 / 3, 0, 0]])
     torch.testing.assert_close(lp.grad, expect)
 
 
+def test_off_policy_logprobs():
+    beh, prox = torch.log(torch.tensor([[0.5, 0.2]])), torch.log(torch.tensor([[0.25, 0.4]]))
+    old, w = grpo.off_policy_logprobs(beh, prox)
+    assert old is beh and w is None
+    old, w = grpo.off_policy_logprobs(beh, prox, decoupled=True, max_weight=1.5)
+    assert old is prox and torch.allclose(w, torch.tensor([[0.5, 1.5]]))
+    with pytest.raises(ValueError, match="proximal"):
+        grpo.off_policy_logprobs(beh, decoupled=True)
+
+
 def test_score_and_answer():
-    prompt = torch.tensor([T.BOS, T.DIGIT0 + 1, T.DIGIT0 + 2, T.DIGIT0 + 3, T.SEP])
-    right = torch.tensor([T.DIGIT0 + 3, T.DIGIT0 + 2, T.DIGIT0 + 1, T.EOS])
-    assert T.score(prompt, right) == 1.0
-    assert T.score(prompt, right[:-1]) == 0.0             # no EOS: wrong
-    assert T.score(prompt, torch.cat([right[:2], right[3:]])) == 0.0
+    prompt = torch.tensor([task.BOS, task.DIGIT0 + 1, task.DIGIT0 + 2, task.DIGIT0 + 3, task.SEP])
+    right = torch.tensor([task.DIGIT0 + 3, task.DIGIT0 + 2, task.DIGIT0 + 1, task.EOS])
+    assert task.score(prompt, right) == 1.0
+    assert task.score(prompt, right[:-1]) == 0.0             # no EOS: wrong
+    assert task.score(prompt, torch.cat([right[:2], right[3:]])) == 0.0
 
 
 def test_task_has_a_long_tail():
-    import numpy as np
-    lengths = np.array([len(T.answer(p)) for p in T.make_prompts(np.random.default_rng(0), 4000, 32)])
+    lengths = np.array([len(task.answer(p)) for p in task.make_prompts(np.random.default_rng(0), 4000, 32)])
     assert np.median(lengths) <= 9 and np.percentile(lengths, 99) >= 3 * np.median(lengths)
 
 
-# --- arguments ------------------------------------------------------------------------------
-
 def test_training_prompts_are_never_held_out_ones():
-    cfg = T.Config()
-    eval_prompts, warm, rl = T.prompt_streams(cfg)
+    seed, max_digits, n_eval = 0, 32, 512
+    eval_prompts, warm, rl = task.prompt_streams(seed, max_digits, n_eval)
     held = {tuple(p.tolist()) for p in eval_prompts}
     drawn = warm.next(3000) + rl.next(3000)
     assert not any(tuple(p.tolist()) in held for p in drawn)
-    plain = T.PromptStream(np.random.SeedSequence(cfg.seed).spawn(2)[1], cfg.max_digits).next(3000)
+    plain = task.PromptStream(np.random.SeedSequence(seed).spawn(2)[1], max_digits).next(3000)
     assert sum(tuple(p.tolist()) in held for p in plain) > 10  # without the exclusion they overlap (~1%)
-    again = T.prompt_streams(cfg)[2]  # the same stream on every rank and every run
+    again = task.prompt_streams(seed, max_digits, n_eval)[2]  # the same stream on every rank and every run
     assert all(torch.equal(a, b) for a, b in zip(again.next(3000), drawn[3000:]))
-
-
-@pytest.mark.parametrize("flags, text", [
-    (["--group-size", "1"], "--group-size 1"),
-    (["--prompts-per-step", "3"], "--prompts-per-step 3 must be a positive multiple of the 2 rollout replicas"),
-    (["--deploy", "separated", "--infer-tp", "2"], "--deploy separated needs an even world size"),
-    (["--staleness", "-1"], "--staleness -1"),
-    (["--threshold", "1.5"], "threshold=1.5 is outside the valid range (0, 1]"),
-    (["--chunk-steps", "0"], "--chunk-steps 0: chunk_steps=0 must be an integer >= 1"),
-    (["--grad-clip", "0"], "--grad-clip 0.0 and --warmup-lr 0.005 must be > 0"),
-    (["--warmup-steps", "-5"], "--warmup-steps -5 and --seed 0 must be >= 0"),
-    (["--pg-timeout-s", "0"], "--pg-timeout-s 0 >= 1"),
-    (["--bucket-kb", "1"], "--bucket-kb 1 is smaller than the largest weight, blocks.0.moe.w_gate (131072 bytes)"),
-    (["--infer-tp", "4"], "--infer-tp 4 must be 1, 2 or 4 and divide both the world size 2"),
-    (["--top-p", "1.5"], "--top-p 1.5"),
-    (["--max-new-tokens", "10"], "--max-new-tokens 10 cannot hold"),
-    (["--n-heads", "3"], "n_heads=3"),
-    (["--train-ep", "2"], "--train-ep 2 and --infer-ep 0: set both"),
-    (["--train-ep", "3", "--infer-ep", "1"], "--train-ep 3: EP degree 3 does not divide n_experts 4 or world size 2"),
-    (["--train-ep", "2", "--infer-ep", "2"], "--infer-ep 2: an engine with experts spread over ranks"),
-    (["--train-ep", "2", "--infer-ep", "1", "--deploy", "separated"], "--train-ep needs a colocated deployment"),
-])
-def test_bad_arguments_are_named(flags, text):
-    _, cfg = T.parse_args(flags)
-    with pytest.raises(ValueError) as e:
-        T.validate(cfg, world_size=2)
-    assert text in str(e.value)
-
-
-def test_cli_rejects_bad_arguments_before_starting():
-    r = subprocess.run([sys.executable, "train_grpo.py", "--group-size", "1", "--loss-agg", "token-mean"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "--group-size 1" in r.stderr
-    r = subprocess.run([sys.executable, "train_grpo.py", "--loss-agg", "mean"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "invalid choice: 'mean'" in r.stderr
-
-
-def test_import_starts_no_training(tmp_path):
-    r = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {ROOT!r}); import train_grpo"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and r.stdout == "" and os.listdir(tmp_path) == []
-
-
-# --- end to end -----------------------------------------------------------------------------
-
-# Short strings and a short warm-up, so that groups get mixed rewards and the GRPO updates are not zero.
-TINY = dict(max_digits=2, max_new_tokens=4, eval_prompts=8, d_model=32, d_expert=32, warmup_steps=30,
-            warmup_batch=8, steps=3, prompts_per_step=4, group_size=4, eval_every=2, updates_per_batch=1,
-            kl_coef=0.05, lr=3e-3, device="cpu")  # gloo ranks on CPU, even where a GPU is present
-
-
-def _train_tiny(rank, world_size, out_dir, overrides=None):
-    summary, model = T.train(T.Config(**dict(TINY, **(overrides or {})), out=out_dir), out_dir=out_dir)
-    if model is None:  # a generator rank of the separated deployment holds no training model
-        return summary, None
-    full = T.full_state_dict(model)
-    return summary, torch.cat([v.flatten() for v in full.values()])
-
-
-def assert_same_training(p, ref, what):
-    """Equal up to float reduction order. Adam divides each gradient by its own scale, so a float-level
-    difference in a near-zero gradient can move a weight by a fraction of lr: allow that on a handful of
-    weights, never on the bulk (a wrong sample or a wrong loss scale moves nearly every weight)."""
-    close = (p - ref).abs() <= 2e-5 + 1e-4 * ref.abs()
-    assert close.float().mean() > 0.999 and (p - ref).abs().max() < 0.1 * TINY["lr"], \
-        f"{what}: {int((~close).sum())} of {p.numel()} weights differ, by up to {(p - ref).abs().max():.2e}"
-
-
-def test_two_ranks_train_to_identical_parameters(tmp_path):
-    (_, p0), (_, p1) = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "mb"), {"updates_per_batch": 2}))
-    assert torch.equal(p0, p1)                          # every rank holds the same model
-    (s0, p0), _ = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "w2"),))
-    [(s_one, p_one)] = run_distributed(_train_tiny, world_size=1, args=(str(tmp_path / "w1"),))
-    # Same prompts, same samples, global token-mean loss: world 2 computes what world 1 does. (With
-    # several updates per batch the mini-batches are per-rank slices, so worlds would differ there.)
-    assert_same_training(p0, p_one, "world 2")
-    assert s0["eval_accuracy_after"] == s_one["eval_accuracy_after"]
-    lines = [json.loads(l) for l in open(tmp_path / "w2" / "metrics.jsonl")]
-    assert [l["step"] for l in lines] == [0, 1, 2, 3]
-    for a, b in zip(lines[1:], [json.loads(l) for l in open(tmp_path / "w1" / "metrics.jsonl")][1:]):
-        for key in ("loss", "clip_frac", "ratio_mean", "k3_mean"):  # means over the whole batch, whatever
-            assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(b[key])), (key, a[key], b[key])  # the split
-    assert any(0 < l["reward/mean"] < 1 and abs(l["loss"]) > 1e-4 for l in lines[1:])  # real RL updates
-    for key in ["reward/mean", "perf/tokens_per_s", "time/rollout_s", "time/train_s", "time/switch_s",
-                "mem/train_bytes", "mem/rollout_bytes", "time/to_rollout_s", "queue/bytes_sent"]:
-        assert all(key in l for l in lines[1:]), key
-    assert "eval/accuracy" in lines[1] and "eval/accuracy" in lines[-1]
-    # the step's own switches (not an evaluation's): back in TRAIN at step 1, AdamW has no state yet
-    assert lines[1]["mem/train_optim_bytes"] == 0 < lines[2]["mem/train_optim_bytes"]
-    assert lines[2]["mem/rollout_optim_bytes"] == 0
-    summary = json.load(open(tmp_path / "w2" / "summary.json"))
-    assert {"eval_accuracy_before", "eval_accuracy_after", "wall_s", "tokens_per_s", "config"} <= set(summary)
-    assert os.path.exists(tmp_path / "w2" / "spans_rank1.jsonl")
-    # Every deployment runs the same algorithm on the same samples: the same parameters come out.
-    # (EP 2 in training, 1 in rollout: the experts leave FSDP, tokens cross ranks by all_to_all, the
-    # expert weights are re-sharded at every phase change; the math is the dense model's.)
-    for mode in [{"deploy": "separated"}, {"deploy": "colocated-all"}, {"infer_tp": 2},
-                 {"train_ep": 2, "infer_ep": 1}]:
-        (s, p), (_, p1) = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / str(mode)), mode))
-        assert_same_training(p, p_one, str(mode))
-        assert s["eval_accuracy_after"] == s_one["eval_accuracy_after"]
-    assert torch.equal(p, p1)  # under EP too, both ranks end with the same model
-    ep = [json.loads(l) for l in open(tmp_path / str(mode) / "metrics.jsonl")][1]
-    half = ep["ep/to_infer_bytes_min"]  # each rank lacks the other half of the experts
-    assert half > 0 and ep["ep/to_infer_bytes_moved"] == half and ep["ep/to_infer_peak_extra_bytes"] == 0
-    assert ep["ep/to_train_bytes_moved"] == 0  # EP 1 -> 2 nests: each rank keeps its half, frees the rest
-    assert ep["mem/rollout_optim_bytes"] == 0 and ep["mem/rollout_params_bytes"] > ep["mem/train_params_bytes"]
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_separated_generators_run_ahead_within_s(tmp_path, world):
-    """--deploy separated --staleness 1: the generators decode on while the trainers train, take new
-    weights between decode chunks, and no trained sample is more than 1 version old (world 4: two
-    generator replicas, one of which may run ahead of the other; step k still trains batch k - 1 of each)."""
-    mode = {"deploy": "separated", "staleness": 1, "threshold": 0.5, "chunk_steps": 1, "steps": 6,
-            "eval_every": 3, "max_digits": 4, "max_new_tokens": 6}
-    out = run_distributed(_train_tiny, world_size=world, args=(str(tmp_path), mode), timeout_s=240)
-    (s, p), gens = out[0], out[world // 2:]
-    assert all(q is None for _, q in gens) and torch.isfinite(p).all()  # generator ranks hold no model
-    assert all(torch.equal(p, q) for _, q in out[1:world // 2])
-    lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
-    steps = lines[1:]
-    assert [l["step"] for l in steps] == list(range(1, 7))
-    assert all(l["rollout/response_tokens"] > 0 for l in steps) and s["queue_bytes_sent"] > 0
-    assert all(l["stale/age_max"] <= 1 for l in steps) and any(l["stale/age_max"] == 1 for l in steps)
-    # (how many samples a new version reaches mid-decode depends on timing: only the counters are checked)
-    assert all(l["stale/partial_continued"] >= 0 and l["stale/regenerated"] >= 0 for l in steps)
-    assert [l["step"] for l in steps if "eval/accuracy" in l] == [1, 3, 6]
-    assert s["eval_accuracy_after"] == steps[-1]["eval/accuracy"]
-
-
-def test_separated_generators_wait_out_a_warm_up_longer_than_the_timeout(tmp_path):
-    """The generators wait for the trainers' warm-up on a heartbeat in the store, not in the first weight
-    broadcast: a warm-up several times --pg-timeout-s long is not taken for a dead peer."""
-    mode = {"deploy": "separated", "warmup_steps": 500, "pg_timeout_s": 2, "steps": 1, "eval_every": 1}
-    (s, p), _ = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path), mode), timeout_s=120)
-    assert torch.isfinite(p).all() and s["eval_accuracy_after"] >= 0
-    spans = [json.loads(l) for l in open(tmp_path / "spans_rank0.jsonl")]
-    warm = sum(x["end"] - x["start"] for x in spans if x["name"] == "warmup")
-    if warm < 1.5 * mode["pg_timeout_s"]:  # a machine fast enough to beat the timeout proves nothing here
-        pytest.skip(f"the warm-up took {warm:.1f}s, too little against a {mode['pg_timeout_s']}s timeout")
-
-
-@pytest.mark.parametrize("infer_tp", [1, 2])
-def test_bounded_staleness_run_keeps_ages_within_s(tmp_path, infer_tp):
-    """Colocated S = 1: a round ends when every rank is ready (with TP 2 both ranks are one replica)."""
-    mode = {"staleness": 1, "threshold": 0.5, "chunk_steps": 2, "steps": 4, "decoupled": True, "infer_tp": infer_tp}
-    (_, p0), (_, p1) = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path), mode))
-    assert torch.equal(p0, p1)
-    lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")][1:]
-    assert all(l["stale/age_max"] <= 1 for l in lines) and any(l["stale/age_max"] == 1 for l in lines)
-    assert all(l["rollout/response_tokens"] > 0 for l in lines)

@@ -2,8 +2,8 @@ import torch
 
 import pytest
 
-from model import (KVCache, ModelConfig, Policy, Sampler, _length_buckets, counter_uniform, generate, sample_tokens,
-                   token_logprobs)
+from grpo import token_logprobs
+from model import KVCache, ModelConfig, Policy, Sampler, _length_buckets, counter_uniform, generate, sample_tokens
 
 EOS = 1
 

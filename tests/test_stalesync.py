@@ -3,7 +3,7 @@ partial rollouts continued under new weights, checkpoints, bad input.
 
 The bound and accounting tests drive the scheduler with a scripted sampler (response lengths drawn per
 seed) in a discrete-time simulation of a generator and a trainer of random speeds; the equivalence and
-partial-rollout tests use the real tiny model.Policy and train_grpo's GRPO math."""
+partial-rollout tests use the real tiny model.Policy, grpo.py's math and task.py's task."""
 import copy
 import io
 
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from model import ModelConfig, Policy, Sampler, counter_uniform, generate, sample_tokens, token_logprobs
-from stalesync import Spans, StaleConfig, StaleSync, off_policy_logprobs, sync_rollout
-from train_grpo import (EOS, PAD, VOCAB, grpo_loss, group_advantages, make_prompts, policy_logprobs,
-                        response_batch, score)
+from grpo import grpo_loss, group_advantages, pad_responses, sequence_logprobs, token_logprobs
+from model import ModelConfig, Policy, Sampler, counter_uniform, generate, sample_tokens
+from stalesync import Spans, StaleConfig, StaleSync, sync_rollout
+from task import EOS, PAD, VOCAB, make_prompts, score
 
 
 class ScriptedSampler:
@@ -179,8 +179,8 @@ def _sampler(model, max_new, eos=EOS):
 def _train_step(model, opt, prompts, responses, logprobs, G):
     rewards = torch.tensor([score(p, r) + 0.1 * len(r) for p, r in zip(prompts, responses)])  # some signal
     adv = group_advantages(rewards, G)
-    tokens, mask, (old,) = response_batch(prompts, responses, logprobs)
-    loss, _ = grpo_loss(policy_logprobs(model, tokens, 1.0), old, None, adv, mask)
+    tokens, mask, (old,) = pad_responses(prompts, responses, logprobs)
+    loss, _ = grpo_loss(sequence_logprobs(model, tokens, 1.0), old, None, adv, mask)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -325,14 +325,7 @@ def test_state_dict_with_a_cached_sampler_resumes_bit_exactly():
         assert all(torch.equal(p, q) for p, q in zip(x.responses + x.logprobs, y.responses + y.logprobs))
 
 
-def test_off_policy_logprobs_and_spans():
-    beh, prox = torch.log(torch.tensor([[0.5, 0.2]])), torch.log(torch.tensor([[0.25, 0.4]]))
-    old, w = off_policy_logprobs(beh, prox)
-    assert old is beh and w is None
-    old, w = off_policy_logprobs(beh, prox, decoupled=True, max_weight=1.5)
-    assert old is prox and torch.allclose(w, torch.tensor([[0.5, 1.5]]))
-    with pytest.raises(ValueError, match="proximal"):
-        off_policy_logprobs(beh, decoupled=True)
+def test_spans():
     spans = Spans()
     with spans("idle"):
         pass

@@ -1,0 +1,229 @@
+"""The run's configuration: every flag of train_grpo.py, grouped, with its help, and the checks that
+refuse a bad value before any process group is touched, naming the value and what is valid.
+
+    python train_grpo.py --help
+    python -c "import config; print(config.Config())"
+
+`Roles` says which ranks train and which generate under a deployment; `validate` checks a Config
+against the world size (every error at once).
+"""
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+import grpo
+import moe_switch
+import stalesync
+import task
+from model import ModelConfig, Policy
+
+
+def flag(default, help_):
+    return field(default=default, metadata={"help": help_})
+
+
+@dataclass
+class Config:
+    # task
+    max_digits: int = flag(32, "longest digit string to reverse (answers: up to max_digits + 1 tokens)")
+    eval_prompts: int = flag(512, "held-out prompts, scored greedily")
+    # model
+    d_model: int = flag(64, "model width")
+    n_layers: int = flag(2, "transformer blocks")
+    n_heads: int = flag(4, "attention heads")
+    n_experts: int = flag(4, "experts per MoE layer")
+    top_k: int = flag(2, "experts chosen per token")
+    d_expert: int = flag(128, "hidden width of one expert")
+    # supervised warm-up
+    warmup_steps: int = flag(400, "supervised steps before RL (0 to skip)")
+    warmup_batch: int = flag(64, "global (prompt, answer) pairs per warm-up step")
+    warmup_lr: float = flag(5e-3, "warm-up learning rate")
+    # GRPO
+    steps: int = flag(600, "RL steps")
+    prompts_per_step: int = flag(16, "global prompts per step")
+    group_size: int = flag(8, "responses per prompt (>= 2)")
+    lr: float = flag(5e-4, "RL learning rate")
+    clip_eps: float = flag(0.2, "PPO clip range")
+    kl_coef: float = flag(0.0, "k3 KL penalty weight (0: no reference model)")
+    loss_agg: str = flag("token-mean", "token-mean or seq-mean-token-mean")
+    scale_by_std: bool = flag(True, "divide advantages by the group std (0: Dr. GRPO's advantages)")
+    updates_per_batch: int = flag(1, "optimizer steps per rollout batch")
+    micro_batches: int = flag(4, "length-sorted chunks per mini-batch (less padding), gradients accumulated")
+    grad_clip: float = flag(1.0, "gradient norm clip")
+    # staleness (stalesync.py)
+    staleness: int = flag(0, "S: most policy versions a trained sample may lag (0: synchronous)")
+    threshold: float = flag(0.5, "in (0, 1]: decode pool of prompts_per_step / threshold groups; a round ends "
+                                 "when prompts_per_step groups are complete")
+    chunk_steps: int = flag(8, "decode steps between checks for a finished batch (S > 0)")
+    decoupled: bool = flag(False, "1: decoupled objective (AReaL), clip around recomputed proximal log-probs")
+    # rollout
+    temperature: float = flag(1.0, "sampling temperature (> 0)")
+    top_p: float = flag(1.0, "nucleus mass, in (0, 1]")
+    max_new_tokens: int = flag(40, "response budget in tokens")
+    # deployment (fusion.py, moe_switch.py)
+    deploy: str = flag("colocated", "colocated: every rank trains and generates, switching phases (fusion.py); "
+                                    "separated: half the ranks train, half generate; colocated-all: colocated "
+                                    "plus the reference model, kept on host except while it computes")
+    infer_tp: int = flag(1, "tensor-parallel degree of the rollout engine: 1, 2 or 4 (colocated modes)")
+    bucket_kb: int = flag(256, "bucket size in KiB for building and pushing inference weights")
+    train_ep: int = flag(0, "expert-parallel degree in training, re-sharded at each phase change "
+                            "(moe_switch.py); 0: the experts are FSDP-sharded like every weight")
+    infer_ep: int = flag(0, "expert-parallel degree of the rollout engine (with --train-ep)")
+    # run
+    seed: int = flag(0, "seed of prompts, init and sampling")
+    eval_every: int = flag(100, "steps between held-out evaluations (also the first and the last)")
+    log_every: int = flag(20, "steps between printed step lines")
+    out: str = flag("", "output folder (default runs/<timestamp>)")
+    device: str = flag("auto", "auto, cpu or cuda")
+    pg_timeout_s: int = flag(300, "timeout in seconds of every process group")
+
+
+SECTIONS = {"task": "max_digits", "model": "d_model", "supervised warm-up": "warmup_steps", "GRPO": "steps",
+            "staleness": "staleness", "rollout": "temperature", "deployment": "deploy", "run": "seed"}
+CHOICES = {"loss_agg": grpo.LOSS_AGGS, "device": ("auto", "cpu", "cuda"),
+           "deploy": ("colocated", "separated", "colocated-all")}
+
+
+def parse_args(argv=None, description="GRPO post-training of a tiny MoE policy"):
+    p = argparse.ArgumentParser(description=description,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    starts = {name: title for title, name in SECTIONS.items()}  # a section starts at its first field
+    for f in dataclasses.fields(Config):
+        if f.name in starts:
+            group = p.add_argument_group(starts[f.name])
+        kind = (lambda s: bool(int(s))) if f.type is bool else f.type
+        group.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default,
+                           help=f.metadata["help"], choices=CHOICES.get(f.name))
+    return p, Config(**vars(p.parse_args(argv)))
+
+
+def model_config(cfg):
+    return ModelConfig(vocab_size=task.VOCAB, d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
+                       n_experts=cfg.n_experts, top_k=cfg.top_k, d_expert=cfg.d_expert,
+                       max_seq_len=cfg.max_digits + 2 + cfg.max_new_tokens)
+
+
+@dataclass(frozen=True)
+class Roles:
+    """Who does what. colocated: every rank trains and generates, in rollout replicas of infer_tp ranks.
+    separated: ranks [0, W/2) train, ranks [W/2, W) generate."""
+    world: int
+    separated: bool
+    infer_tp: int
+
+    @property
+    def trainers(self):
+        return list(range(self.world // 2 if self.separated else self.world))
+
+    @property
+    def generators(self):
+        return list(range(self.world // 2 if self.separated else 0, self.world))
+
+    @property
+    def replicas(self):  # rollout replicas: each generates its own slice of the prompts
+        return len(self.generators) // self.infer_tp
+
+    def replica(self, rank):
+        return (rank - self.generators[0]) // self.infer_tp
+
+    def writers(self):  # one rank per TP group puts the (identical) samples into the queue
+        return self.generators[::self.infer_tp]
+
+
+def validate(cfg, world_size):
+    """Check the config against the world size before any collective; raise one ValueError naming every
+    bad value and what is valid."""
+    errors = layout_errors(cfg, world_size) + value_errors(cfg)
+    if errors:
+        raise ValueError("bad arguments:\n  " + "\n  ".join(errors))
+
+
+def layout_errors(cfg, world):
+    errors = []
+    separated = cfg.deploy == "separated"
+    if separated and (world < 2 or world % 2 or cfg.infer_tp != 1):
+        errors.append(f"--deploy separated needs an even world size >= 2 (got {world}) and --infer-tp 1 "
+                      f"(got {cfg.infer_tp})")
+    if cfg.infer_tp not in (1, 2, 4) or world % cfg.infer_tp or cfg.n_heads % cfg.infer_tp:
+        errors.append(f"--infer-tp {cfg.infer_tp} must be 1, 2 or 4 and divide both the world size "
+                      f"{world} and --n-heads {cfg.n_heads}")
+        return errors
+    if (cfg.train_ep > 0) != (cfg.infer_ep > 0):
+        errors.append(f"--train-ep {cfg.train_ep} and --infer-ep {cfg.infer_ep}: set both (EP on) or neither")
+    elif cfg.train_ep:
+        for name, ep in (("--train-ep", cfg.train_ep), ("--infer-ep", cfg.infer_ep)):
+            try:
+                moe_switch.EPLayout(ep, world, cfg.n_experts)
+            except ValueError as e:
+                errors.append(f"{name} {ep}: {e}")
+        if separated or cfg.infer_tp != 1:
+            errors.append(f"--train-ep needs a colocated deployment with --infer-tp 1 (got --deploy {cfg.deploy}, "
+                          f"--infer-tp {cfg.infer_tp})")
+        if cfg.infer_ep != 1:
+            errors.append(f"--infer-ep {cfg.infer_ep}: an engine with experts spread over ranks needs every rank "
+                          "to decode in lock-step, which this script's sampler does not do; use --infer-ep 1")
+    roles = Roles(world, separated, cfg.infer_tp)
+    trainers = max(1, len(roles.trainers))
+    if cfg.prompts_per_step < 1 or cfg.prompts_per_step % max(roles.replicas, 1):
+        errors.append(f"--prompts-per-step {cfg.prompts_per_step} must be a positive multiple of the "
+                      f"{roles.replicas} rollout replicas (world size {world}, --deploy {cfg.deploy}, "
+                      f"--infer-tp {cfg.infer_tp})")
+    if not 1 <= cfg.updates_per_batch <= cfg.prompts_per_step * cfg.group_size // trainers:
+        errors.append(f"--updates-per-batch {cfg.updates_per_batch} must be in [1, samples per trainer]")
+    if cfg.warmup_steps and (cfg.warmup_batch < trainers or cfg.warmup_batch % trainers):
+        errors.append(f"--warmup-batch {cfg.warmup_batch} must be a positive multiple of the {trainers} "
+                      "training ranks")
+    if cfg.eval_prompts < world:
+        errors.append(f"--eval-prompts {cfg.eval_prompts} must be at least the world size {world}")
+    return errors
+
+
+def value_errors(cfg):
+    errors = []
+    if cfg.group_size < 2:
+        errors.append(f"--group-size {cfg.group_size}: GRPO needs at least 2 responses per prompt")
+    try:
+        stalesync.StaleConfig(cfg.staleness, 1, max(cfg.group_size, 1), cfg.threshold, cfg.chunk_steps)
+    except (ValueError, TypeError) as e:
+        errors.append(f"--staleness {cfg.staleness} / --threshold {cfg.threshold} / --chunk-steps "
+                      f"{cfg.chunk_steps}: {e}")
+    if not 1 <= cfg.max_digits <= 32:
+        errors.append(f"--max-digits {cfg.max_digits} must be in [1, 32]")
+    elif len(task.held_out(cfg.max_digits, cfg.eval_prompts)[1]) >= task.n_possible_prompts(cfg.max_digits):
+        errors.append(f"--eval-prompts {cfg.eval_prompts} with --max-digits {cfg.max_digits}: the held-out set "
+                      "takes every possible prompt and leaves none to train on; allow more digits or fewer prompts")
+    if cfg.max_new_tokens < cfg.max_digits + 1:
+        errors.append(f"--max-new-tokens {cfg.max_new_tokens} cannot hold the longest answer "
+                      f"({cfg.max_digits + 1} tokens); use at least {cfg.max_digits + 1}")
+    if not cfg.temperature > 0 or not 0 < cfg.top_p <= 1:
+        errors.append(f"--temperature {cfg.temperature} must be > 0 and --top-p {cfg.top_p} in (0, 1]")
+    if cfg.kl_coef < 0 or cfg.clip_eps <= 0 or cfg.lr <= 0:
+        errors.append(f"--kl-coef {cfg.kl_coef} must be >= 0, --clip-eps {cfg.clip_eps} and --lr {cfg.lr} > 0")
+    if not cfg.grad_clip > 0 or not cfg.warmup_lr > 0:
+        errors.append(f"--grad-clip {cfg.grad_clip} and --warmup-lr {cfg.warmup_lr} must be > 0")
+    if cfg.warmup_steps < 0 or cfg.seed < 0 or cfg.pg_timeout_s < 1:
+        errors.append(f"--warmup-steps {cfg.warmup_steps} and --seed {cfg.seed} must be >= 0, "
+                      f"--pg-timeout-s {cfg.pg_timeout_s} >= 1")
+    if min(cfg.steps, cfg.eval_every, cfg.log_every, cfg.micro_batches) < 1:
+        errors.append(f"--steps {cfg.steps}, --eval-every {cfg.eval_every}, --log-every {cfg.log_every} and "
+                      f"--micro-batches {cfg.micro_batches} must be >= 1")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        errors.append("--device cuda: no CUDA device is available; use --device cpu or auto")
+    return errors + bucket_errors(cfg)
+
+
+def bucket_errors(cfg):
+    """A bucket must hold the largest weight it moves (the experts move separately under EP)."""
+    try:
+        with torch.device("meta"):  # shapes only
+            params = dict(Policy(model_config(cfg)).named_parameters())
+    except ValueError as e:
+        return [str(e)]
+    moved = [(p.nbytes, n) for n, p in params.items() if not (cfg.train_ep and ".moe.w_" in n)]
+    nbytes, name = max(moved, key=lambda x: x[0])  # the first of the largest
+    if cfg.bucket_kb * 1024 < nbytes:
+        return [f"--bucket-kb {cfg.bucket_kb} is smaller than the largest weight, {name} ({nbytes} bytes); "
+                f"use at least {-(-nbytes // 1024)}"]
+    return []

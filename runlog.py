@@ -1,0 +1,106 @@
+"""What a run shows and leaves behind: a tqdm bar with a line every --log-every steps and at each
+evaluation; metrics.jsonl (one object per step), summary.json, and spans_rank<N>.jsonl (every timed
+phase of every rank, for a timeline).
+
+A step's figures are sums over each trainer's rows, added over the trainers in one collective and then
+divided: the logged means are over the whole batch, whatever the split.
+"""
+import dataclasses
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import grpo
+
+
+def all_sum(values, device, group=None, op=dist.ReduceOp.SUM):
+    """A dict of floats reduced over the group in one collective (float64)."""
+    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op, group=group)
+    return dict(zip(values, t.tolist()))
+
+
+class RunLog:
+    """Rank 0 writes metrics.jsonl (one object per step) and summary.json, and shows a tqdm bar with a
+    line every log_every steps and at each evaluation; every rank writes its spans_rank<N>.jsonl."""
+
+    def __init__(self, run):
+        self.run, self.t_start = run, time.perf_counter()
+        self.file = open(os.path.join(run.out_dir, "metrics.jsonl"), "w") if run.rank == 0 else None
+        self.before = self.accuracy = None
+        self.tokens = self.seconds = self.regenerated = 0.0
+
+    def progress(self):
+        return tqdm(range(1, self.run.cfg.steps + 1), disable=self.run.rank != 0, desc="GRPO", dynamic_ncols=True)
+
+    def mark(self):
+        return len(self.run.spans.spans), time.perf_counter()
+
+    def figures(self, step, mark, sums, extra):
+        """The step's record: sums over every trainer's rows (one collective over the trainers; the oldest
+        sample, age_max, another), the time spent in each phase since `mark`, and `extra` (the switch's)."""
+        run, (first, t0) = self.run, mark
+        sums = dict(sums)
+        age_max = all_sum({"age": sums.pop("age_max")}, run.device, run.train_group, dist.ReduceOp.MAX)["age"]
+        s = all_sum(sums, run.device, run.train_group)
+        step_s, spans, rows = time.perf_counter() - t0, run.spans, max(s["rows"], 1)
+        self.tokens, self.seconds = self.tokens + s["response_tokens"], self.seconds + step_s
+        self.regenerated += s["regenerated"]
+        return {"step": step, "reward/mean": s["reward"] / rows, **grpo.batch_means(s),
+                "rollout/response_tokens": s["response_tokens"], "perf/tokens_per_s": s["response_tokens"] / step_s,
+                "time/step_s": step_s, **{f"time/{k}_s": spans.total(k, first) for k in ("rollout", "train", "switch")},
+                # waiting: for samples (queue), or, ready first, for the other ranks' rollouts (idle)
+                "perf/idle_frac": (spans.total("queue", first) + spans.total("idle", first)) / step_s,
+                "stale/age_max": age_max, "stale/age_mean": s["age_sum"] / rows,
+                "stale/partial_continued": s["partial_continued"], "stale/regenerated": self.regenerated,
+                **run.queue.metrics(), **extra}
+
+    def warmed_up(self, accuracy):
+        """Step 0: the held-out accuracy after the warm-up, the "before" figure."""
+        self.before = self.accuracy = accuracy
+        self.say(f"warm-up: {self.run.cfg.warmup_steps} steps in {self.run.spans.total('warmup'):.1f}s | "
+                 f"held-out accuracy {accuracy or 0.0:.3f}")
+        self.write({"step": 0, "eval/accuracy": accuracy}, show=False)
+
+    def write(self, rec, show=None):
+        """One line of metrics.jsonl; on the terminal every log_every steps and at each evaluation."""
+        if rec.get("eval/accuracy") is not None:
+            self.accuracy = rec["eval/accuracy"]
+        if not self.file:
+            return
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+        if show is None:
+            show = rec["step"] % self.run.cfg.log_every == 0 or "eval/accuracy" in rec
+        if show:
+            held_out = f" | held-out accuracy {rec['eval/accuracy']:.3f}" if "eval/accuracy" in rec else ""
+            self.say(f"step {rec['step']} | reward {rec['reward/mean']:.2f} | loss {rec['loss']:+.4f} | "
+                     f"{rec['perf/tokens_per_s']:.0f} tok/s | rollout {rec['time/rollout_s']:.2f}s train "
+                     f"{rec['time/train_s']:.2f}s | age {rec['stale/age_max']:.0f}{held_out}")
+
+    def say(self, line):
+        if self.file:
+            tqdm.write(line)
+
+    def close(self):
+        run = self.run
+        q = run.queue.metrics()
+        summary = {"eval_accuracy_before": self.before, "eval_accuracy_after": self.accuracy,
+                   "wall_s": time.perf_counter() - self.t_start, "tokens_per_s": self.tokens / max(self.seconds, 1e-9),
+                   "queue_bytes_sent": q["queue/bytes_sent"], "queue_bytes_padded_equiv": q["queue/bytes_padded_equiv"],
+                   "world_size": run.roles.world, "config": dataclasses.asdict(run.cfg)}
+        with open(os.path.join(run.out_dir, f"spans_rank{run.rank}.jsonl"), "w") as f:
+            for name, s0, s1 in run.spans.spans:
+                f.write(json.dumps({"rank": run.rank, "name": name, "start": s0 - self.t_start,
+                                    "end": s1 - self.t_start}) + "\n")
+        if self.file:
+            self.file.close()
+            with open(os.path.join(run.out_dir, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=2)
+            self.say(f"held-out accuracy {self.before:.3f} -> {self.accuracy:.3f} | {summary['wall_s']:.0f}s | "
+                     f"{summary['tokens_per_s']:.0f} tok/s | {run.out_dir}")
+        return summary
