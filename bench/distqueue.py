@@ -78,7 +78,7 @@ def phase(rank, world, args, group_size, name):
         reads.append(q.reads("train") - before)
         dist.barrier()
     q.drain()
-    dist.barrier()
+    dist.barrier()  # every rank's sends counted: metrics() are the whole queue's
     return dict(q.metrics(), true=true_bytes, reads=reads, lens=put_lens, s=time.perf_counter() - t0)
 
 
@@ -149,8 +149,8 @@ def main():
         p.join()
     flat, hier = [r[1] for r in res], [r[2] for r in res]
     timing = res[0][3] | res[1][3]
-    packed = sum(f["queue/bytes_sent"] for f in flat)
-    padded = sum(f["queue/bytes_padded_equiv"] for f in flat)
+    packed = flat[0]["queue/bytes_sent"]  # the whole queue's counts, the same on every rank
+    padded = flat[0]["queue/bytes_padded_equiv"]
     true = sum(f["true"] for f in flat)
     steps = [sum((f["lens"][s] for f in flat), []) for s in range(args.steps)]  # each step's global batch
     max_over_mean = min(max(x) / (sum(x) / len(x)) for x in steps)  # the padded baseline pads to max(x)

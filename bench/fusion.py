@@ -121,19 +121,18 @@ def bench_modes(args, rank, store):
 def bench_switch(args, rank):
     """Median FusedActor round trip vs median memcpy of the same bytes. Returns a dict."""
     import torch
-    import fusion
     import train_grpo
+    from task import VOCAB
     cfg = train_grpo.Config(d_model=args.switch_d_model, d_expert=args.switch_d_expert, n_layers=args.n_layers,
-                            deploy="colocated", bucket_kb=args.switch_bucket_kb, seed=args.seed, device="cpu")
-    roles, device = train_grpo.Roles(rank, 2, "colocated", 1), torch.device("cpu")
-    model, engine, *_ = train_grpo.build(cfg, roles, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), weight_decay=0.0)
-    tokens = torch.randint(0, train_grpo.VOCAB, (4, 16))                                   # (B, T)
+                            deploy="colocated", bucket_kb=args.switch_bucket_kb, seed=args.seed, device="cpu",
+                            warmup_steps=0, eval_prompts=2)
+    out = os.path.join(tempfile.gettempdir(), f"bench_fusion_switch_{os.getppid()}")
+    run = train_grpo.build(cfg, out)  # FSDP2, the engine and the FusedActor exactly as a training run has them
+    model, opt, actor, engine = run.model, run.optimizer, run.actor, run.engine
+    tokens = torch.randint(0, VOCAB, (4, 16))                                              # (B, T)
     model(tokens).logsumexp(-1).mean().backward()  # one step: the Adam state (exp_avg, exp_avg_sq) exists
     opt.step()
     opt.zero_grad(set_to_none=True)
-    actor = fusion.FusedActor(model, opt, engine, fusion.Layout(2, fsdp=True),
-                              fusion.Layout(2, tp=1, n_heads=cfg.n_heads), bucket_bytes=args.switch_bucket_kb * 1024)
     actor.to_rollout(), actor.to_train()  # warm: host buffers allocated once, reused after
     nbytes = actor.stats["switch/bytes"]
     src = torch.ones(nbytes, dtype=torch.uint8)

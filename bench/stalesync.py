@@ -2,29 +2,35 @@
 
     python bench/stalesync.py --lengths lognormal:2.5,1.2   # also uniform:A,B  pareto:ALPHA,MIN  fixed:N
 
-Real work, forced lengths: responses are decoded by the real policy (model.Sampler: a KV cache kept
-between the decode chunks of a round, counter-seeded sampling) until each sample's drawn length, a
-stand-in for a long tail of EOS positions; each step is a real forward/backward and AdamW step of the
-policy on the batch.
+Measured figures, with the commands and the machine that produced them, live in bench/RESULTS.md: this
+docstring says what is measured, in which regime and why, not what it came to.
+
+What runs (real work, forced lengths): responses are decoded by the real policy (model.Sampler: a KV cache
+kept between the decode chunks of a round, counter-seeded sampling) until each sample's drawn length, a
+stand-in for a long tail of EOS positions; each step is a real forward/backward (grpo.grpo_loss, the GRPO
+clipped surrogate, token-mean over the step's tokens) and AdamW step of the policy on the batch.
   colocated  both ranks generate their half of the batch, then train on it (gradients all-reduced); a
-             round ends when every rank is ready (one all-reduce of a flag per decode chunk; a rank not
-             ready posts its flag and decodes on without waiting for the answer, which can only be no), and
-             a rank ready first keeps decoding its in-flight tail meanwhile (--no-collective: it waits);
+             round ends when every rank is ready (stalesync.AllReady: one all-reduce of a flag per decode
+             chunk; a rank not ready posts its flag and decodes on without waiting for the answer, which
+             can only be no), and a rank ready first keeps decoding its in-flight tail meanwhile
+             (--no-collective: it waits);
   separated  rank 0 generates, rank 1 trains; batches go 0 -> 1, weights 1 -> 0 (gloo p2p), the new
              weights reach the generator between its decode chunks, so at S >= 1 it keeps generating
              while the trainer trains.
-S = 0 is the synchronous algorithm (stalesync.py reduces to it); S = 1, 2, 4 cut at the threshold.
+S = 0 is the synchronous algorithm (stalesync.py reduces to it); S >= 1 (--staleness) cut at the threshold.
 
-Regime (the defaults; printed in the header): lognormal(2.5, 1.2) lengths clipped to 256 (mean 24, max/mean
-10.7); 48 steps x 4 groups x 4 samples (the first rounds, and the pool still in flight at the end, are
-transients: 24 steps understate the steady state); a decode pool of (S + 1) x groups_per_step groups, the
-admission capacity (threshold 1 / (S + 1): a fixed pool would give a larger S a later deadline but no more
-rows); chunks of 16 decode steps; the KV cache kept across the chunks of a round and
-re-prefilled once per round under the new weights (as AReaL does; stale KV would not be "the new weights");
-training packs each micro-batch into one row of <= 512 tokens (block-diagonal mask: the same loss as
-padded rows, measured to 3e-8 in the parameters, ~40% less time), so decode steps rather than padding
-dominate a step. Configurations run interleaved, the order rotated per repeat, 3 repeats; tokens_per_s are
-medians, and every ratio is the median over repeats of the ratio within one repeat (a shared host drifts).
+Regime (the flags' defaults; the header line prints them, with the length law's mean and max/mean): a
+heavy-tailed length law (--lengths, clipped to --max-len) with max/mean above the targets' bound below;
+--steps optimizer steps of --groups-per-step x --group-size samples, enough that the first rounds and the
+pool still in flight at the end stay transients (too few steps understate the steady state); a decode pool
+of (S + 1) x groups_per_step groups, the admission capacity (threshold 1 / (S + 1): a fixed pool would give
+a larger S a later deadline but no more rows); --chunk decode steps between cut checks; the KV cache kept
+across the chunks of a round and re-prefilled once per round under the new weights (as AReaL does; stale KV
+would not be "the new weights"); training packs each micro-batch into one row of at most --pack tokens
+(block-diagonal mask: the loss of padded rows up to float rounding, with no FLOP spent on padding), so
+decode steps rather than padding dominate a step. Configurations run interleaved, the order rotated per
+repeat, --repeats times; tokens_per_s are medians, and every ratio is the median over repeats of the ratio
+within one repeat (a shared host drifts).
 
 Why it is fair: every configuration trains the same number of steps of the same global batch size; a
 sample has the same global id, so the same seed and length, in every deployment (colocated rank r's
@@ -33,40 +39,52 @@ so a run that regenerates trains a slightly different set of lengths; regenerate
 time; tokens_per_s counts trained response tokens only, over the slowest rank's wall time, so the long
 tail a stale run still holds in flight at its end is not credited to it (a conservative bias).
 
-Targets on a tail with max/mean >= 4: stale_over_sync_colocated >= 1.5 and
-colocated_stale_over_separated_sync >= 2.5 (both at S = 1). Measured on this 2-vCPU machine (README) the
-first lands at 1.37 to 1.5 from run to run, against a ceiling of about 1.61, and the second at 1.55 to
-1.68 (2.4 to 2.5 at S = 4; at S = 1 it is < 2 by construction, below); the JSON carries the figures that say why:
-  decode_steps_sync_over_stale_colocated  the mechanism in device-independent units (critical-path decode
-      steps, per round the max over ranks). At S = 1 every group has at most 2 rounds (batch k must take
-      the groups started at version k - 1), so d_(k-1) + d_k >= the longest sample started in round k - 1
-      and the gain is < 2 (simulating this scheduler: 1.58 at 16 steps, 1.64 at 32, 1.77 at 64).
-  colocated_stale_over_separated_sync  < 2 at S = 1 on 2 ranks, on any device whose decode step costs
-      a + b x rows (a: the fixed cost, ~0.9 ms here, the weight read on a GPU; b ~0.02 to 0.04 ms here).
-      Per optimizer step, with D critical-path decode steps, N tokens decoded per rank and T one rank's
-      training: colocated sync costs a D + b N + T; separated sync a D + 2 b N + 2 T (one rank decodes,
-      one trains, the whole batch each); colocated S = 1 at least a D / x + b N + T, x < 2 the decode-step
-      gain. Staleness divides only the a D term and separation doubles only the others, so the ratio is
-      < max(x, 2) = 2 for any a, b, D, N, T, plus the separated weight transfer over a stale step (~0.5 ms
-      over ~120 ms here): 2.5 at S = 1 cannot be reached with 2 ranks. Its x = 1 case, separated sync over
-      colocated sync, is 1.09 to 1.14 here (latency-bound) and 1.8 in bench/fusion.py (compute-bound).
-      colocated_over_separated_sync_by_S gives S = 2, 4 too: x grows with S, but see the next point.
-  stale_over_sync_colocated_by_S  a larger S with its pool at capacity cuts critical-path decode steps
-      2.5x (S = 2) to 4x (S = 4), the wall clock far less: training is a fixed share of every step, and
-      each critical-path step costs more, since the pool keeps (S + 1) x the rows alive (wider KV caches
-      too) and re-prefills every in-flight prefix under the new weights each round (in length buckets:
-      model._prefill).
-  stale_over_sync_colocated_ceiling_by_S  what the decode-step gain alone would give: the sync step with its
-      rollout divided by that gain and its training unchanged; the gap to the measured ratio is the stale
-      pool's extra cost per step, its re-prefills and its waits.
-  concurrent_decode_slowdown  how much slower a rank decodes while the other rank is busy (x0.9 to x1.5 here,
-      depending on the day; x1.0 on 2026-11-30):
-      the two vCPUs are not independent devices, so a synchronous rank's idle time partly speeds up its
-      busy peer, and every idle-removal gain of StaleSync is shrunk by up to that factor.
-  Also: decode is nearly flat in the batch on these cores, less so in the KV width (2 rows x 32 columns
-  0.8 ms per step, 8 x 272 1.1 ms, 40 x 64 1.4 ms, 40 x 272 2.1 ms), and a stale pool keeps more rows, and
-  longer ones, alive than a synchronous tail does.
-The last line printed is one JSON object.
+Targets, on a length law with max/mean >= 4, both at S = 1: stale_over_sync_colocated >= 1.5 and
+colocated_stale_over_separated_sync >= 2.5. The second cannot be reached with 2 ranks (the argument under
+its field below); the JSON carries the figures that say where each lands and why.
+
+The JSON object (the last line printed), field by field:
+  tokens_per_s  per configuration ("colocated_S0", "separated_S1", ...): trained response tokens per second
+      of the slowest rank's wall time, the median over repeats. The raw speeds the ratios are built from.
+  lengths, max_over_mean  the length law and its max/mean over a fixed sample of draws: the tail the targets
+      are stated for (a gain from staleness needs a tail to cut).
+  stale_over_sync_colocated, stale_over_sync_separated  S = 1 over S = 0 in one deployment: what staleness
+      alone gains, the first target.
+  colocated_stale_over_separated_sync  colocated S = 1 over separated S = 0, the second target: the gain
+      over the usual deployment. It is < 2 at S = 1 on 2 ranks, on any device whose decode step costs
+      a + b x rows (a: the fixed cost, the weight read on a GPU; b: the cost of one more row). Per optimizer
+      step, with D critical-path decode steps, N tokens decoded per rank, T one rank's training and C the
+      separated weight transfer: colocated sync costs a D + b N + T; separated sync a D + 2 b N + 2 T + C
+      (one rank decodes, one trains, the whole batch each); colocated S = 1 at least a D / x + b N + T, x < 2
+      the decode-step gain (decode_steps_sync_over_stale_colocated). Staleness divides only the a D term
+      and separation doubles only the others, so the ratio is < max(x, 2) + C / (b N + T) = 2 + C / (b N + T)
+      for any a, b, D, N, T, and C is small next to a step's training: 2.5 at S = 1 is out of reach with
+      2 ranks. Its x = 1 case, colocated sync over separated sync, says where a device stands: near 1 when a D dominates
+      (latency-bound), toward 2 when b N + T do (compute-bound, bench/fusion.py).
+  best_stale_over_sync_colocated  the S among --staleness with the largest colocated gain, and that gain.
+  stale_over_sync_colocated_by_S, colocated_over_separated_sync_by_S  the two target ratios at every S
+      given: x grows with S, the wall clock far less. A larger S with its pool at capacity cuts more
+      critical-path decode steps, but training is a fixed share of every step, and each critical-path step
+      costs more, since the pool keeps (S + 1) x the rows alive (wider KV caches too) and re-prefills every
+      in-flight prefix under the new weights each round (in length buckets: model._prefill).
+  decode_steps_sync_over_stale_colocated  x by S, the mechanism in device-independent units (critical-path
+      decode steps d_k, per round k the max over ranks). At S = 1 every group has at most 2 rounds (batch k
+      must take the groups started at version k - 1), so d_(k-1) + d_k >= the longest sample started in
+      round k - 1 and x < 2; it nears 2 only slowly as --steps grows (as a simulation of this scheduler shows).
+  stale_over_sync_colocated_ceiling_by_S  what x alone would give: the sync step with its rollout divided by
+      x and its training unchanged; the gap to the measured ratio is the stale pool's extra cost per step,
+      its re-prefills and its waits.
+  rollout_over_train_sync_colocated  rank 0's rollout time over its training time, colocated S = 0: the
+      share of a step that staleness can act on (it shortens only the rollout).
+  idle_frac  per configuration, each rank's share of the wall time spent waiting (spans named "idle").
+  repeats  how many interleaved repeats each median and ratio is over.
+  concurrent_decode_slowdown  how much slower a rank decodes while its peer decodes too, probed before and
+      after the runs (it drifts with the host's load). CPU cores sharing a host are not independent devices:
+      a synchronous rank's idle time partly speeds up its busy peer, so every idle-removal gain of StaleSync
+      shrinks by up to that factor; on separate accelerators it is 1.
+  Not in the JSON, but behind the last two fields: on CPU cores a decode step's cost grows little with the
+  rows and more with the KV width, and a stale pool keeps more rows, and longer ones, alive than a
+  synchronous tail does.
 """
 import argparse
 import datetime
@@ -82,9 +100,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
-from model import Sampler  # noqa: E402
+from grpo import grpo_loss, pad_responses, token_logprobs  # noqa: E402
+from model import KVCache, ModelConfig, Policy, Sampler  # noqa: E402
+from stalesync import AllReady, Batch, Spans, StaleConfig, StaleSync  # noqa: E402
 
 
 def free_port():
@@ -108,23 +129,58 @@ class ForcedLengths(Sampler):
 
     def __init__(self, model, length_of):
         super().__init__(model, max_new_tokens=None, eos_id=None)
-        # cached per run: a draw costs ~20 us, and a stale run asks for each row's length at every chunk
+        # cached per run: a draw seeds a fresh numpy Generator, and a stale run asks for each row's length
+        # at every chunk
         self.length_of = functools.lru_cache(maxsize=None)(length_of)
 
     def budget(self, seeds, n_done):
         return torch.tensor([self.length_of(s) for s in seeds.tolist()]) - n_done
 
 
+# ----------------------------------------------------------------------------- training
+def packed_forward(model, batch, rows, adv):
+    """The micro-batch `rows` as one packed row (1, N): sample b occupies [s_b, s_b + L_b), a block-diagonal
+    causal mask, positions restarting per sample, so no FLOP goes to padding. Returns log-probs, behaviour
+    log-probs, advantages and mask with one grpo_loss row per predicted token (each token carries its
+    sample's advantage): (N-1, 1), (N-1, 1), (N-1,), (N-1, 1)."""
+    seqs = [torch.cat([batch.prompts[i], batch.responses[i]]) for i in rows]
+    tokens = torch.cat(seqs)[None]                                                   # (1, N)
+    doc = torch.cat([torch.full((len(x),), b) for b, x in enumerate(seqs)])          # (N,)
+    pos = torch.cat([torch.arange(len(x)) for x in seqs])[None]                      # (1, N)
+    attn = (doc[:, None] == doc[None]) & (pos[0][:, None] >= pos[0][None])           # (N, N)
+    logits = model(tokens, pos, attn[None, None])[0, :-1]                            # (N-1, V)
+    lp = token_logprobs(logits[None], tokens[:, 1:])[0]                              # (N-1,)
+    mask = torch.zeros(len(lp))                                                      # (N-1,)
+    old = torch.zeros(len(lp))                                                       # (N-1,)
+    a = torch.zeros(len(lp))                                                         # (N-1,)
+    s0 = 0
+    for i in rows:  # response token t of the sample starting at s0 is predicted at s0 + P - 1 + t
+        P, R = len(batch.prompts[i]), len(batch.responses[i])
+        span = slice(s0 + P - 1, s0 + P + R - 1)
+        mask[span] = 1
+        old[span] = batch.logprobs[i]
+        a[span] = adv[i]
+        s0 += P + R
+    return lp[:, None], old[:, None], a, mask[:, None]
+
+
+def padded_forward(model, batch, rows, adv):
+    """The micro-batch `rows` as right-padded rows (b, T). Returns log-probs, behaviour log-probs,
+    advantages and mask: (b, T-1), (b, T-1), (b,), (b, T-1)."""
+    tokens, mask, (old,) = pad_responses([batch.prompts[i] for i in rows], [batch.responses[i] for i in rows],
+                                         [batch.logprobs[i] for i in rows])          # (b, T), (b, T-1) x 2
+    lp = token_logprobs(model(tokens[:, :-1]), tokens[:, 1:])                        # (b, T-1)
+    return lp, old, adv[rows], mask
+
+
 def train_step(model, opt, batch, group, micro_rows, pack_tokens=0):
-    """One GRPO-shaped optimizer step on a batch: forward/backward in length-sorted micro-batches,
-    gradients all-reduced over `group` (None: no peers). pack_tokens > 0: each micro-batch is instead
-    one packed row of up to pack_tokens tokens (block-diagonal causal mask, positions restart per
-    sample), so no FLOP goes to padding; the loss is the same."""
-    import torch.distributed as dist
-    from model import token_logprobs
+    """One GRPO optimizer step on a batch: forward/backward in length-sorted micro-batches, the loss a mean
+    over every response token of the batch on this rank, gradients all-reduced over `group` (None: no
+    peers). pack_tokens > 0: each micro-batch is instead one packed row of up to pack_tokens tokens
+    (packed_forward); the loss is the same."""
     order = sorted(range(len(batch.ids)), key=lambda i: len(batch.prompts[i]) + len(batch.responses[i]))
-    n_tok = sum(len(r) for r in batch.responses)
-    adv = torch.randn(len(batch.ids), generator=torch.Generator().manual_seed(batch.version))
+    n_tok = sum(len(r) for r in batch.responses)  # response tokens of the whole batch on this rank
+    adv = torch.randn(len(batch.ids), generator=torch.Generator().manual_seed(batch.version))  # (B,)
     micro, cur, used = [], [], 0
     for i in order:  # micro-batches: micro_rows rows, or rows packed up to pack_tokens tokens
         n = len(batch.prompts[i]) + len(batch.responses[i])
@@ -132,31 +188,10 @@ def train_step(model, opt, batch, group, micro_rows, pack_tokens=0):
             micro, cur, used = micro + [cur], [], 0
         cur, used = cur + [i], used + n
     for mb in micro + [cur]:
-        seqs = [torch.cat([batch.prompts[i], batch.responses[i]]) for i in mb]
-        if pack_tokens > 0:  # one row (1, N): sample b occupies [s_b, s_b + T_b)
-            tokens = torch.cat(seqs)[None]                                                   # (1, N)
-            doc = torch.cat([torch.full((len(x),), b) for b, x in enumerate(seqs)])          # (N,)
-            pos = torch.cat([torch.arange(len(x)) for x in seqs])[None]                      # (1, N)
-            attn = (doc[:, None] == doc[None]) & (pos[0][:, None] >= pos[0][None])           # (N, N)
-            logits = model(tokens, pos, attn[None, None])[0, :-1]                            # (N-1, V)
-            lp = token_logprobs(logits[None], tokens[:, 1:])[0]                              # (N-1,)
-            mask, old, a = torch.zeros(len(lp)), torch.zeros(len(lp)), torch.zeros(len(lp))
-            s0 = 0
-            for b, i in enumerate(mb):  # response token t of sample b is predicted at s_b + P_b - 1 + t
-                P, R = len(batch.prompts[i]), len(batch.responses[i])
-                mask[s0 + P - 1:s0 + P + R - 1], old[s0 + P - 1:s0 + P + R - 1], a[s0 + P - 1:s0 + P + R - 1] = 1, batch.logprobs[i], adv[i]
-                s0 += P + R
-        else:              # padded rows (b, T)
-            T = max(len(x) for x in seqs)
-            tokens, mask, old = torch.zeros(len(mb), T, dtype=torch.long), torch.zeros(len(mb), T - 1), torch.zeros(len(mb), T - 1)
-            for b, (i, x) in enumerate(zip(mb, seqs)):
-                P, R = len(batch.prompts[i]), len(batch.responses[i])
-                tokens[b, :P + R] = x
-                mask[b, P - 1:P + R - 1], old[b, P - 1:P + R - 1] = 1, batch.logprobs[i]
-            lp = token_logprobs(model(tokens[:, :-1]), tokens[:, 1:])                            # (b, T-1)
-            a = adv[mb, None]
-        ratio = torch.exp(torch.clamp(lp - old, -20, 20))
-        (-(torch.min(ratio * a, ratio.clamp(0.8, 1.2) * a) * mask).sum() / n_tok).backward()
+        forward = packed_forward if pack_tokens > 0 else padded_forward
+        lp, old, a, mask = forward(model, batch, mb, adv)
+        loss, _ = grpo_loss(lp, old, None, a, mask, clip_eps=0.2)  # token-mean over this micro-batch's tokens
+        (loss * (mask.sum() / n_tok)).backward()  # rescaled: the token-mean over the batch's n_tok tokens
     if group is not None:  # one flat all-reduce of the gradients
         grads = [p.grad for p in model.parameters()]
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -166,10 +201,10 @@ def train_step(model, opt, batch, group, micro_rows, pack_tokens=0):
     opt.zero_grad(set_to_none=False)
 
 
-def run_config(rank, args, S, deploy, length_of):
-    import torch.distributed as dist
-    from model import ModelConfig, Policy
-    from stalesync import Spans, StaleConfig, StaleSync
+# ----------------------------------------------------------------------------- one configuration
+def build(rank, args, S, deploy, length_of):
+    """This rank's policy (the same initial weights everywhere), optimizer, sampler and scheduler, whose
+    samples take their global ids. Returns (model, opt, decoder, sched, gps), gps = this rank's groups per step."""
     torch.manual_seed(0)
     model = Policy(ModelConfig(vocab_size=14, max_seq_len=args.prompt_len + args.max_len + 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -188,96 +223,118 @@ def run_config(rank, args, S, deploy, length_of):
         return ((g // gps) * gps * W + rank * gps + g % gps) * args.group_size + j
 
     sched = StaleSync(cfg, decoder, lambda: torch.as_tensor(rng.integers(4, 14, args.prompt_len)), seed_fn=global_id)
-    spans, tokens, ages, round_steps = Spans(), 0, [], []
+    return model, opt, decoder, sched, gps
+
+
+def run_colocated(args, model, opt, decoder, sched, spans):
+    """Every rank generates its share of each batch, then all train on it (gradients all-reduced).
+    Returns (response tokens trained here, each batch's metrics, decode steps of each round)."""
+    all_ready = AllReady(spans=spans) if args.collective else None  # a round ends when every rank is ready
+    group = None if dist.get_world_size() == 1 else dist.group.WORLD
+    tokens, ages, round_steps = 0, [], []
+    for _ in range(args.steps):
+        s0 = decoder.steps
+        b = sched.rollout(spans, all_ready)
+        round_steps.append(decoder.steps - s0)
+        with spans("idle"):
+            dist.barrier()
+        with spans("train"):
+            train_step(model, opt, b, group, args.micro, args.pack)
+        sched.update()  # drops the sampler's KV cache too
+        tokens += b.metrics["rollout/response_tokens"]
+        ages.append(b.metrics)
+    return tokens, ages, round_steps
+
+
+def run_generator(args, model, sched, spans):
+    """Separated, rank 0: decode, send each batch to the trainer, load its weights between decode chunks.
+    Returns each batch's metrics."""
+    flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()  # the weights' recv buffer
+    got, pending, ages, n_sent = threading.Event(), [], [], 0
+
+    def listen(v):  # gloo's is_completed() does not poll: a thread waits and flags
+        dist.irecv(flat, 1, tag=2 * v + 1).wait()
+        got.set()
+
+    def start_listen(v):
+        t = threading.Thread(target=listen, args=(v,))
+        if v < args.steps:  # the trainer sends versions 1 .. steps - 1
+            t.start()
+        return t
+
+    def new_weights():  # between decode chunks: load, drop the KV cache, version + 1
+        waiter.join()
+        got.clear()
+        torch.nn.utils.vector_to_parameters(flat.clone(), model.parameters())
+        sched.update()  # drops the sampler's KV cache too
+        return start_listen(sched.version + 1)
+
+    waiter = start_listen(1)
+    while n_sent < args.steps:
+        if got.is_set():
+            waiter = new_weights()
+        sched.admit()
+        with spans("rollout"):
+            n = sched.decode()
+        while sched.ready() and n_sent < args.steps:
+            b = sched.take()
+            ages.append(b.metrics)
+            head = torch.tensor([[len(p), len(r)] for p, r in zip(b.prompts, b.responses)])   # (B, 2)
+            bufs = (head, torch.cat([torch.cat([p, r]) for p, r in zip(b.prompts, b.responses)]),
+                    torch.cat(b.logprobs))  # counts first, then the packed payload
+            pending.append((bufs, [dist.isend(x, 1, tag=2 * b.version) for x in bufs]))
+            n_sent += 1
+        if n == 0 and not sched.ready() and n_sent < args.steps:
+            with spans("idle"):
+                got.wait()
+    while waiter.is_alive() or got.is_set():  # take every weight message the trainer still sends
+        got.wait()
+        waiter = new_weights()
+    for _, works in pending:
+        for w in works:
+            w.wait()
+    return ages
+
+
+def run_trainer(args, model, opt, gps, spans):
+    """Separated, rank 1: receive each batch, train on it, send the new weights back.
+    Returns the response tokens trained."""
+    flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()  # the weights' send buffer
+    B, tokens = gps * args.group_size, 0
+    for v in range(args.steps):
+        head = torch.zeros(B, 2, dtype=torch.long)                                   # (B, 2): prompt, response lengths
+        with spans("idle"):
+            dist.recv(head, 0, tag=2 * v)
+            payload = torch.zeros(int(head.sum()), dtype=torch.long)                 # (sum P + R,)
+            lps = torch.zeros(int(head[:, 1].sum()))                                 # (sum R,)
+            dist.recv(payload, 0, tag=2 * v)
+            dist.recv(lps, 0, tag=2 * v)
+        seqs, lp = payload.split(head.sum(1).tolist()), lps.split(head[:, 1].tolist())
+        b = Batch(v, list(range(B)), [s[:p] for s, (p, _) in zip(seqs, head.tolist())],
+                  [s[p:] for s, (p, _) in zip(seqs, head.tolist())], list(lp), [], [], [], {})
+        with spans("train"):
+            train_step(model, opt, b, None, args.micro, args.pack)
+        tokens += int(head[:, 1].sum())
+        if v + 1 < args.steps:
+            flat.copy_(torch.nn.utils.parameters_to_vector(model.parameters()).detach())
+            dist.send(flat, 0, tag=2 * (v + 1) + 1)
+    return tokens
+
+
+def run_config(rank, args, S, deploy, length_of):
+    """One configuration (deploy "colocated" or "separated", staleness S) on this rank: its role from a
+    barrier on, then speed, idle share and ages, the wall time the slowest rank's and tokens summed."""
+    model, opt, decoder, sched, gps = build(rank, args, S, deploy, length_of)
+    spans = Spans()
     dist.barrier()
     t0 = time.perf_counter()
-    flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
     if deploy == "colocated":
-        posted = []  # the not-ready flags still in flight: (work, tensor)
-
-        def all_ready(mine):  # the round ends when every rank is ready; until then a ready rank keeps decoding
-            flag = torch.tensor([float(mine)])
-            if not mine:  # the MIN is 0 whatever the peers say: post the flag and go on decoding, no wait
-                posted.append((dist.all_reduce(flag, op=dist.ReduceOp.MIN, async_op=True), flag))
-                return False
-            with spans("idle"):  # a ready rank waits for the answer: idle (nested in "rollout")
-                dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-                for work, _ in posted:  # matched by now (collectives pair up in order): surface any error
-                    work.wait()
-            posted.clear()
-            return bool(flag.item())
-
-        for _ in range(args.steps):
-            s0 = decoder.steps
-            b = sched.rollout(spans, all_ready if args.collective else None)
-            round_steps.append(decoder.steps - s0)
-            with spans("idle"):
-                dist.barrier()
-            with spans("train"):
-                train_step(model, opt, b, None if dist.get_world_size() == 1 else dist.group.WORLD, args.micro, args.pack)
-            sched.update()  # drops the sampler's KV cache too
-            tokens, ages = tokens + b.metrics["rollout/response_tokens"], ages + [b.metrics]
-    elif rank == 0:  # separated: the generator
-        got, pending, n_sent = threading.Event(), [], 0
-
-        def listen(v):  # gloo's is_completed() does not poll: a thread waits and flags
-            dist.irecv(flat, 1, tag=2 * v + 1).wait()
-            got.set()
-
-        def new_weights():  # between decode chunks: load, drop the KV cache, version + 1
-            waiter.join(), got.clear()
-            torch.nn.utils.vector_to_parameters(flat.clone(), model.parameters())  # flat is the recv buffer
-            sched.update()  # drops the sampler's KV cache too
-            return start_listen(sched.version + 1)
-
-        def start_listen(v):
-            t = threading.Thread(target=listen, args=(v,))
-            if v < args.steps:  # the trainer sends versions 1 .. steps - 1
-                t.start()
-            return t
-
-        waiter = start_listen(1)
-        while n_sent < args.steps:
-            if got.is_set():
-                waiter = new_weights()
-            sched.admit()
-            with spans("rollout"):
-                n = sched.decode()
-            while sched.ready() and n_sent < args.steps:
-                b = sched.take()
-                ages.append(b.metrics)
-                head = torch.tensor([[len(p), len(r)] for p, r in zip(b.prompts, b.responses)])   # (B, 2)
-                bufs = (head, torch.cat([torch.cat([p, r]) for p, r in zip(b.prompts, b.responses)]),
-                        torch.cat(b.logprobs))  # counts first, then the packed payload
-                pending.append((bufs, [dist.isend(x, 1, tag=2 * b.version) for x in bufs]))
-                n_sent += 1
-            if n == 0 and not sched.ready() and n_sent < args.steps:
-                with spans("idle"):
-                    got.wait()
-        while waiter.is_alive() or got.is_set():  # take every weight message the trainer still sends
-            got.wait()
-            waiter = new_weights()
-        for _, works in pending:
-            [w.wait() for w in works]
-    else:  # separated: the trainer
-        from stalesync import Batch
-        B = gps * args.group_size
-        for v in range(args.steps):
-            head = torch.zeros(B, 2, dtype=torch.long)
-            with spans("idle"):
-                dist.recv(head, 0, tag=2 * v)
-                payload, lps = torch.zeros(int(head.sum()), dtype=torch.long), torch.zeros(int(head[:, 1].sum()))
-                dist.recv(payload, 0, tag=2 * v), dist.recv(lps, 0, tag=2 * v)
-            seqs, lp = payload.split(head.sum(1).tolist()), lps.split(head[:, 1].tolist())
-            b = Batch(v, list(range(B)), [s[:p] for s, (p, _) in zip(seqs, head.tolist())],
-                      [s[p:] for s, (p, _) in zip(seqs, head.tolist())], list(lp), [], [], [], {})
-            with spans("train"):
-                train_step(model, opt, b, None, args.micro, args.pack)
-            tokens += int(head[:, 1].sum())
-            if v + 1 < args.steps:
-                flat.copy_(torch.nn.utils.parameters_to_vector(model.parameters()).detach())
-                dist.send(flat, 0, tag=2 * (v + 1) + 1)
-    wall = torch.tensor([time.perf_counter() - t0, tokens], dtype=torch.float64)
+        tokens, ages, round_steps = run_colocated(args, model, opt, decoder, sched, spans)
+    elif rank == 0:
+        tokens, ages, round_steps = 0, run_generator(args, model, sched, spans), []
+    else:
+        tokens, ages, round_steps = run_trainer(args, model, opt, gps, spans), [], []
+    wall = torch.tensor([time.perf_counter() - t0, tokens], dtype=torch.float64)   # (2,): seconds, tokens
     idle = spans.perf(0, t0)["perf/idle_frac"]
     dist.all_reduce(wall[1:])
     dist.all_reduce(wall[:1], op=dist.ReduceOp.MAX)
@@ -291,12 +348,11 @@ def run_config(rank, args, S, deploy, length_of):
     return res
 
 
+# ----------------------------------------------------------------------------- the two ranks
 def concurrency_probe(rank, n_steps=150, rows=8):
     """ms per decode step of `rows` rows when this rank decodes alone (the peer blocked in a recv) and when
     both ranks decode at once. Real devices do not slow each other; CPU cores sharing a host can, and then
     a synchronous rank's idle time is partly recovered by its busy peer, which shrinks every idle-removal gain."""
-    import torch.distributed as dist
-    from model import KVCache, ModelConfig, Policy
     torch.manual_seed(0)
     m = Policy(ModelConfig(vocab_size=14, max_seq_len=n_steps + 40))
 
@@ -324,7 +380,6 @@ def concurrency_probe(rank, n_steps=150, rows=8):
 
 
 def worker(rank, args, port, results):
-    import torch.distributed as dist
     torch.set_num_threads(1)  # 2 processes x 1 thread on 2 cores
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300))
@@ -363,7 +418,7 @@ def median_run(runs):
     return dict(r, tokens_per_s=med, all_tokens_per_s=[round(x["tokens_per_s"], 1) for x in runs])
 
 
-def main():
+def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # workload
     p.add_argument("--lengths", default="lognormal:2.5,1.2", help="response length law: lognormal:MU,SIGMA, "
@@ -390,6 +445,11 @@ def main():
     if 1 not in args.staleness or 0 in args.staleness:
         p.error(f"--staleness {args.staleness}: give bounds >= 1 that include 1 (the targets are at S = 1; "
                 "S = 0 always runs)")
+    return args
+
+
+def main():
+    args = parse_args()
     length_of = length_law(args.lengths, args.max_len)
     draws = np.array([length_of(s) for s in range(20000)])
     pool = f"(S + 1) x {args.groups_per_step}" if args.threshold is None else f"{args.groups_per_step}/{args.threshold}"
