@@ -419,7 +419,8 @@ class ExpertParallel:
     the inference layout. to_rollout() re-shards the model's experts to the inference layout, bucket by
     bucket, and the engine's experts alias the moved tensors (no copy); to_train() moves them back, bit
     for bit. Call them after the experts' grads and optimizer states have left the device: as a mover of
-    fusion.FusedActor, inside its switch. clip_grads(model, max_norm) is the clip of the training step."""
+    fusion.FusedActor, inside its switch. clip_grads(model, max_norm) is the clip of the training step.
+    shard(module) gives another copy of the model (the frozen reference) the same training layout."""
 
     def __init__(self, train_ep, infer_ep, world_size, n_experts, bucket_bytes, timeout_s=300.0):
         self.train_layout = EPLayout(train_ep, world_size, n_experts)
@@ -430,10 +431,17 @@ class ExpertParallel:
         self.model_layers, self.engine_layers, self.names = [], [], set()
 
     def apply(self, model, engine=None):
-        self.model_layers = swap_layers(model, lambda m: EPMoE.from_dense(m, self.train_layout, self.train_groups[0]))
+        self.model_layers = self.shard(model)
         self.names = {n for n, _ in model.named_parameters() if n.split(".")[-2] in EXPERT_NAMES}
         if engine is not None:
             self.engine_layers = swap_layers(engine, self._empty_like)
+
+    def shard(self, module):
+        """module's dense MoE layers -> EPMoE layers of the training layout, keeping their weights (this
+        rank's share). Also for a frozen copy of the model (the reference): it then runs the policy's own
+        EP forward, the same kernels on the same rows, so it computes what the policy computes, bit for
+        bit (a dense forward rounds differently, and Adam magnifies a near-zero KL gradient)."""
+        return swap_layers(module, lambda m: EPMoE.from_dense(m, self.train_layout, self.train_groups[0]))
 
     def _empty_like(self, moe):
         E, D, H = moe.w_gate.shape

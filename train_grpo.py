@@ -451,13 +451,16 @@ def attach_reference(run):
     it stays in host memory except while it computes."""
     if run.model is None or not (run.cfg.kl_coef > 0 or run.cfg.deploy == "colocated-all"):
         return
-    ref = Policy(model_config(run.cfg)).to(run.device).eval().requires_grad_(False)
+    ref = Policy(model_config(run.cfg)).to(run.device).eval()
     ref.load_state_dict(moe_switch.dense_state_dict(run.model))
     run.reference = fusion.HostOffloaded(ref, offload=run.cfg.deploy == "colocated-all")
 
 
 def setup_distributed(cfg):
     """torchrun's environment, or a world of one. Returns rank, world size, device."""
+    if run.experts:  # the policy's own EP layout and forward: the same log-probs, bit for bit, at step 1
+        run.experts.shard(ref)
+    ref.requires_grad_(False)
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     device = torch.device("cpu")
     if use_cuda:

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_switch import (EPLayout, EPMoE, moe_reference, new_groups, reshard, reshard_naive,
-                        shard_experts)
+from moe_switch import (EPLayout, EPMoE, ExpertParallel, dense_state_dict, moe_reference, new_groups, reshard,
+                        reshard_naive, shard_experts)
 from tests.distributed import run_distributed
 
 E, D, H, K, W = 8, 16, 24, 2, 4
@@ -114,9 +114,43 @@ def _train(rank, router, full, groups, switch):
     return {k: v.clone() for k, v in layer.state_dict().items()}
 
 
+def _check_dense_state(rank):
+    """dense_state_dict of a whole model made expert-parallel (and FSDP2-sharded, experts left out, as
+    train_grpo builds it) is the dense model's state_dict, names, order and bits, under every training EP
+    degree a world of 4 takes, in the training layout and in the rollout layout after a switch."""
+    import copy
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from model import ModelConfig, Policy
+    torch.manual_seed(0)
+    dense = Policy(ModelConfig(d_model=16, n_heads=2, n_experts=4, d_expert=8, max_seq_len=16))
+    want = dense.state_dict()
+    mesh = init_device_mesh("cpu", (W,))
+    for P in (1, 2, 4):
+        model, engine = copy.deepcopy(dense), copy.deepcopy(dense).requires_grad_(False)
+        ep = ExpertParallel(P, 1, W, 4, bucket_bytes=BUCKET, timeout_s=60)
+        ep.apply(model, engine)
+        ignored = set(ep.params(model))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, ignored_params=ignored)
+        fully_shard(model, mesh=mesh, ignored_params=ignored)
+        _same_state(dense_state_dict(model), want, f"EP {P}, training layout")
+        ep.to_rollout()
+        _same_state(dense_state_dict(model), want, f"EP {P}, rollout layout")
+        ep.to_train()
+        _same_state(dense_state_dict(model), want, f"EP {P}, training layout again")
+
+
+def _same_state(got, want, where):
+    assert list(got) == list(want), f"{where}: names or order differ: {list(got)}"
+    differ = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not differ, f"{where}: {differ} differ from the dense model's"
+
+
 def _all_checks(rank, world_size):
     router, full = _dense()
     groups = {P: new_groups(EPLayout(P, W, E), timeout_s=60) for P in (1, 2, 4)}
+    _check_dense_state(rank)
     _check_exact(rank, router, full, groups)
     trips = _check_round_trips(rank, full)
     plain, switched = _train(rank, router, full, groups, False), _train(rank, router, full, groups, True)

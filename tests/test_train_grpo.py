@@ -125,6 +125,24 @@ def test_two_ranks_train_to_identical_parameters(tmp_path):
     assert ep["mem/rollout_optim_bytes"] == 0 and ep["mem/rollout_params_bytes"] > ep["mem/train_params_bytes"]
 
 
+def test_expert_parallel_over_part_of_the_world_with_a_reference_trains_as_one(tmp_path):
+    """World 4 with EP 2 in training (two EP groups of 2, each expert on 2 replicas), the KL term on, 3 RL
+    steps: a world of one's parameters. In this draw every group is all-wrong, so the policy-gradient
+    term is exactly 0 and the KL term is the whole gradient: the reference must compute exactly what the
+    policy computes (k3 and its gradient exactly 0), or Adam turns a float-level difference into an
+    lr-sized step on nearly every weight. (The reference once ran the dense MoE kernels and the policy
+    the EP ones: 2e-3 apart after 2 steps.)"""
+    mode = {"prompts_per_step": 8, "max_digits": 3, "max_new_tokens": 5}
+    [(_, p_one)] = run_distributed(_train_tiny, world_size=1, args=(str(tmp_path / "w1"), mode))
+    out = run_distributed(_train_tiny, world_size=4, timeout_s=240,
+                          args=(str(tmp_path / "w4"), dict(mode, train_ep=2, infer_ep=1)))
+    lines = [json.loads(l) for l in open(tmp_path / "w4" / "metrics.jsonl")][1:]
+    assert all(l["reward/mean"] == 0 for l in lines), "the draw changed: this test needs all-wrong groups"
+    assert all(torch.equal(p, out[0][1]) for _, p in out[1:])  # every rank holds the same model
+    assert all(l["k3_mean"] == 0.0 for l in lines)  # the reference computes what the policy does, bit for bit
+    assert_same_training(out[0][1], p_one, "world 4, EP 2, KL")
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_separated_generators_run_ahead_within_s(tmp_path, world):
     """--deploy separated --staleness 1: the generators decode on while the trainers train, take new
