@@ -1,6 +1,6 @@
 """What a run shows and leaves behind: a tqdm bar with a line every --log-every steps and at each
-evaluation; metrics.jsonl (one object per step), summary.json, and spans_rank<N>.jsonl (every timed
-phase of every rank, for a timeline).
+evaluation; metrics.jsonl (one object per step), summary.json, spans_rank<N>.jsonl (every timed phase
+of every rank), and from them (timeline.py) trace.json for Perfetto, timeline.svg and curves.svg.
 
 A step's figures are sums over each trainer's rows, added over the trainers in one collective and then
 divided: the logged means are over the whole batch, whatever the split.
@@ -15,7 +15,11 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import grpo
+import timeline
 
+# time/<key>_s in metrics.jsonl: the seconds a step spent in spans of these names
+PHASES = {"rollout": "rollout", "train": "train", "reference": "reference", "score": "score",
+          "switch": ("switch_to_rollout", "switch_to_train", "push", "recv")}
 
 def all_sum(values, device, group=None, op=dist.ReduceOp.SUM):
     """A dict of floats reduced over the group in one collective (float64)."""
@@ -26,10 +30,15 @@ def all_sum(values, device, group=None, op=dist.ReduceOp.SUM):
 
 class RunLog:
     """Rank 0 writes metrics.jsonl (one object per step) and summary.json, and shows a tqdm bar with a
-    line every log_every steps and at each evaluation; every rank writes its spans_rank<N>.jsonl."""
+    line every log_every steps and at each evaluation. At the end every rank's spans go to rank 0, which
+    writes spans_rank<N>.jsonl, trace.json, timeline.svg and curves.svg (timeline.py). Collective: every
+    rank builds one (the ranks agree on the time the run started) and closes it."""
 
     def __init__(self, run):
-        self.run, self.t_start = run, time.perf_counter()
+        self.run, self.t_start = run, run.spans.t0
+        start = [time.time() - (time.perf_counter() - self.t_start)]  # the run's start in wall-clock time
+        dist.broadcast_object_list(start, src=0)  # rank 0's: every rank's spans on one time axis
+        self.offset = time.time() - time.perf_counter() - start[0]  # perf_counter -> seconds since the start
         self.file = open(os.path.join(run.out_dir, "metrics.jsonl"), "w") if run.rank == 0 else None
         self.before = self.accuracy = None
         self.tokens = self.seconds = self.regenerated = 0.0
@@ -37,7 +46,9 @@ class RunLog:
     def progress(self):
         return tqdm(range(1, self.run.cfg.steps + 1), disable=self.run.rank != 0, desc="GRPO", dynamic_ncols=True)
 
-    def mark(self):
+    def mark(self, **args):
+        """A step begins: its spans carry `args` (step, version); returns where its spans and time start."""
+        self.run.spans.args = args
         return len(self.run.spans.spans), time.perf_counter()
 
     def figures(self, step, mark, sums, extra):
@@ -52,9 +63,9 @@ class RunLog:
         self.regenerated += s["regenerated"]
         return {"step": step, "reward/mean": s["reward"] / rows, **grpo.batch_means(s),
                 "rollout/response_tokens": s["response_tokens"], "perf/tokens_per_s": s["response_tokens"] / step_s,
-                "time/step_s": step_s, **{f"time/{k}_s": spans.total(k, first) for k in ("rollout", "train", "switch")},
+                "time/step_s": step_s, **{f"time/{k}_s": spans.total(names, first) for k, names in PHASES.items()},
                 # waiting: for samples (queue), or, ready first, for the other ranks' rollouts (idle)
-                "perf/idle_frac": (spans.total("queue", first) + spans.total("idle", first)) / step_s,
+                "perf/idle_frac": spans.total(("queue", "idle"), first) / step_s,
                 "stale/age_max": age_max, "stale/age_mean": s["age_sum"] / rows,
                 "stale/partial_continued": s["partial_continued"], "stale/regenerated": self.regenerated,
                 **run.queue.metrics(), **extra}
@@ -93,14 +104,23 @@ class RunLog:
                    "wall_s": time.perf_counter() - self.t_start, "tokens_per_s": self.tokens / max(self.seconds, 1e-9),
                    "queue_bytes_sent": q["queue/bytes_sent"], "queue_bytes_padded_equiv": q["queue/bytes_padded_equiv"],
                    "world_size": run.roles.world, "config": dataclasses.asdict(run.cfg)}
-        with open(os.path.join(run.out_dir, f"spans_rank{run.rank}.jsonl"), "w") as f:
-            for name, s0, s1 in run.spans.spans:
-                f.write(json.dumps({"rank": run.rank, "name": name, "start": s0 - self.t_start,
-                                    "end": s1 - self.t_start}) + "\n")
+        self.write_spans()
         if self.file:
             self.file.close()
             with open(os.path.join(run.out_dir, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=2)
+            timeline.write_all(run.out_dir)
             self.say(f"held-out accuracy {self.before:.3f} -> {self.accuracy:.3f} | {summary['wall_s']:.0f}s | "
                      f"{summary['tokens_per_s']:.0f} tok/s | {run.out_dir}")
         return summary
+
+    def write_spans(self):
+        """Every rank's spans, gathered to rank 0 (the ranks may not share a disk), one file per rank."""
+        run = self.run
+        mine = [{"rank": run.rank, "name": name, "start": s0 + self.offset, "end": s1 + self.offset, **args}
+                for name, s0, s1, args in run.spans.spans]
+        everyone = [None] * run.roles.world if run.rank == 0 else None
+        dist.gather_object(mine, everyone, dst=0)
+        for rank, spans in enumerate(everyone or []):
+            with open(os.path.join(run.out_dir, f"spans_rank{rank}.jsonl"), "w") as f:
+                f.writelines(json.dumps(s) + "\n" for s in spans)

@@ -13,7 +13,7 @@ Contents, naive first:
   StaleConfig       validated knobs: S, groups per step, group size, threshold, decode chunk
   StaleSync         the scheduler: admission, decode chunks, cut at threshold, age bound, accounting
   AllReady          colocated: the ranks' "my batch is ready" flags combined, one all-reduce per chunk
-  Spans             (name, start, end) timing of every phase; perf/tokens_per_s and perf/idle_frac
+  Spans             (name, start, end, args) of every timed phase; perf/tokens_per_s, perf/idle_frac
 
 The rules (v = policy version = optimizer steps taken; k = index of the next batch, trained at version k):
   admission  a group may start only while groups_started < (S + v + 1) * groups_per_step, so that after
@@ -145,7 +145,7 @@ class StaleSync:
     def admit(self):
         """Start new groups while capacity and the decode pool allow. Returns how many started."""
         n = 0
-        while self.groups_started < self.capacity() and self._n_in_flight() < self.cfg.pool_groups:
+        while self.groups_started < self.capacity() and self.in_flight() < self.cfg.pool_groups:
             g = dict(gid=self.groups_started, prompt=self.prompt_fn())
             self._new_samples(g)
             self.pool.append(g)
@@ -154,7 +154,8 @@ class StaleSync:
             self.max_admitted_over = max(self.max_admitted_over, self.groups_started - self.capacity())
         return n
 
-    def _n_in_flight(self):
+    def in_flight(self):
+        """Groups admitted and not yet complete: what a decode() call would advance."""
         return sum(not _complete(g) for g in self.pool)
 
     # --- decoding
@@ -328,30 +329,33 @@ def _complete(g):
 
 # ----------------------------------------------------------------------------- timing
 class Spans:
-    """Records (name, start, end) for every timed phase; spans named in `idle` count as waiting.
-    device: on CUDA, a span ends only once the device's queued work has (the times are then real)."""
+    """Records every timed phase as (name, start, end, args); spans named in `idle` count as waiting.
+    args: a copy of `self.args` when the span began (the caller sets e.g. the step and policy version
+    there), so that a timeline can say what each span belonged to. device: on CUDA, a span ends only
+    once the device's queued work has (the times are then real)."""
 
     def __init__(self, idle=("idle",), device=None):
-        self.spans, self.idle, self.t0 = [], set(idle), time.perf_counter()
+        self.spans, self.idle, self.t0, self.args = [], set(idle), time.perf_counter(), {}
         self.cuda = device if device is not None and torch.device(device).type == "cuda" else None
 
     @contextmanager
     def __call__(self, name):
-        t0 = time.perf_counter()
+        t0, args = time.perf_counter(), dict(self.args)
         try:
             yield
         finally:
             if self.cuda is not None:
                 torch.cuda.synchronize(self.cuda)
-            self.spans.append((name, t0, time.perf_counter()))
+            self.spans.append((name, t0, time.perf_counter(), args))
 
-    def total(self, name, since=0):
-        """Seconds spent in spans called `name`, over the spans recorded since index `since`."""
-        return sum(t1 - t0 for n, t0, t1 in self.spans[since:] if n == name)
+    def total(self, names, since=0):
+        """Seconds spent in spans called `names` (a name or a tuple of names), over the spans since index `since`."""
+        names = (names,) if isinstance(names, str) else tuple(names)
+        return sum(t1 - t0 for n, t0, t1, _ in self.spans[since:] if n in names)
 
     def perf(self, tokens, since_t=None):
         """perf/tokens_per_s and perf/idle_frac over the wall time since since_t (default: creation)."""
         t0 = self.t0 if since_t is None else since_t
         wall = max(time.perf_counter() - t0, 1e-9)
-        idle = sum(min(b, time.perf_counter()) - max(a, t0) for n, a, b in self.spans if n in self.idle and b > t0)
+        idle = sum(min(b, time.perf_counter()) - max(a, t0) for n, a, b, _ in self.spans if n in self.idle and b > t0)
         return {"perf/tokens_per_s": tokens / wall, "perf/idle_frac": idle / wall}

@@ -71,24 +71,25 @@ def colocated_loop(run):
     cfg, spans, sched, actor = run.cfg, run.spans, run.sched, run.actor
     run.log.warmed_up(evaluate_colocated(run))
     for step in run.log.progress():
-        mark = run.log.mark()
+        mark = run.log.mark(step=step, version=step - 1)
         # 6. switch to ROLLOUT: grads and optimizer state to host, inference weights built in buckets
-        with spans("switch"):
+        with spans("switch_to_rollout"):
             actor.to_rollout()
         # 1. generate: one StaleSync round; with S > 0 it ends once every rank has its batch, the long
         #    tail continuing next round
         batch = sched.rollout(spans, run.all_ready)
         run.sampler.reset()  # the KV cache is rollout memory
         # 6. switch back to TRAIN (scoring needs no engine, so its memory is freed first)
-        with spans("switch"):
+        with spans("switch_to_train"):
             actor.to_train()
         # 2-3. score, group advantages, into the queue
-        put_scored(run, batch)
+        with spans("score"):
+            put_scored(run, batch)
         # 4. a token-balanced share of the whole batch; the reference's log-probs of it
         samples, figures = read_share(run, step)
+        ref_logprobs = reference_logprobs(run, samples)
+        # 5. GRPO updates over length-sorted micro-batches, data parallel (FSDP2)
         with spans("train"):
-            ref_logprobs = reference_logprobs(run, samples)
-            # 5. GRPO updates over length-sorted micro-batches, data parallel (FSDP2)
             sums = grpo.grpo_update(run.model, run.optimizer, samples, run.algo, run.device,
                                     run.train_group, ref_logprobs, run.clip_grads)
         sched.update()  # the sampler now has the weights of version `step`
@@ -111,12 +112,12 @@ def trainer_loop(run):
     push_weights(run, 0)
     run.log.warmed_up(collect_eval(run, 0))
     for step in run.log.progress():
-        mark = run.log.mark()
+        mark = run.log.mark(step=step, version=step - 1)
         # 4. a token-balanced share of batch step - 1, as the generators put it; the reference's log-probs
         samples, figures = read_share(run, step)
+        ref_logprobs = reference_logprobs(run, samples)
+        # 5. GRPO updates over length-sorted micro-batches, data parallel over the trainers (FSDP2)
         with spans("train"):
-            ref_logprobs = reference_logprobs(run, samples)
-            # 5. GRPO updates over length-sorted micro-batches, data parallel over the trainers (FSDP2)
             sums = grpo.grpo_update(run.model, run.optimizer, samples, run.algo, run.device,
                                     run.train_group, ref_logprobs, run.clip_grads)
         # 6. push version `step` to the generators: they take it at their next decode-chunk boundary
@@ -135,6 +136,7 @@ def generator_loop(run):
     cfg, sched, spans = run.cfg, run.sched, run.spans
     receive_weights(run, 0)
     while sched.version < cfg.steps:
+        spans.args = {"step": sched.batches_out + 1, "version": sched.version}
         # 6. new weights: version + 1 arrives between two decode chunks
         if run.store.check([weights_key(run, sched.version + 1)]):
             receive_weights(run, sched.version + 1)
@@ -143,11 +145,13 @@ def generator_loop(run):
         n_tokens = 0
         if sched.batches_out < cfg.steps:
             sched.admit()
-            with spans("rollout"):
-                n_tokens = sched.decode()
+            if sched.in_flight():
+                with spans("rollout"):
+                    n_tokens = sched.decode()
             # 2-3. every batch the cut releases: score, group advantages, into the queue
             while sched.ready() and sched.batches_out < cfg.steps:
-                put_scored(run, sched.take())
+                with spans("score"):
+                    put_scored(run, sched.take())
         run.queue.serve()
         if n_tokens == 0:  # nothing admissible in flight: wait for the next version (the bound S)
             with spans("idle"):
@@ -194,7 +198,7 @@ def reference_logprobs(run, samples):
     """4. The frozen initial policy's log-probs of the share (under colocated-all it visits the device)."""
     if run.reference is None:
         return None
-    with run.reference.on_device() as ref:
+    with run.spans("reference"), run.reference.on_device() as ref:
         return grpo.chunk_logprobs(ref, samples, run.algo, run.device)
 
 
@@ -222,7 +226,7 @@ def push_weights(run, version):
     """6. A trainer's side: announce `version`, then gather it bucket by bucket; trainer 0 broadcasts."""
     if run.rank == 0:
         run.store.set(weights_key(run, version), "1")
-    with run.spans("switch"):
+    with run.spans("push"):
         fusion.push_weights(run.model, None, 0, run.push_group, run.cfg.bucket_kb * 1024)
 
 
@@ -231,7 +235,7 @@ def receive_weights(run, version):
     sampler's KV cache: every in-flight prefix is read again) and, on an evaluation step, post the
     held-out score of this replica to the store for trainer 0."""
     wait_for(run, [weights_key(run, version)], f"weights of version {version}")
-    with run.spans("switch"):
+    with run.spans("recv"):
         fusion.push_weights(None, run.engine, 0, run.push_group, run.cfg.bucket_kb * 1024)
     run.sched.update(version)
     if is_eval_step(run.cfg, version):
@@ -245,7 +249,8 @@ def collect_eval(run, version):
     if run.rank != 0:
         return None
     keys = [f"{weights_key(run, version)}/eval/{i}" for i in range(run.roles.replicas)]
-    wait_for(run, keys, f"held-out accuracy of version {version}")
+    with run.spans("idle"):
+        wait_for(run, keys, f"held-out accuracy of version {version}")
     return sum(float(run.store.get(k)) for k in keys) / len(run.eval_prompts)
 
 
@@ -453,14 +458,14 @@ def attach_reference(run):
         return
     ref = Policy(model_config(run.cfg)).to(run.device).eval()
     ref.load_state_dict(moe_switch.dense_state_dict(run.model))
+    if run.experts:  # the policy's own EP layout and forward: the same log-probs, bit for bit, at step 1
+        run.experts.shard(ref)
+    ref.requires_grad_(False)
     run.reference = fusion.HostOffloaded(ref, offload=run.cfg.deploy == "colocated-all")
 
 
 def setup_distributed(cfg):
     """torchrun's environment, or a world of one. Returns rank, world size, device."""
-    if run.experts:  # the policy's own EP layout and forward: the same log-probs, bit for bit, at step 1
-        run.experts.shard(ref)
-    ref.requires_grad_(False)
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     device = torch.device("cpu")
     if use_cuda:

@@ -108,8 +108,9 @@ def bench_modes(args, rank, store):
                 summary, _ = train_grpo.train(grpo_config(args, mode, out), out)  # out: no broadcast of a name
             cores = total(time.process_time() - c0) / (time.perf_counter() - w0)  # CPU-seconds per second, 2 ranks
             spans = [json.loads(line) for line in open(os.path.join(out, f"spans_rank{rank}.jsonl"))]
-            per = [slowest(sum(s["end"] - s["start"] for s in spans if s["name"] == k) / args.steps)
-                   for k in ("rollout", "train", "switch")]  # per step, the busier rank
+            phases = ({"rollout"}, {"train", "reference"}, {"switch_to_rollout", "switch_to_train", "push", "recv"})
+            per = [slowest(sum(s["end"] - s["start"] for s in spans if s["name"] in names) / args.steps)
+                   for names in phases]  # per step, the busier rank
             runs[mode].append((summary["tokens_per_s"], *per, cores))
             if rank == 0:
                 print(f"  round {rep + 1}/{args.repeats} {mode:13s} {summary['tokens_per_s']:7.0f} tok/s | "
