@@ -33,8 +33,8 @@ Departures from the paper:
      buffer, no load_weights copy, no extra memory at all.
   3. The gather is W in-place broadcasts per weight, each owner's c rows straight into their place in
      the destination. One all-gather per weight (this file's first version) moves the same bytes, but
-     gloo's all-gather runs at about a third of its broadcast's bandwidth on CPU (bench/fusion.py), and
-     a rank-major collective per bucket would need a copy-out of each weight.
+     gloo's all-gather runs well below its broadcast's bandwidth on CPU (bench/RESULTS.md), and a
+     rank-major collective per bucket would need a copy-out of each weight.
   4. The training parameter shards stay on the device during ROLLOUT by default: they are 1/W of the
      model and needed first thing back in TRAIN. `offload_params=True` offloads them too.
   5. The engine's weight storages are freed in TRAIN (resized to 0) and re-allocated bucket by bucket;

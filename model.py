@@ -297,9 +297,8 @@ class Generation:
     done: list         # per row: True if it hit EOS or its budget, False if cut by max_steps
 
 
-# What one more prefill forward costs, in tokens of work: its fixed cost (~1 ms, ~120 tokens' work on 2 CPU
-# cores) plus the batching a split loses. Measured there: a pool of 24 held long-tail rows + 16 new prompts
-# prefills in 15 ms instead of 31, 128 short held rows in 24 ms instead of 43, 64 fresh prompts in 12 instead of 14.
+# What one more prefill forward costs, in tokens of work: its fixed cost plus the batching a split loses.
+# `python bench/prefill.py` measures the fixed cost and what the split gains on the pools a stale rollout holds.
 FORWARD_COST_TOKENS = 256
 
 
@@ -321,7 +320,7 @@ def _length_buckets(lens, forward_cost=FORWARD_COST_TOKENS):
     return buckets[::-1]
 
 
-def _prefill(model, contexts, pad_id, extra):
+def _prefill(model, contexts, pad_id, extra, forward_cost=FORWARD_COST_TOKENS):
     """Left-pad contexts (list of (T_i,)) into (B, P) and read them into a fresh cache with room for
     `extra` more tokens, one forward per length bucket: a bucket padded to Pb fills the cache's last Pb
     columns, and the columns before them stay zero and invalid. Returns the cache, next-token logits
@@ -331,7 +330,7 @@ def _prefill(model, contexts, pad_id, extra):
     P = max(n)
     cache = KVCache(model.cfg, B, P + extra, dev, dtype, model.blocks[0].attn.n_heads)
     logits = torch.empty(B, model.cfg.vocab_size, device=dev)                 # (B, V) float32, as forward's
-    buckets = _length_buckets(n)
+    buckets = _length_buckets(n, forward_cost)
     for rows in buckets:
         Pb = max(n[i] for i in rows)
         tokens = torch.full((len(rows), Pb), pad_id, dtype=torch.long, device=dev)

@@ -1,0 +1,83 @@
+"""Benchmark model._prefill's length buckets: what one more prefill forward costs, in tokens of work, and
+what splitting a pool by length gains, for the pools a stale rollout holds.
+
+    python bench/prefill.py            # 1 thread, the default policy; about 20 s
+
+model.FORWARD_COST_TOKENS is the price the bucketing DP charges per extra forward. This bench measures
+the two things it stands for, in one run:
+  forward_cost_tokens   the fixed cost of a forward, in tokens of work: t(1 row x n tokens) fitted as
+                        a + b n over a few n, reported as a / b;
+  pools                 for each pool (held long-tail rows next to fresh short prompts, the case the
+                        buckets are for; only short rows; only fresh prompts): the time of one padded
+                        forward against the bucketed prefill, with the number of buckets the DP chose.
+A split pays when it saves more padded tokens than the forward costs: the constant should sit near the
+measured forward cost, and the bucketed prefill should never be slower than one padded forward.
+The last line printed is one JSON object.
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
+import model as M  # noqa: E402
+
+
+def timed(fn, reps):
+    """Median seconds of fn() over reps calls, after one warm call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def prefill(policy, lens, cost):
+    """The bucketed prefill of rows of these lengths, with `cost` as the DP's price of a forward:
+    (a call that runs it, the number of buckets)."""
+    contexts = [torch.randint(4, 14, (n,)) for n in lens]
+
+    @torch.no_grad()
+    def call():
+        M._prefill(policy, contexts, 0, 1, forward_cost=cost)
+    return call, len(M._length_buckets(lens, cost))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=15, help="timed calls per figure (median)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    policy = M.Policy(M.ModelConfig(max_seq_len=320)).eval()
+    sizes = [8, 64, 128, 256]
+    with torch.no_grad():
+        t = [timed(lambda n=n: policy(torch.randint(4, 14, (1, n))), args.reps) for n in sizes]
+    b, a = np.polyfit(sizes, t, 1)                                   # t(n) = a + b n, seconds
+    rng = np.random.default_rng(0)
+    pools = {"24 held long-tail rows + 16 fresh prompts": [int(x) for x in rng.integers(150, 260, 24)] + [18] * 16,
+             "128 short held rows": [int(x) for x in rng.integers(18, 60, 128)],
+             "64 fresh prompts": [int(x) for x in rng.integers(10, 30, 64)]}
+    out = {"forward_cost_tokens": round(a / b, 1), "constant": M.FORWARD_COST_TOKENS, "pools": {}}
+    print(f"a forward of 1 row x n tokens: {a * 1e3:.2f} ms + {b * 1e6:.1f} us x n -> fixed cost "
+          f"{a / b:.0f} tokens of work (model.FORWARD_COST_TOKENS = {M.FORWARD_COST_TOKENS})")
+    for name, lens in pools.items():
+        one, _ = prefill(policy, lens, 10 ** 9)                     # a price no split pays: one forward
+        split, n_buckets = prefill(policy, lens, M.FORWARD_COST_TOKENS)
+        t_one, t_split = timed(one, args.reps), timed(split, args.reps)
+        out["pools"][name] = {"one_forward_ms": round(t_one * 1e3, 2), "bucketed_ms": round(t_split * 1e3, 2),
+                              "buckets": n_buckets, "speedup": round(t_one / t_split, 2)}
+        print(f"{name:42s} one forward {t_one * 1e3:6.1f} ms | {n_buckets} buckets {t_split * 1e3:6.1f} ms "
+              f"| x{t_one / t_split:.2f}")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
