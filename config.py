@@ -45,10 +45,18 @@ class Config:
     prompts_per_step: int = flag(16, "global prompts per step")
     group_size: int = flag(8, "responses per prompt (>= 2)")
     lr: float = flag(5e-4, "RL learning rate")
-    clip_eps: float = flag(0.2, "PPO clip range")
+    adv_estimator: str = flag("grpo", "advantages: grpo (group-normalised), dr-grpo (no std scaling), rloo "
+                                      "(leave-one-out baseline), reinforce++ (whole-batch baseline, normalised)")
+    loss_agg: str = flag("auto", "token-mean, seq-mean-token-mean or seq-mean-token-sum-norm (over the response "
+                                 "budget: Dr. GRPO's); auto: seq-mean-token-sum-norm for dr-grpo, else token-mean")
+    clip_eps: float = flag(0.2, "PPO clip range: the ratio clipped to [1 - clip_eps, 1 + clip_eps_high]")
+    clip_eps_high: float = flag(None, "upper clip (DAPO's clip-higher); default: --clip-eps")
     kl_coef: float = flag(0.0, "k3 KL penalty weight (0: no reference model)")
-    loss_agg: str = flag("token-mean", "token-mean or seq-mean-token-mean")
-    scale_by_std: bool = flag(True, "divide advantages by the group std (0: Dr. GRPO's advantages)")
+    filter_groups: bool = flag(False, "1: dynamic sampling, drop groups whose rewards are all equal and generate "
+                                      "more, so every step trains on prompts_per_step informative groups")
+    mask_truncated: bool = flag(False, "1: responses cut by the token budget contribute no loss")
+    tis_cap: float = flag(None, "truncated importance sampling: weight each token by min(pi_train / pi_rollout, "
+                                "C), pi_train recomputed before the update (the decoupled objective, capped)")
     updates_per_batch: int = flag(1, "optimizer steps per rollout batch")
     micro_batches: int = flag(4, "length-sorted chunks per mini-batch (less padding), gradients accumulated")
     grad_clip: float = flag(1.0, "gradient norm clip")
@@ -82,7 +90,7 @@ class Config:
 
 SECTIONS = {"task": "max_digits", "model": "d_model", "supervised warm-up": "warmup_steps", "GRPO": "steps",
             "staleness": "staleness", "rollout": "temperature", "deployment": "deploy", "run": "seed"}
-CHOICES = {"loss_agg": grpo.LOSS_AGGS, "device": ("auto", "cpu", "cuda"),
+CHOICES = {"loss_agg": ("auto",) + grpo.LOSS_AGGS, "adv_estimator": grpo.ESTIMATORS, "device": ("auto", "cpu", "cuda"),
            "deploy": ("colocated", "separated", "colocated-all")}
 
 
@@ -96,7 +104,28 @@ def parse_args(argv=None, description="GRPO post-training of a tiny MoE policy")
         kind = (lambda s: bool(int(s))) if f.type is bool else f.type
         group.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default,
                            help=f.metadata["help"], choices=CHOICES.get(f.name))
+    for old, new in RENAMED.items():  # an old name is refused with a pointer to the new one
+        p.add_argument(old, help=argparse.SUPPRESS, default=argparse.SUPPRESS, action=_Renamed, new=new)
     return p, Config(**vars(p.parse_args(argv)))
+
+
+RENAMED = {"--scale-by-std": "--adv-estimator (--scale-by-std 0 is --adv-estimator dr-grpo)"}
+
+
+class _Renamed(argparse.Action):
+    def __init__(self, *args, new, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} was renamed: use {self.new}")
+
+
+def loss_agg(cfg):
+    """--loss-agg, with auto resolved: Dr. GRPO's constant normaliser for dr-grpo, token-mean otherwise."""
+    if cfg.loss_agg != "auto":
+        return cfg.loss_agg
+    return "seq-mean-token-sum-norm" if cfg.adv_estimator == "dr-grpo" else "token-mean"
 
 
 def model_config(cfg):
@@ -182,8 +211,9 @@ def layout_errors(cfg, world):
 
 def value_errors(cfg):
     errors = []
-    if cfg.group_size < 2:
-        errors.append(f"--group-size {cfg.group_size}: GRPO needs at least 2 responses per prompt")
+    if cfg.group_size < 2 and (cfg.adv_estimator != "reinforce++" or cfg.filter_groups):
+        errors.append(f"--group-size {cfg.group_size}: a group baseline (and --filter-groups) needs at least 2 "
+                      "responses per prompt; only --adv-estimator reinforce++ takes 1")
     try:
         stalesync.StaleConfig(cfg.staleness, 1, max(cfg.group_size, 1), cfg.threshold, cfg.chunk_steps)
     except (ValueError, TypeError) as e:
@@ -201,6 +231,8 @@ def value_errors(cfg):
         errors.append(f"--temperature {cfg.temperature} must be > 0 and --top-p {cfg.top_p} in (0, 1]")
     if cfg.kl_coef < 0 or cfg.clip_eps <= 0 or cfg.lr <= 0:
         errors.append(f"--kl-coef {cfg.kl_coef} must be >= 0, --clip-eps {cfg.clip_eps} and --lr {cfg.lr} > 0")
+    if (cfg.clip_eps_high is not None and not cfg.clip_eps_high > 0) or (cfg.tis_cap is not None and not cfg.tis_cap > 0):
+        errors.append(f"--clip-eps-high {cfg.clip_eps_high} and --tis-cap {cfg.tis_cap} must be > 0 when given")
     if not cfg.grad_clip > 0 or not cfg.warmup_lr > 0:
         errors.append(f"--grad-clip {cfg.grad_clip} and --warmup-lr {cfg.warmup_lr} must be > 0")
     if cfg.warmup_steps < 0 or cfg.seed < 0 or cfg.pg_timeout_s < 1:

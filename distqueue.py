@@ -11,8 +11,9 @@ Public API (everything else is private):
     spec = QueueSpec(columns={"prompt": "int64", "response": "int64", "old_logprobs": "float32",
                               "reward": "float32"}, scalars=("reward",),
                      stages={"train": ("prompt", "response", "old_logprobs", "reward")}, timeout_s=60)
-    q = DistQueue(spec, store=default_store(), rank=r, world_size=w, pg=None)  # pg: a gloo group
+    q = DistQueue(spec, store=None, rank=r, world_size=w, pg=None)  # store: default_store(); pg: gloo
     ids = q.put({"prompt": [t...], "response": [t...], "reward": [0.5, ...]})  # new rows -> row ids
+    q.row_id(j, rank)                               # the id of a rank's j-th row, known in advance
     q.put({"old_logprobs": [t...]}, ids=ids)        # write more columns of existing rows
     b = q.get("train", n, dp_group=None, group=None, min_rows=None)  # -> Rows
     b.ids, b.cols["response"] (list of 1-D), b.stack("reward") (B,), b.packed("response") (flat, lens)
@@ -42,6 +43,35 @@ Departures from the paper:
 4. Ids are deterministic (local_count * world + rank), so a resumed run sees the same rows in order.
 
 Run: python -m pytest tests/test_distqueue.py ; python bench/distqueue.py --lengths lognormal:5,1.2
+
+Using this file elsewhere: torch (CPU tensors; the data moves over a gloo group, also next to nccl),
+and a store with queue operations and atomic add: TCPStore (torchrun's, found from MASTER_ADDR and
+MASTER_PORT) or HashStore (one process); a FileStore is refused at construction. Rows are lists of 1-D
+tensors per column (scalar columns: one value), of the spec's dtypes. Example (tests/test_copy_alone.py
+runs it in a folder that holds only this file):
+
+    import datetime, os, socket
+    import torch, torch.distributed as dist, torch.multiprocessing as mp
+    from distqueue import DistQueue, QueueSpec
+
+    def rank_main(rank, world, port):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+        spec = QueueSpec(columns={"tokens": "int64", "reward": "float32"}, scalars=("reward",),
+                         stages={"train": ("tokens", "reward")}, timeout_s=60)
+        q = DistQueue(spec, rank=rank, world_size=world)  # the store: torchrun's (here env://'s)
+        q.put({"tokens": [torch.arange(n) for n in (2, 30)], "reward": [1.0, 0.0]})  # ragged rows
+        rows = q.get("train", 4, dp_group=dist.group.WORLD)  # 4 rows in all, split by tokens, packed
+        print(f"rank {rank}: rows {rows.ids}, {sum(map(len, rows.cols['tokens']))} tokens")
+        dist.barrier()  # every rank done before any tears down
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(rank_main, args=(2, port), nprocs=2)
+
 Shapes: B rows, C fields of a stage, K cells (row x field) in one transfer, N elements, T longest length.
 """
 import time
@@ -158,18 +188,45 @@ class Rows:
         return pack(self.cols[col])  # flat (N,), lengths (B,)
 
 
-def default_store():
-    """The default process group's store under torchrun; an in-process HashStore in a world of one."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.distributed_c10d._get_default_store()
-    return dist.HashStore()
+def default_store(timeout_s=300.0):
+    """The store of the run's rendezvous, from public API: a TCPStore client of MASTER_ADDR:MASTER_PORT
+    (torchrun, or any env:// start, sets both); an in-process HashStore in a world of one. Elsewhere
+    (tcp:// or file:// starts), build the store yourself and pass it."""
+    import datetime
+    import os
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return dist.HashStore()
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        raise ValueError("DistQueue needs a store that every rank reaches: MASTER_ADDR/MASTER_PORT are not set "
+                         "(the process group was not started from torchrun's environment); pass "
+                         "store=dist.TCPStore(host, port, world_size, is_master=rank == 0)")
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def check_store(store):
+    """The queue's control plane needs a store with queue operations and atomic add: TCPStore and
+    HashStore have them, FileStore has no queue operations. Raises before any collective."""
+    try:
+        store.queue_len("dq/probe")
+        store.add("dq/probe_add", 0)
+    except (NotImplementedError, RuntimeError, AttributeError) as e:
+        raise ValueError(f"{type(store).__name__} cannot serve a DistQueue ({e}): it needs queue operations "
+                         "(queue_push, queue_pop, queue_len) and add; pass a TCPStore or a HashStore "
+                         "(a process group started with file:// has a FileStore)") from None
 
 
 # ----------------------------------------------------------------------------- the queue
 
 
 class DistQueue:
-    def __init__(self, spec: QueueSpec, store, rank=0, world_size=1, pg=None):
+    """One rank's handle on the queue (see the module docstring). store: a TCPStore or HashStore every
+    rank reaches (default: default_store()); rank, world_size: this rank in the ranks that share the
+    queue; pg: a gloo process group over them for the data (default: the default group, if gloo)."""
+
+    def __init__(self, spec: QueueSpec, store=None, rank=0, world_size=1, pg=None):
+        store = default_store(spec.timeout_s) if store is None else store
+        check_store(store)
         self.spec, self.store, self.rank, self.world, self.pg = spec, store, rank, world_size, pg
         self.p = spec.name
         self.cells = {}          # (row, col) -> 1-D tensor this rank owns and has not fully delivered
@@ -180,6 +237,11 @@ class DistQueue:
         self._reset_caches()
         if dist.is_initialized() and dist.get_backend(pg) != "gloo":  # host tensors, async p2p: gloo only
             raise ValueError(f"pg backend is {dist.get_backend(pg)}; pass pg=dist.new_group(backend='gloo')")
+
+    def row_id(self, j, rank=None):
+        """The id of the j-th row a rank (default: this one) creates: ids are deterministic, so a reader
+        can name the rows it wants (get(only=...)) without asking."""
+        return j * self.world + (self.rank if rank is None else rank)
 
     def _reset_caches(self):
         self.ready = {c: {} for c in self.spec.columns}  # col -> {row: (owner, length)}
@@ -203,7 +265,7 @@ class DistQueue:
             if len(vals) != n:
                 raise ValueError(f"column '{c}' has {len(vals)} rows, others {n}")
         new = ids is None
-        ids = [(self.next_local + i) * self.world + self.rank for i in range(n or 0)] if new else list(ids)
+        ids = [self.row_id(self.next_local + i) for i in range(n or 0)] if new else list(ids)
         if n is not None and len(ids) != n:
             raise ValueError(f"{len(ids)} ids for {n} rows")
         cells = {}

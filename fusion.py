@@ -45,6 +45,65 @@ Departures from the paper:
 
 Run: python -m pytest tests/test_fusion.py   (exactness W 1/2/4 x t 1/2/4, bit-identical training, memory)
 
+Using this file elsewhere: torch >= 2.6 (FSDP2's fully_shard; FSDP1 is refused, naming the fix), gloo
+on CPU or nccl on CUDA. The model: FSDP2 over a 1-D mesh of all ranks (or plain); its optimizer built
+on model.parameters(). The engine: an nn.Module whose load_weights(pairs of (model name, full
+tensor)) loads them into its own parameters (cutting its TP piece, fusing q/k/v, renaming) and
+returns the names of its own parameters it loaded, as vLLM's loaders do. Example, a vLLM-shaped engine
+with a fused qkv on 2 gloo processes (tests/test_copy_alone.py runs it in a folder holding only this file):
+
+    import datetime, os, socket
+    import torch, torch.distributed as dist, torch.multiprocessing as mp
+    from torch.distributed.fsdp import fully_shard
+    from fusion import FusedActor, Layout, rollout
+
+    class Trained(torch.nn.Module):  # the trained model: separate q, k, v
+        def __init__(self, d=8):
+            super().__init__()
+            self.q, self.k, self.v = (torch.nn.Linear(d, d, bias=False) for _ in range(3))
+
+        def forward(self, x):
+            return self.q(x) + self.k(x) * self.v(x)
+
+    class Engine(torch.nn.Module):  # the rollout engine, vLLM-shaped: one fused qkv weight
+        def __init__(self, d=8):
+            super().__init__()
+            self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            return q + k * v
+
+        @torch.no_grad()
+        def load_weights(self, weights):  # maps the model's names onto its own, returns what it loaded
+            for name, w in weights:
+                i = "qkv".index(name[0])
+                self.qkv.weight[i * w.shape[0]:(i + 1) * w.shape[0]] = w
+            return {"qkv.weight"}
+
+    def rank_main(rank, world, port):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+        torch.manual_seed(0)
+        model, engine = fully_shard(Trained()), Engine().requires_grad_(False)  # FSDP2 over every rank
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()  # now there is Adam state to move
+        actor = FusedActor(model, opt, engine, Layout(world, fsdp=True), Layout(world), bucket_bytes=1024)
+        x = torch.randn(2, 8)
+        with rollout(actor) as eng:  # Adam state on host, the engine's weights built from the shards
+            out = eng(x)
+        assert torch.allclose(out, model(x), atol=1e-6)  # back in TRAIN: the model computes the same
+        print(f"rank {rank}: engine == model, {actor.metrics()['switch/offload_bytes']} bytes offloaded")
+        dist.barrier()  # every rank done before any tears down
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(rank_main, args=(2, port), nprocs=2)
+
 Shapes: W world size, t TP degree, W/t DP replicas, B bucket bytes, c = ceil(rows / W) rows per shard.
 """
 import datetime
@@ -54,7 +113,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor, Shard
 
 TRAIN, ROLLOUT = "TRAIN", "ROLLOUT"
@@ -281,35 +340,42 @@ def push_weights(model, engine, src, group, bucket_bytes, meta=None, device=None
 
 
 # ----------------------------------------------------------------------------- the two phases
+def _check_model(model, train_layout, infer_layout):
+    """Everything FusedActor needs of the model and layouts, checked before any collective."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if not train_layout.fsdp or infer_layout.fsdp or train_layout.world_size != infer_layout.world_size:
+        raise ValueError(f"train layout {train_layout} must be FSDP and inference layout {infer_layout} "
+                         "not, over the same world size")
+    if world != train_layout.world_size:
+        raise ValueError(f"layout world size {train_layout.world_size} != process group size {world}")
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise ValueError("the model is wrapped in FSDP1 (FullyShardedDataParallel), whose flat parameters cannot "
+                         "be gathered by name: this needs FSDP2, torch.distributed.fsdp.fully_shard(module)")
+    for n, p in model.named_parameters():
+        if isinstance(p, DTensor) and (p.device_mesh.ndim != 1 or p.device_mesh.size() != world
+                                       or tuple(p.placements) != (Shard(0),)):
+            raise ValueError(f"{n}: placements {p.placements} on mesh {p.device_mesh}; expected Shard(0) "
+                             f"over a 1-D mesh of all {world} ranks (fully_shard(module) with the default mesh)")
+
+
 class FusedActor:
     """The actor in two phases on the same devices. model: FSDP2-sharded (fully_shard over a 1-D mesh of
-    all W ranks) or plain; optimizer: built on model.parameters(); engine: any module with
-    load_weights(iterable of (name, tensor)) whose parameter names are the model's, e.g. Policy(cfg, tp_group).
-    Starts in TRAIN: the engine's weight storages are freed here (manage_engine). inplace (default: on
-    when the engine's weights have the model's full shapes and dtypes, and manage_engine): the gather
-    writes straight into the engine's weights and load_weights is not called; pass inplace=False for an
-    engine whose load_weights does more than copy. skip: names of weights that someone else moves
+    all W ranks) or plain; optimizer: built on model.parameters(); engine: a module with
+    load_weights(iterable of (name, tensor)) -> the engine parameter names it loaded (vLLM's shape; the
+    names are the model's, each tensor the full weight: the engine cuts its TP piece and maps names to
+    its own parameters, e.g. q, k, v into a fused qkv). Starts in TRAIN: the engine's weight storages
+    are freed here (manage_engine=True, the default; an engine with its own sleep mode, vLLM's, takes
+    manage_engine=False), and using the engine outside ROLLOUT raises. inplace=True (engines whose
+    parameters are the model's, same names and full shapes, TP 1): the gather writes straight into the
+    engine's weights and load_weights is never called. skip: names of weights that someone else moves
     between the phases (moe_switch.py's experts): not built, freed, offloaded (offload_params) or
     counted as inference weights here; their grads and optimizer states are still offloaded. movers:
     objects with to_rollout() and to_train() (and optionally a `stats` dict for metrics()), called at
     the end of to_rollout() and at the start of to_train(), in reverse order: one switch moves all."""
 
     def __init__(self, model, optimizer, engine, train_layout, infer_layout, bucket_bytes=1 << 20,
-                 offload_params=False, naive=False, manage_engine=True, inplace=None, skip=(), movers=()):
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if not train_layout.fsdp or infer_layout.fsdp or train_layout.world_size != infer_layout.world_size:
-            raise ValueError(f"train layout {train_layout} must be FSDP and inference layout {infer_layout} "
-                             "not, over the same world size")
-        if world != train_layout.world_size:
-            raise ValueError(f"layout world size {train_layout.world_size} != process group size {world}")
-        for n, p in model.named_parameters():  # all checks before any collective
-            if isinstance(p, DTensor) and (p.device_mesh.ndim != 1 or p.device_mesh.size() != world
-                                           or tuple(p.placements) != (Shard(0),)):
-                raise ValueError(f"{n}: placements {p.placements} on mesh {p.device_mesh}; expected Shard(0) "
-                                 f"over a 1-D mesh of all {world} ranks")
-        differ = {n for n, _ in model.named_parameters()} ^ {n for n, _ in engine.named_parameters()}
-        if differ:
-            raise ValueError(f"model and engine parameter names differ: {sorted(differ)}")
+                 offload_params=False, naive=False, manage_engine=True, inplace=False, skip=(), movers=()):
+        _check_model(model, train_layout, infer_layout)
         self.model, self.optimizer, self.engine = model, optimizer, engine
         self.train_layout, self.infer_layout, self.bucket_bytes = train_layout, infer_layout, bucket_bytes
         self.offload_params, self.naive, self.manage_engine = offload_params, naive, manage_engine
@@ -317,21 +383,25 @@ class FusedActor:
         reshard_all(model)
         meta = [m for m in weight_meta(model) if m[0] not in self.skip]
         self.buckets = plan_buckets(meta, bucket_bytes)
-        # The engine's weights are the full weights (TP 1) and this module owns their storage: gather
-        # straight into them, with no bucket buffer and no load_weights copy. Else: bucket + load_weights.
         eng = self._engine_weights()
-        full = all(tuple(eng[n].shape) == shape and eng[n].dtype == dtype and eng[n].is_contiguous()
-                   and eng[n].untyped_storage().nbytes() in (0, eng[n].nbytes) for n, shape, dtype in meta)
-        self.inplace = manage_engine and not naive and full if inplace is None else inplace
-        if self.inplace and not (manage_engine and full and not naive):
-            raise ValueError("inplace=True needs manage_engine=True, naive=False and engine weights of the "
-                             "model's full shapes and dtypes")
+        same = {n for n, *_ in meta} == set(eng) and all(
+            tuple(eng[n].shape) == shape and eng[n].dtype == dtype and eng[n].is_contiguous() for n, shape, dtype in meta)
+        if inplace and not (manage_engine and same and not naive):
+            raise ValueError("inplace=True needs manage_engine=True, naive=False and engine parameters with the "
+                             "model's names, full shapes and dtypes (TP 1); use inplace=False (load_weights)")
+        self.inplace = inplace
         self.phase, self.round_trips, self._hosts, self._param_hosts = TRAIN, 0, [], []
         self._off, self._param_off, self.stats = [], [], {}
         if manage_engine:
             for s in storages(eng.values()):
                 s.resize_(0)
+            engine.register_forward_pre_hook(self._check_engine_use)
         self.record()
+
+    def _check_engine_use(self, module, args):
+        if self.phase != ROLLOUT:
+            raise RuntimeError("the engine was called in TRAIN, where its weights are freed (manage_engine=True): "
+                               "use it between to_rollout() and to_train(), or inside `with fusion.rollout(actor)`")
 
     # -- accounting
     def resident(self):
@@ -415,32 +485,33 @@ class FusedActor:
 
     def _build(self, params, eng):
         """The inference weights, bucket by bucket. Returns (peak bytes held, bytes gathered)."""
+        if self.manage_engine:  # the engine's final weights: allocated once, then filled bucket by bucket
+            for p in eng.values():
+                p.untyped_storage().resize_(p.nbytes)
         peak, gathered, loaded = 0, 0, set()
         for bucket in [sum(self.buckets, [])] if self.naive else self.buckets:
-            if self.naive:
-                pairs = gather_full_naive({n: p for n, p in params.items() if n not in self.skip})
-                extra = sum(t.nbytes for _, t in pairs)
-            elif self.inplace:  # allocate this bucket's engine weights and gather into them
+            if self.inplace:  # gather straight into the engine's own weights: no bucket buffer at all
                 works = []
                 for name, *_ in bucket:
-                    eng[name].untyped_storage().resize_(eng[name].nbytes)
                     gather_into(params[name], eng[name].detach(), works)
                 [w.wait() for w in works]
                 peak, gathered = max(peak, self.resident_bytes()), gathered + sum(eng[n].nbytes for n, *_ in bucket)
                 loaded |= {name for name, *_ in bucket}
                 continue
+            if self.naive:
+                pairs = gather_full_naive({n: p for n, p in params.items() if n not in self.skip})
+                flat = None
+                extra = sum(t.nbytes for _, t in pairs)
             else:
                 flat, pairs = gather_bucket(params, bucket, self.device)
                 extra = flat.nbytes
-            names = [n for n, _ in pairs]  # no loop variable may keep a view of the bucket alive
-            if self.manage_engine:
-                for name in names:
-                    eng[name].untyped_storage().resize_(eng[name].nbytes)
             peak, gathered = max(peak, self.resident_bytes() + extra), gathered + extra
-            loaded |= set(self.engine.load_weights(pairs) or names)
+            names = self.engine.load_weights(pairs)
+            if names is None and set(n for n, _ in pairs) - set(eng):
+                raise ValueError("the engine's parameter names are not the model's, and its load_weights returned "
+                                 "nothing: return the engine parameter names it loaded (as vLLM's loaders do)")
+            loaded |= set(names if names is not None else (n for n, _ in pairs))
             flat = pairs = None  # free the bucket before the next one
-        if loaded != set(eng):
-            raise RuntimeError(f"engine weights not loaded: {sorted(set(eng) - loaded)}")
         return peak, gathered
 
     @torch.no_grad()

@@ -13,7 +13,8 @@ Contents, the math first (pure functions of tensors plus a mask; slow loop refer
 then the update, which any data-parallel model (FSDP2 or plain) can use:
   pad_responses        prompt + response rows, right-padded, with the mask of response positions
   length_chunks        rows split into k micro-batches of similar length (less padding)
-  reference_logprobs   a frozen model's log-probs of every response token, chunk by chunk, no grad
+  chunk_logprobs       a model's log-probs of every response token, chunk by chunk, no grad (the frozen
+                       reference's, or the current weights' for the decoupled objective)
   grpo_update          optimizer steps on a batch: micro-batches accumulated, the mean over the global
                        batch whatever each rank holds, then clip and step
   supervised_step      one cross-entropy step on reference answers (the warm-up)
@@ -39,33 +40,71 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
-LOSS_AGGS = ("token-mean", "seq-mean-token-mean")
+ESTIMATORS = ("grpo", "dr-grpo", "rloo", "reinforce++")
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 # ----------------------------------------------------------------------------- the math
-def group_advantages(rewards, group_size, eps=1e-6, scale_by_std=True):
-    """rewards (N,) in contiguous groups of group_size -> advantages (N,):
-    (r - group mean) / (group std + eps), std unbiased; r - group mean if not scale_by_std (Dr. GRPO)."""
+def group_advantages(rewards, group_size, estimator="grpo", eps=1e-6):
+    """rewards (N,) in contiguous groups of group_size -> advantages (N,), the part computed where the
+    whole group is:
+      grpo         (r - group mean) / (group std + eps), std unbiased (DeepSeekMath)
+      dr-grpo      r - group mean: no std scaling, which favours groups of nearly equal rewards (Dr. GRPO)
+      rloo         r - the mean of the OTHER G - 1 rewards of the group = G / (G - 1) (r - group mean)
+      reinforce++  r itself: the baseline is the whole batch's, applied by batch_normalize where the
+                   whole batch is (REINFORCE++)"""
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator={estimator!r}; valid: {', '.join(ESTIMATORS)}")
     if rewards.ndim != 1 or group_size < 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}")
+    if group_size == 1 and estimator != "reinforce++":
+        raise ValueError(f"group_size 1: a group of one has no baseline of its own (its std and its "
+                         f"leave-one-out mean are undefined) for estimator {estimator!r}; use groups of 2 or "
+                         "more, or estimator 'reinforce++' (a baseline from the whole batch)")
+    if estimator == "reinforce++":
+        return rewards.clone()
     r = rewards.view(-1, group_size)                                               # (N/G, G)
     adv = r - r.mean(-1, keepdim=True)
-    if scale_by_std:
+    if estimator == "grpo":
         adv = adv / (r.std(-1, keepdim=True) + eps)
+    elif estimator == "rloo":
+        adv = adv * group_size / (group_size - 1)
     return adv.view(-1)
 
 
+def batch_normalize(values, device="cpu", group=None, eps=1e-6):
+    """(v - mean) / (std + eps) over the whole batch, whose rows are spread over the group's ranks (each
+    passes its own (B,)): one all-reduce of the count, sum and sum of squares. Std unbiased."""
+    v = values.double()
+    stats = _all_sum([v.numel(), float(v.sum()), float((v * v).sum())], device, group)
+    n, total, squares = stats
+    mean = total / max(n, 1)
+    var = (squares - n * mean * mean) / max(n - 1, 1)
+    return ((v - mean) / (max(var, 0.0) ** 0.5 + eps)).to(values.dtype)
+
+
+def finish_advantages(advantages, estimator, device="cpu", group=None):
+    """The part of an estimator that needs the whole batch, on a trainer's share of it: reinforce++'s
+    batch normalisation (collective over the group); the others are done where their group was."""
+    return batch_normalize(advantages, device, group) if estimator == "reinforce++" else advantages
+
+
 def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps=0.2, kl_coef=0.0,
-              loss_agg="token-mean", token_weights=None):
+              loss_agg="token-mean", token_weights=None, clip_eps_high=None, norm_len=None):
     """Clipped surrogate plus kl_coef * k3, per token, then aggregated.
     logprobs, old_logprobs, ref_logprobs, mask (B, T); advantages (B,). Returns (loss, metrics).
+    clip_eps_high: the ratio's upper clip, 1 + clip_eps_high (DAPO's clip-higher); default clip_eps.
     token_weights (B, T), optional: multiplies each token's surrogate (the decoupled objective's
-    pi_prox / pi_behaviour, see off_policy_logprobs)."""
+    pi_prox / pi_behaviour, see off_policy_logprobs).
+    loss_agg: token-mean (over every token), seq-mean-token-mean (per response, then over the responses
+    that have a token), seq-mean-token-sum-norm (per response, its sum over norm_len, a constant such as
+    the response budget; then over the responses: Dr. GRPO's unbiased normaliser)."""
     mask = mask.to(logprobs.dtype)
     ratio = torch.exp(torch.clamp(logprobs - old_logprobs, -20, 20))              # (B, T)
     adv = advantages[:, None].to(logprobs.dtype)                                  # (B, 1)
     unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + high) * adv
     per_token = -torch.min(unclipped, clipped)                                    # (B, T)
     if token_weights is not None:
         per_token = per_token * token_weights
@@ -77,18 +116,31 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps=0
     else:
         k3 = torch.zeros_like(logprobs)
     per_token = per_token + kl_coef * k3
+    loss = aggregate(per_token, mask, loss_agg, norm_len)
     n_tok = mask.sum().clamp(min=1)
-    if loss_agg == "token-mean":
-        loss = (per_token * mask).sum() / n_tok
-    elif loss_agg == "seq-mean-token-mean":
-        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-    else:
-        raise ValueError(f"loss_agg={loss_agg!r}; valid: {', '.join(LOSS_AGGS)}")
     with torch.no_grad():
         metrics = {"clip_frac": float(((clipped < unclipped).to(mask.dtype) * mask).sum() / n_tok),
                    "ratio_mean": float((ratio * mask).sum() / n_tok),
                    "k3_mean": float((k3 * mask).sum() / n_tok)}
     return loss, metrics
+
+
+def aggregate(per_token, mask, loss_agg, norm_len=None):
+    """per_token, mask (B, T) -> the scalar loss, by the named mode (see grpo_loss). Rows with no loss
+    token count in no mean."""
+    if loss_agg == "token-mean":
+        return (per_token * mask).sum() / mask.sum().clamp(min=1)
+    per_seq = (per_token * mask).sum(-1)                                          # (B,)
+    has = mask.sum(-1) > 0                                                        # (B,)
+    if loss_agg == "seq-mean-token-mean":
+        per_seq = per_seq / mask.sum(-1).clamp(min=1)
+    elif loss_agg == "seq-mean-token-sum-norm":
+        if not norm_len or norm_len < 1:
+            raise ValueError(f"loss_agg 'seq-mean-token-sum-norm' needs norm_len >= 1 (got {norm_len!r})")
+        per_seq = per_seq / norm_len
+    else:
+        raise ValueError(f"loss_agg={loss_agg!r}; valid: {', '.join(LOSS_AGGS)}")
+    return per_seq[has].sum() / has.sum().clamp(min=1)
 
 
 def off_policy_logprobs(behaviour, proximal=None, decoupled=False, max_weight=None):
@@ -104,7 +156,7 @@ def off_policy_logprobs(behaviour, proximal=None, decoupled=False, max_weight=No
     if proximal is None:
         raise ValueError("decoupled=True needs proximal log-probs recomputed with the current weights")
     w = torch.exp(torch.clamp(proximal - behaviour, -20, 20))                     # (B, T)
-    return proximal, (w if max_weight is None else w.clamp(max=max_weight))
+    return proximal, (w if max_weight is None else w.clamp(max=max_weight))  # max_weight: truncated IS
 
 
 def token_logprobs(logits, targets, temperature=1.0):
@@ -122,6 +174,7 @@ class Samples:
     responses: list          # (B,) of (n_i,) int64
     old_logprobs: list       # (B,) of (n_i,) float32, the behaviour log-probs
     advantages: torch.Tensor  # (B,)
+    truncated: list = None   # (B,) bool: cut by the token budget, not ended by the model (mask_truncated)
 
     def lengths(self):
         return [len(p) + len(r) for p, r in zip(self.prompts, self.responses)]
@@ -129,18 +182,31 @@ class Samples:
 
 @dataclass
 class GRPOConfig:
-    clip_eps: float = 0.2          # PPO clip range
+    clip_eps: float = 0.2          # PPO clip range: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]
+    clip_eps_high: float = None    # the upper clip (DAPO's clip-higher); None: clip_eps
     kl_coef: float = 0.0           # weight of the k3 penalty (needs reference log-probs)
     loss_agg: str = "token-mean"   # one of LOSS_AGGS
+    norm_len: int = 0              # seq-mean-token-sum-norm's constant: the response budget in tokens
     temperature: float = 1.0       # the sampler's: log-probs are of softmax(logits / temperature)
     updates_per_batch: int = 1     # optimizer steps (mini-batches) per batch
     micro_batches: int = 4         # length-sorted chunks per mini-batch, gradients accumulated
     grad_clip: float = 1.0         # global gradient norm clip
     decoupled: bool = False        # clip around recomputed proximal log-probs (off_policy_logprobs)
+    tis_cap: float = None          # decoupled, with pi_prox / pi_behaviour capped at this (truncated IS)
+    mask_truncated: bool = False   # responses cut by the budget contribute no loss (DAPO's overlong filter)
 
     def __post_init__(self):
         if self.loss_agg not in LOSS_AGGS:
             raise ValueError(f"loss_agg={self.loss_agg!r}; valid: {', '.join(LOSS_AGGS)}")
+        if self.loss_agg == "seq-mean-token-sum-norm" and not self.norm_len >= 1:
+            raise ValueError(f"loss_agg 'seq-mean-token-sum-norm' needs norm_len >= 1 (got {self.norm_len})")
+        if self.tis_cap is not None and not self.tis_cap > 0:
+            raise ValueError(f"tis_cap={self.tis_cap} must be > 0 (or None: no cap)")
+
+    @property
+    def recompute(self):
+        """The update needs the current weights' log-probs before its first step (the proximal policy)."""
+        return self.decoupled or self.tis_cap is not None
 
 
 def pad_responses(prompts, responses, *per_token, pad_id=0):
@@ -170,6 +236,16 @@ def length_chunks(rows, lengths, k):
 def sequence_logprobs(model, tokens, temperature):
     """tokens (B, T) -> log-prob of each next token (B, T-1)."""
     return token_logprobs(model(tokens[:, :-1]), tokens[:, 1:], temperature)
+
+
+def logprobs_and_entropy(model, tokens, temperature):
+    """tokens (B, T) -> log-prob of each next token (B, T-1), and the policy's entropy there (B, T-1),
+    detached: one forward for both."""
+    logp = F.log_softmax(model(tokens[:, :-1]) / temperature, dim=-1)             # (B, T-1, V)
+    lp = logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)                  # (B, T-1)
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(-1)                                     # (B, T-1)
+    return lp, entropy
 
 
 def _all_sum(values, device, group):
@@ -210,13 +286,15 @@ def grpo_update(model, optimizer, samples, cfg, device, group=None, ref_logprobs
     averaged over the group: FSDP2's reduce-scatter, or whatever the model does). ref_logprobs: (B,) of
     (n_i,), needed when kl_coef > 0. clip_grads(model, max_norm), optional: replaces
     clip_grad_norm_ (expert parallelism clips over experts that FSDP does not hold).
-    Returns sums over this rank's rows, to be summed over the ranks and divided (`batch_means`)."""
+    Returns sums over this rank's rows, to be summed over the ranks (maxima: keys ending in _max) and
+    divided (`batch_means`)."""
     if cfg.kl_coef > 0 and ref_logprobs is None:
         raise ValueError(f"kl_coef={cfg.kl_coef} needs ref_logprobs")
-    prox_logprobs = chunk_logprobs(model, samples, cfg, device) if cfg.decoupled else None
-    sums = dict.fromkeys(("loss", "clip_frac", "ratio_mean", "k3_mean", "items", "tokens"), 0.0)
-    for mini in np.array_split(np.arange(len(samples.prompts)), cfg.updates_per_batch):
-        _accumulate(model, samples, mini, cfg, device, group, ref_logprobs, prox_logprobs, sums)
+    prox_logprobs = chunk_logprobs(model, samples, cfg, device) if cfg.recompute else None
+    sums = dict.fromkeys(("loss", "clip_frac", "ratio_mean", "k3_mean", "entropy", "items", "tokens",
+                          "gap", "gap_tokens", "gap_max"), 0.0)
+    for i, mini in enumerate(np.array_split(np.arange(len(samples.prompts)), cfg.updates_per_batch)):
+        _accumulate(model, samples, mini, cfg, device, group, ref_logprobs, prox_logprobs, sums, first=i == 0)
         if clip_grads is None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         else:
@@ -226,47 +304,77 @@ def grpo_update(model, optimizer, samples, cfg, device, group=None, ref_logprobs
     return sums
 
 
-def _accumulate(model, samples, mini, cfg, device, group, ref_lp, prox_lp, sums):
-    """Forward and backward of one mini-batch in length-sorted micro-batches; adds to sums."""
-    token_mean = cfg.loss_agg == "token-mean"
-    n_local = sum(len(samples.responses[i]) for i in mini) if token_mean else len(mini)
-    n_global, = _all_sum([n_local], device, group)  # the loss is a mean over the global mini-batch
+def loss_mask(samples, rows, mask, cfg):
+    """The response mask (b, T-1) without the rows that contribute no loss (truncated ones, if asked)."""
+    if cfg.mask_truncated and samples.truncated is not None:
+        cut = torch.tensor([bool(samples.truncated[i]) for i in rows], device=mask.device)   # (b,)
+        mask = mask & ~cut[:, None]
+    return mask
+
+
+def _items(mask, cfg):
+    """The loss's unit in these rows: tokens (token-mean) or responses with at least one loss token."""
+    return int(mask.sum()) if cfg.loss_agg == "token-mean" else int((mask.sum(-1) > 0).sum())
+
+
+def _accumulate(model, samples, mini, cfg, device, group, ref_lp, prox_lp, sums, first):
+    """Forward and backward of one mini-batch in length-sorted micro-batches; adds to sums. first: the
+    batch's first mini-batch, before any step: its log-probs against the behaviour's give the gap."""
     chunks = length_chunks(mini, samples.lengths(), cfg.micro_batches)
-    for c, (rows, stand_in) in enumerate(chunks):
+    padded = [_padded(samples, rows, cfg, ref_lp, prox_lp) for rows, _ in chunks]  # host tensors
+    n_local = sum(_items(mask, cfg) for (_, mask, _), (_, stand_in) in zip(padded, chunks) if not stand_in)
+    n_global, = _all_sum([n_local], device, group)  # the loss is a mean over the global mini-batch
+    for c, ((rows, stand_in), (tokens, mask, fields)) in enumerate(zip(chunks, padded)):
         if isinstance(model, FSDPModule):  # reduce-scatter once, after the last micro-batch; the
             # parameters stay gathered until then (the usual trade: full-size grads while accumulating)
             model.set_requires_gradient_sync(c == len(chunks) - 1)
             model.set_reshard_after_backward(c == len(chunks) - 1)
-        fields = [samples.old_logprobs] + [f for f in (ref_lp, prox_lp) if f is not None]
-        tokens, mask, per_token = pad_responses([samples.prompts[i] for i in rows],
-                                                [samples.responses[i] for i in rows],
-                                                *[[f[i] for i in rows] for f in fields])
         tokens, mask = tokens.to(device), mask.to(device)
-        old, *rest = [f.to(device) for f in per_token]                               # (b, T-1) each
+        behaviour, *rest = [f.to(device) for f in fields]                            # (b, T-1) each
         ref = rest.pop(0) if ref_lp is not None else None
-        old, weights = off_policy_logprobs(old, rest.pop(0) if cfg.decoupled else None, cfg.decoupled)
-        lp = sequence_logprobs(model, tokens, cfg.temperature)                        # (b, T-1)
+        old, weights = off_policy_logprobs(behaviour, rest.pop(0) if cfg.recompute else None, cfg.recompute,
+                                           cfg.tis_cap)
+        lp, entropy = logprobs_and_entropy(model, tokens, cfg.temperature)          # (b, T-1) each
         loss, m = grpo_loss(lp, old, ref, samples.advantages[rows].to(device), mask, cfg.clip_eps,
-                            cfg.kl_coef, cfg.loss_agg, weights)
-        n_items = int(mask.sum()) if token_mean else len(rows)
+                            cfg.kl_coef, cfg.loss_agg, weights, cfg.clip_eps_high, cfg.norm_len)
+        n_items = _items(mask, cfg)
         # This chunk's share of the global mean (the gradient is averaged over the group's ranks).
         scale = 0.0 if stand_in else n_items * _world(group) / max(n_global, 1.0)
         (loss * scale).backward()
         if not stand_in:
-            n_tok = float(mask.sum())
-            sums["loss"] += loss.item() * n_items
-            sums["items"] += n_items
-            sums["tokens"] += n_tok
-            for key in ("clip_frac", "ratio_mean", "k3_mean"):
-                sums[key] += m[key] * n_tok
+            _add_figures(sums, loss, m, mask, entropy, (lp.detach() - behaviour).abs() if first else None, n_items)
+
+
+def _padded(samples, rows, cfg, ref_lp, prox_lp):
+    """Tokens (b, T), the loss mask (b, T-1) and the per-token fields (behaviour, reference, proximal)."""
+    fields = [samples.old_logprobs] + [f for f in (ref_lp, prox_lp) if f is not None]
+    tokens, mask, per_token = pad_responses([samples.prompts[i] for i in rows], [samples.responses[i] for i in rows],
+                                            *[[f[i] for i in rows] for f in fields])
+    return tokens, loss_mask(samples, rows, mask, cfg), per_token
+
+
+def _add_figures(sums, loss, m, mask, entropy, gap, n_items):
+    n_tok = float(mask.sum())
+    sums["loss"] += loss.item() * n_items
+    sums["items"] += n_items
+    sums["tokens"] += n_tok
+    for key in ("clip_frac", "ratio_mean", "k3_mean"):
+        sums[key] += m[key] * n_tok
+    sums["entropy"] += float((entropy * mask).sum())
+    if gap is not None and n_tok:  # |log pi_train - log pi_rollout|, before any step on this batch
+        sums["gap"] += float((gap * mask).sum())
+        sums["gap_tokens"] += n_tok
+        sums["gap_max"] = max(sums["gap_max"], float(gap[mask].max()))
 
 
 def batch_means(sums):
     """Sums over every rank's rows -> the batch's means: the loss per item (token or sequence), the
-    rest per token."""
+    rest per token; the log-prob gap between the sampler and the trainer, mean and max."""
     items, tokens = max(sums["items"], 1.0), max(sums["tokens"], 1.0)
     return {"loss": sums["loss"] / items, "clip_frac": sums["clip_frac"] / tokens,
-            "ratio_mean": sums["ratio_mean"] / tokens, "k3_mean": sums["k3_mean"] / tokens}
+            "ratio_mean": sums["ratio_mean"] / tokens, "k3_mean": sums["k3_mean"] / tokens,
+            "entropy": sums["entropy"] / tokens, "rollout/logprob_gap_mean": sums["gap"] / max(sums["gap_tokens"], 1.0),
+            "rollout/logprob_gap_max": sums["gap_max"]}
 
 
 def supervised_step(model, optimizer, prompts, targets, device, grad_clip, group=None, clip_grads=None):

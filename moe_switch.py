@@ -9,6 +9,7 @@ source slice is freed as soon as it has been sent.
 
 Contents, primitives first:
   moe_reference      the single-process MoE (router, top-k, experts): the math the EP layer must match
+  DenseMoE           the dense layout converted from; DenseMoE.from_linear takes per-expert nn.Linear layers
   all_to_all_rows    all_to_all_single with uneven splits; backward is the reverse all_to_all
   EPLayout           validated layout: EP degree, world size, which experts each rank owns; new_groups()
   reshard_naive      naive switch: materialise every expert on every rank, keep what the target needs
@@ -38,6 +39,48 @@ Departures from the paper:
 
 Run: python -m pytest tests/test_moe_switch.py   (exactness, round trips, training, memory, bad input)
      python bench/moe_switch.py                  (bytes moved vs minimum, peak memory, switch time)
+
+Using this file elsewhere: torch (gloo on CPU, nccl on CUDA; all_to_all_single with uneven splits and
+batched isend/irecv). The dense MoE it converts from, by attributes: router (an nn.Linear, weight
+(E, D)), w_gate and w_up (E, D, H), w_down (E, H, D): SwiGLU experts y = (silu(x W_gate) * x W_up) W_down,
+combined by the softmax top_k gates renormalised over the chosen k. Per-expert nn.Linear layers (Llama,
+Qwen, Mixtral style: gate_proj/up_proj/down_proj or w1/w3/w2, weights (H, D), (H, D), (D, H)) convert
+with DenseMoE.from_linear. A layout spans ranks 0..W-1 of the job, or any list of them (ranks=), a
+subgroup of a larger job; every rank of the job calls new_groups. Example, on 2 gloo processes
+(tests/test_copy_alone.py runs it in a folder that holds only this file):
+
+    import datetime, os, socket
+    import torch, torch.distributed as dist, torch.multiprocessing as mp
+    from moe_switch import DenseMoE, EPLayout, EPMoE, moe_reference, new_groups
+
+    class Expert(torch.nn.Module):  # the common per-expert format
+        def __init__(self, d, h):
+            super().__init__()
+            self.gate_proj, self.up_proj = torch.nn.Linear(d, h, bias=False), torch.nn.Linear(d, h, bias=False)
+            self.down_proj = torch.nn.Linear(h, d, bias=False)
+
+    def rank_main(rank, world, port):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+        torch.manual_seed(0)  # the same dense weights on every rank
+        dense = DenseMoE.from_linear(torch.nn.Linear(8, 4, bias=False), [Expert(8, 16) for _ in range(4)], top_k=2)
+        train, infer = EPLayout(2, world, 4), EPLayout(1, world, 4)  # EP 2 to train, EP 1 to generate
+        train_group, infer_group = new_groups(train)[0], new_groups(infer)[0]
+        moe = EPMoE.from_dense(dense, train, train_group)  # each rank holds 2 of the 4 experts
+        x = torch.randn(5 + rank, 8)  # this rank's tokens
+        want = moe_reference(x, dense.router.weight, {n: getattr(dense, n) for n in ("w_gate", "w_up", "w_down")}, 2)
+        assert torch.allclose(moe(x), want, atol=1e-5)  # tokens crossed ranks to their experts and back
+        stats = moe.switch(infer, infer_group, bucket_bytes=1 << 16)  # now every rank holds all 4
+        assert torch.allclose(moe(x), want, atol=1e-5)
+        print(f"rank {rank}: EP 2 -> 1 moved {stats['bytes_moved']} bytes, the minimum {stats['bytes_min']}")
+        dist.barrier()  # every rank done before any tears down
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(rank_main, args=(2, port), nprocs=2)
 
 Shapes: N tokens, D model width, H expert hidden width, E experts, k experts per token, P EP degree,
 W world size, L = E / P local experts, M tokens received by this rank, B bucket bytes.
@@ -79,6 +122,29 @@ def moe_reference(x, router_weight, experts, top_k):
     return out
 
 
+class DenseMoE(nn.Module):
+    """The dense layout this file converts from (see 'Using this file elsewhere'), as a module."""
+
+    def __init__(self, router_weight, w_gate, w_up, w_down, top_k):
+        super().__init__()
+        E, D = router_weight.shape
+        self.router = nn.Linear(D, E, bias=False)
+        self.router.weight = nn.Parameter(router_weight)                      # (E, D)
+        self.w_gate, self.w_up, self.w_down = nn.Parameter(w_gate), nn.Parameter(w_up), nn.Parameter(w_down)
+        self.top_k = top_k
+
+    @classmethod
+    def from_linear(cls, router, experts, top_k, names=("gate_proj", "up_proj", "down_proj")):
+        """router: nn.Linear(D, E); experts: E modules holding nn.Linear gate (D -> H), up (D -> H) and
+        down (H -> D) under `names` (Mixtral: ("w1", "w3", "w2")). Copies: (E, D, H) x2, (E, H, D)."""
+        gate, up, down = ([getattr(m, n).weight.detach().T for m in experts] for n in names)  # E x (D, H), (H, D)
+        return cls(router.weight.detach().clone(), torch.stack(gate), torch.stack(up), torch.stack(down), top_k)
+
+    def forward(self, x):
+        experts = {n: getattr(self, n) for n in EXPERT_NAMES}
+        return moe_reference(x.reshape(-1, x.shape[-1]), self.router.weight, experts, self.top_k).view_as(x)
+
+
 # ----------------------------------------------------------------------------- communication primitive
 def _a2a(x, out_splits, in_splits, group):
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
@@ -109,10 +175,13 @@ def all_to_all_rows(x, out_splits, in_splits, group):
 @dataclass(frozen=True)
 class EPLayout:
     """Who owns which expert. Rank grid arange(W).view(P, W // P): row p owns expert block p, and the
-    W // P ranks of a row are data-parallel replicas. An EP group takes one rank from each row."""
-    ep: int          # P, the expert-parallel degree: the experts split into P blocks of L = E / P
-    world_size: int  # W ranks, each holding one block
-    n_experts: int   # E
+    W // P ranks of a row are data-parallel replicas. An EP group takes one rank from each row. Ranks here
+    are the layout's own, 0 .. W-1; `ranks` names the process group ranks they are (default 0 .. W-1),
+    so that a layout can span part of a larger job."""
+    ep: int            # P, the expert-parallel degree: the experts split into P blocks of L = E / P
+    world_size: int    # W ranks, each holding one block
+    n_experts: int     # E
+    ranks: tuple = None  # the global rank of each layout rank (None: the same numbers)
 
     def __post_init__(self):
         bad = [f"{name} {n}" for name, n in (("n_experts", self.n_experts), ("world size", self.world_size))
@@ -120,6 +189,19 @@ class EPLayout:
         if bad:
             raise ValueError(f"EP degree {self.ep} does not divide {' or '.join(bad)}; it must divide both "
                              f"n_experts {self.n_experts} and world size {self.world_size}")
+        if self.ranks is not None and (len(set(self.ranks)) != self.world_size or min(self.ranks) < 0):
+            raise ValueError(f"ranks {self.ranks} must be {self.world_size} distinct global ranks")
+
+    def global_rank(self, r):
+        return r if self.ranks is None else self.ranks[r]
+
+    def local_rank(self, global_rank):
+        """This process's rank in the layout; ValueError if the layout does not span it."""
+        if self.ranks is None:
+            return global_rank
+        if global_rank not in self.ranks:
+            raise ValueError(f"rank {global_rank} is not one of the layout's ranks {list(self.ranks)}")
+        return self.ranks.index(global_rank)
 
     @property
     def dp(self):
@@ -142,17 +224,21 @@ class EPLayout:
 
 
 def new_groups(layout, timeout_s=60.0):
-    """(EP group, DP group) of this rank; every rank must call it (new_group is collective)."""
+    """(EP group, DP group) of this rank, None for a rank outside the layout; every rank of the job must
+    call it (new_group is collective), in the same order."""
     if not dist.is_initialized():
         if layout.world_size != 1:
             raise ValueError(f"layout has world size {layout.world_size} but no process group is initialised")
         return None, None
-    if dist.get_world_size() != layout.world_size:
-        raise ValueError(f"layout world size {layout.world_size} != process group size {dist.get_world_size()}")
+    spans = list(range(layout.world_size)) if layout.ranks is None else list(layout.ranks)
+    if max(spans) >= dist.get_world_size() or (layout.ranks is None and dist.get_world_size() != layout.world_size):
+        raise ValueError(f"layout world size {layout.world_size} (ranks {spans}) does not fit the process group "
+                         f"of {dist.get_world_size()} ranks; pass ranks= to span part of it")
     rank, timeout, mine = dist.get_rank(), datetime.timedelta(seconds=timeout_s), [None, None]
     for kind, ranks_of in enumerate((layout.ep_group_ranks, layout.dp_group_ranks)):
-        for ranks in sorted({tuple(ranks_of(r)) for r in range(layout.world_size)}):
-            g = dist.new_group(list(ranks), timeout=timeout)
+        for local in sorted({tuple(ranks_of(r)) for r in range(layout.world_size)}):
+            ranks = [layout.global_rank(r) for r in local]
+            g = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 mine[kind] = g
     return tuple(mine)
@@ -169,8 +255,13 @@ def stack_local(experts):
 
 
 # ----------------------------------------------------------------------------- re-sharding
-def _rank(group):
-    return dist.get_rank(group) if dist.is_initialized() else 0
+def _rank(group, layout=None):
+    """This process's rank: in `group` if given, else in the layout (its own numbering), else global."""
+    if not dist.is_initialized():
+        return 0
+    if group is not None:
+        return dist.get_rank(group)
+    return dist.get_rank() if layout is None else layout.local_rank(dist.get_rank())
 
 
 def _check_ep_group(layout, group, rank):
@@ -180,8 +271,9 @@ def _check_ep_group(layout, group, rank):
         return
     world = dist.get_world_size() if dist.is_initialized() else 1
     have = dist.get_process_group_ranks(group) if group is not None else list(range(world))
-    if have != layout.ep_group_ranks(rank):
-        raise ValueError(f"EP group ranks {have} are not rank {rank}'s EP group {layout.ep_group_ranks(rank)} "
+    want = [layout.global_rank(r) for r in layout.ep_group_ranks(rank)]
+    if have != want:
+        raise ValueError(f"EP group ranks {have} are not rank {layout.global_rank(rank)}'s EP group {want} "
                          f"under {layout}; pass the first group new_groups(layout) returns")
 
 
@@ -197,11 +289,14 @@ def _held_bytes(*dicts):
 
 
 def _check(experts, src, dst, rank, group):
-    if (src.world_size, src.n_experts) != (dst.world_size, dst.n_experts):
-        raise ValueError(f"layouts differ in world size ({src.world_size} vs {dst.world_size}) "
-                         f"or n_experts ({src.n_experts} vs {dst.n_experts})")
-    if dist.is_initialized() and dist.get_world_size(group) != src.world_size:
+    if (src.world_size, src.n_experts, src.ranks) != (dst.world_size, dst.n_experts, dst.ranks):
+        raise ValueError(f"layouts differ in world size ({src.world_size} vs {dst.world_size}), n_experts "
+                         f"({src.n_experts} vs {dst.n_experts}) or ranks ({src.ranks} vs {dst.ranks})")
+    if dist.is_initialized() and group is not None and dist.get_world_size(group) != src.world_size:
         raise ValueError(f"layout world size {src.world_size} != group size {dist.get_world_size(group)}")
+    if dist.is_initialized() and group is None and src.ranks is None and dist.get_world_size() != src.world_size:
+        raise ValueError(f"layout world size {src.world_size} != process group size {dist.get_world_size()}; "
+                         "a layout over part of the job names its ranks (EPLayout(..., ranks=...))")
     for n, s in experts.items():
         if sorted(s) != list(src.owned(rank)):
             raise ValueError(f"rank {rank} holds experts {sorted(s)} of {n}, layout says {list(src.owned(rank))}")
@@ -210,7 +305,10 @@ def _check(experts, src, dst, rank, group):
 def reshard_naive(experts, src, dst, group=None):
     """Naive switch: all_reduce every expert onto every rank (one contributor each), keep the target's.
     Moves and briefly holds all E experts per name on every rank: the redundancy the paper removes."""
-    rank = _rank(group)
+    if src.ranks is not None and group is None:
+        raise ValueError(f"a layout over ranks {list(src.ranks)} needs the group of those ranks (the naive "
+                         "switch all-reduces over it)")
+    rank = _rank(group, src)
     _check(experts, src, dst, rank, group)
     stats = dict(bytes_moved=0, peak_bytes=_held_bytes(experts))
     new = {}
@@ -253,15 +351,16 @@ def plan_reshard(src, dst, slice_bytes, bucket_bytes):
     return rounds
 
 
-def _peer(group, r):
-    return r if group is None else dist.get_global_rank(group, r)  # P2POp wants global ranks
+def _peer(group, r, layout):
+    """Layout rank r's global rank: P2POp wants global ranks."""
+    return layout.global_rank(r) if group is None else dist.get_global_rank(group, r)
 
 
 def reshard(experts, src, dst, bucket_bytes, group=None):
     """Move this rank's expert slices from layout src to layout dst, one bucket-sized round at a time.
     experts: name -> {global expert id: tensor}, exactly src.owned(rank); it is consumed (the caller must
     hold no other reference, or freed slices stay alive). Returns (name -> {e: tensor} for dst, stats)."""
-    rank = _rank(group)
+    rank = _rank(group, src)
     _check(experts, src, dst, rank, group)
     meta = {n: (t.shape, t.dtype, t.device, t.nbytes) for n, s in experts.items() for t in [next(iter(s.values()))]}
     slice_bytes = {n: m[3] for n, m in meta.items()}
@@ -281,12 +380,12 @@ def reshard(experts, src, dst, bucket_bytes, group=None):
         for tag, (n, e, s, r) in enumerate(rnd):
             if s == rank:  # straight from the source storage, no staging copy
                 t = experts[n][e] if e in experts[n] else new[n][e]  # a kept slice already sits in new
-                ops.append(dist.P2POp(dist.isend, t.contiguous(), _peer(group, r), group, tag))
+                ops.append(dist.P2POp(dist.isend, t.contiguous(), _peer(group, r, src), group, tag))
                 sent.append((n, e))
             elif r == rank:  # straight into its final storage, one tensor per slice: freeable alone
                 shape, dtype, device, nb = meta[n]
                 new[n][e] = torch.empty(shape, dtype=dtype, device=device)
-                ops.append(dist.P2POp(dist.irecv, new[n][e], _peer(group, s), group, tag))
+                ops.append(dist.P2POp(dist.irecv, new[n][e], _peer(group, s, src), group, tag))
                 stats["bytes_moved"] += nb
         held = _held_bytes(experts, new)  # the round's receives allocated, its sends not yet freed
         stats["peak_bytes"], stats["peak_switch_bytes"] = max(stats["peak_bytes"], held), \
@@ -317,7 +416,7 @@ class EPMoE(nn.Module):
         """Uninitialised (and the global RNG untouched): fill it with load_dense, or build it with from_dense,
         so that every layout starts from the same weights."""
         super().__init__()
-        self.top_k, self.layout, self.group, self.rank = top_k, layout, group, _rank(None)
+        self.top_k, self.layout, self.group, self.rank = top_k, layout, group, _rank(None, layout)
         _check_ep_group(layout, group, self.rank)
         self.router = nn.utils.skip_init(nn.Linear, d_model, n_experts, bias=False)  # (E, D), replicated
         shapes = dict(w_gate=(d_model, d_hidden), w_up=(d_model, d_hidden), w_down=(d_hidden, d_model))
@@ -422,11 +521,14 @@ class ExpertParallel:
     fusion.FusedActor, inside its switch. clip_grads(model, max_norm) is the clip of the training step.
     shard(module) gives another copy of the model (the frozen reference) the same training layout."""
 
-    def __init__(self, train_ep, infer_ep, world_size, n_experts, bucket_bytes, timeout_s=300.0):
-        self.train_layout = EPLayout(train_ep, world_size, n_experts)
-        self.infer_layout = EPLayout(infer_ep, world_size, n_experts)
+    def __init__(self, train_ep, infer_ep, world_size, n_experts, bucket_bytes, timeout_s=300.0, ranks=None):
+        self.train_layout = EPLayout(train_ep, world_size, n_experts, ranks)
+        self.infer_layout = EPLayout(infer_ep, world_size, n_experts, ranks)
         self.train_groups = new_groups(self.train_layout, timeout_s)  # (EP, DP); collective
         self.infer_groups = new_groups(self.infer_layout, timeout_s)
+        self.group = None  # the layout's ranks, when they are part of the job: for the norm's all-reduce
+        if ranks is not None and dist.is_initialized():
+            self.group = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s))
         self.bucket_bytes, self.world, self.stats = bucket_bytes, world_size, {}
         self.model_layers, self.engine_layers, self.names = [], [], set()
 
@@ -498,7 +600,7 @@ class ExpertParallel:
         norm = torch.nn.utils.get_total_norm(dense)
         sq = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).double() ** 2
         own = sum(p.grad.double().pow(2).sum() for p in self.params(model) if p.numel()).reshape(1)
-        dist.all_reduce(own)  # every expert counted once per replica
+        dist.all_reduce(own, group=self.group)  # every expert counted once per replica
         total = (sq + own[0] / self.train_layout.dp).sqrt()
         coef = min(1.0, max_norm / (float(total) + 1e-6))
         for p in model.parameters():
@@ -513,10 +615,11 @@ def _untie(moe):
             p.data = p.data.new_empty(0)
 
 
-def dense_state_dict(model):
-    """The whole model on every rank (collective), in the dense model's names and order: FSDP2 shards
-    gathered; EP experts (one tensor per expert, on their owners) broadcast by their first holder and
-    stacked (E, ...). What a checkpoint or a dense reference model loads."""
+def dense_state_dict(model, group=None):
+    """The whole model on every rank (collective over `group`: the ranks of the EP layout, default all),
+    in the dense model's names and order: FSDP2 shards gathered; EP experts (one tensor per expert, on
+    their owners) broadcast by their first holder and stacked (E, ...). What a checkpoint or a dense
+    reference model loads."""
     full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
     ep = {name: m for name, m in model.named_modules() if isinstance(m, EPMoE)}
     out = {}
@@ -525,10 +628,10 @@ def dense_state_dict(model):
         if name in ep and f"{name}.w_gate" not in out:  # the dense MoE's order: its own parameters
             m = ep[name]                                    # (w_gate, w_up, w_down) before router.weight
             for n in EXPERT_NAMES:
-                like = getattr(m, n)[m.layout.owned(_rank(None))[0]]
+                like = getattr(m, n)[m.layout.owned(m.rank)[0]]
                 experts = [p.detach().clone() if p.numel() else torch.empty_like(like) for p in getattr(m, n)]
                 for e, t in enumerate(experts):
-                    dist.broadcast(t, src=m.layout.holders(e)[0])
+                    dist.broadcast(t, src=m.layout.global_rank(m.layout.holders(e)[0]), group=group)
                 out[f"{name}.{n}"] = torch.stack(experts)                                 # (E, ...)
         if name not in ep or k.endswith(".router.weight"):
             out[k] = v

@@ -41,7 +41,7 @@ class RunLog:
         self.offset = time.time() - time.perf_counter() - start[0]  # perf_counter -> seconds since the start
         self.file = open(os.path.join(run.out_dir, "metrics.jsonl"), "w") if run.rank == 0 else None
         self.before = self.accuracy = None
-        self.tokens = self.seconds = self.regenerated = 0.0
+        self.tokens = self.seconds = self.regenerated = self.extra_groups = 0.0
 
     def progress(self):
         return tqdm(range(1, self.run.cfg.steps + 1), disable=self.run.rank != 0, desc="GRPO", dynamic_ncols=True)
@@ -52,23 +52,26 @@ class RunLog:
         return len(self.run.spans.spans), time.perf_counter()
 
     def figures(self, step, mark, sums, extra):
-        """The step's record: sums over every trainer's rows (one collective over the trainers; the oldest
-        sample, age_max, another), the time spent in each phase since `mark`, and `extra` (the switch's)."""
+        """The step's record: sums over every trainer's rows (one collective over the trainers; the maxima,
+        keys ending in _max, another), the time spent in each phase since `mark`, and `extra` (the switch's)."""
         run, (first, t0) = self.run, mark
-        sums = dict(sums)
-        age_max = all_sum({"age": sums.pop("age_max")}, run.device, run.train_group, dist.ReduceOp.MAX)["age"]
-        s = all_sum(sums, run.device, run.train_group)
+        maxima = {k: v for k, v in sums.items() if k.endswith("_max")}
+        s = all_sum({k: v for k, v in sums.items() if k not in maxima}, run.device, run.train_group)
+        s.update(all_sum(maxima, run.device, run.train_group, dist.ReduceOp.MAX))
         step_s, spans, rows = time.perf_counter() - t0, run.spans, max(s["rows"], 1)
         self.tokens, self.seconds = self.tokens + s["response_tokens"], self.seconds + step_s
         self.regenerated += s["regenerated"]
+        self.extra_groups += s["regenerated"] + s["filtered"]
         return {"step": step, "reward/mean": s["reward"] / rows, **grpo.batch_means(s),
                 "rollout/response_tokens": s["response_tokens"], "perf/tokens_per_s": s["response_tokens"] / step_s,
                 "time/step_s": step_s, **{f"time/{k}_s": spans.total(names, first) for k, names in PHASES.items()},
                 # waiting: for samples (queue), or, ready first, for the other ranks' rollouts (idle)
                 "perf/idle_frac": spans.total(("queue", "idle"), first) / step_s,
-                "stale/age_max": age_max, "stale/age_mean": s["age_sum"] / rows,
+                "stale/age_max": s["age_max"], "stale/age_mean": s["age_sum"] / rows,
                 "stale/partial_continued": s["partial_continued"], "stale/regenerated": self.regenerated,
-                **run.queue.metrics(), **extra}
+                # dynamic sampling: groups dropped this step; groups generated and never trained, so far
+                "rollout/filtered_groups": s["filtered"], "rollout/extra_groups": self.extra_groups,
+                **(run.queue.metrics() if self.file else {}), **extra}  # rank 0 writes the record
 
     def warmed_up(self, accuracy):
         """Step 0: the held-out accuracy after the warm-up, the "before" figure."""

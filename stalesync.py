@@ -13,7 +13,6 @@ Contents, naive first:
   StaleConfig       validated knobs: S, groups per step, group size, threshold, decode chunk
   StaleSync         the scheduler: admission, decode chunks, cut at threshold, age bound, accounting
   AllReady          colocated: the ranks' "my batch is ready" flags combined, one all-reduce per chunk
-  Spans             (name, start, end, args) of every timed phase; perf/tokens_per_s, perf/idle_frac
 
 The rules (v = policy version = optimizer steps taken; k = index of the next batch, trained at version k):
   admission  a group may start only while groups_started < (S + v + 1) * groups_per_step, so that after
@@ -51,22 +50,64 @@ Departures from the paper and its relatives:
     python -m pytest tests/test_stalesync.py
     python bench/stalesync.py --lengths lognormal:3,1
 
+Using this file elsewhere: torch only (CPU or CUDA); a process group only for AllReady (any backend).
+The callables StaleSync takes, checked at each call with an error that names the fix:
+  step_fn(contexts, seeds, n_done, max_steps) -> (tokens, logprobs, done), or an object with those three
+      attributes. In: contexts, R int64 tensors (a prompt and its response so far); seeds (R,) int64,
+      one per sample and the same at every call on it; n_done (R,) int64, response tokens each row
+      already has; max_steps, at most this many new tokens per row (None: to the end). Out: tokens and
+      logprobs, R sequences (tensors or lists, possibly empty) of the new tokens and their log-probs;
+      done, R bools, True once a row has ended. Every call makes a token or ends each row.
+  prompt_fn() -> the next prompt, an int64 tensor (P,); seed_fn(sample_id) -> int, optional.
+  reset, state (optional): the sampler's cache reset, called when new weights arrive (update()), and an
+      object with state_dict()/load_state_dict() saved in the scheduler's checkpoint. Default: step_fn's,
+      or its owner's when step_fn is a bound method: reset() if it has one; itself as the state if it has
+      state_dict() and is not an nn.Module (a model's weights do not belong in this checkpoint).
+Example (tests/test_copy_alone.py runs it in a folder that holds only this file):
+
+    import torch
+    from stalesync import StaleConfig, StaleSync
+
+    def toy_sampler(contexts, seeds, n_done, max_steps):  # row s ends after s % 5 + 1 tokens
+        left = [s % 5 + 1 - n for s, n in zip(seeds.tolist(), n_done.tolist())]
+        made = [k if max_steps is None else min(k, max_steps) for k in left]
+        return [[7] * m for m in made], [[-0.1] * m for m in made], [m == k for m, k in zip(made, left)]
+
+    cfg = StaleConfig(staleness=1, groups_per_step=2, group_size=4, threshold=0.5, chunk_steps=2)
+    sched = StaleSync(cfg, toy_sampler, prompt_fn=lambda: torch.tensor([1, 2, 3]))
+    for step in range(6):
+        batch = sched.rollout()             # 2 complete groups of 4, for the weights of version `step`
+        assert max(step - v for v in batch.start_versions) <= cfg.staleness
+        sched.update()                      # an optimizer step on `batch` made version step + 1
+    print("trained", len(sched.accounting()["trained"]), "samples")
+
 Shapes: B samples in a batch, G group size, T response tokens (n_i per sample), S staleness bound,
 v policy version, k batch index.
 """
 import math
 import numbers
-import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 
-def _unpack(out):
-    """A sampler's output: (tokens, logprobs, done) or an object with those attributes (model.Generation)."""
-    return (out.tokens, out.logprobs, out.done) if hasattr(out, "tokens") else tuple(out)
+def _unpack(out, rows):
+    """A sampler's output for `rows` rows: (tokens, logprobs, done), or an object with those attributes
+    (model.Generation), each of R items; tokens and logprobs as tensors. Refuses anything else, naming
+    the contract."""
+    tokens, logprobs, done = (out.tokens, out.logprobs, out.done) if hasattr(out, "tokens") else tuple(out)
+    if not len(tokens) == len(logprobs) == len(done) == rows:
+        raise ValueError(f"the sampler returned {len(tokens)} token rows, {len(logprobs)} log-prob rows and "
+                         f"{len(done)} done flags for {rows} rows; it must return one of each per row "
+                         "(see 'Using this file elsewhere' in stalesync.py)")
+    tokens = [torch.as_tensor(t, dtype=torch.long).reshape(-1) for t in tokens]
+    logprobs = [torch.as_tensor(lp, dtype=torch.float32).reshape(-1) for lp in logprobs]
+    bad = [i for i, (t, lp) in enumerate(zip(tokens, logprobs)) if len(t) != len(lp)]
+    if bad:
+        raise ValueError(f"rows {bad[:8]}: the sampler returned a different number of tokens and log-probs")
+    return tokens, logprobs, [bool(d) for d in done]
 
 
 # ----------------------------------------------------------------------------- the naive round
@@ -74,7 +115,7 @@ def sync_rollout(step_fn, prompts, group_size, seeds):
     """Naive synchronous round: G responses per prompt in one sampler call that waits for the longest.
     prompts: list of (P_i,); seeds (B,) with B = len(prompts) * G. Returns tokens, logprobs, done (lists)."""
     contexts = [p for p in prompts for _ in range(group_size)]
-    return _unpack(step_fn(contexts, seeds, torch.zeros(len(contexts), dtype=torch.long), None))
+    return _unpack(step_fn(contexts, seeds, torch.zeros(len(contexts), dtype=torch.long), None), len(contexts))
 
 
 # ----------------------------------------------------------------------------- the scheduler
@@ -119,17 +160,28 @@ class Batch:
 
 class StaleSync:
     """Bounded-staleness scheduler over prompt groups. prompt_fn() -> (P,) int64 gives the next prompt;
-    seed_fn(sample_id) -> int gives the sampling seed of a sample (ids are 0, 1, 2, ... in order)."""
+    seed_fn(sample_id) -> int gives the sampling seed of a sample (ids are 0, 1, 2, ... in order).
+    keep_group(prompt, responses) -> bool, optional (dynamic sampling): a group it refuses once complete
+    (say, every reward equal: no advantage) is dropped, counted (stale/filtered) and frees its admission
+    slot, so that more groups start until groups_per_step kept ones are complete."""
 
-    def __init__(self, cfg: StaleConfig, step_fn, prompt_fn, seed_fn=lambda sid: sid):
+    def __init__(self, cfg: StaleConfig, step_fn, prompt_fn, seed_fn=lambda sid: sid, keep_group=None,
+                 reset=None, state=None):
         self.cfg, self.step_fn, self.prompt_fn, self.seed_fn = cfg, step_fn, prompt_fn, seed_fn
+        self.keep_group = keep_group
+        owner = getattr(step_fn, "__self__", step_fn)  # a bound method's object: where reset and state are
+        self.reset_fn = reset if reset is not None else getattr(owner, "reset", None)
+        plain = hasattr(owner, "state_dict") and hasattr(owner, "load_state_dict") and not isinstance(owner, torch.nn.Module)
+        self.sampler_state = state if state is not None else (owner if plain else None)
         self.version = 0          # v: weights the sampler uses now
         self.batches_out = 0      # k: batches emitted; the next one is trained at version k
         self.groups_started = 0   # admitted prompt groups (regenerations not counted)
         self.next_id = 0          # next sample id
         self.pool = []            # groups not yet emitted (in flight or complete), admission order
-        self.fate = {}            # sample id -> "trained" | "regenerated"
+        self.fate = {}            # sample id -> "trained" | "regenerated" | "filtered"
         self.regenerated = 0      # groups regenerated because they would have aged past S
+        self.filtered = 0         # complete groups keep_group dropped
+        self.filtered_reported = 0  # of those, reported in a batch's metrics so far
         self.max_admitted_over = -10**9  # max over time of groups_started - capacity (tests: <= 0)
 
     # --- admission
@@ -145,13 +197,13 @@ class StaleSync:
     def admit(self):
         """Start new groups while capacity and the decode pool allow. Returns how many started."""
         n = 0
-        while self.groups_started < self.capacity() and self.in_flight() < self.cfg.pool_groups:
+        while self.groups_started - self.filtered < self.capacity() and self.in_flight() < self.cfg.pool_groups:
             g = dict(gid=self.groups_started, prompt=self.prompt_fn())
             self._new_samples(g)
             self.pool.append(g)
             self.groups_started += 1
             n += 1
-            self.max_admitted_over = max(self.max_admitted_over, self.groups_started - self.capacity())
+            self.max_admitted_over = max(self.max_admitted_over, self.groups_started - self.filtered - self.capacity())
         return n
 
     def in_flight(self):
@@ -172,7 +224,10 @@ class StaleSync:
         seeds = torch.tensor([s["seed"] for _, s in rows], dtype=torch.long)                    # (R,)
         n_done = torch.tensor([len(s["tokens"]) for _, s in rows], dtype=torch.long)            # (R,)
         max_steps = None if self.cfg.staleness == 0 else self.cfg.chunk_steps
-        tokens, logprobs, done = _unpack(self.step_fn(contexts, seeds, n_done, max_steps))
+        tokens, logprobs, done = _unpack(self.step_fn(contexts, seeds, n_done, max_steps), len(rows))
+        if not any(len(t) for t in tokens) and not any(done):
+            raise RuntimeError(f"the sampler made no token and ended no row of the {len(rows)} in flight "
+                               f"(max_steps={max_steps}): every call must make a token or end each row")
         n = 0
         for (_, s), t, lp, d in zip(rows, tokens, logprobs, done):
             s["tokens"] += t.tolist()
@@ -180,7 +235,19 @@ class StaleSync:
             s["versions"] += [self.version] * len(t)
             s["done"] = bool(d)
             n += len(t)
+        self._filter({id(g): g for g, _ in rows}.values())
         return n
+
+    def _filter(self, groups):
+        """Dynamic sampling: drop the groups that just completed and that keep_group refuses."""
+        if self.keep_group is None:
+            return
+        for g in [g for g in groups if _complete(g)]:
+            if not self.keep_group(g["prompt"], [torch.tensor(s["tokens"], dtype=torch.long) for s in g["samples"]]):
+                self.pool = [h for h in self.pool if h is not g]
+                for s in g["samples"]:
+                    self.fate[s["id"]] = "filtered"
+                self.filtered += 1
 
     # --- cut at threshold, age bound
     def _due(self):
@@ -214,10 +281,13 @@ class StaleSync:
         samples = [(g, s) for g in chosen for s in g["samples"]]
         for _, s in samples:
             self.fate[s["id"]] = "trained"
+        filtered_at_cut = self.filtered - self.filtered_reported
+        self.filtered_reported = self.filtered
         ages = [k - g["start_version"] for g, _ in samples]                                        # (B,)
         metrics = {"stale/age_max": max(ages), "stale/age_mean": sum(ages) / len(ages),
                    "stale/regenerated": self.regenerated,  # so far; at this cut:
                    "stale/regenerated_at_cut": self.regenerated - regenerated_before,
+                   "stale/filtered": self.filtered, "stale/filtered_at_cut": filtered_at_cut,
                    "stale/partial_continued": sum(len(set(s["versions"])) > 1 for _, s in samples),
                    "rollout/response_tokens": sum(len(s["tokens"]) for _, s in samples)}
         return Batch(version=k, ids=[s["id"] for _, s in samples], prompts=[g["prompt"] for g, _ in samples],
@@ -229,6 +299,7 @@ class StaleSync:
 
     def rollout(self, spans=None, all_ready=None):
         """Colocated round: admit (refilling the pool), decode chunks until ready, emit batch k = version.
+        spans(name), optional: a context manager that times the round ("rollout"; timeline.Spans).
 
         all_ready(mine: bool) -> bool, optional: this rank's readiness combined over the ranks that train
         together (an all-reduce MIN of one flag, called exactly once per loop turn on every rank; a rank
@@ -248,20 +319,20 @@ class StaleSync:
 
     def update(self, version=None):
         """New weights reached the sampler: version + 1 (colocated), or the version received (separated).
-        A sampler that keeps a KV cache between calls (one with a reset() method, model.Sampler) drops
-        it here: every in-flight prefix must be read again under the new weights."""
+        A sampler that keeps a KV cache between calls (model.Sampler; see `reset`) drops it here: every in-flight prefix must be read again under the new weights."""
         if version is not None and not (_is_int(version) and self.version <= version <= self.batches_out):
             raise ValueError(f"update(version={version!r}): weights of version v are trained on batches < v, so "
                              f"v must be an integer in [{self.version}, {self.batches_out}] (the sampler's version "
                              "up to the batches emitted)")
         self.version = self.version + 1 if version is None else int(version)
-        if hasattr(self.step_fn, "reset"):
-            self.step_fn.reset()
+        if self.reset_fn is not None:
+            self.reset_fn()
 
     # --- accounting and checkpoint
     def accounting(self):
-        """Sample ids by fate: trained (emitted in a batch), regenerated (never trained), in flight (pool)."""
-        out = {"trained": set(), "regenerated": set(), "in_flight": set()}
+        """Sample ids by fate: trained (emitted in a batch), regenerated or filtered (never trained), in
+        flight (pool)."""
+        out = {"trained": set(), "regenerated": set(), "filtered": set(), "in_flight": set()}
         for i, f in self.fate.items():
             out[f].add(i)
         out["in_flight"] = {s["id"] for g in self.pool for s in g["samples"]}
@@ -276,18 +347,20 @@ class StaleSync:
                               for s in g["samples"]]) for g in self.pool]
         return dict(cfg=vars(self.cfg).copy(), version=self.version, batches_out=self.batches_out,
                     groups_started=self.groups_started, next_id=self.next_id, regenerated=self.regenerated,
+                    filtered=self.filtered, filtered_reported=self.filtered_reported,
                     max_admitted_over=self.max_admitted_over, fate=dict(self.fate), pool=pool,
-                    sampler=self.step_fn.state_dict() if hasattr(self.step_fn, "state_dict") else None)
+                    sampler=self.sampler_state.state_dict() if self.sampler_state is not None else None)
 
     def load_state_dict(self, sd):
         if sd["cfg"] != vars(self.cfg):
             raise ValueError(f"checkpoint config {sd['cfg']} differs from this scheduler's {vars(self.cfg)}")
-        for key in ("version", "batches_out", "groups_started", "next_id", "regenerated", "max_admitted_over"):
+        for key in ("version", "batches_out", "groups_started", "next_id", "regenerated", "filtered",
+                    "filtered_reported", "max_admitted_over"):
             setattr(self, key, sd[key])
         if sd["sampler"] is not None:  # the held rows' KV cache too (model.Sampler): a bit-exact resume
-            self.step_fn.load_state_dict(sd["sampler"])
-        elif hasattr(self.step_fn, "reset"):  # a cache not checkpointed: the prefixes are read again
-            self.step_fn.reset()
+            self.sampler_state.load_state_dict(sd["sampler"])
+        elif self.reset_fn is not None:  # a cache not checkpointed: the prefixes are read again
+            self.reset_fn()
         self.fate = dict(sd["fate"])
         self.pool = [dict(gid=g["gid"], prompt=g["prompt"].clone(), start_version=g["start_version"],
                           samples=[dict(id=s["id"], seed=s["seed"], done=s["done"], tokens=s["tokens"].tolist(),
@@ -302,7 +375,7 @@ class AllReady:
     on; a rank that is ready waits for the answer (idle time, spanned "idle") and keeps decoding its
     in-flight tail while the answer is no."""
 
-    def __init__(self, group=None, device="cpu", spans=None):
+    def __init__(self, group=None, device="cpu", spans=None):  # spans: times the waits ("idle"), optional
         self.group, self.device, self.spans = group, device, spans
         self.posted = []  # not-ready flags in flight: (work, tensor)
 
@@ -328,34 +401,3 @@ def _complete(g):
 
 
 # ----------------------------------------------------------------------------- timing
-class Spans:
-    """Records every timed phase as (name, start, end, args); spans named in `idle` count as waiting.
-    args: a copy of `self.args` when the span began (the caller sets e.g. the step and policy version
-    there), so that a timeline can say what each span belonged to. device: on CUDA, a span ends only
-    once the device's queued work has (the times are then real)."""
-
-    def __init__(self, idle=("idle",), device=None):
-        self.spans, self.idle, self.t0, self.args = [], set(idle), time.perf_counter(), {}
-        self.cuda = device if device is not None and torch.device(device).type == "cuda" else None
-
-    @contextmanager
-    def __call__(self, name):
-        t0, args = time.perf_counter(), dict(self.args)
-        try:
-            yield
-        finally:
-            if self.cuda is not None:
-                torch.cuda.synchronize(self.cuda)
-            self.spans.append((name, t0, time.perf_counter(), args))
-
-    def total(self, names, since=0):
-        """Seconds spent in spans called `names` (a name or a tuple of names), over the spans since index `since`."""
-        names = (names,) if isinstance(names, str) else tuple(names)
-        return sum(t1 - t0 for n, t0, t1, _ in self.spans[since:] if n in names)
-
-    def perf(self, tokens, since_t=None):
-        """perf/tokens_per_s and perf/idle_frac over the wall time since since_t (default: creation)."""
-        t0 = self.t0 if since_t is None else since_t
-        wall = max(time.perf_counter() - t0, 1e-9)
-        idle = sum(min(b, time.perf_counter()) - max(a, t0) for n, a, b, _ in self.spans if n in self.idle and b > t0)
-        return {"perf/tokens_per_s": tokens / wall, "perf/idle_frac": idle / wall}

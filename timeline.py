@@ -1,7 +1,9 @@
 # Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (the LICENSE file).
-"""Where a run's time went: a trace for Perfetto, a Gantt chart of a few steps, and learning curves.
+"""Where a run's time went: the spans a run records, a trace for Perfetto, a Gantt chart of a few
+steps, and learning curves.
 
-A run of train_grpo.py leaves in its folder one spans_rank<N>.jsonl per rank (every timed phase:
+`Spans` times every phase of a rank through one helper: `with spans("train"): ...` records (name,
+start, end, args), args being the step and policy version the caller set. A run of train_grpo.py leaves in its folder one spans_rank<N>.jsonl per rank (every timed phase:
 {"rank", "name", "start", "end", "step", "version"}, in seconds since the run started) and metrics.jsonl
 (one object per step). From them this module writes, standard library only:
   trace.json     Chrome trace-event format, one track per rank: open it in ui.perfetto.dev or chrome://tracing
@@ -14,13 +16,15 @@ A run of train_grpo.py leaves in its folder one spans_rank<N>.jsonl per rank (ev
     python -m timeline runs/A runs/B --out curves.svg --labels S0,S1   # one comparison of several runs
     python timeline.py --help
 
-Contents: load_spans, check_nesting, trace_events / write_trace, pick_window, write_timeline_svg,
+Contents: Spans (recording), load_spans, check_nesting, trace_events / write_trace, pick_window, write_timeline_svg,
 load_metrics, curve_points, write_curves_svg, write_all, main.
 """
 import argparse
 import json
 import math
 import os
+import time
+from contextlib import contextmanager
 from xml.sax.saxutils import escape, quoteattr
 
 # Phase -> (fill, hatched). Okabe-Ito and Paul Tol colours, readable under the common colour blindnesses;
@@ -42,6 +46,42 @@ PHASES = {
 FALLBACK = ("#CC6677", False)                 # rose, for a phase not listed above
 RUN_COLOURS = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#000000", "#F0E442"]
 WIDTH = 1000
+
+
+# --- recording -------------------------------------------------------------------------------
+
+class Spans:
+    """Records every timed phase as (name, start, end, args); spans named in `idle` count as waiting.
+    args: a copy of `self.args` when the span began (the caller sets e.g. the step and policy version
+    there), so that a timeline can say what each span belonged to. device: on CUDA, a span ends only
+    once the device's queued work has (the times are then real)."""
+
+    def __init__(self, idle=("idle",), device=None):
+        self.spans, self.idle, self.t0, self.args = [], set(idle), time.perf_counter(), {}
+        self.cuda = device if device is not None and str(device).startswith("cuda") else None
+
+    @contextmanager
+    def __call__(self, name):
+        t0, args = time.perf_counter(), dict(self.args)
+        try:
+            yield
+        finally:
+            if self.cuda is not None:
+                import torch  # only on CUDA: this file needs nothing but the standard library otherwise
+                torch.cuda.synchronize(self.cuda)
+            self.spans.append((name, t0, time.perf_counter(), args))
+
+    def total(self, names, since=0):
+        """Seconds spent in spans called `names` (a name or a tuple of names), over the spans since index `since`."""
+        names = (names,) if isinstance(names, str) else tuple(names)
+        return sum(t1 - t0 for n, t0, t1, _ in self.spans[since:] if n in names)
+
+    def perf(self, tokens, since_t=None):
+        """perf/tokens_per_s and perf/idle_frac over the wall time since since_t (default: creation)."""
+        t0 = self.t0 if since_t is None else since_t
+        wall = max(time.perf_counter() - t0, 1e-9)
+        idle = sum(min(b, time.perf_counter()) - max(a, t0) for n, a, b, _ in self.spans if n in self.idle and b > t0)
+        return {"perf/tokens_per_s": tokens / wall, "perf/idle_frac": idle / wall}
 
 
 # --- spans ------------------------------------------------------------------------------------

@@ -46,7 +46,8 @@ import grpo
 import moe_switch
 import stalesync
 import task
-from config import Config, Roles, model_config, parse_args, validate
+import timeline
+from config import Config, Roles, loss_agg, model_config, parse_args, validate
 from model import Policy, Sampler, generate
 from runlog import RunLog, all_sum
 
@@ -84,7 +85,7 @@ def colocated_loop(run):
             actor.to_train()
         # 2-3. score, group advantages, into the queue
         with spans("score"):
-            put_scored(run, batch)
+            score_and_enqueue(run, batch)
         # 4. a token-balanced share of the whole batch; the reference's log-probs of it
         samples, figures = read_share(run, step)
         ref_logprobs = reference_logprobs(run, samples)
@@ -151,7 +152,7 @@ def generator_loop(run):
             # 2-3. every batch the cut releases: score, group advantages, into the queue
             while sched.ready() and sched.batches_out < cfg.steps:
                 with spans("score"):
-                    put_scored(run, sched.take())
+                    score_and_enqueue(run, sched.take())
         run.queue.serve()
         if n_tokens == 0:  # nothing admissible in flight: wait for the next version (the bound S)
             with spans("idle"):
@@ -160,37 +161,41 @@ def generator_loop(run):
 
 
 # ----------------------------------------------------------------------------- the RL step's stages
-def put_scored(run, batch):
+def score_and_enqueue(run, batch):
     """2-3. Score each response, normalise the rewards within each group (a group never spans replicas),
     and put the rows into the queue: one writer per TP group, its peers hold the same samples."""
     rewards = torch.tensor([task.score(p, r) for p, r in zip(batch.prompts, batch.responses)])      # (B,)
-    advantages = grpo.group_advantages(rewards, run.cfg.group_size, scale_by_std=run.cfg.scale_by_std)
+    advantages = grpo.group_advantages(rewards, run.cfg.group_size, run.cfg.adv_estimator)
     if run.rank not in run.roles.writers():
         return
-    regenerated = [batch.metrics["stale/regenerated_at_cut"]] + [0] * (len(batch.ids) - 1)  # counted once
-    stale = [torch.tensor([start, len(set(v.tolist())), n]) for start, v, n in
-             zip(batch.start_versions, batch.token_versions, regenerated)]                          # (3,) each
+    at_cut = [(batch.metrics["stale/regenerated_at_cut"], batch.metrics["stale/filtered_at_cut"])]  # counted
+    at_cut += [(0, 0)] * (len(batch.ids) - 1)                                                # once, on row 0
+    stale = [torch.tensor([start, len(set(v.tolist())), *counts]) for start, v, counts in
+             zip(batch.start_versions, batch.token_versions, at_cut)]                               # (4,) each
     run.queue.put({"prompt": batch.prompts, "response": batch.responses, "old_logprobs": batch.logprobs,
                    "reward": rewards.tolist(), "advantage": advantages.tolist(), "stale": stale})
 
 
 def read_share(run, step):
-    """4. This trainer's token-balanced share of batch step - 1: every writer's rows of it (row ids are
-    the queue's, n_local per writer and batch, in order), whichever writer runs furthest ahead."""
+    """4. This trainer's token-balanced share of batch step - 1: every writer's rows of it (a writer puts
+    n_local rows per batch, in order: its rows j of that batch have known ids), however far ahead a
+    writer runs."""
     cfg, roles = run.cfg, run.roles
     per_step = cfg.prompts_per_step * cfg.group_size
     n_local = per_step // roles.replicas
-    ids = {j * roles.world + w for w in roles.writers() for j in range((step - 1) * n_local, step * n_local)}
+    ids = {run.queue.row_id(j, w) for w in roles.writers() for j in range((step - 1) * n_local, step * n_local)}
     with run.spans("queue"):
         rows = run.queue.get("train", per_step, dp_group=run.train_group, only=ids)
-    stale = torch.stack(rows.cols["stale"]) if rows.ids else torch.zeros(0, 3, dtype=torch.long)       # (B, 3)
+    stale = torch.stack(rows.cols["stale"]) if rows.ids else torch.zeros(0, 4, dtype=torch.long)       # (B, 4)
     ages = (step - 1) - stale[:, 0]                                                                   # (B,)
     figures = {"reward": float(rows.stack("reward").sum()), "rows": len(rows.ids),
                "response_tokens": float(sum(len(r) for r in rows.cols["response"])),
                "age_sum": float(ages.sum()), "age_max": float(ages.max()) if len(ages) else 0.0,
-               "partial_continued": float((stale[:, 1] > 1).sum()), "regenerated": float(stale[:, 2].sum())}
-    samples = grpo.Samples(rows.cols["prompt"], rows.cols["response"], rows.cols["old_logprobs"],
-                           rows.stack("advantage"))
+               "partial_continued": float((stale[:, 1] > 1).sum()), "regenerated": float(stale[:, 2].sum()),
+               "filtered": float(stale[:, 3].sum())}
+    advantages = grpo.finish_advantages(rows.stack("advantage"), cfg.adv_estimator, run.device, run.train_group)
+    samples = grpo.Samples(rows.cols["prompt"], rows.cols["response"], rows.cols["old_logprobs"], advantages,
+                           truncated=[bool(r[-1] != task.EOS) for r in rows.cols["response"]])
     return samples, figures
 
 
@@ -308,7 +313,7 @@ class Run:
     roles: Roles
     device: torch.device
     out_dir: str
-    spans: stalesync.Spans        # every timed phase of this rank
+    spans: timeline.Spans         # every timed phase of this rank
     store: object                 # the process group's store: the queue's control plane, announcements
     queue: distqueue.DistQueue    # rollout -> training, packed
     eval_prompts: list            # the held-out set, never trained on
@@ -324,7 +329,7 @@ class Run:
     engine: Policy = None         # the rollout engine (generators)
     sampler: Sampler = None       # the engine's sampler; keeps its KV cache between decode chunks
     sched: stalesync.StaleSync = None
-    actor: fusion.FusedActor = None  # colocated: the phase switch (its movers: the EP re-shard)
+    actor: fusion.FusedActor = None  # colocated: the actor's phase switch (its movers: the EP re-shard)
     all_ready: stalesync.AllReady = None  # colocated: the ranks' "batch ready" flags combined
     push_group: object = None     # separated: trainer 0 and the generators
     log: "RunLog" = None
@@ -342,7 +347,7 @@ def build(cfg, out_dir=None):
     roles = Roles(world, cfg.deploy == "separated", cfg.infer_tp)
     store = distqueue.default_store()
     eval_prompts, warm_stream, rl_stream = task.prompt_streams(cfg.seed, cfg.max_digits, cfg.eval_prompts)
-    run = Run(cfg, rank, roles, device, out_dir, stalesync.Spans(device=device), store,
+    run = Run(cfg, rank, roles, device, out_dir, timeline.Spans(device=device), store,
               build_queue(cfg, out_dir, store, rank, world, device), eval_prompts, warm_stream, rl_stream)
     build_policy(run)
     if rank in roles.generators:
@@ -351,6 +356,7 @@ def build(cfg, out_dir=None):
         run.actor = fusion.FusedActor(
             run.model, run.optimizer, run.engine, fusion.Layout(world, fsdp=True),
             fusion.Layout(world, tp=cfg.infer_tp, n_heads=cfg.n_heads), bucket_bytes=cfg.bucket_kb * 1024,
+            inplace=cfg.infer_tp == 1,  # the engine's weights are the full weights: gathered straight into
             skip=run.experts.names if run.experts else (), movers=[run.experts] if run.experts else ())
         run.all_ready = stalesync.AllReady(device=device, spans=run.spans)
     run.log = RunLog(run)
@@ -359,8 +365,8 @@ def build(cfg, out_dir=None):
 
 def build_queue(cfg, out_dir, store, rank, world, device):
     """The queue between rollout and training: one row per sample; its keys live in the process group's
-    store under this run's own prefix. stale: (start version, versions its tokens span, groups this batch
-    regenerated), so that the trainers can log the staleness of what they train."""
+    store under this run's own prefix. stale: (start version, versions its tokens span, and on a batch's
+    first row the groups regenerated and filtered for it), so that the trainers can log what they train."""
     columns = {"prompt": "int64", "response": "int64", "old_logprobs": "float32", "reward": "float32",
                "advantage": "float32", "stale": "int64"}
     spec = distqueue.QueueSpec(columns=columns, scalars=("reward", "advantage"), stages={"train": tuple(columns)},
@@ -403,9 +409,11 @@ def build_policy(run):
     fully_shard(model, mesh=mesh, ignored_params=ignored)
     run.model = model
     run.optimizer = torch.optim.AdamW(param_groups(model), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
-    run.algo = grpo.GRPOConfig(clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef, loss_agg=cfg.loss_agg,
-                               temperature=cfg.temperature, updates_per_batch=cfg.updates_per_batch,
-                               micro_batches=cfg.micro_batches, grad_clip=cfg.grad_clip, decoupled=cfg.decoupled)
+    run.algo = grpo.GRPOConfig(clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, kl_coef=cfg.kl_coef,
+                               loss_agg=loss_agg(cfg), norm_len=cfg.max_new_tokens, temperature=cfg.temperature,
+                               updates_per_batch=cfg.updates_per_batch, micro_batches=cfg.micro_batches,
+                               grad_clip=cfg.grad_clip, decoupled=cfg.decoupled, tis_cap=cfg.tis_cap,
+                               mask_truncated=cfg.mask_truncated)
 
 
 def param_groups(model):
@@ -448,7 +456,8 @@ def build_rollout(run):
     prompts = ReplicaPrompts(run.rl_stream, cfg.prompts_per_step, replica, roles.replicas)
     seeds = functools.partial(sample_seed, cfg.seed, per_step, replica * n_local, n_local)
     stale = stalesync.StaleConfig(cfg.staleness, n_prompts, cfg.group_size, cfg.threshold, cfg.chunk_steps)
-    run.sched = stalesync.StaleSync(stale, run.sampler, prompts, seeds)
+    informative = (lambda p, rs: len({task.score(p, r) for r in rs}) > 1) if cfg.filter_groups else None
+    run.sched = stalesync.StaleSync(stale, run.sampler, prompts, seeds, keep_group=informative)
 
 
 def attach_reference(run):

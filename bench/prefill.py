@@ -11,7 +11,8 @@ the two things it stands for, in one run:
                         buckets are for; only short rows; only fresh prompts): the time of one padded
                         forward against the bucketed prefill, with the number of buckets the DP chose.
 A split pays when it saves more padded tokens than the forward costs: the constant should sit near the
-measured forward cost, and the bucketed prefill should never be slower than one padded forward.
+measured forward cost, and the bucketed prefill should not be slower than one padded forward beyond
+the noise of a timing.
 The last line printed is one JSON object.
 """
 import argparse

@@ -311,3 +311,12 @@ def test_a_dead_leader_is_an_error_and_a_foreign_group_is_refused():
     out = run_distributed(_dead_leader, world_size=2)[1]
     assert out[0] == "rank 1 is not in the group it passed (ranks [0])"
     assert not out[1].startswith("returned"), out
+
+
+def test_a_store_without_queue_operations_is_refused_at_construction(tmp_path):
+    """A process group started with file:// has a FileStore, which has no queue operations: refused when
+    the queue is built, naming what works, not at its first use."""
+    spec = dq.QueueSpec(columns={"x": "int64"}, stages={"s": ("x",)})
+    with pytest.raises(ValueError, match="FileStore cannot serve a DistQueue.*TCPStore or a HashStore"):
+        dq.DistQueue(spec, dist.FileStore(str(tmp_path / "store"), 1))
+    dq.DistQueue(spec, dist.HashStore())  # fine

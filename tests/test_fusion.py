@@ -237,6 +237,58 @@ def test_wrong_phase_is_named():
     assert fresh.phase == ROLLOUT and fresh.round_trips == 0
 
 
+class Renamed(torch.nn.Module):
+    """An engine whose parameter names are not the model's (vLLM-style): load_weights maps them."""
+
+    def __init__(self, report=True):
+        super().__init__()
+        self.inner, self.report = Policy(CFG), report
+
+    def forward(self, *args):
+        return self.inner(*args)
+
+    def load_weights(self, pairs):
+        self.inner.load_weights(pairs)
+        return {"inner." + n for n, _ in pairs} if self.report else None
+
+
+def test_the_engine_outside_rollout_a_custom_load_weights_and_renamed_engines():
+    actor = _plain_actor()
+    tok = _tokens(0)
+    with pytest.raises(RuntimeError, match="the engine was called in TRAIN, where its weights are freed"):
+        actor.engine(tok)
+    calls, load = [], actor.engine.load_weights
+    actor.engine.load_weights = lambda pairs: calls.append(1) or load(pairs)
+    with rollout(actor) as engine:  # not inplace unless asked: a load_weights of its own is always called
+        engine(tok)
+    assert calls and not actor.inplace
+    torch.manual_seed(0)
+    model = Policy(CFG)
+    want = model(tok)
+    for report in (True, False):
+        actor = FusedActor(model, torch.optim.AdamW(model.parameters()), Renamed(report), Layout(1, fsdp=True),
+                           Layout(1), bucket_bytes=BUCKET)
+        if report:  # the names it loaded are its own: accepted, and it computes what the model does
+            with rollout(actor) as engine:
+                torch.testing.assert_close(engine(tok), want)
+        else:
+            with pytest.raises(ValueError, match="return the engine parameter names it loaded"):
+                actor.to_rollout()
+            assert actor.phase == TRAIN
+
+
+def test_an_fsdp1_model_is_refused_naming_fsdp2():
+    """FSDP1 cannot be built on a CPU-only machine (it wants an accelerator): a bare instance of its class
+    stands in, which is what the check looks at."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    model = Policy(CFG)
+    fsdp1 = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
+    torch.nn.Module.__init__(fsdp1)
+    model.wrapped = fsdp1
+    with pytest.raises(ValueError, match=r"FSDP1 \(FullyShardedDataParallel\).*fully_shard"):
+        FusedActor(model, torch.optim.AdamW(model.parameters()), Policy(CFG), Layout(1, fsdp=True), Layout(1))
+
+
 def test_a_failed_switch_leaves_train_intact():
     """load_weights fails midway (an engine out of memory, say): to_rollout raises, and TRAIN is as it was,
     the optimizer states back on the device and no engine weight left; a retry then works."""

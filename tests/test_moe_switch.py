@@ -147,9 +147,30 @@ def _same_state(got, want, where):
     assert not differ, f"{where}: {differ} differ from the dense model's"
 
 
+def _check_a_layout_over_part_of_the_job(rank):
+    """EP 2 -> 1 over ranks [1, 3] of 4 (a subgroup of a larger job): exact against the reference, and
+    ranks 0 and 2 take no part beyond creating the groups (new_group is collective)."""
+    router, full = _dense(3)
+    two, one = EPLayout(2, 2, E, ranks=(1, 3)), EPLayout(1, 2, E, ranks=(1, 3))
+    g2, g1 = new_groups(two, timeout_s=60)[0], new_groups(one, timeout_s=60)[0]
+    if rank not in (1, 3):
+        assert g2 is None and g1 is None
+        return
+    moe = types.SimpleNamespace(router=types.SimpleNamespace(weight=router), top_k=K, **full)
+    layer = EPMoE.from_dense(moe, two, g2)
+    assert list(layer.layout.owned(layer.rank)) == list(range(4 * (rank // 2), 4 * (rank // 2) + 4))
+    x, _ = _tokens(rank)
+    want = moe_reference(x, router, full, K)
+    torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
+    layer.switch(one, g1, BUCKET)
+    torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(layer.w_up[e], full["w_up"][e]) for e in range(E))  # every expert, moved exactly
+
+
 def _all_checks(rank, world_size):
     router, full = _dense()
     groups = {P: new_groups(EPLayout(P, W, E), timeout_s=60) for P in (1, 2, 4)}
+    _check_a_layout_over_part_of_the_job(rank)
     _check_dense_state(rank)
     _check_exact(rank, router, full, groups)
     trips = _check_round_trips(rank, full)
@@ -180,6 +201,34 @@ def test_ep_exact_round_trips_and_training_with_switches():
     per_pair = {(a, b): sum(rank_trips[i][2] for rank_trips in trips) for i, (a, b, _, _) in enumerate(trips[0])}
     assert per_pair[(4, 1)] == W * 6 * 3 * SLICE and per_pair[(1, 4)] == 0
     assert per_pair[(2, 1)] == W * 4 * 3 * SLICE and per_pair[(4, 2)] == W * 2 * 3 * SLICE
+
+
+def test_per_expert_linear_layers_convert_to_the_dense_layout():
+    """DenseMoE.from_linear: the common per-expert format (nn.Linear gate/up/down, weights (H, D), (H, D),
+    (D, H)) gives the stacked layout, and the same outputs as a loop over the Linear experts."""
+    from moe_switch import DenseMoE
+
+    class Expert(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w3, self.w2 = torch.nn.Linear(D, H, bias=False), torch.nn.Linear(D, H, bias=False), \
+                torch.nn.Linear(H, D, bias=False)
+
+    torch.manual_seed(0)
+    router, experts = torch.nn.Linear(D, E, bias=False), [Expert() for _ in range(E)]
+    dense = DenseMoE.from_linear(router, experts, top_k=K, names=("w1", "w3", "w2"))  # Mixtral's names
+    assert tuple(dense.w_gate.shape) == (E, D, H) and tuple(dense.w_down.shape) == (E, H, D)
+    x = torch.randn(7, D)
+    probs = torch.softmax(router(x), -1)
+    top_p, top_e = probs.topk(K, -1)
+    want = torch.zeros_like(x)
+    for n in range(7):  # the per-expert loop, token by token
+        for p, e in zip(top_p[n] / top_p[n].sum(), top_e[n].tolist()):
+            ex = experts[e]
+            want[n] += p * ex.w2(torch.nn.functional.silu(ex.w1(x[n])) * ex.w3(x[n]))
+    torch.testing.assert_close(dense(x), want, atol=1e-5, rtol=1e-5)
+    layer = EPMoE.from_dense(dense, EPLayout(1, 1, E))
+    torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
 
 
 def test_single_process_world_of_one_matches_reference():

@@ -13,7 +13,7 @@ import torch
 
 from grpo import grpo_loss, group_advantages, pad_responses, sequence_logprobs, token_logprobs
 from model import ModelConfig, Policy, Sampler, counter_uniform, generate, sample_tokens
-from stalesync import Spans, StaleConfig, StaleSync, sync_rollout
+from stalesync import StaleConfig, StaleSync, sync_rollout
 from task import EOS, PAD, VOCAB, make_prompts, score
 
 
@@ -53,7 +53,7 @@ def _check_batch(b, S, cfg, length_of=None, seed_of=lambda i: i):
     assert b.metrics["stale/age_max"] <= S
 
 
-def _simulate(S, seed, separated, steps=12, cfg=None):
+def _simulate(S, seed, separated, steps=12, cfg=None, keep_group=None):
     """Generator and trainer at random speeds. Returns the scheduler, the sampler and the trained ids."""
     rng = np.random.default_rng(seed)
     cfg = cfg or StaleConfig(staleness=S, groups_per_step=int(rng.integers(1, 4)), group_size=int(rng.integers(1, 5)),
@@ -66,7 +66,8 @@ def _simulate(S, seed, separated, steps=12, cfg=None):
                 first[s] = sched.version
         return sampler(contexts, seeds, n_done, max_steps)
 
-    sched = StaleSync(cfg, step_fn, prompt_fn=lambda: torch.tensor([2, 5, 3]), seed_fn=lambda i: 7000 + i)
+    sched = StaleSync(cfg, step_fn, prompt_fn=lambda: torch.tensor([2, 5, 3]), seed_fn=lambda i: 7000 + i,
+                      keep_group=keep_group)
     trained = []
 
     def check(b):
@@ -89,7 +90,7 @@ def _simulate(S, seed, separated, steps=12, cfg=None):
             sched.update(max(sched.version, v))
         arrivals = [a for a in arrivals if a[0] > t]
         sched.admit()
-        assert sched.groups_started <= (S + sched.version + 1) * cfg.groups_per_step
+        assert sched.groups_started - sched.filtered <= (S + sched.version + 1) * cfg.groups_per_step
         if rng.random() < gen_speed:
             sched.decode()
         while sched.ready():
@@ -138,6 +139,28 @@ def test_bound_and_nothing_lost_while_groups_age_out(S):
         assert len(acc["regenerated"]) == cfg.group_size * sched.regenerated
         regenerated += sched.regenerated
     assert regenerated > 0, "no group aged out: the test does not exercise regeneration"
+
+
+@pytest.mark.parametrize("S", [0, 1, 2])
+def test_dynamic_sampling_trains_only_kept_groups_and_loses_nothing(S):
+    """keep_group refuses some complete groups (here: those whose responses all have the same length, a
+    stand-in for equal rewards): they are dropped and counted, replaced by new groups, every batch still
+    holds groups_per_step kept groups within the bound, and every sample id is accounted for."""
+    same = lambda prompt, responses: len({len(r) for r in responses}) > 1
+    dropped = 0
+    for trial in range(8):
+        cfg = StaleConfig(staleness=S, groups_per_step=2, group_size=2, threshold=0.5, chunk_steps=3)
+        sched, sampler, trained, _ = _simulate(S, seed=31 + 100 * S + trial, separated=trial % 2 == 1, cfg=cfg,
+                                               keep_group=same)
+        assert sched.max_admitted_over <= 0
+        acc = sched.accounting()
+        assert set(trained) == acc["trained"] and len(trained) == len(set(trained))
+        assert acc["trained"] | acc["regenerated"] | acc["filtered"] | acc["in_flight"] == set(range(sched.next_id))
+        assert len(acc["filtered"]) == cfg.group_size * sched.filtered
+        for g in range(0, len(trained), cfg.group_size):  # every trained group passes the filter
+            assert same(None, [torch.zeros(sampler.length_of(7000 + i)) for i in trained[g:g + cfg.group_size]])
+        dropped += sched.filtered
+    assert dropped > 0, "no group was filtered: the test does not exercise dynamic sampling"
 
 
 def test_admission_inequality_is_strict_before_a_start():
@@ -325,14 +348,6 @@ def test_state_dict_with_a_cached_sampler_resumes_bit_exactly():
         assert all(torch.equal(p, q) for p, q in zip(x.responses + x.logprobs, y.responses + y.logprobs))
 
 
-def test_spans():
-    spans = Spans()
-    with spans("idle"):
-        pass
-    m = spans.perf(100)
-    assert set(m) == {"perf/tokens_per_s", "perf/idle_frac"} and 0 <= m["perf/idle_frac"] <= 1
-
-
 @pytest.mark.parametrize("kwargs, match", [(dict(staleness=-1), r"staleness=-1 .*>= 0"),
                                            (dict(threshold=0.0), r"threshold=0.0 .*\(0, 1\]"),
                                            (dict(threshold=1.5), r"threshold=1.5 .*\(0, 1\]"),
@@ -342,6 +357,49 @@ def test_spans():
 def test_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         StaleConfig(**kwargs)
+
+
+class Counting:
+    """A sampler object with a cache: counts its resets; its state is a dict."""
+
+    def __init__(self):
+        self.resets, self.inner = 0, ScriptedSampler(lambda s: 3)
+
+    def step(self, *args):
+        return self.inner(*args)
+
+    def reset(self):
+        self.resets += 1
+
+    def state_dict(self):
+        return {"resets": self.resets}
+
+    def load_state_dict(self, sd):
+        self.resets = sd["resets"]
+
+
+def test_the_sampler_contract_bound_methods_lists_and_stalls():
+    cfg = StaleConfig(staleness=1, groups_per_step=1, group_size=2, threshold=0.5, chunk_steps=2)
+    sampler = Counting()
+    sched = StaleSync(cfg, sampler.step, prompt_fn=lambda: torch.tensor([2, 3]))  # a bound method
+    for _ in range(3):
+        sched.rollout()
+        sched.update()
+    assert sampler.resets == 3 and sched.state_dict()["sampler"] == {"resets": 3}  # found on its owner
+    model_sampler = torch.nn.Linear(2, 2)  # an nn.Module as step_fn: its weights stay out of the checkpoint
+    model_sampler.forward = ScriptedSampler(lambda s: 3)
+    sched = StaleSync(cfg, model_sampler, prompt_fn=lambda: torch.tensor([2, 3]))
+    sched.rollout()
+    assert sched.state_dict()["sampler"] is None
+    as_lists = lambda c, seeds, n, m: ([[5] * 2 for _ in c], [[-0.5] * 2 for _ in c], [True] * len(c))
+    batch = StaleSync(cfg, as_lists, prompt_fn=lambda: torch.tensor([2, 3])).rollout()  # plain lists are fine
+    assert [r.tolist() for r in batch.responses] == [[5, 5]] * 2 and batch.logprobs[0].dtype == torch.float32
+    stalled = lambda c, seeds, n, m: ([[] for _ in c], [[] for _ in c], [False] * len(c))
+    with pytest.raises(RuntimeError, match="the sampler made no token and ended no row of the 4 in flight"):
+        StaleSync(cfg, stalled, prompt_fn=lambda: torch.tensor([2, 3])).rollout()
+    short = lambda c, seeds, n, m: ([[5]], [[-0.5]], [True])
+    with pytest.raises(ValueError, match="1 token rows, 1 log-prob rows and 1 done flags for 4 rows"):
+        StaleSync(cfg, short, prompt_fn=lambda: torch.tensor([2, 3])).rollout()
 
 
 def test_update_refuses_a_version_it_cannot_have():

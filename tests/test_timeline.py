@@ -201,3 +201,16 @@ def test_command_line(tmp_path):
     assert len(polylines(svg_root(out))) == 4 and "curves.svg" not in os.listdir(b)
     r = subprocess.run([sys.executable, "timeline.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "RUN_DIR" in r.stdout
+
+
+def test_spans_record_name_times_and_args():
+    spans = T.Spans()
+    spans.args = {"step": 3, "version": 2}
+    with spans("rollout"):
+        with spans("idle"):
+            pass
+    (inner, a0, a1, args), (outer, b0, b1, _) = spans.spans  # the inner one ends first
+    assert (inner, outer, args) == ("idle", "rollout", {"step": 3, "version": 2}) and b0 <= a0 <= a1 <= b1
+    assert spans.total("idle") == a1 - a0 and spans.total(("idle", "rollout")) == (a1 - a0) + (b1 - b0)
+    m = spans.perf(100)
+    assert set(m) == {"perf/tokens_per_s", "perf/idle_frac"} and 0 < m["perf/idle_frac"] <= 1
