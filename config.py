@@ -83,6 +83,8 @@ class Config:
     seed: int = flag(0, "seed of prompts, init and sampling")
     eval_every: int = flag(100, "steps between held-out evaluations (also the first and the last)")
     log_every: int = flag(20, "steps between printed step lines")
+    rl_seconds: float = flag(0.0, "stop after the RL step that passes this many seconds of RL (0: run --steps), "
+                                  "then evaluate; for comparisons at equal wall time")
     out: str = flag("", "output folder (default runs/<timestamp>)")
     device: str = flag("auto", "auto, cpu or cuda")
     pg_timeout_s: int = flag(300, "timeout in seconds of every process group")
@@ -235,9 +237,9 @@ def value_errors(cfg):
         errors.append(f"--clip-eps-high {cfg.clip_eps_high} and --tis-cap {cfg.tis_cap} must be > 0 when given")
     if not cfg.grad_clip > 0 or not cfg.warmup_lr > 0:
         errors.append(f"--grad-clip {cfg.grad_clip} and --warmup-lr {cfg.warmup_lr} must be > 0")
-    if cfg.warmup_steps < 0 or cfg.seed < 0 or cfg.pg_timeout_s < 1:
-        errors.append(f"--warmup-steps {cfg.warmup_steps} and --seed {cfg.seed} must be >= 0, "
-                      f"--pg-timeout-s {cfg.pg_timeout_s} >= 1")
+    if cfg.warmup_steps < 0 or cfg.seed < 0 or cfg.pg_timeout_s < 1 or cfg.rl_seconds < 0:
+        errors.append(f"--warmup-steps {cfg.warmup_steps}, --seed {cfg.seed} and --rl-seconds {cfg.rl_seconds} "
+                      f"must be >= 0, --pg-timeout-s {cfg.pg_timeout_s} >= 1")
     if min(cfg.steps, cfg.eval_every, cfg.log_every, cfg.micro_batches) < 1:
         errors.append(f"--steps {cfg.steps}, --eval-every {cfg.eval_every}, --log-every {cfg.log_every} and "
                       f"--micro-batches {cfg.micro_batches} must be >= 1")

@@ -43,6 +43,11 @@ class RunLog:
         self.before = self.accuracy = None
         self.tokens = self.seconds = self.regenerated = self.extra_groups = 0.0
 
+    def rl_seconds(self, mark):
+        """Seconds of RL steps so far, evaluations excluded, this one (begun at `mark`) included: the clock
+        of --rl-seconds."""
+        return self.seconds + time.perf_counter() - mark[1]
+
     def progress(self):
         return tqdm(range(1, self.run.cfg.steps + 1), disable=self.run.rank != 0, desc="GRPO", dynamic_ncols=True)
 

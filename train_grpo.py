@@ -94,10 +94,13 @@ def colocated_loop(run):
             sums = grpo.grpo_update(run.model, run.optimizer, samples, run.algo, run.device,
                                     run.train_group, ref_logprobs, run.clip_grads)
         sched.update()  # the sampler now has the weights of version `step`
+        last = out_of_time(run, step, mark)
         record = run.log.figures(step, mark, sums | figures, actor.metrics())
-        if is_eval_step(cfg, step):  # after the step's figures: the evaluation's switch is not the step's
+        if is_eval_step(cfg, step) or last:  # after the step's figures: the evaluation's switch is not the step's
             record["eval/accuracy"] = evaluate_colocated(run)
         run.log.write(record)
+        if last:
+            break
 
 
 def evaluate_colocated(run):
@@ -121,12 +124,15 @@ def trainer_loop(run):
         with spans("train"):
             sums = grpo.grpo_update(run.model, run.optimizer, samples, run.algo, run.device,
                                     run.train_group, ref_logprobs, run.clip_grads)
+        last = out_of_time(run, step, mark)
         # 6. push version `step` to the generators: they take it at their next decode-chunk boundary
-        push_weights(run, step)
+        push_weights(run, step, last)
         record = run.log.figures(step, mark, sums | figures, {})
-        if is_eval_step(cfg, step):  # the generators score version `step` and post it to the store
+        if is_eval_step(cfg, step) or last:  # the generators score version `step` and post it to the store
             record["eval/accuracy"] = collect_eval(run, step)
         run.log.write(record)
+        if last:
+            break
 
 
 def generator_loop(run):
@@ -136,7 +142,7 @@ def generator_loop(run):
     weights of the batch just put."""
     cfg, sched, spans = run.cfg, run.sched, run.spans
     receive_weights(run, 0)
-    while sched.version < cfg.steps:
+    while sched.version < final_version(run):
         spans.args = {"step": sched.batches_out + 1, "version": sched.version}
         # 6. new weights: version + 1 arrives between two decode chunks
         if run.store.check([weights_key(run, sched.version + 1)]):
@@ -157,7 +163,8 @@ def generator_loop(run):
         if n_tokens == 0:  # nothing admissible in flight: wait for the next version (the bound S)
             with spans("idle"):
                 wait_for(run, [weights_key(run, sched.version + 1)], f"weights of version {sched.version + 1}")
-    run.queue.drain()  # every row put has reached the trainers
+    if sched.version == cfg.steps:  # every row put has reached the trainers (after an early stop, the
+        run.queue.drain()           # batches made ahead of it are left unread: in flight at the end)
 
 
 # ----------------------------------------------------------------------------- the RL step's stages
@@ -222,14 +229,32 @@ def is_eval_step(cfg, step):
     return step <= 1 or step % cfg.eval_every == 0 or step == cfg.steps
 
 
+def out_of_time(run, step, mark):
+    """--rl-seconds: rank 0's clock says whether this step is the last (every trainer agrees, one MAX
+    all-reduce); trainer 0 tells the generators of a separated run (the store key of final_version)."""
+    if not run.cfg.rl_seconds or step == run.cfg.steps:
+        return False
+    late = run.rank == 0 and run.log.rl_seconds(mark) >= run.cfg.rl_seconds
+    return bool(all_sum({"late": float(late)}, run.device, run.train_group, dist.ReduceOp.MAX)["late"])
+
+
+def final_version(run):
+    """The version the run ends at: --steps, or the step --rl-seconds stopped at (separated generators)."""
+    key = f"{weights_key(run, 'final')}"
+    return int(run.store.get(key)) if run.store.check([key]) else run.cfg.steps
+
+
 # ----------------------------------------------------------------------------- separated: weights and waits
 def weights_key(run, version):
     return f"w:{run.out_dir}/{version}"
 
 
-def push_weights(run, version):
-    """6. A trainer's side: announce `version`, then gather it bucket by bucket; trainer 0 broadcasts."""
+def push_weights(run, version, last=False):
+    """6. A trainer's side: announce `version` (and, if it is the last, that it is), then gather it bucket
+    by bucket; trainer 0 broadcasts."""
     if run.rank == 0:
+        if last:
+            run.store.set(weights_key(run, "final"), str(version))
         run.store.set(weights_key(run, version), "1")
     with run.spans("push"):
         fusion.push_weights(run.model, None, 0, run.push_group, run.cfg.bucket_kb * 1024)
@@ -243,7 +268,7 @@ def receive_weights(run, version):
     with run.spans("recv"):
         fusion.push_weights(None, run.engine, 0, run.push_group, run.cfg.bucket_kb * 1024)
     run.sched.update(version)
-    if is_eval_step(run.cfg, version):
+    if is_eval_step(run.cfg, version) or version == final_version(run):
         with run.spans("eval"):
             correct = held_out_correct(run)
         run.store.set(f"{weights_key(run, version)}/eval/{run.roles.replica(run.rank)}", str(correct))

@@ -4,12 +4,10 @@ seeds, at equal wall time; and supervised training alone for the same wall time.
     python bench/ablation.py                               # the full table: about 90 minutes on 2 CPU cores
     python bench/ablation.py --seeds 0 --estimators grpo --filter 1 --budget-s 60   # one quick row
 
-Each RL run is the README's default command with `--seed S --adv-estimator E --filter-groups F` (and
-any --extra flags), evaluated every --eval-every steps. Its accuracy "at the budget" is the last
-held-out evaluation whose RL wall time (the sum of the steps' time/step_s, evaluations excluded) is at
-most --budget-s: every configuration gets the same seconds of RL after the same warm-up, whatever its
-cost per step (dynamic sampling generates more groups per step). A run whose steps end before the
-budget reports its last evaluation and is flagged (`short`).
+Each RL run is the README's default command with `--seed S --adv-estimator E --filter-groups F
+--rl-seconds B` (and any --extra flags): after the same warm-up, every configuration trains for the
+same B seconds of RL steps (evaluations excluded), whatever its cost per step (dynamic sampling
+generates more groups per step), and its held-out accuracy is evaluated right after.
 
 The supervised row continues the warm-up instead of RL for the same wall time: its warm-up runs
 warmup_steps + budget_s / (seconds per warm-up step, measured in the same seed's RL run) steps, and its
@@ -44,28 +42,17 @@ def run(flags, out, log):
     return metrics, summary, spans
 
 
-def at_budget(metrics, budget_s):
-    """(accuracy of the last evaluation within budget_s of RL wall time, that wall time, short?)."""
-    wall, best = 0.0, (metrics[0]["eval/accuracy"], 0.0)
-    for rec in metrics[1:]:
-        wall += rec.get("time/step_s", 0.0)
-        if wall > budget_s:
-            return best[0], best[1], False
-        if rec.get("eval/accuracy") is not None:
-            best = (rec["eval/accuracy"], wall)
-    return best[0], best[1], True
-
-
 def rl_row(args, estimator, filtered, seed):
     name = f"{estimator}_filter{filtered}_seed{seed}"
     flags = ["--seed", str(seed), "--adv-estimator", estimator, "--filter-groups", str(filtered),
-             "--eval-every", str(args.eval_every), "--steps", str(args.steps), *args.extra]
+             "--rl-seconds", str(args.budget_s), "--steps", "100000", "--eval-every", "100000", *args.extra]
     metrics, summary, spans = run(flags, os.path.join(args.out, name), os.path.join(args.out, name + ".log"))
-    acc, wall, short = at_budget(metrics, args.budget_s)
+    wall = sum(rec.get("time/step_s", 0.0) for rec in metrics)
     warm = [s for s in spans if s["name"] == "warmup"]
     warm_s = sum(s["end"] - s["start"] for s in warm)
     return dict(config=f"{estimator}, filter {filtered}", estimator=estimator, filter_groups=filtered, seed=seed,
-                before=summary["eval_accuracy_before"], at_budget=acc, rl_wall_s=round(wall, 1), short=short,
+                before=summary["eval_accuracy_before"], at_budget=summary["eval_accuracy_after"],
+                rl_wall_s=round(wall, 1), rl_steps=metrics[-1]["step"],
                 warmup_s_per_step=warm_s / max(summary["config"]["warmup_steps"], 1),
                 warmup_steps=summary["config"]["warmup_steps"])
 
@@ -77,7 +64,7 @@ def supervised_row(args, seed, like):
     flags = ["--seed", str(seed), "--warmup-steps", str(steps), "--steps", "1", *args.extra]
     _, summary, _ = run(flags, os.path.join(args.out, name), os.path.join(args.out, name + ".log"))
     return dict(config="supervised only", estimator="", filter_groups="", seed=seed, before=like["before"],
-                at_budget=summary["eval_accuracy_before"], rl_wall_s=0.0, short=False,
+                at_budget=summary["eval_accuracy_before"], rl_wall_s=0.0, rl_steps=0,
                 warmup_s_per_step=like["warmup_s_per_step"], warmup_steps=steps)
 
 
@@ -90,7 +77,7 @@ def report(rows):
         gain = [r["at_budget"] - r["before"] for r in mine]
         out[config] = dict(mean=round(statistics.mean(acc), 3), min=min(acc), max=max(acc),
                            gain_mean=round(statistics.mean(gain), 3), seeds=len(mine),
-                           short=sum(r["short"] for r in mine))
+                           rl_steps=[r["rl_steps"] for r in mine])
         print(f"{config:24s} held-out accuracy {out[config]['mean']:.3f} ({min(acc):.3f} to {max(acc):.3f}) | "
               f"gain {out[config]['gain_mean']:+.3f} | {len(mine)} seeds", flush=True)
     return out
@@ -101,9 +88,7 @@ def main():
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of every configuration")
     p.add_argument("--estimators", nargs="+", default=["grpo", "dr-grpo", "rloo", "reinforce++"])
     p.add_argument("--filter", type=int, nargs="+", default=[0, 1], help="--filter-groups values to run")
-    p.add_argument("--budget-s", type=float, default=150.0, help="seconds of RL wall time compared")
-    p.add_argument("--steps", type=int, default=600, help="RL steps of each run (enough to pass the budget)")
-    p.add_argument("--eval-every", type=int, default=25, help="steps between held-out evaluations")
+    p.add_argument("--budget-s", type=float, default=150.0, help="seconds of RL steps each run trains for")
     p.add_argument("--no-supervised", dest="supervised", action="store_false", help="skip the supervised row")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "out", "ablation"), help="folder for the runs")
     p.add_argument("--csv", default=os.path.join(ROOT, "bench", "ablation.csv"), help="one row per run")

@@ -6,8 +6,9 @@
 Each run is `torchrun --standalone --nproc_per_node=2 train_grpo.py --staleness S` with the default
 config otherwise (same seed, same warm-up). The curve comes from each run's metrics.jsonl: wall time is
 the run's own clock at each evaluation (summed step times after the warm-up). Writes
-bench/stale_learning.csv (staleness, step, wall_s, eval_accuracy; the runs go to bench/out/) and prints, as its last line, one
-JSON object with each run's before/after accuracy, wall time and tokens per second.
+bench/stale_learning.csv (staleness, step, wall_s, eval_accuracy; the runs go to bench/out/) and
+bench/stale_learning.svg (the runs' curves on one chart, timeline.write_curves_svg), and prints, as
+its last line, one JSON object with each run's before/after accuracy, wall time and tokens per second.
 """
 import argparse
 import csv
@@ -25,6 +26,7 @@ def main():
     p.add_argument("--eval-every", type=int, default=50, help="steps between evaluations")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "out"), help="folder for the runs")
     p.add_argument("--csv", default=os.path.join(ROOT, "bench", "stale_learning.csv"), help="the curve")
+    p.add_argument("--svg", default=os.path.join(ROOT, "bench", "stale_learning.svg"), help="the curves, drawn")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more train_grpo.py flags")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -52,7 +54,11 @@ def main():
         w = csv.DictWriter(f, fieldnames=["staleness", "step", "wall_s", "eval_accuracy"])
         w.writeheader()
         w.writerows(rows)
-    print(f"wrote {path}")
+    sys.path.insert(0, ROOT)
+    import timeline
+    runs = [os.path.join(args.out, f"stale_S{s}") for s in args.staleness]
+    timeline.write_curves_svg(runs, args.svg, labels=[f"S = {s}" for s in args.staleness])
+    print(f"wrote {path} and {args.svg}")
     print(json.dumps(result))
 
 

@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["--threshold", "1.5"], "threshold=1.5 is outside the valid range (0, 1]"),
     (["--chunk-steps", "0"], "--chunk-steps 0: chunk_steps=0 must be an integer >= 1"),
     (["--grad-clip", "0"], "--grad-clip 0.0 and --warmup-lr 0.005 must be > 0"),
-    (["--warmup-steps", "-5"], "--warmup-steps -5 and --seed 0 must be >= 0"),
+    (["--warmup-steps", "-5"], "--warmup-steps -5, --seed 0 and --rl-seconds 0.0 must be >= 0"),
     (["--pg-timeout-s", "0"], "--pg-timeout-s 0 >= 1"),
     (["--bucket-kb", "1"], "--bucket-kb 1 is smaller than the largest weight, blocks.0.moe.w_gate (131072 bytes)"),
     (["--infer-tp", "4"], "--infer-tp 4 must be 1, 2 or 4 and divide both the world size 2"),
@@ -186,3 +186,15 @@ def test_bounded_staleness_run_keeps_ages_within_s(tmp_path, infer_tp):
     lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")][1:]
     assert all(l["stale/age_max"] <= 1 for l in lines) and any(l["stale/age_max"] == 1 for l in lines)
     assert all(l["rollout/response_tokens"] > 0 for l in lines)
+
+
+@pytest.mark.parametrize("deploy", ["colocated", "separated"])
+def test_rl_seconds_stops_every_rank_after_the_same_step_and_evaluates_it(tmp_path, deploy):
+    """--rl-seconds: rank 0's clock ends RL after the step that passes the budget; every rank agrees (a
+    separated generator learns the last version from the store), the last step is evaluated, and the
+    run exits cleanly, separated generators included."""
+    mode = {"deploy": deploy, "steps": 50, "eval_every": 100, "rl_seconds": 1e-3, "staleness": 1}
+    out = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path), mode), timeout_s=120)
+    lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    assert [l["step"] for l in lines] == [0, 1] and "eval/accuracy" in lines[-1]
+    assert out[0][0]["eval_accuracy_after"] == lines[-1]["eval/accuracy"]
