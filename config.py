@@ -41,7 +41,7 @@ class Config:
     warmup_batch: int = flag(64, "global (prompt, answer) pairs per warm-up step")
     warmup_lr: float = flag(5e-3, "warm-up learning rate")
     # GRPO
-    steps: int = flag(600, "RL steps")
+    steps: int = flag(120, "RL steps")
     prompts_per_step: int = flag(16, "global prompts per step")
     group_size: int = flag(8, "responses per prompt (>= 2)")
     lr: float = flag(5e-4, "RL learning rate")
@@ -52,7 +52,7 @@ class Config:
     clip_eps: float = flag(0.2, "PPO clip range: the ratio clipped to [1 - clip_eps, 1 + clip_eps_high]")
     clip_eps_high: float = flag(None, "upper clip (DAPO's clip-higher); default: --clip-eps")
     kl_coef: float = flag(0.0, "k3 KL penalty weight (0: no reference model)")
-    filter_groups: bool = flag(False, "1: dynamic sampling, drop groups whose rewards are all equal and generate "
+    filter_groups: bool = flag(True, "1: dynamic sampling, drop groups whose rewards are all equal and generate "
                                       "more, so every step trains on prompts_per_step informative groups")
     mask_truncated: bool = flag(False, "1: responses cut by the token budget contribute no loss")
     tis_cap: float = flag(None, "truncated importance sampling: weight each token by min(pi_train / pi_rollout, "
@@ -61,8 +61,8 @@ class Config:
     micro_batches: int = flag(4, "length-sorted chunks per mini-batch (less padding), gradients accumulated")
     grad_clip: float = flag(1.0, "gradient norm clip")
     # staleness (stalesync.py)
-    staleness: int = flag(0, "S: most policy versions a trained sample may lag (0: synchronous)")
-    threshold: float = flag(0.5, "in (0, 1]: decode pool of prompts_per_step / threshold groups; a round ends "
+    staleness: int = flag(1, "S: most policy versions a trained sample may lag (0: synchronous)")
+    threshold: float = flag(0.25, "in (0, 1]: decode pool of prompts_per_step / threshold groups; a round ends "
                                  "when prompts_per_step groups are complete")
     chunk_steps: int = flag(8, "decode steps between checks for a finished batch (S > 0)")
     decoupled: bool = flag(False, "1: decoupled objective (AReaL), clip around recomputed proximal log-probs")
@@ -81,8 +81,8 @@ class Config:
     infer_ep: int = flag(0, "expert-parallel degree of the rollout engine (with --train-ep)")
     # run
     seed: int = flag(0, "seed of prompts, init and sampling")
-    eval_every: int = flag(100, "steps between held-out evaluations (also the first and the last)")
-    log_every: int = flag(20, "steps between printed step lines")
+    eval_every: int = flag(20, "steps between held-out evaluations (also the first and the last)")
+    log_every: int = flag(4, "steps between printed step lines")
     rl_seconds: float = flag(0.0, "stop after the RL step that passes this many seconds of RL (0: run --steps), "
                                   "then evaluate; for comparisons at equal wall time")
     out: str = flag("", "output folder (default runs/<timestamp>)")
@@ -92,8 +92,8 @@ class Config:
 
 SECTIONS = {"task": "max_digits", "model": "d_model", "supervised warm-up": "warmup_steps", "GRPO": "steps",
             "staleness": "staleness", "rollout": "temperature", "deployment": "deploy", "run": "seed"}
-CHOICES = {"loss_agg": ("auto",) + grpo.LOSS_AGGS, "adv_estimator": grpo.ESTIMATORS, "device": ("auto", "cpu", "cuda"),
-           "deploy": ("colocated", "separated", "colocated-all")}
+CHOICES = {"loss_agg": ("auto",) + grpo.LOSS_AGGS, "adv_estimator": grpo.ESTIMATORS,
+           "device": ("auto", "cpu", "cuda"), "deploy": ("colocated", "separated", "colocated-all")}
 
 
 def parse_args(argv=None, description="GRPO post-training of a tiny MoE policy"):
@@ -123,11 +123,17 @@ class _Renamed(argparse.Action):
         parser.error(f"{option_string} was renamed: use {self.new}")
 
 
-def loss_agg(cfg):
-    """--loss-agg, with auto resolved: Dr. GRPO's constant normaliser for dr-grpo, token-mean otherwise."""
-    if cfg.loss_agg != "auto":
-        return cfg.loss_agg
-    return "seq-mean-token-sum-norm" if cfg.adv_estimator == "dr-grpo" else "token-mean"
+def grpo_config(cfg):
+    """The algorithm's own settings (grpo.GRPOConfig), from the flags; --loss-agg auto resolved: Dr.
+    GRPO's constant normaliser (the response budget) for dr-grpo, token-mean otherwise."""
+    agg = cfg.loss_agg
+    if agg == "auto":
+        agg = "seq-mean-token-sum-norm" if cfg.adv_estimator == "dr-grpo" else "token-mean"
+    return grpo.GRPOConfig(clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, kl_coef=cfg.kl_coef,
+                           loss_agg=agg, norm_len=cfg.max_new_tokens, temperature=cfg.temperature,
+                           updates_per_batch=cfg.updates_per_batch, micro_batches=cfg.micro_batches,
+                           grad_clip=cfg.grad_clip, decoupled=cfg.decoupled, tis_cap=cfg.tis_cap,
+                           mask_truncated=cfg.mask_truncated)
 
 
 def model_config(cfg):
@@ -233,7 +239,7 @@ def value_errors(cfg):
         errors.append(f"--temperature {cfg.temperature} must be > 0 and --top-p {cfg.top_p} in (0, 1]")
     if cfg.kl_coef < 0 or cfg.clip_eps <= 0 or cfg.lr <= 0:
         errors.append(f"--kl-coef {cfg.kl_coef} must be >= 0, --clip-eps {cfg.clip_eps} and --lr {cfg.lr} > 0")
-    if (cfg.clip_eps_high is not None and not cfg.clip_eps_high > 0) or (cfg.tis_cap is not None and not cfg.tis_cap > 0):
+    if any(v is not None and not v > 0 for v in (cfg.clip_eps_high, cfg.tis_cap)):
         errors.append(f"--clip-eps-high {cfg.clip_eps_high} and --tis-cap {cfg.tis_cap} must be > 0 when given")
     if not cfg.grad_clip > 0 or not cfg.warmup_lr > 0:
         errors.append(f"--grad-clip {cfg.grad_clip} and --warmup-lr {cfg.warmup_lr} must be > 0")

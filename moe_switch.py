@@ -609,6 +609,15 @@ class ExpertParallel:
         return total
 
 
+def optimizer_groups(model):
+    """The parameters in two groups: FSDP2 shards (DTensors) and plain tensors (the EP experts, outside
+    FSDP); a multi-tensor (foreach) optimizer step, CUDA's default, refuses to mix the two kinds."""
+    from torch.distributed.tensor import DTensor
+    params = list(model.parameters())
+    groups = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+    return [{"params": g} for g in groups if g]
+
+
 def _untie(moe):
     for n in EXPERT_NAMES:
         for p in getattr(moe, n):

@@ -7,7 +7,7 @@ The string length k is round(lognormal(2.0, 0.6)) clipped to [1, max_digits], so
 to max_digits + 1 tokens with a long tail (median about 8): the tail that the staleness and packing
 mechanisms are measured on. The reward is a rule, exact match: 1 or 0. Swapping the task for another
 one with a verifiable reward means swapping this file: train_grpo.py uses `VOCAB`, `PAD`, `EOS`,
-`score`, `answer` (for the supervised warm-up) and `prompt_streams`.
+`score`, `answer` (for the supervised warm-up), `prompt_streams` and `ReplicaPrompts`.
 
 The held-out set is a fixed draw of prompts (its own seed, whatever --seed says), scored greedily; the
 training streams redraw any prompt that is in it, so that the held-out accuracy measures prompts the
@@ -67,6 +67,20 @@ class PromptStream:
 
     def load_state_dict(self, state):
         self.rng.bit_generator.state = state["rng"]
+
+
+class ReplicaPrompts:
+    """StaleSync's prompt_fn: this replica's slice of each global batch of prompts, one at a time."""
+
+    def __init__(self, stream, per_step, replica, replicas):
+        self.stream, self.per_step = stream, per_step
+        self.first, self.n = replica * per_step // replicas, per_step // replicas
+        self.buffer = []
+
+    def __call__(self):
+        if not self.buffer:
+            self.buffer = self.stream.next(self.per_step)[self.first:self.first + self.n]
+        return self.buffer.pop(0)
 
 
 def held_out(max_digits, n_eval):

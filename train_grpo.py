@@ -28,8 +28,8 @@ Departures from the source system, on purpose:
 2. Sampling randomness is counter-based per sample (model.py): every deployment and world size
    generates the same responses from the same weights, so every mode trains to the same parameters.
 
-Outputs, in --out (default runs/<timestamp>/): metrics.jsonl (one object per step), summary.json, and
-spans_rank<N>.jsonl (every timed phase of every rank).
+Outputs, in --out (default runs/<timestamp>/): metrics.jsonl (one object per step), summary.json,
+spans_rank<N>.jsonl (every timed phase of every rank), trace.json, timeline.svg and curves.svg.
 """
 import datetime
 import functools
@@ -47,7 +47,7 @@ import moe_switch
 import stalesync
 import task
 import timeline
-from config import Config, Roles, loss_agg, model_config, parse_args, validate
+from config import Config, Roles, grpo_config, model_config, parse_args, validate
 from model import Policy, Sampler, generate
 from runlog import RunLog, all_sum
 
@@ -284,13 +284,18 @@ def collect_eval(run, version):
     return sum(float(run.store.get(k)) for k in keys) / len(run.eval_prompts)
 
 
-def wait_for(run, keys, what):
-    """Poll the store, serving the queue all along; a peer that never posts times out, naming what."""
-    deadline = time.monotonic() + run.cfg.pg_timeout_s
+def wait_for(run, keys, what, moving=None):
+    """Poll the store until every key exists, serving the queue all along. A peer that posts nothing (or,
+    with `moving`, a key it updates as it works, leaves it unchanged) for pg_timeout_s times out."""
+    seen, deadline = None, time.monotonic() + run.cfg.pg_timeout_s
     while not run.store.check(keys):
         run.queue.serve()
+        now = run.store.get(moving) if moving and run.store.check([moving]) else None
+        if now != seen:  # progress: the deadline moves
+            seen, deadline = now, time.monotonic() + run.cfg.pg_timeout_s
         if time.monotonic() > deadline:
-            raise TimeoutError(f"rank {run.rank}: no {what} after {run.cfg.pg_timeout_s}s (keys {keys})")
+            raise TimeoutError(f"rank {run.rank}: no {what} after {run.cfg.pg_timeout_s}s (keys {keys}, "
+                               f"last progress {seen!r}): is the peer alive?")
         time.sleep(0.001)
 
 
@@ -300,10 +305,11 @@ def warm_up(run):
     counts its steps in the store, and a rank that does not train (a separated generator) waits on that
     heartbeat, not in a collective that a long warm-up would time out."""
     cfg, roles = run.cfg, run.roles
-    heartbeat = f"w:{run.out_dir}/warmup_steps"
+    heartbeat, done = f"w:{run.out_dir}/warmup_steps", f"w:{run.out_dir}/warmup_done"
     if run.rank not in roles.trainers:
-        return wait_for_heartbeat(run, heartbeat)
-    optimizer = torch.optim.AdamW(param_groups(run.model), lr=cfg.warmup_lr, betas=(0.9, 0.98), weight_decay=0.0)
+        return wait_for(run, [done], "end of trainer 0's warm-up", moving=heartbeat)
+    optimizer = torch.optim.AdamW(moe_switch.optimizer_groups(run.model), lr=cfg.warmup_lr, betas=(0.9, 0.98),
+                                  weight_decay=0.0)
     me, n = roles.trainers.index(run.rank), cfg.warmup_batch // len(roles.trainers)
     with run.spans("warmup"):
         for i in range(cfg.warmup_steps):
@@ -313,20 +319,7 @@ def warm_up(run):
             grpo.supervised_step(run.model, optimizer, prompts, [task.answer(p) for p in prompts], run.device,
                                  cfg.grad_clip, run.train_group, run.clip_grads)
     if run.rank == 0:
-        run.store.set(heartbeat, str(cfg.warmup_steps))
-
-
-def wait_for_heartbeat(run, key):
-    """Wait while trainer 0's warm-up count moves; at most pg_timeout_s without a step."""
-    seen, since = None, time.monotonic()
-    while seen != str(run.cfg.warmup_steps):
-        now = run.store.get(key).decode() if run.store.check([key]) else None
-        if now != seen:
-            seen, since = now, time.monotonic()
-        if time.monotonic() - since > run.cfg.pg_timeout_s:
-            raise TimeoutError(f"rank {run.rank}: trainer 0's warm-up made no step in {run.cfg.pg_timeout_s}s "
-                               f"(last at {seen} of {run.cfg.warmup_steps}): is it alive?")
-        time.sleep(0.05)
+        run.store.set(done, "1")
 
 
 # ----------------------------------------------------------------------------- building the run (every option, once)
@@ -416,7 +409,7 @@ def build_policy(run):
     else:  # FSDP over every rank; the engine is tensor-parallel over groups of infer_tp ranks
         run.train_group = dist.group.WORLD
         mesh = init_device_mesh(device.type, (roles.world,))
-        tp_group = fusion.Layout(roles.world, tp=cfg.infer_tp, n_heads=cfg.n_heads).new_groups(cfg.pg_timeout_s)[0]
+        tp_group = fusion.Layout(roles.world, cfg.infer_tp, n_heads=cfg.n_heads).new_groups(cfg.pg_timeout_s)[0]
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model = Policy(model_config(cfg)).to(device)
     if rank in roles.generators:
@@ -433,35 +426,9 @@ def build_policy(run):
         fully_shard(block, mesh=mesh, ignored_params=ignored, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, ignored_params=ignored)
     run.model = model
-    run.optimizer = torch.optim.AdamW(param_groups(model), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
-    run.algo = grpo.GRPOConfig(clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, kl_coef=cfg.kl_coef,
-                               loss_agg=loss_agg(cfg), norm_len=cfg.max_new_tokens, temperature=cfg.temperature,
-                               updates_per_batch=cfg.updates_per_batch, micro_batches=cfg.micro_batches,
-                               grad_clip=cfg.grad_clip, decoupled=cfg.decoupled, tis_cap=cfg.tis_cap,
-                               mask_truncated=cfg.mask_truncated)
-
-
-def param_groups(model):
-    """FSDP shards (DTensors) and plain tensors (EP's experts) in two groups: a multi-tensor (foreach)
-    optimizer step, CUDA's default, refuses to mix the two kinds."""
-    from torch.distributed.tensor import DTensor
-    params = list(model.parameters())
-    groups = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
-    return [{"params": g} for g in groups if g]
-
-
-class ReplicaPrompts:
-    """StaleSync's prompt_fn: this replica's slice of each global batch of prompts, one at a time."""
-
-    def __init__(self, stream, per_step, replica, replicas):
-        self.stream, self.per_step = stream, per_step
-        self.first, self.n = replica * per_step // replicas, per_step // replicas
-        self.buffer = []
-
-    def __call__(self):
-        if not self.buffer:
-            self.buffer = self.stream.next(self.per_step)[self.first:self.first + self.n]
-        return self.buffer.pop(0)
+    run.optimizer = torch.optim.AdamW(moe_switch.optimizer_groups(model), lr=cfg.lr, betas=(0.9, 0.98),
+                                      weight_decay=0.0)
+    run.algo = grpo_config(cfg)
 
 
 def sample_seed(seed, per_step, first, n_local, i):
@@ -478,7 +445,7 @@ def build_rollout(run):
     n_local, per_step = n_prompts * cfg.group_size, cfg.prompts_per_step * cfg.group_size
     # Decode chunks of a round continue from the engine's KV cache; sched.update() drops it.
     run.sampler = Sampler(run.engine, cfg.max_new_tokens, task.EOS, task.PAD, cfg.temperature, cfg.top_p)
-    prompts = ReplicaPrompts(run.rl_stream, cfg.prompts_per_step, replica, roles.replicas)
+    prompts = task.ReplicaPrompts(run.rl_stream, cfg.prompts_per_step, replica, roles.replicas)
     seeds = functools.partial(sample_seed, cfg.seed, per_step, replica * n_local, n_local)
     stale = stalesync.StaleConfig(cfg.staleness, n_prompts, cfg.group_size, cfg.threshold, cfg.chunk_steps)
     informative = (lambda p, rs: len({task.score(p, r) for r in rs}) > 1) if cfg.filter_groups else None
@@ -500,18 +467,14 @@ def attach_reference(run):
 
 def setup_distributed(cfg):
     """torchrun's environment, or a world of one. Returns rank, world size, device."""
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cpu")
-    if use_cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
         torch.cuda.set_device(device)  # before init_process_group
-    timeout = datetime.timedelta(seconds=cfg.pg_timeout_s)
-    backend = "nccl" if use_cuda else "gloo"
-    if not dist.is_initialized():
-        if "RANK" in os.environ:
-            dist.init_process_group(backend, timeout=timeout)
-        else:  # plain `python train_grpo.py`: a world of one, no rendezvous needed
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    if not dist.is_initialized():  # plain `python train_grpo.py`, no RANK: a world of one, no rendezvous
+        alone = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=cfg.pg_timeout_s),
+                                **alone)
     return dist.get_rank(), dist.get_world_size(), device
 
 

@@ -85,7 +85,7 @@ def grpo_config(args, deploy, out):
                   steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
                   max_new_tokens=args.max_new_tokens, max_digits=args.max_digits, eval_prompts=2,
                   eval_every=10 ** 6, deploy=deploy, bucket_kb=args.bucket_kb, seed=args.seed, out=out,
-                  device="cpu", pg_timeout_s=180)
+                  device="cpu", pg_timeout_s=180, staleness=0, filter_groups=False)  # the same work in each mode
 
 
 def bench_modes(args, rank, store):

@@ -64,7 +64,8 @@ def test_import_starts_no_training(tmp_path):
 # Short strings and a short warm-up, so that groups get mixed rewards and the GRPO updates are not zero.
 TINY = dict(max_digits=2, max_new_tokens=4, eval_prompts=8, d_model=32, d_expert=32, warmup_steps=30,
             warmup_batch=8, steps=3, prompts_per_step=4, group_size=4, eval_every=2, updates_per_batch=1,
-            kl_coef=0.05, lr=3e-3, device="cpu")  # gloo ranks on CPU, even where a GPU is present
+            kl_coef=0.05, lr=3e-3, device="cpu",  # gloo ranks on CPU, even where a GPU is present
+            staleness=0, threshold=0.5, filter_groups=False)  # synchronous, all groups: every world the same
 
 
 def _train_tiny(rank, world_size, out_dir, overrides=None):
