@@ -41,7 +41,7 @@ class Config:
     warmup_batch: int = flag(64, "global (prompt, answer) pairs per warm-up step")
     warmup_lr: float = flag(5e-3, "warm-up learning rate")
     # GRPO
-    steps: int = flag(120, "RL steps")
+    steps: int = flag(2000, "RL steps, at most (--rl-seconds stops the default run first)")
     prompts_per_step: int = flag(16, "global prompts per step")
     group_size: int = flag(8, "responses per prompt (>= 2)")
     lr: float = flag(5e-4, "RL learning rate")
@@ -62,7 +62,7 @@ class Config:
     grad_clip: float = flag(1.0, "gradient norm clip")
     # staleness (stalesync.py)
     staleness: int = flag(1, "S: most policy versions a trained sample may lag (0: synchronous)")
-    threshold: float = flag(0.25, "in (0, 1]: decode pool of prompts_per_step / threshold groups; a round ends "
+    threshold: float = flag(0.5, "in (0, 1]: decode pool of prompts_per_step / threshold groups; a round ends "
                                  "when prompts_per_step groups are complete")
     chunk_steps: int = flag(8, "decode steps between checks for a finished batch (S > 0)")
     decoupled: bool = flag(False, "1: decoupled objective (AReaL), clip around recomputed proximal log-probs")
@@ -82,9 +82,9 @@ class Config:
     # run
     seed: int = flag(0, "seed of prompts, init and sampling")
     eval_every: int = flag(20, "steps between held-out evaluations (also the first and the last)")
-    log_every: int = flag(4, "steps between printed step lines")
-    rl_seconds: float = flag(0.0, "stop after the RL step that passes this many seconds of RL (0: run --steps), "
-                                  "then evaluate; for comparisons at equal wall time")
+    log_every: int = flag(8, "steps between printed step lines")
+    rl_seconds: float = flag(200.0, "stop after the RL step that passes this many seconds of RL steps "
+                                    "(evaluations excluded), and evaluate it; 0: run --steps")
     out: str = flag("", "output folder (default runs/<timestamp>)")
     device: str = flag("auto", "auto, cpu or cuda")
     pg_timeout_s: int = flag(300, "timeout in seconds of every process group")

@@ -99,7 +99,8 @@ class RunLog:
             held_out = f" | held-out accuracy {rec['eval/accuracy']:.3f}" if "eval/accuracy" in rec else ""
             self.say(f"step {rec['step']} | reward {rec['reward/mean']:.2f} | loss {rec['loss']:+.4f} | "
                      f"{rec['perf/tokens_per_s']:.0f} tok/s | rollout {rec['time/rollout_s']:.2f}s train "
-                     f"{rec['time/train_s']:.2f}s | age {rec['stale/age_max']:.0f}{held_out}")
+                     f"{rec['time/train_s']:.2f}s | age {rec['stale/age_max']:.0f} | filtered "
+                     f"{rec['rollout/filtered_groups']:.0f}{held_out}")
 
     def say(self, line):
         if self.file:

@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["--threshold", "1.5"], "threshold=1.5 is outside the valid range (0, 1]"),
     (["--chunk-steps", "0"], "--chunk-steps 0: chunk_steps=0 must be an integer >= 1"),
     (["--grad-clip", "0"], "--grad-clip 0.0 and --warmup-lr 0.005 must be > 0"),
-    (["--warmup-steps", "-5"], "--warmup-steps -5, --seed 0 and --rl-seconds 0.0 must be >= 0"),
+    (["--warmup-steps", "-5"], "--warmup-steps -5, --seed 0 and --rl-seconds 200.0 must be >= 0"),
     (["--pg-timeout-s", "0"], "--pg-timeout-s 0 >= 1"),
     (["--bucket-kb", "1"], "--bucket-kb 1 is smaller than the largest weight, blocks.0.moe.w_gate (131072 bytes)"),
     (["--infer-tp", "4"], "--infer-tp 4 must be 1, 2 or 4 and divide both the world size 2"),
