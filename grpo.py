@@ -292,16 +292,29 @@ def grpo_update(model, optimizer, samples, cfg, device, group=None, ref_logprobs
         raise ValueError(f"kl_coef={cfg.kl_coef} needs ref_logprobs")
     prox_logprobs = chunk_logprobs(model, samples, cfg, device) if cfg.recompute else None
     sums = dict.fromkeys(("loss", "clip_frac", "ratio_mean", "k3_mean", "entropy", "items", "tokens",
-                          "gap", "gap_tokens", "gap_max"), 0.0)
+                          "gap", "gap_tokens", "gap_max", "skipped_max"), 0.0)
     for i, mini in enumerate(np.array_split(np.arange(len(samples.prompts)), cfg.updates_per_batch)):
         _accumulate(model, samples, mini, cfg, device, group, ref_logprobs, prox_logprobs, sums, first=i == 0)
         if clip_grads is None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         else:
-            clip_grads(model, cfg.grad_clip)
-        optimizer.step()
+            norm = clip_grads(model, cfg.grad_clip)
+        if finite_everywhere(norm, device, group):
+            optimizer.step()
+        else:  # a non-finite loss or gradient on any rank: every rank skips the step, the weights untouched
+            sums["skipped_max"] += 1
         optimizer.zero_grad(set_to_none=True)
     return sums
+
+
+def finite_everywhere(norm, device, group=None):
+    """True when the gradient norm is finite on every rank of the group (one MAX all-reduce of a flag):
+    a NaN or inf anywhere makes every rank skip the same step."""
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else torch.as_tensor(norm)
+    bad = torch.tensor([0.0 if bool(torch.isfinite(norm).all()) else 1.0], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+    return not bool(bad.item())
 
 
 def loss_mask(samples, rows, mask, cfg):
@@ -374,7 +387,7 @@ def batch_means(sums):
     return {"loss": sums["loss"] / items, "clip_frac": sums["clip_frac"] / tokens,
             "ratio_mean": sums["ratio_mean"] / tokens, "k3_mean": sums["k3_mean"] / tokens,
             "entropy": sums["entropy"] / tokens, "rollout/logprob_gap_mean": sums["gap"] / max(sums["gap_tokens"], 1.0),
-            "rollout/logprob_gap_max": sums["gap_max"]}
+            "rollout/logprob_gap_max": sums["gap_max"], "train/skipped_updates": sums["skipped_max"]}
 
 
 def supervised_step(model, optimizer, prompts, targets, device, grad_clip, group=None, clip_grads=None):
@@ -387,9 +400,10 @@ def supervised_step(model, optimizer, prompts, targets, device, grad_clip, group
     loss = (nll * mask).sum() / mask.sum() * (n_local * _world(group) / max(n_global, 1.0))
     loss.backward()
     if clip_grads is None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     else:
-        clip_grads(model, grad_clip)
-    optimizer.step()
+        norm = clip_grads(model, grad_clip)
+    if finite_everywhere(norm, device, group):  # else every rank skips it
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.detach()

@@ -41,7 +41,7 @@ class RunLog:
         self.offset = time.time() - time.perf_counter() - start[0]  # perf_counter -> seconds since the start
         self.file = open(os.path.join(run.out_dir, "metrics.jsonl"), "w") if run.rank == 0 else None
         self.before = self.accuracy = None
-        self.tokens = self.seconds = self.regenerated = self.extra_groups = 0.0
+        self.tokens = self.seconds = self.regenerated = self.extra_groups = self.skipped = 0.0
 
     def rl_seconds(self, mark):
         """Seconds of RL steps so far, evaluations excluded, this one (begun at `mark`) included: the clock
@@ -67,6 +67,7 @@ class RunLog:
         self.tokens, self.seconds = self.tokens + s["response_tokens"], self.seconds + step_s
         self.regenerated += s["regenerated"]
         self.extra_groups += s["regenerated"] + s["filtered"]
+        self.skipped += s["skipped_max"]
         return {"step": step, "reward/mean": s["reward"] / rows, **grpo.batch_means(s),
                 "rollout/response_tokens": s["response_tokens"], "perf/tokens_per_s": s["response_tokens"] / step_s,
                 "time/step_s": step_s, **{f"time/{k}_s": spans.total(names, first) for k, names in PHASES.items()},
@@ -76,6 +77,7 @@ class RunLog:
                 "stale/partial_continued": s["partial_continued"], "stale/regenerated": self.regenerated,
                 # dynamic sampling: groups dropped this step; groups generated and never trained, so far
                 "rollout/filtered_groups": s["filtered"], "rollout/extra_groups": self.extra_groups,
+                "train/skipped_steps": self.skipped,  # optimizer steps skipped for a non-finite gradient, so far
                 **(run.queue.metrics() if self.file else {}), **extra}  # rank 0 writes the record
 
     def warmed_up(self, accuracy):

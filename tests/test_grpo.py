@@ -265,3 +265,35 @@ def test_batch_normalize_over_ranks_is_the_whole_batch_normalised():
     parts = run_distributed(_batch_normalize, world_size=2, args=(v,))
     torch.testing.assert_close(torch.cat(parts), grpo.batch_normalize(v))
     torch.testing.assert_close(grpo.batch_normalize(v), (v - v.mean()) / (v.std() + 1e-6))
+
+
+def test_a_non_finite_gradient_skips_the_step_and_leaves_the_weights():
+    s = _samples()
+    model = TinyLM()
+    start = torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    s.advantages[2] = float("nan")
+    sums = grpo.grpo_update(model, opt, s, grpo.GRPOConfig(micro_batches=1), "cpu")
+    assert sums["skipped_max"] == 1 and grpo.batch_means(sums)["train/skipped_updates"] == 1
+    assert torch.equal(torch.cat([p.detach().flatten() for p in model.parameters()]), start)
+    assert not opt.state  # the optimizer never stepped: no moments built from the bad gradient
+    s.advantages[2] = 0.5
+    sums = grpo.grpo_update(model, opt, s, grpo.GRPOConfig(micro_batches=1), "cpu")
+    assert sums["skipped_max"] == 0 and not torch.equal(torch.cat([p.detach().flatten() for p in model.parameters()]), start)
+
+
+def _nan_on_rank_1(rank, world):
+    s = _samples(seed=rank)
+    if rank == 1:
+        s.advantages[0] = float("inf")
+    model = TinyLM()
+    start = torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+    sums = grpo.grpo_update(model, torch.optim.AdamW(model.parameters(), lr=1e-2), s,
+                            grpo.GRPOConfig(micro_batches=1), "cpu")
+    return sums["skipped_max"], torch.equal(torch.cat([p.detach().flatten() for p in model.parameters()]), start)
+
+
+def test_every_rank_skips_when_one_rank_sees_a_non_finite_gradient():
+    """A plain model (no FSDP): only rank 1's gradient is bad, and still both ranks skip the same step."""
+    from tests.distributed import run_distributed
+    assert run_distributed(_nan_on_rank_1, world_size=2) == [(1, True), (1, True)]
