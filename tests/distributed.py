@@ -7,7 +7,8 @@
 - the port is picked free, never hard-coded;
 - every line a rank prints is tagged `[rank N]`;
 - `destroy_process_group()` runs in a `finally`;
-- a rank that raises fails the test with its traceback; a rank that hangs fails it after `timeout_s`.
+- a rank that raises fails the test with its traceback, at once; so does a rank that dies without
+  reporting (killed, or unable to start); a rank that hangs fails it after `timeout_s`.
 `fn` must be a module-level function (spawn pickles it by name). Returns the ranks' return values.
 """
 import datetime
@@ -15,8 +16,10 @@ import io
 import multiprocessing as mp
 import os
 import pickle
+import queue
 import socket
 import sys
+import time
 import traceback
 
 
@@ -76,17 +79,7 @@ def run_distributed(fn, world_size=2, args=(), timeout_s=120, pg_timeout_s=60):
         p.start()
     out, errors = {}, []
     try:
-        for _ in range(world_size):
-            try:
-                rank, status, value = results.get(timeout=timeout_s)
-            except Exception:  # queue.Empty: some rank never reported
-                missing = sorted(set(range(world_size)) - set(out) - {e[0] for e in errors})
-                raise TimeoutError(f"ranks {missing} did not finish within {timeout_s}s") from None
-            if status == "ok":
-                out[rank] = pickle.loads(value)
-            else:
-                errors.append((rank, value))
-                break  # fail fast: the other ranks may be blocked on the dead one
+        _collect(procs, results, timeout_s, out, errors)
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 0.5)
@@ -97,3 +90,28 @@ def run_distributed(fn, world_size=2, args=(), timeout_s=120, pg_timeout_s=60):
         rank, tb = errors[0]
         raise RuntimeError(f"rank {rank} failed:\n{tb}")
     return [out[r] for r in range(world_size)]
+
+
+def _collect(procs, results, timeout_s, out, errors):
+    """Every rank's report; the first error ends it at once (the other ranks may be blocked on the dead
+    one), and so does a rank that died without reporting (killed, or unable to start)."""
+    deadline = time.monotonic() + timeout_s
+    while len(out) < len(procs):
+        try:
+            rank, status, value = results.get(timeout=0.2)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
+            if dead and results.empty():
+                time.sleep(0.5)  # a report may still be in flight from a rank that just returned
+                if results.empty():
+                    errors.append((dead[0], f"the process exited with code {procs[dead[0]].exitcode} without "
+                                            "reporting (killed, or it could not start: its stderr is above)"))
+                    return
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(len(procs))) - set(out))
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout_s}s") from None
+            continue
+        if status != "ok":
+            errors.append((rank, value))
+            return
+        out[rank] = pickle.loads(value)

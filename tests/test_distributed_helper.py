@@ -25,3 +25,17 @@ def test_all_ranks_run_and_return():
 def test_a_failing_rank_fails_the_call():
     with pytest.raises(RuntimeError, match="(?s)rank 1 failed.*boom on purpose"):
         run_distributed(_fail_on_rank_1, world_size=2)
+
+
+def _killed_on_rank_1(rank, world_size):
+    import os
+    import time
+    if rank == 1:
+        os._exit(9)  # dies as a SIGKILL would: no exception, no report
+    time.sleep(60)  # rank 0 would wait here: the helper must not wait for it
+
+
+def test_a_rank_that_dies_without_reporting_fails_the_call_at_once():
+    """Rank 0 outlives the helper's timeout: had the helper waited for it, this would be a TimeoutError."""
+    with pytest.raises(RuntimeError, match="rank 1 failed:\nthe process exited with code 9 without reporting"):
+        run_distributed(_killed_on_rank_1, world_size=2, timeout_s=30)
