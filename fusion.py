@@ -39,7 +39,7 @@ Departures from the paper:
      model and needed first thing back in TRAIN. `offload_params=True` offloads them too.
   5. The engine's weight storages are freed in TRAIN (resized to 0) and re-allocated bucket by bucket;
      an engine with its own sleep mode (vLLM) takes manage_engine=False. The KV cache is the engine's
-     (model.generate allocates it per call) and is not in mem/rollout_bytes, taken right after the switch.
+     (allocated per call by this repository's sampler) and is not in mem/rollout_bytes.
   6. Memory is the module's own count of the storages it manages (shards, grads, optimizer states,
      engine weights, buckets); on CUDA, mem/{train,rollout}_bytes are torch.cuda.memory_allocated.
 
@@ -385,7 +385,8 @@ class FusedActor:
         self.buckets = plan_buckets(meta, bucket_bytes)
         eng = self._engine_weights()
         same = {n for n, *_ in meta} == set(eng) and all(
-            tuple(eng[n].shape) == shape and eng[n].dtype == dtype and eng[n].is_contiguous() for n, shape, dtype in meta)
+            tuple(eng[n].shape) == shape and eng[n].dtype == dtype and eng[n].is_contiguous()
+            for n, shape, dtype in meta)
         if inplace and not (manage_engine and same and not naive):
             raise ValueError("inplace=True needs manage_engine=True, naive=False and engine parameters with the "
                              "model's names, full shapes and dtypes (TP 1); use inplace=False (load_weights)")

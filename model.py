@@ -419,6 +419,21 @@ class Sampler:
         cache.k[:, :, :, :t], cache.v[:, :, :, :t], cache.length = k, v, t
         return cache, logits, valid, pos
 
+    def _check(self, contexts, budget, steps, call):
+        """Refuse, before any work, an empty context, a row that would outgrow max_seq_len, and (keep=True)
+        two rows with one seed."""
+        B, max_len = len(contexts), self.model.cfg.max_seq_len
+        if min(map(len, contexts)) == 0:
+            raise ValueError(f"row {[len(c) for c in contexts].index(0)}: an empty context (a prompt needs a token)")
+        need = [len(c) + min(steps, int(b)) for c, b in zip(contexts, budget.tolist())]  # per row: positions used
+        if max(need) > max_len:
+            i = max(range(B), key=need.__getitem__)
+            raise ValueError(f"row {i}: context {len(contexts[i])} + {need[i] - len(contexts[i])} new tokens "
+                             f"exceeds max_seq_len={max_len}")
+        if self.keep and len(set(call)) != B:
+            raise ValueError(f"Sampler(keep=True) keys rows by seed, but {B} rows have only "
+                             f"{len(set(call))} distinct seeds")
+
     @torch.no_grad()
     def __call__(self, contexts, seeds, n_done=None, max_steps=None):
         model, B, dev = self.model, len(contexts), self.model.head.weight.device
@@ -426,17 +441,8 @@ class Sampler:
         seeds = torch.as_tensor(seeds, dtype=torch.long, device=dev)
         budget = self.budget(seeds, n_done).to(dev)                                # (B,) tokens left
         steps = int(budget.max()) if max_steps is None else min(max_steps, int(budget.max()))
-        if min(map(len, contexts)) == 0:
-            raise ValueError(f"row {[len(c) for c in contexts].index(0)}: an empty context (a prompt needs a token)")
-        need = [len(c) + min(steps, int(b)) for c, b in zip(contexts, budget.tolist())]  # per row: positions used
-        if max(need) > model.cfg.max_seq_len:
-            i = max(range(B), key=need.__getitem__)
-            raise ValueError(f"row {i}: context {len(contexts[i])} + {need[i] - len(contexts[i])} new tokens "
-                             f"exceeds max_seq_len={model.cfg.max_seq_len}")
         call = seeds.tolist()
-        if self.keep and len(set(call)) != B:
-            raise ValueError(f"Sampler(keep=True) keys rows by seed, but {B} rows have only "
-                             f"{len(set(call))} distinct seeds")
+        self._check(contexts, budget, steps, call)
         kept = set() if self.state is None else set(self.state["seeds"])
         held = [(i, s) for i, s in enumerate(call) if s in kept]
         if held:  # cache row r is call row order[r]: the held rows first, then the new ones

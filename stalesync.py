@@ -42,8 +42,8 @@ Departures from the paper and its relatives:
    separated: `admit/decode/ready/take` on the generator and `update(v)` when weights arrive); transport
    of samples and weights is the caller's (a queue, p2p). The one collective here is AllReady's flag.
 3. The sampler is a callable step_fn(contexts, seeds, n_done, max_steps) -> (tokens, logprobs, done),
-   called once per decode chunk on every in-flight row; a stateless sampler (model.generate) re-prefills
-   the prefix each chunk, a cached one (model.Sampler) keeps its KV cache between chunks, keyed by seed,
+   called once per decode chunk on every in-flight row; a stateless sampler re-prefills the prefix each
+   chunk, a cached one (in this repository, model.py's Sampler) keeps its KV cache between chunks,
    and update() calls its reset(): new weights, so every prefix is read again.
 4. Ages are counted in optimizer steps of the trainer (batch index), not wall time.
 
@@ -95,8 +95,8 @@ import torch.distributed as dist
 
 def _unpack(out, rows):
     """A sampler's output for `rows` rows: (tokens, logprobs, done), or an object with those attributes
-    (model.Generation), each of R items; tokens and logprobs as tensors. Refuses anything else, naming
-    the contract."""
+    (as this repository's model.Generation), each of R items; tokens and logprobs as tensors. Refuses
+    anything else, naming the contract."""
     tokens, logprobs, done = (out.tokens, out.logprobs, out.done) if hasattr(out, "tokens") else tuple(out)
     if not len(tokens) == len(logprobs) == len(done) == rows:
         raise ValueError(f"the sampler returned {len(tokens)} token rows, {len(logprobs)} log-prob rows and "
@@ -171,7 +171,8 @@ class StaleSync:
         self.keep_group = keep_group
         owner = getattr(step_fn, "__self__", step_fn)  # a bound method's object: where reset and state are
         self.reset_fn = reset if reset is not None else getattr(owner, "reset", None)
-        plain = hasattr(owner, "state_dict") and hasattr(owner, "load_state_dict") and not isinstance(owner, torch.nn.Module)
+        plain = hasattr(owner, "state_dict") and hasattr(owner, "load_state_dict") and \
+            not isinstance(owner, torch.nn.Module)
         self.sampler_state = state if state is not None else (owner if plain else None)
         self.version = 0          # v: weights the sampler uses now
         self.batches_out = 0      # k: batches emitted; the next one is trained at version k
@@ -319,7 +320,8 @@ class StaleSync:
 
     def update(self, version=None):
         """New weights reached the sampler: version + 1 (colocated), or the version received (separated).
-        A sampler that keeps a KV cache between calls (model.Sampler; see `reset`) drops it here: every in-flight prefix must be read again under the new weights."""
+        A sampler that keeps a KV cache between calls drops it here (its reset, see `reset`): every
+        in-flight prefix must be read again under the new weights."""
         if version is not None and not (_is_int(version) and self.version <= version <= self.batches_out):
             raise ValueError(f"update(version={version!r}): weights of version v are trained on batches < v, so "
                              f"v must be an integer in [{self.version}, {self.batches_out}] (the sampler's version "
@@ -357,7 +359,7 @@ class StaleSync:
         for key in ("version", "batches_out", "groups_started", "next_id", "regenerated", "filtered",
                     "filtered_reported", "max_admitted_over"):
             setattr(self, key, sd[key])
-        if sd["sampler"] is not None:  # the held rows' KV cache too (model.Sampler): a bit-exact resume
+        if sd["sampler"] is not None:  # the held rows' KV cache too, if the sampler saves it: bit-exact
             self.sampler_state.load_state_dict(sd["sampler"])
         elif self.reset_fn is not None:  # a cache not checkpointed: the prefixes are read again
             self.reset_fn()

@@ -3,7 +3,8 @@
 steps, and learning curves.
 
 `Spans` times every phase of a rank through one helper: `with spans("train"): ...` records (name,
-start, end, args), args being the step and policy version the caller set. A run of train_grpo.py leaves in its folder one spans_rank<N>.jsonl per rank (every timed phase:
+start, end, args), args being the step and policy version the caller set. A run of train_grpo.py leaves
+in its folder one spans_rank<N>.jsonl per rank (every timed phase:
 {"rank", "name", "start", "end", "step", "version"}, in seconds since the run started) and metrics.jsonl
 (one object per step). From them this module writes, standard library only:
   trace.json     Chrome trace-event format, one track per rank: open it in ui.perfetto.dev or chrome://tracing
@@ -16,8 +17,8 @@ start, end, args), args being the step and policy version the caller set. A run 
     python -m timeline runs/A runs/B --out curves.svg --labels S0,S1   # one comparison of several runs
     python timeline.py --help
 
-Contents: Spans (recording), load_spans, check_nesting, trace_events / write_trace, pick_window, write_timeline_svg,
-load_metrics, curve_points, write_curves_svg, write_all, main.
+Contents: Spans (recording), load_spans, check_nesting, trace_events / write_trace, pick_window,
+write_timeline_svg, load_metrics, curve_points, write_curves_svg, write_all, main.
 """
 import argparse
 import json
