@@ -110,6 +110,14 @@ def test_two_ranks_train_to_identical_parameters(tmp_path):
     summary = json.load(open(tmp_path / "w2" / "summary.json"))
     assert {"eval_accuracy_before", "eval_accuracy_after", "wall_s", "tokens_per_s", "config"} <= set(summary)
     assert os.path.exists(tmp_path / "w2" / "spans_rank1.jsonl")
+    import timeline  # the run drew itself: a trace with a track per rank, properly nested spans, pictures
+    spans = timeline.load_spans(tmp_path / "w2")
+    timeline.check_nesting(spans)
+    trace = json.load(open(tmp_path / "w2" / "trace.json"))
+    assert {e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}
+    assert {s["name"] for s in spans} >= {"warmup", "switch_to_rollout", "rollout", "switch_to_train", "score",
+                                          "queue", "reference", "train", "eval"}
+    assert all(os.path.getsize(tmp_path / "w2" / f) for f in ("timeline.svg", "curves.svg"))
     # Every deployment runs the same algorithm on the same samples: the same parameters come out.
     # (EP 2 in training, 1 in rollout: the experts leave FSDP, tokens cross ranks by all_to_all, the
     # expert weights are re-sharded at every phase change; the math is the dense model's.)
