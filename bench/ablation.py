@@ -4,6 +4,7 @@ the same wall time.
 
     python bench/ablation.py                               # the full table: about 50 minutes on 2 CPU cores
     python bench/ablation.py --seeds 0 --estimators grpo --unfiltered --budget-s 60   # one quick row
+    python bench/ablation.py --resume                      # an interrupted table: only the missing runs
 
 Each RL run is the README's default command with `--seed S --adv-estimator E --filter-groups F
 --rl-seconds B` (and any --extra flags): after the same warm-up, every configuration trains for the
@@ -30,13 +31,16 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(flags, out, log):
-    """One torchrun of train_grpo.py with these flags into `out`; its metrics, summary and spans."""
+def run(flags, out, log, resume=False):
+    """One torchrun of train_grpo.py with these flags into `out`; its metrics, summary and spans.
+    With `resume`, a run whose summary.json is already in `out` is read instead of run again."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.join(ROOT, "train_grpo.py"), *flags, "--out", out]
-    print(" ".join(cmd[3:]), flush=True)
-    with open(log, "w") as f:
-        subprocess.run(cmd, check=True, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+    done = os.path.exists(os.path.join(out, "summary.json"))
+    print(("(kept) " if resume and done else "") + " ".join(cmd[3:]), flush=True)
+    if not (resume and done):
+        with open(log, "w") as f:
+            subprocess.run(cmd, check=True, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
     metrics = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     summary = json.load(open(os.path.join(out, "summary.json")))
     spans = [json.loads(line) for line in open(os.path.join(out, "spans_rank0.jsonl"))]
@@ -47,7 +51,8 @@ def rl_row(args, estimator, filtered, seed):
     name = f"{estimator}_filter{filtered}_seed{seed}"
     flags = ["--seed", str(seed), "--adv-estimator", estimator, "--filter-groups", str(filtered),
              "--rl-seconds", str(args.budget_s), "--steps", "100000", "--eval-every", "100000", *args.extra]
-    metrics, summary, spans = run(flags, os.path.join(args.out, name), os.path.join(args.out, name + ".log"))
+    out = os.path.join(args.out, name)
+    metrics, summary, spans = run(flags, out, out + ".log", args.resume)
     wall = sum(rec.get("time/step_s", 0.0) for rec in metrics)
     warm = [s for s in spans if s["name"] == "warmup"]
     warm_s = sum(s["end"] - s["start"] for s in warm)
@@ -63,7 +68,8 @@ def supervised_row(args, seed, like):
     steps = like["warmup_steps"] + int(args.budget_s / like["warmup_s_per_step"])
     name = f"supervised_seed{seed}"
     flags = ["--seed", str(seed), "--warmup-steps", str(steps), "--steps", "1", *args.extra]
-    _, summary, _ = run(flags, os.path.join(args.out, name), os.path.join(args.out, name + ".log"))
+    out = os.path.join(args.out, name)
+    _, summary, _ = run(flags, out, out + ".log", args.resume)
     return dict(config="supervised only", estimator="", filter_groups="", seed=seed, before=like["before"],
                 at_budget=summary["eval_accuracy_before"], rl_wall_s=0.0, rl_steps=0,
                 warmup_s_per_step=like["warmup_s_per_step"], warmup_steps=steps)
@@ -92,6 +98,7 @@ def main():
     p.add_argument("--budget-s", type=float, default=100.0, help="seconds of RL steps each run trains for")
     p.add_argument("--no-supervised", dest="supervised", action="store_false", help="skip the supervised row")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "out", "ablation"), help="folder for the runs")
+    p.add_argument("--resume", action="store_true", help="keep the runs already complete in --out (same flags)")
     p.add_argument("--csv", default=os.path.join(ROOT, "bench", "ablation.csv"), help="one row per run")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more train_grpo.py flags, for every run")
     args = p.parse_args()
