@@ -513,6 +513,10 @@ class FusedActor:
                                  "nothing: return the engine parameter names it loaded (as vLLM's loaders do)")
             loaded |= set(names if names is not None else (n for n, _ in pairs))
             flat = pairs = None  # free the bucket before the next one
+        missing = sorted(set(eng) - loaded)
+        if missing:  # re-allocated (or, with its own sleep mode, last version's) and never filled: refuse
+            raise ValueError(f"the engine's weights {missing[:8]} were not loaded: its load_weights must load every "
+                             f"engine parameter (or name it in skip=) and return the names it loaded")
         return peak, gathered
 
     @torch.no_grad()

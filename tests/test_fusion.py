@@ -277,6 +277,17 @@ def test_the_engine_outside_rollout_a_custom_load_weights_and_renamed_engines():
             assert actor.phase == TRAIN
 
 
+def test_an_engine_weight_its_load_weights_skips_is_refused():
+    """A loader that skips a weight would leave it re-allocated and never filled: to_rollout refuses,
+    naming it, and TRAIN is as it was."""
+    actor = _plain_actor(inplace=False)
+    load = actor.engine.load_weights
+    actor.engine.load_weights = lambda pairs: load([(n, t) for n, t in pairs if n != "head.weight"])
+    with pytest.raises(ValueError, match=r"\['head.weight'\] were not loaded"):
+        actor.to_rollout()
+    assert actor.phase == TRAIN and held_bytes(actor.engine.parameters()) == 0
+
+
 def test_an_fsdp1_model_is_refused_naming_fsdp2():
     """FSDP1 cannot be built on a CPU-only machine (it wants an accelerator): a bare instance of its class
     stands in, which is what the check looks at."""
