@@ -40,7 +40,7 @@ Departures from the paper:
 Run: python -m pytest tests/test_moe_switch.py   (exactness, round trips, training, memory, bad input)
      python bench/moe_switch.py                  (bytes moved vs minimum, peak memory, switch time)
 
-Using this file elsewhere: torch (gloo on CPU, nccl on CUDA; all_to_all_single with uneven splits and
+Using this file elsewhere: torch (tested with 2.13; gloo on CPU, nccl on CUDA; all_to_all_single with uneven splits and
 batched isend/irecv). The dense MoE it converts from, by attributes: router (an nn.Linear, weight
 (E, D)), w_gate and w_up (E, D, H), w_down (E, H, D): SwiGLU experts y = (silu(x W_gate) * x W_up) W_down,
 combined by the softmax top_k gates renormalised over the chosen k. Per-expert nn.Linear layers (Llama,
@@ -122,11 +122,24 @@ def moe_reference(x, router_weight, experts, top_k):
     return out
 
 
+def check_dense(router_weight, w_gate, w_up, w_down, top_k):
+    """Refuse a dense MoE not in this file's layout, naming the shapes it needs."""
+    E, D, H = w_gate.shape if w_gate.dim() == 3 else (0, 0, 0)
+    want = {"router.weight": (E, D), "w_gate": (E, D, H), "w_up": (E, D, H), "w_down": (E, H, D)}
+    got = {"router.weight": router_weight, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+    bad = {n: tuple(t.shape) for n, t in got.items() if tuple(t.shape) != want[n]}
+    if bad or E == 0 or not 1 <= top_k <= E:
+        raise ValueError(f"a dense MoE needs router.weight (E, D), w_gate and w_up (E, D, H), w_down (E, H, D) "
+                         f"and 1 <= top_k <= E (E, D, H = {E}, {D}, {H} from w_gate); got shapes {bad or None}, "
+                         f"top_k {top_k} (per-expert nn.Linear layers: DenseMoE.from_linear)")
+
+
 class DenseMoE(nn.Module):
     """The dense layout this file converts from (see 'Using this file elsewhere'), as a module."""
 
     def __init__(self, router_weight, w_gate, w_up, w_down, top_k):
         super().__init__()
+        check_dense(router_weight, w_gate, w_up, w_down, top_k)
         E, D = router_weight.shape
         self.router = nn.Linear(D, E, bias=False)
         self.router.weight = nn.Parameter(router_weight)                      # (E, D)
@@ -189,8 +202,10 @@ class EPLayout:
         if bad:
             raise ValueError(f"EP degree {self.ep} does not divide {' or '.join(bad)}; it must divide both "
                              f"n_experts {self.n_experts} and world size {self.world_size}")
-        if self.ranks is not None and (len(set(self.ranks)) != self.world_size or min(self.ranks) < 0):
-            raise ValueError(f"ranks {self.ranks} must be {self.world_size} distinct global ranks")
+        if self.ranks is not None and (len(self.ranks) != self.world_size or min(self.ranks) < 0
+                                       or list(self.ranks) != sorted(set(self.ranks))):
+            raise ValueError(f"ranks {self.ranks} must be {self.world_size} distinct global ranks in increasing "
+                             f"order (torch.distributed.new_group orders a group's ranks so)")
 
     def global_rank(self, r):
         return r if self.ranks is None else self.ranks[r]
@@ -428,6 +443,7 @@ class EPMoE(nn.Module):
     @classmethod
     def from_dense(cls, moe, layout, group=None):
         """Copy a dense MoE (attributes router, w_gate, w_up, w_down, top_k) into an EP layer."""
+        check_dense(moe.router.weight, moe.w_gate, moe.w_up, moe.w_down, moe.top_k)
         E, D, H = moe.w_gate.shape
         ep = cls(D, H, E, moe.top_k, layout, group).to(moe.w_gate.device, moe.w_gate.dtype)
         ep.load_dense(moe.router.weight, {n: getattr(moe, n) for n in EXPERT_NAMES})
@@ -534,6 +550,9 @@ class ExpertParallel:
 
     def apply(self, model, engine=None):
         self.model_layers = self.shard(model)
+        if not self.model_layers:
+            raise ValueError("the model has no dense MoE layer (a module with router, top_k, w_gate, w_up and "
+                             "w_down; see 'Using this file elsewhere') to make expert-parallel")
         self.names = {n for n, _ in model.named_parameters() if n.split(".")[-2] in EXPERT_NAMES}
         if engine is not None:
             self.engine_layers = swap_layers(engine, self._empty_like)
@@ -564,7 +583,7 @@ class ExpertParallel:
             for n in EXPERT_NAMES:
                 for pm, pe in zip(getattr(m, n), getattr(e, n)):
                     pe.data = pm.data  # the engine's experts are the moved tensors themselves
-        self._record("to_infer", t0, moved)
+        self._record("to_rollout", t0, moved)
 
     @torch.no_grad()
     def to_train(self):

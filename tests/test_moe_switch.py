@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_switch import (EPLayout, EPMoE, ExpertParallel, dense_state_dict, moe_reference, new_groups, reshard,
-                        reshard_naive, shard_experts)
+from moe_switch import (DenseMoE, EPLayout, EPMoE, ExpertParallel, dense_state_dict, moe_reference, new_groups,
+                        reshard, reshard_naive, shard_experts)
 from tests.distributed import run_distributed
 
 E, D, H, K, W = 8, 16, 24, 2, 4
@@ -254,6 +254,23 @@ def test_bad_layouts_and_buckets_fail_before_any_collective():
     with pytest.raises(ValueError, match=f"bucket_bytes 100 is smaller than one expert slice \\({SLICE}"):
         layer.switch(EPLayout(1, 1, E), None, bucket_bytes=100)
     assert all(torch.equal(layer.w_up[e], full["w_up"][e]) for e in range(E))  # nothing lost on failure
+    with pytest.raises(ValueError, match=r"ranks \(3, 1\) must be 2 distinct global ranks in increasing order"):
+        EPLayout(2, 2, E, ranks=(3, 1))
+
+
+def test_a_dense_moe_not_in_this_layout_is_refused_by_name():
+    """A transposed w_down, a top_k above E, or a model without dense MoE layers: a ValueError naming the
+    layout wanted, before anything is built."""
+    router, full = _dense()
+    dense = dict(router=types.SimpleNamespace(weight=router), top_k=K, **full)
+    with pytest.raises(ValueError, match=r"w_down \(E, H, D\).*'w_down': \(8, 16, 24\)") as err:
+        EPMoE.from_dense(types.SimpleNamespace(**{**dense, "w_down": full["w_down"].transpose(1, 2)}),
+                         EPLayout(1, 1, E))
+    assert "from_linear" in str(err.value)
+    with pytest.raises(ValueError, match="top_k 9"):
+        DenseMoE(router, *full.values(), top_k=9)
+    with pytest.raises(ValueError, match="no dense MoE layer"):
+        ExpertParallel(1, 1, 1, E, 1 << 20).apply(torch.nn.Linear(2, 2))
 
 
 def _cuda_peak(rank, world_size):
