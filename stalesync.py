@@ -43,14 +43,14 @@ Departures from the paper and its relatives:
    of samples and weights is the caller's (a queue, p2p). The one collective here is AllReady's flag.
 3. The sampler is a callable step_fn(contexts, seeds, n_done, max_steps) -> (tokens, logprobs, done),
    called once per decode chunk on every in-flight row; a stateless sampler re-prefills the prefix each
-   chunk, a cached one (in this repository, model.py's Sampler) keeps its KV cache between chunks,
+   chunk, a cached one keeps its KV cache between chunks,
    and update() calls its reset(): new weights, so every prefix is read again.
 4. Ages are counted in optimizer steps of the trainer (batch index), not wall time.
 
     python -m pytest tests/test_stalesync.py
     python bench/stalesync.py --lengths lognormal:3,1
 
-Using this file elsewhere: torch only (CPU or CUDA); a process group only for AllReady (any backend).
+Using this file elsewhere: torch only (tested with 2.13; CPU or CUDA); a process group only for AllReady (any backend).
 The callables StaleSync takes, checked at each call with an error that names the fix:
   step_fn(contexts, seeds, n_done, max_steps) -> (tokens, logprobs, done), or an object with those three
       attributes. In: contexts, R int64 tensors (a prompt and its response so far); seeds (R,) int64,
@@ -58,7 +58,7 @@ The callables StaleSync takes, checked at each call with an error that names the
       already has; max_steps, at most this many new tokens per row (None: to the end). Out: tokens and
       logprobs, R sequences (tensors or lists, possibly empty) of the new tokens and their log-probs;
       done, R bools, True once a row has ended. Every call makes a token or ends each row.
-  prompt_fn() -> the next prompt, an int64 tensor (P,); seed_fn(sample_id) -> int, optional.
+  prompt_fn() -> the next prompt, an int64 tensor (P,) or a list of ints; seed_fn(sample_id) -> int, optional.
   reset, state (optional): the sampler's cache reset, called when new weights arrive (update()), and an
       object with state_dict()/load_state_dict() saved in the scheduler's checkpoint. Default: step_fn's,
       or its owner's when step_fn is a bound method: reset() if it has one; itself as the state if it has
@@ -93,9 +93,18 @@ import torch
 import torch.distributed as dist
 
 
+def _prompt(p):
+    """prompt_fn's prompt as a 1-D int64 tensor (a list of ints is fine); refuses anything else, naming it."""
+    t = torch.as_tensor(p) if isinstance(p, (list, tuple)) else p
+    if not (torch.is_tensor(t) and t.dim() == 1 and len(t) > 0 and not t.is_floating_point()):
+        raise ValueError(f"prompt_fn() returned {type(p).__name__} {getattr(p, 'shape', '')}: it must return one "
+                         f"non-empty prompt, a 1-D integer tensor of token ids (or a list of ints)")
+    return t.long()
+
+
 def _unpack(out, rows):
     """A sampler's output for `rows` rows: (tokens, logprobs, done), or an object with those attributes
-    (as this repository's model.Generation), each of R items; tokens and logprobs as tensors. Refuses
+    (a dataclass, say), each of R items; tokens and logprobs as tensors. Refuses
     anything else, naming the contract."""
     tokens, logprobs, done = (out.tokens, out.logprobs, out.done) if hasattr(out, "tokens") else tuple(out)
     if not len(tokens) == len(logprobs) == len(done) == rows:
@@ -199,7 +208,7 @@ class StaleSync:
         """Start new groups while capacity and the decode pool allow. Returns how many started."""
         n = 0
         while self.groups_started - self.filtered < self.capacity() and self.in_flight() < self.cfg.pool_groups:
-            g = dict(gid=self.groups_started, prompt=self.prompt_fn())
+            g = dict(gid=self.groups_started, prompt=_prompt(self.prompt_fn()))
             self._new_samples(g)
             self.pool.append(g)
             self.groups_started += 1
@@ -300,7 +309,7 @@ class StaleSync:
 
     def rollout(self, spans=None, all_ready=None):
         """Colocated round: admit (refilling the pool), decode chunks until ready, emit batch k = version.
-        spans(name), optional: a context manager that times the round ("rollout"; timeline.Spans).
+        spans(name), optional: a context manager that times the round ("rollout").
 
         all_ready(mine: bool) -> bool, optional: this rank's readiness combined over the ranks that train
         together (an all-reduce MIN of one flag, called exactly once per loop turn on every rank; a rank

@@ -400,6 +400,11 @@ def test_the_sampler_contract_bound_methods_lists_and_stalls():
     short = lambda c, seeds, n, m: ([[5]], [[-0.5]], [True])
     with pytest.raises(ValueError, match="1 token rows, 1 log-prob rows and 1 done flags for 4 rows"):
         StaleSync(cfg, short, prompt_fn=lambda: torch.tensor([2, 3])).rollout()
+    batch = StaleSync(cfg, as_lists, prompt_fn=lambda: [2, 3]).rollout()  # a prompt as a list of ints
+    assert batch.prompts[0].tolist() == [2, 3] and batch.prompts[0].dtype == torch.long
+    for bad in (torch.tensor([[2, 3]]), torch.tensor([2.0, 3.0]), torch.tensor([], dtype=torch.long), "23"):
+        with pytest.raises(ValueError, match="prompt_fn\\(\\) returned .* a 1-D integer tensor of token ids"):
+            StaleSync(cfg, as_lists, prompt_fn=lambda: bad).rollout()
 
 
 def test_update_refuses_a_version_it_cannot_have():
