@@ -44,7 +44,7 @@ Departures from the paper:
 
 Run: python -m pytest tests/test_distqueue.py ; python bench/distqueue.py --lengths lognormal:5,1.2
 
-Using this file elsewhere: torch (CPU tensors; the data moves over a gloo group, also next to nccl),
+Using this file elsewhere: torch (tested with 2.13; CPU tensors; the data moves over a gloo group, also next to nccl),
 and a store with queue operations and atomic add: TCPStore (torchrun's, found from MASTER_ADDR and
 MASTER_PORT) or HashStore (one process); a FileStore is refused at construction. Rows are lists of 1-D
 tensors per column (scalar columns: one value), of the spec's dtypes. Example (tests/test_copy_alone.py
@@ -433,7 +433,8 @@ class DistQueue:
                        lambda: f"in stage '{stage}' waiting for dp rank 0's plan for step {step}")
             ids, tm = self.store.get(key).decode().split(" ")
             self.store.delete_key(key)
-            rows, tmax = [int(x) for x in ids.split(",") if x], {c: int(v) for c, v in (x.split("=") for x in tm.split(","))}
+            rows = [int(x) for x in ids.split(",") if x]
+            tmax = {c: int(v) for c, v in (x.split("=") for x in tm.split(","))}
             self._refresh(cols)
         self.store.add(self._k("reads", stage), 1)
         batch = self._pull(stage, rows, tmax, deadline)

@@ -343,10 +343,9 @@ def _accumulate(model, samples, mini, cfg, device, group, ref_lp, prox_lp, sums,
             model.set_requires_gradient_sync(c == len(chunks) - 1)
             model.set_reshard_after_backward(c == len(chunks) - 1)
         tokens, mask = tokens.to(device), mask.to(device)
-        behaviour, *rest = [f.to(device) for f in fields]                            # (b, T-1) each
-        ref = rest.pop(0) if ref_lp is not None else None
-        old, weights = off_policy_logprobs(behaviour, rest.pop(0) if cfg.recompute else None, cfg.recompute,
-                                           cfg.tis_cap)
+        fields = {name: f.to(device) for name, f in fields.items()}                  # (b, T-1) each
+        behaviour, ref = fields["behaviour"], fields.get("reference")
+        old, weights = off_policy_logprobs(behaviour, fields.get("proximal"), cfg.recompute, cfg.tis_cap)
         lp, entropy = logprobs_and_entropy(model, tokens, cfg.temperature)          # (b, T-1) each
         loss, m = grpo_loss(lp, old, ref, samples.advantages[rows].to(device), mask, cfg.clip_eps,
                             cfg.kl_coef, cfg.loss_agg, weights, cfg.clip_eps_high, cfg.norm_len)
@@ -359,11 +358,13 @@ def _accumulate(model, samples, mini, cfg, device, group, ref_lp, prox_lp, sums,
 
 
 def _padded(samples, rows, cfg, ref_lp, prox_lp):
-    """Tokens (b, T), the loss mask (b, T-1) and the per-token fields (behaviour, reference, proximal)."""
-    fields = [samples.old_logprobs] + [f for f in (ref_lp, prox_lp) if f is not None]
+    """Tokens (b, T), the loss mask (b, T-1) and the per-token fields by name: behaviour, and reference
+    and proximal when given, each (b, T-1)."""
+    given = {"behaviour": samples.old_logprobs, "reference": ref_lp, "proximal": prox_lp}
+    given = {name: f for name, f in given.items() if f is not None}
     tokens, mask, per_token = pad_responses([samples.prompts[i] for i in rows], [samples.responses[i] for i in rows],
-                                            *[[f[i] for i in rows] for f in fields])
-    return tokens, loss_mask(samples, rows, mask, cfg), per_token
+                                            *[[f[i] for i in rows] for f in given.values()])
+    return tokens, loss_mask(samples, rows, mask, cfg), dict(zip(given, per_token))
 
 
 def _add_figures(sums, loss, m, mask, entropy, gap, n_items):

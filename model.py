@@ -127,7 +127,7 @@ class MoE(nn.Module):
         E, D, Fx = cfg.n_experts, cfg.d_model, cfg.d_expert
         Fl = Fx // tp_rank_size(tp_group)[1]                                     # F/t hidden units here
         self.top_k, self.tp_group = cfg.top_k, tp_group
-        self.dense_below = 512  # tokens; below this, computing every expert densely is faster on CPU
+        self.dense_below = 512  # tokens; below this every expert runs on every token: a few batched matmuls, no gathers
         self.router = nn.Linear(D, E, bias=False)
         self.w_gate = nn.Parameter(torch.randn(E, D, Fl) * D ** -0.5)
         self.w_up = nn.Parameter(torch.randn(E, D, Fl) * D ** -0.5)

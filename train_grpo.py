@@ -27,9 +27,7 @@ Departures from the source system, on purpose:
    the sample; the reference runs on the trainer that reads the sample, where it lives.
 2. Sampling randomness is counter-based per sample (model.py): every deployment and world size
    generates the same responses from the same weights, so every mode trains to the same parameters.
-
-Outputs, in --out (default runs/<timestamp>/): metrics.jsonl (one object per step), summary.json,
-spans_rank<N>.jsonl (every timed phase of every rank), trace.json, timeline.svg and curves.svg.
+What a run prints and writes in --out: runlog.py.
 """
 import datetime
 import functools
@@ -76,8 +74,7 @@ def colocated_loop(run):
         # 6. switch to ROLLOUT: grads and optimizer state to host, inference weights built in buckets
         with spans("switch_to_rollout"):
             actor.to_rollout()
-        # 1. generate: one StaleSync round; with S > 0 it ends once every rank has its batch, the long
-        #    tail continuing next round
+        # 1. generate: one StaleSync round (S > 0: it ends once every rank has its batch; the tail goes on)
         batch = sched.rollout(spans, run.all_ready)
         run.sampler.reset()  # the KV cache is rollout memory
         # 6. switch back to TRAIN (scoring needs no engine, so its memory is freed first)
@@ -168,6 +165,9 @@ def generator_loop(run):
 
 
 # ----------------------------------------------------------------------------- the RL step's stages
+STALE_FACTS = ("start_version", "versions", "regenerated", "filtered")  # a queued row's "stale": build_queue
+
+
 def score_and_enqueue(run, batch):
     """2-3. Score each response, normalise the rewards within each group (a group never spans replicas),
     and put the rows into the queue: one writer per TP group, its peers hold the same samples."""
@@ -175,10 +175,9 @@ def score_and_enqueue(run, batch):
     advantages = grpo.group_advantages(rewards, run.cfg.group_size, run.cfg.adv_estimator)
     if run.rank not in run.roles.writers():
         return
-    at_cut = [(batch.metrics["stale/regenerated_at_cut"], batch.metrics["stale/filtered_at_cut"])]  # counted
-    at_cut += [(0, 0)] * (len(batch.ids) - 1)                                                # once, on row 0
-    stale = [torch.tensor([start, len(set(v.tolist())), *counts]) for start, v, counts in
-             zip(batch.start_versions, batch.token_versions, at_cut)]                               # (4,) each
+    at_cut = [batch.metrics["stale/regenerated_at_cut"], batch.metrics["stale/filtered_at_cut"]]  # on row 0 only
+    stale = [torch.tensor([start, len(set(v.tolist())), *(at_cut if j == 0 else [0, 0])])  # (4,): STALE_FACTS
+             for j, (start, v) in enumerate(zip(batch.start_versions, batch.token_versions))]
     run.queue.put({"prompt": batch.prompts, "response": batch.responses, "old_logprobs": batch.logprobs,
                    "reward": rewards.tolist(), "advantage": advantages.tolist(), "stale": stale})
 
@@ -193,13 +192,14 @@ def read_share(run, step):
     ids = {run.queue.row_id(j, w) for w in roles.writers() for j in range((step - 1) * n_local, step * n_local)}
     with run.spans("queue"):
         rows = run.queue.get("train", per_step, dp_group=run.train_group, only=ids)
-    stale = torch.stack(rows.cols["stale"]) if rows.ids else torch.zeros(0, 4, dtype=torch.long)       # (B, 4)
-    ages = (step - 1) - stale[:, 0]                                                                   # (B,)
+    table = torch.stack(rows.cols["stale"]) if rows.ids else torch.zeros(0, len(STALE_FACTS), dtype=torch.long)
+    stale = dict(zip(STALE_FACTS, table.unbind(1)))                                         # name -> (B,)
+    ages = (step - 1) - stale["start_version"]                                              # (B,)
     figures = {"reward": float(rows.stack("reward").sum()), "rows": len(rows.ids),
                "response_tokens": float(sum(len(r) for r in rows.cols["response"])),
                "age_sum": float(ages.sum()), "age_max": float(ages.max()) if len(ages) else 0.0,
-               "partial_continued": float((stale[:, 1] > 1).sum()), "regenerated": float(stale[:, 2].sum()),
-               "filtered": float(stale[:, 3].sum())}
+               "partial_continued": float((stale["versions"] > 1).sum()),
+               "regenerated": float(stale["regenerated"].sum()), "filtered": float(stale["filtered"].sum())}
     advantages = grpo.finish_advantages(rows.stack("advantage"), cfg.adv_estimator, run.device, run.train_group)
     samples = grpo.Samples(rows.cols["prompt"], rows.cols["response"], rows.cols["old_logprobs"], advantages,
                            truncated=[bool(r[-1] != task.EOS) for r in rows.cols["response"]])
@@ -217,8 +217,8 @@ def reference_logprobs(run, samples):
 def held_out_correct(run):
     """Greedy decoding of this replica's slice of the held-out set: how many it answers exactly (only the
     writer of each TP group counts, so that a sum over ranks counts each prompt once)."""
-    i, n, prompts = run.roles.replica(run.rank), run.roles.replicas, run.eval_prompts
-    mine = prompts[i * len(prompts) // n:(i + 1) * len(prompts) // n]
+    i, n = run.roles.replica(run.rank), run.roles.replicas  # replica i of n
+    mine = run.eval_prompts[i * len(run.eval_prompts) // n:(i + 1) * len(run.eval_prompts) // n]
     gen = generate(run.engine, mine, torch.zeros(len(mine), dtype=torch.long), run.cfg.max_new_tokens,
                    task.EOS, task.PAD, temperature=0)
     correct = sum(task.score(p, r) for p, r in zip(mine, gen.tokens))
@@ -240,7 +240,7 @@ def out_of_time(run, step, mark):
 
 def final_version(run):
     """The version the run ends at: --steps, or the step --rl-seconds stopped at (separated generators)."""
-    key = f"{weights_key(run, 'final')}"
+    key = weights_key(run, "final")
     return int(run.store.get(key)) if run.store.check([key]) else run.cfg.steps
 
 
@@ -310,7 +310,8 @@ def warm_up(run):
         return wait_for(run, [done], "end of trainer 0's warm-up", moving=heartbeat)
     optimizer = torch.optim.AdamW(moe_switch.optimizer_groups(run.model), lr=cfg.warmup_lr, betas=(0.9, 0.98),
                                   weight_decay=0.0)
-    me, n = roles.trainers.index(run.rank), cfg.warmup_batch // len(roles.trainers)
+    me = roles.trainers.index(run.rank)
+    n = cfg.warmup_batch // len(roles.trainers)
     with run.spans("warmup"):
         for i in range(cfg.warmup_steps):
             if run.rank == 0:
@@ -374,7 +375,7 @@ def build(cfg, out_dir=None):
         run.actor = fusion.FusedActor(
             run.model, run.optimizer, run.engine, fusion.Layout(world, fsdp=True),
             fusion.Layout(world, tp=cfg.infer_tp, n_heads=cfg.n_heads), bucket_bytes=cfg.bucket_kb * 1024,
-            inplace=cfg.infer_tp == 1,  # the engine's weights are the full weights: gathered straight into
+            inplace=cfg.infer_tp == 1,  # TP 1: the engine holds full weights, gathered straight into them
             skip=run.experts.names if run.experts else (), movers=[run.experts] if run.experts else ())
         run.all_ready = stalesync.AllReady(device=device, spans=run.spans)
     run.log = RunLog(run)
@@ -383,8 +384,9 @@ def build(cfg, out_dir=None):
 
 def build_queue(cfg, out_dir, store, rank, world, device):
     """The queue between rollout and training: one row per sample; its keys live in the process group's
-    store under this run's own prefix. stale: (start version, versions its tokens span, and on a batch's
-    first row the groups regenerated and filtered for it), so that the trainers can log what they train."""
+    store under this run's own prefix. "stale" holds a row's STALE_FACTS: the version its generation
+    started at, how many versions its tokens span (> 1: a partial rollout), and on a batch's first row the
+    groups regenerated and filtered for it, so that the trainers can log what they train."""
     columns = {"prompt": "int64", "response": "int64", "old_logprobs": "float32", "reward": "float32",
                "advantage": "float32", "stale": "int64"}
     spec = distqueue.QueueSpec(columns=columns, scalars=("reward", "advantage"), stages={"train": tuple(columns)},
@@ -441,8 +443,9 @@ def sample_seed(seed, per_step, first, n_local, i):
 def build_rollout(run):
     """The generator's side: the engine's sampler and StaleSync over this replica's prompts."""
     cfg, roles = run.cfg, run.roles
-    replica, n_prompts = roles.replica(run.rank), cfg.prompts_per_step // roles.replicas
-    n_local, per_step = n_prompts * cfg.group_size, cfg.prompts_per_step * cfg.group_size
+    replica = roles.replica(run.rank)
+    n_prompts = cfg.prompts_per_step // roles.replicas
+    n_local, per_step = n_prompts * cfg.group_size, cfg.prompts_per_step * cfg.group_size  # rows a step: mine, all
     # Decode chunks of a round continue from the engine's KV cache; sched.update() drops it.
     run.sampler = Sampler(run.engine, cfg.max_new_tokens, task.EOS, task.PAD, cfg.temperature, cfg.top_p)
     prompts = task.ReplicaPrompts(run.rl_stream, cfg.prompts_per_step, replica, roles.replicas)
