@@ -1,7 +1,8 @@
-"""Benchmark model._prefill's length buckets: what one more prefill forward costs, in tokens of work, and
-what splitting a pool by length gains, for the pools a stale rollout holds.
+"""Benchmark the sampler's costs: what one more prefill forward costs, in tokens of work, and what
+model._prefill's length buckets gain on the pools a stale rollout holds; and what one decode step costs
+by live rows and KV width (the costs bench/simulate.py is calibrated on).
 
-    python bench/prefill.py            # 1 thread, the default policy; about 20 s
+    python bench/prefill.py            # 1 thread, the default policy; about 30 s
 
 model.FORWARD_COST_TOKENS is the price the bucketing DP charges per extra forward. This bench measures
 the two things it stands for, in one run:
@@ -13,6 +14,8 @@ the two things it stands for, in one run:
 A split pays when it saves more padded tokens than the forward costs: the constant should sit near the
 measured forward cost, and the bucketed prefill should not be slower than one padded forward beyond
 the noise of a timing.
+  decode_ms             one decode step (a forward of one token per row with the KV cache, and
+                        sampling) for rows in {1, 64, 256} and KV widths {32, 256}.
 The last line printed is one JSON object.
 """
 import argparse
@@ -51,6 +54,29 @@ def prefill(policy, lens, cost):
     return call, len(M._length_buckets(lens, cost))
 
 
+def decode_table(policy, reps, rounds=5):
+    """ms per decode step, {(rows, KV width): ms}, the cache filled to the width with random keys: the
+    median of `rounds` rounds that visit every cell in turn (so that the host's drift hits all alike)."""
+    steps = {}
+    for rows in (1, 64, 256):
+        for width in (32, 256):
+            cache = M.KVCache(policy.cfg, rows, width + 1, "cpu", torch.float32)
+            tok, pos = torch.zeros(rows, 1, dtype=torch.long), torch.full((rows, 1), width)
+            mask = torch.ones(rows, 1, 1, width + 1, dtype=torch.bool)
+
+            @torch.no_grad()
+            def step(cache=cache, tok=tok, pos=pos, mask=mask, rows=rows, width=width):
+                cache.length = width
+                logits = policy(tok, pos, mask, cache)[:, -1]                       # (rows, V)
+                M.sample_tokens(logits, torch.rand(rows, dtype=torch.float64))
+            steps[(rows, width)] = step
+    times = {cell: [] for cell in steps}
+    for _ in range(rounds):
+        for cell, fn in steps.items():
+            times[cell].append(timed(fn, reps))
+    return {cell: statistics.median(t) * 1e3 for cell, t in times.items()}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=15, help="timed calls per figure (median)")
@@ -77,6 +103,9 @@ def main():
                               "buckets": n_buckets, "speedup": round(t_one / t_split, 2)}
         print(f"{name:42s} one forward {t_one * 1e3:6.1f} ms | {n_buckets} buckets {t_split * 1e3:6.1f} ms "
               f"| x{t_one / t_split:.2f}")
+    decode = decode_table(policy, args.reps)
+    out["decode_ms"] = {f"{r} rows, width {w}": round(ms, 3) for (r, w), ms in decode.items()}
+    print("decode step, ms: " + " | ".join(f"{r} rows x {w}: {ms:.2f}" for (r, w), ms in decode.items()))
     print(json.dumps(out))
 
 
