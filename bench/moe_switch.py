@@ -4,9 +4,10 @@
 
 Each rank starts with its train-layout slices, then `reshard` moves them to the inference layout. Timed
 from a barrier to the last rank done; the median of --repeats. For scale, the same run times one
-point-to-point send of bytes_moved bytes (p2p_bound_s) and the naive all-reduce-everything switch.
-The last line printed is one JSON object. Targets: bytes_moved == bytes_min, peak_extra_bytes <=
-bucket_bytes, switch_s <= 2 * p2p_bound_s.
+point-to-point send of bytes_moved bytes (p2p_bound_s) right after each switch, and the naive
+all-reduce-everything switch. The last line printed is one JSON object. Targets: bytes_moved ==
+bytes_min, peak_extra_bytes <= bucket_bytes, switch_over_bound (the median over the repeats of switch
+time / bound time, each pair a moment apart) <= 2.
 """
 import argparse
 import datetime
@@ -87,6 +88,8 @@ def worker(rank, args, port, results):
                 bytes_moved=moved, bytes_min=least, peak_extra_bytes=peak_extra, bucket_bytes=bucket,
                 switch_s=round(statistics.median(sw), 4), p2p_bound_s=round(statistics.median(bound), 4),
                 switch_back_s=round(statistics.median(back), 4), rounds=stats["rounds"],
+                # within each repeat, the switch and its bound ran a moment apart: the host's drift cancels
+                switch_over_bound=round(statistics.median(a / b for a, b in zip(sw, bound)), 3),
                 from_bytes=stats["from_bytes"], to_bytes=stats["to_bytes"], peak_bytes=stats["peak_bytes"],
                 peak_switch_bytes=stats["peak_switch_bytes"], back_to_bytes=back_stats["to_bytes"],
                 back_peak_switch_bytes=back_stats["peak_switch_bytes"],
@@ -131,7 +134,7 @@ def main():
     print(f"naive    : moved {res['naive_bytes_moved'] / mib:8.1f} MiB | peak {res['naive_peak_bytes'] / mib:.1f} "
           f"MiB/rank | {res['naive_switch_s']:.3f} s")
     print(f"p2p bound: one send of {res['bytes_moved'] / mib:.1f} MiB in {res['p2p_bound_s']:.3f} s "
-          f"-> switch / bound = {res['switch_s'] / max(res['p2p_bound_s'], 1e-9):.2f} (target <= 2)")
+          f"-> switch / bound = {res['switch_over_bound']:.2f}, the median of the repeats' ratios (target <= 2)")
     print(json.dumps(res))
 
 
