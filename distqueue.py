@@ -36,8 +36,8 @@ Design:
   may enter a collective right after it; otherwise a rank whose cells are still wanted must keep
   calling the queue, or `drain()`, before blocking elsewhere.
 
-Departures from the paper:
-1. Data lives in host memory and moves on a gloo group (pass `pg`); the paper's queue is an RDMA store.
+Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
+1. Data lives in host memory and moves on a gloo group (pass `pg`); the source's queue is an RDMA store.
 2. No separate queue servers: the owner rank serves its own cells, inside any queue call or `drain()`.
 3. Padded equivalent pads each field to the longest cell of the step's global batch (a [B, T] tensor).
 4. Ids are deterministic (local_count * world + rank), so a resumed run sees the same rows in order.

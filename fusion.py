@@ -23,7 +23,7 @@ Contents, primitives first:
   FusedActor         the two phases: to_rollout(), to_train(), metrics(), state_dict(); `with rollout(actor)`
   HostOffloaded      a frozen module (the reference model) kept on host except inside `with ref.on_device()`
 
-Departures from the paper:
+Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
   1. Training is FSDP (ZeRO-3) over all ranks, inference is TP; the EP change lives in moe_switch.py, and
      pipeline parallelism is left out.
   2. The engine cuts its TP piece itself inside load_weights, as vLLM's weight loaders do: fusion hands it

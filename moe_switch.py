@@ -18,7 +18,7 @@ Contents, primitives first:
   ExpertParallel     a whole model's MoE layers made EP: the phase-change mover (to_rollout / to_train),
                      the expert grads synced over replicas and clipped with the rest, dense_state_dict
 
-Departures from the paper:
+Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
   1. Each expert slice (name, e) is its own tensor, not a view of a stacked (E, D, H) parameter: a slice
      of a stacked tensor cannot be freed alone, which would make the memory bound impossible. A bucket
      is one round of batched isend/irecv, at most B bytes out and B in per rank, going straight from
@@ -319,7 +319,7 @@ def _check(experts, src, dst, rank, group):
 
 def reshard_naive(experts, src, dst, group=None):
     """Naive switch: all_reduce every expert onto every rank (one contributor each), keep the target's.
-    Moves and briefly holds all E experts per name on every rank: the redundancy the paper removes."""
+    Moves and briefly holds all E experts per name on every rank: the redundancy the source removes."""
     if src.ranks is not None and group is None:
         raise ValueError(f"a layout over ranks {list(src.ranks)} needs the group of those ranks (the naive "
                          "switch all-reduces over it)")

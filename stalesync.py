@@ -34,7 +34,7 @@ The rules (v = policy version = optimizer steps taken; k = index of the next bat
 Public relatives: AReaL (admission capacity (S + v + 1) * B, decoupled PPO objective), MindSpeed-RL /
 Kimi k1.5 (partial rollout, per-sample age cap), Pangu Embedded (stale-synchronous stages, S = 4).
 
-Departures from the paper and its relatives:
+Departures from the source system (Huawei's RL post-training on CloudMatrix 384) and its kin:
 1. Whole groups are the unit of admission, age and regeneration: GRPO's advantage needs every sample of
    a group, and all of a group's samples start together.
 2. The scheduler is a plain object driven by the caller (colocated: `rollout(spans, all_ready)` then `update()`,

@@ -17,9 +17,10 @@ throughput on 2 cores). Two measurements, in the same run:
      colocated-all  colocated, plus the reference model, kept on host except while it computes
    The regime, stated: a per-step batch large enough (64 prompts x 8 responses) that both rollout and
    training are compute-bound on 1 thread per rank. Here, decode cost grows about linearly with the
-   batch, so halving a rank's rollout batch halves its rollout time, as on the paper's NPUs. With a
-   small batch decode is overhead-bound (flat in the batch, ../shared/CALIBRATION.md): colocation then
-   halves only the training and the ratio caps near 1.5. The limit for two balanced phases is 2.0.
+   batch, so halving a rank's rollout batch halves its rollout time, as on the source's NPUs. With a
+   small batch decode is overhead-bound (it grows little with the rows: bench/prefill.py's decode
+   table): colocation then halves only the training and the ratio caps near 1.5. The limit for two
+   balanced phases is 2.0.
 
 2. The switch. FusedActor.to_rollout() + to_train() on a model big enough that bytes, not collective
    latency, dominate (--switch-d-model): FSDP2 built as train_grpo.build does, one AdamW step so the
@@ -29,7 +30,7 @@ throughput on 2 cores). Two measurements, in the same run:
    plain torch copy_ of one buffer of switch_bytes, both ranks copying at once, interleaved with the
    round trips.
 
-Targets on 2 CPU cores: colocated_over_separated >= 1.7 (paper: 1.785) and
+Targets on 2 CPU cores: colocated_over_separated >= 1.7 (the source: 1.785) and
 switch_round_trip_s <= 3 * memcpy_bound_s. The last line printed is one JSON object. cores_used is the
 ranks' CPU-seconds per wall second in each mode: colocation needs both cores at once (ideal near 2.0,
 separated near 1.0), so a neighbour process on the cores shows up there and pulls the ratio towards 1.
