@@ -76,8 +76,7 @@ def batch_normalize(values, device="cpu", group=None, eps=1e-6):
     """(v - mean) / (std + eps) over the whole batch, whose rows are spread over the group's ranks (each
     passes its own (B,)): one all-reduce of the count, sum and sum of squares. Std unbiased."""
     v = values.double()
-    stats = _all_sum([v.numel(), float(v.sum()), float((v * v).sum())], device, group)
-    n, total, squares = stats
+    n, total, squares = _all_sum([v.numel(), float(v.sum()), float((v * v).sum())], device, group)
     mean = total / max(n, 1)
     var = (squares - n * mean * mean) / max(n - 1, 1)
     return ((v - mean) / (max(var, 0.0) ** 0.5 + eps)).to(values.dtype)

@@ -43,8 +43,8 @@ Departures from the source system (Huawei's RL post-training on CloudMatrix 384)
    of samples and weights is the caller's (a queue, p2p). The one collective here is AllReady's flag.
 3. The sampler is a callable step_fn(contexts, seeds, n_done, max_steps) -> (tokens, logprobs, done),
    called once per decode chunk on every in-flight row; a stateless sampler re-prefills the prefix each
-   chunk, a cached one keeps its KV cache between chunks,
-   and update() calls its reset(): new weights, so every prefix is read again.
+   chunk, a cached one keeps its KV cache between chunks, and update() calls its reset(): new
+   weights, so every prefix is read again.
 4. Ages are counted in optimizer steps of the trainer (batch index), not wall time.
 
     python -m pytest tests/test_stalesync.py
@@ -104,8 +104,8 @@ def _prompt(p):
 
 def _unpack(out, rows):
     """A sampler's output for `rows` rows: (tokens, logprobs, done), or an object with those attributes
-    (a dataclass, say), each of R items; tokens and logprobs as tensors. Refuses
-    anything else, naming the contract."""
+    (a dataclass, say), each of R items; tokens and logprobs as tensors. Refuses anything else, naming
+    the contract."""
     tokens, logprobs, done = (out.tokens, out.logprobs, out.done) if hasattr(out, "tokens") else tuple(out)
     if not len(tokens) == len(logprobs) == len(done) == rows:
         raise ValueError(f"the sampler returned {len(tokens)} token rows, {len(logprobs)} log-prob rows and "
