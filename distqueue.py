@@ -517,38 +517,40 @@ class DistQueue:
         return int(self.store.add(self._k("reads", stage), 0))
 
     def state_dict(self):
-        """Call on every rank at a quiescent point (no get/put in flight, all acks in)."""
-        self.serve()
-        if self.inflight or self.store.queue_len(self._k("req", self.rank)):
-            raise RuntimeError("state_dict() needs a quiescent queue: transfers are still in flight")
-        shared = {k: self.store.get(k).decode() for k in [self._k("claimed", s) for s in self.spec.stages]
-                  if self.store.check([k])}
-        for c in self.spec.columns:  # each ready log as one entry
-            n = int(self.store.add(self._k("ready", c, "n"), 0))
-            shared[self._k("ready", c, 0)] = "".join(self.store.get(self._k("ready", c, i)).decode() for i in range(n))
-            shared[self._k("ready", c, "n")] = "1"
-        shared.update({self._k("reads", s): str(self.reads(s)) for s in self.spec.stages})
-        shared.update({self._k("count", c): str(int(self.store.add(self._k("count", c), 0))) for c in self.COUNTERS})
+        """This rank's part of the queue, saved by every rank at a point where no get is running (a cut that
+        the caller makes consistent, such as the end of a training step): the cells it holds and the stages
+        each already reached, its row and read counters; rank 0 adds the queue-wide counters. It first
+        serves and waits until every transfer it sent is acknowledged. Nothing of the store is saved:
+        load_state_dict publishes the held cells again, so the file does not grow with the rows ever put."""
+        self._wait(lambda: not self.inflight, time.monotonic() + self.spec.timeout_s,
+                   lambda: f"in state_dict: transfers {sorted(self.inflight)} not acknowledged")
+        keys = [f"count/{c}" for c in self.COUNTERS] + [f"reads/{s}" for s in self.spec.stages] + ["tag"]
+        counters = {k: int(self.store.add(self._k(*k.split("/")), 0)) for k in keys} if self.rank == 0 else {}
         return {"cells": dict(self.cells), "served": {k: sorted(v) for k, v in self.served.items()},
-                "next_local": self.next_local, "steps": dict(self.steps),
-                "shared": shared}
+                "next_local": self.next_local, "steps": dict(self.steps), "counters": counters}
 
     def load_state_dict(self, sd):
-        """Every rank loads its own dict; rank 0 restores the control plane into a fresh store."""
+        """Every rank loads its own dict into a queue whose store holds none of this queue's keys (a new
+        store, or a new spec.name): it publishes its held cells in the ready logs, with the claims of the
+        stages that read them already; rank 0 restores the counters (tags included). Collective over the
+        queue's ranks: it returns once every rank has published."""
         self.cells, self.next_local = dict(sd["cells"]), sd["next_local"]
         self.served = {k: set(v) for k, v in sd["served"].items()}
         self.steps = dict(sd["steps"])
-        done = self._k("restored")
-        if self.rank == 0:
-            for k, v in sd["shared"].items():
-                self.store.set(k, v)
-            for s in self.spec.stages:
-                for r in sd["shared"].get(self._k("claimed", s), "").split(",")[:-1]:
-                    self.store.set(self._k("claim", s, r), "1")
-            self.store.set(done, "1")
-        self._wait(lambda: self.store.check([done]), time.monotonic() + self.spec.timeout_s,
-                   lambda: "waiting for rank 0 to restore the control plane")
         self._reset_caches()
-        for s in self.spec.stages:
-            if self.store.check([self._k("claimed", s)]):
-                self.taken[s] = {int(r) for r in self.store.get(self._k("claimed", s)).decode().split(",")[:-1]}
+        for c in self.spec.columns:  # one ready-log entry per column, as one put would write
+            rows = sorted(r for r, col in self.cells if col == c)
+            if rows:
+                i = int(self.store.add(self._k("ready", c, "n"), 1)) - 1
+                self.store.set(self._k("ready", c, i), "".join(f"{r},{self.rank},{self.cells[(r, c)].numel()};"
+                                                               for r in rows))
+        for s, r in sorted({(s, r) for (r, _), stages in self.served.items() for s in stages}):
+            self.store.add(self._k("claim", s, r), 1)  # read by s already: no reader of s claims it again
+            self.store.append(self._k("claimed", s), f"{r},")
+        for k, v in sd["counters"].items():
+            self.store.set(self._k(*k.split("/")), str(v))
+        done = self._k("restored")
+        self.store.add(done, 1)
+        self._wait(lambda: int(self.store.add(done, 0)) >= self.world, time.monotonic() + self.spec.timeout_s,
+                   lambda: f"waiting for the other ranks to restore their cells ({int(self.store.add(done, 0))} "
+                           f"of {self.world} have)")

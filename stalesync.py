@@ -339,6 +339,16 @@ class StaleSync:
         if self.reset_fn is not None:
             self.reset_fn()
 
+    def start_at(self, version):
+        """Nothing in flight, at `version`, with as many batches emitted, as if the earlier rounds had run
+        here (sample ids and admission counted as they would be with no group filtered or regenerated): a
+        resume that cannot keep the groups in flight (another world size) regenerates them elsewhere."""
+        if self.batches_out or self.pool:
+            raise RuntimeError("start_at() on a scheduler that has already emitted or admitted groups")
+        self.version = self.batches_out = version
+        self.groups_started = version * self.cfg.groups_per_step
+        self.next_id = self.groups_started * self.cfg.group_size
+
     # --- accounting and checkpoint
     def accounting(self):
         """Sample ids by fate: trained (emitted in a batch), regenerated or filtered (never trained), in

@@ -51,8 +51,10 @@ class PromptStream:
         self.rng = np.random.default_rng(seed)
         self.max_digits = max_digits
         self.exclude = exclude
+        self.drawn = 0  # prompts given so far: how far along the stream is (a resume at another world size)
 
     def next(self, n):
+        self.drawn += n
         out, tries = [], 0
         while len(out) < n:
             tries += n - len(out)
@@ -63,10 +65,10 @@ class PromptStream:
         return out
 
     def state_dict(self):
-        return {"rng": self.rng.bit_generator.state}
+        return {"rng": self.rng.bit_generator.state, "drawn": self.drawn}
 
     def load_state_dict(self, state):
-        self.rng.bit_generator.state = state["rng"]
+        self.rng.bit_generator.state, self.drawn = state["rng"], state["drawn"]
 
 
 class ReplicaPrompts:
@@ -81,6 +83,13 @@ class ReplicaPrompts:
         if not self.buffer:
             self.buffer = self.stream.next(self.per_step)[self.first:self.first + self.n]
         return self.buffer.pop(0)
+
+    def state_dict(self):
+        """The prompts drawn and not yet given out (the stream itself is saved on its own)."""
+        return {"buffer": [p.clone() for p in self.buffer]}
+
+    def load_state_dict(self, state):
+        self.buffer = list(state["buffer"])
 
 
 def held_out(max_digits, n_eval):
