@@ -5,13 +5,17 @@ refuse a bad value before any process group is touched, naming the value and wha
     python -c "import config; print(config.Config())"
 
 `Roles` says which ranks train and which generate under a deployment; `validate` checks a Config
-against the world size (every error at once).
+against the world size (every error at once); `setup_distributed` joins torchrun's process group, or
+makes a world of one.
 """
 import argparse
 import dataclasses
+import datetime
+import os
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 import grpo
 import moe_switch
@@ -86,6 +90,10 @@ class Config:
     rl_seconds: float = flag(200.0, "stop after the RL step that passes this many seconds of RL steps "
                                     "(evaluations excluded), and evaluate it; 0: run --steps")
     out: str = flag("", "output folder (default runs/<timestamp>)")
+    save_every: int = flag(0, "RL steps between checkpoints in <out>/checkpoints (0: none; checkpoint.py)")
+    keep_last: int = flag(2, "checkpoints kept, the newest (0: every one)")
+    resume: str = flag("", "auto (the newest complete checkpoint in --out, or a fresh start if none) or a "
+                           "checkpoint folder")
     device: str = flag("auto", "auto, cpu or cuda")
     pg_timeout_s: int = flag(300, "timeout in seconds of every process group")
 
@@ -246,6 +254,12 @@ def value_errors(cfg):
     if cfg.warmup_steps < 0 or cfg.seed < 0 or cfg.pg_timeout_s < 1 or cfg.rl_seconds < 0:
         errors.append(f"--warmup-steps {cfg.warmup_steps}, --seed {cfg.seed} and --rl-seconds {cfg.rl_seconds} "
                       f"must be >= 0, --pg-timeout-s {cfg.pg_timeout_s} >= 1")
+    if cfg.save_every < 0 or cfg.keep_last < 0 or (cfg.resume == "auto" and not cfg.out):
+        errors.append(f"--save-every {cfg.save_every} and --keep-last {cfg.keep_last} must be >= 0, and --resume "
+                      f"auto needs --out (the folder whose checkpoints it looks for; got {cfg.out!r})")
+    if (cfg.save_every or cfg.resume) and cfg.train_ep:
+        errors.append(f"--save-every / --resume with --train-ep {cfg.train_ep}: the checkpoint does not hold "
+                      "expert-parallel shards; train without EP to checkpoint")
     if min(cfg.steps, cfg.eval_every, cfg.log_every, cfg.micro_batches) < 1:
         errors.append(f"--steps {cfg.steps}, --eval-every {cfg.eval_every}, --log-every {cfg.log_every} and "
                       f"--micro-batches {cfg.micro_batches} must be >= 1")
@@ -267,3 +281,21 @@ def bucket_errors(cfg):
         return [f"--bucket-kb {cfg.bucket_kb} is smaller than the largest weight, {name} ({nbytes} bytes); "
                 f"use at least {-(-nbytes // 1024)}"]
     return []
+
+
+def setup_distributed(cfg):
+    """torchrun's environment, or a world of one. Returns rank, world size, device."""
+    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)  # before init_process_group
+    timeout = datetime.timedelta(seconds=cfg.pg_timeout_s)
+    if not dist.is_initialized():  # plain `python train_grpo.py`, no RANK: a world of one, no rendezvous
+        where = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's own store outlives a restart
+            agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                  timeout=timeout)  # the group's keys under this attempt's prefix, never a dead one's
+            where = dict(store=dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", agent),
+                         rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout, **where)
+    return dist.get_rank(), dist.get_world_size(), device

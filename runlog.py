@@ -14,12 +14,15 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import checkpoint
 import grpo
+import moe_switch
 import timeline
 
 # time/<key>_s in metrics.jsonl: the seconds a step spent in spans of these names
 PHASES = {"rollout": "rollout", "train": "train", "reference": "reference", "score": "score",
           "switch": ("switch_to_rollout", "switch_to_train", "push", "recv")}
+SAVED = ("before", "accuracy", "tokens", "seconds", "regenerated", "extra_groups", "skipped", "elapsed")
 
 def all_sum(values, device, group=None, op=dist.ReduceOp.SUM):
     """A dict of floats reduced over the group in one collective (float64)."""
@@ -34,14 +37,36 @@ class RunLog:
     writes spans_rank<N>.jsonl, trace.json, timeline.svg and curves.svg (timeline.py). Collective: every
     rank builds one (the ranks agree on the time the run started) and closes it."""
 
-    def __init__(self, run):
-        self.run, self.t_start = run, run.spans.t0
-        start = [time.time() - (time.perf_counter() - self.t_start)]  # the run's start in wall-clock time
-        dist.broadcast_object_list(start, src=0)  # rank 0's: every rank's spans on one time axis
-        self.offset = time.time() - time.perf_counter() - start[0]  # perf_counter -> seconds since the start
-        self.file = open(os.path.join(run.out_dir, "metrics.jsonl"), "w") if run.rank == 0 else None
+    def __init__(self, run, start=1):
+        self.run, self.t_start, self.start = run, run.spans.t0, start  # start: the first RL step of this run
+        t0 = [time.time() - (time.perf_counter() - self.t_start)]  # the run's start in wall-clock time
+        dist.broadcast_object_list(t0, src=0)  # rank 0's: every rank's spans on one time axis
+        self.offset = time.time() - time.perf_counter() - t0[0]  # perf_counter -> seconds since the start
+        self.file = self.open_metrics() if run.rank == 0 else None
         self.before = self.accuracy = None
         self.tokens = self.seconds = self.regenerated = self.extra_groups = self.skipped = 0.0
+        self.elapsed = 0.0  # seconds of earlier runs up to the checkpoint this one resumed from
+
+    def open_metrics(self):
+        """metrics.jsonl, new; or, resuming at step `start`, kept up to the checkpoint's step and appended to
+        (the lines a run wrote after its last checkpoint go: those steps are run again)."""
+        path = os.path.join(self.run.out_dir, "metrics.jsonl")
+        if self.start == 1:
+            return open(path, "w")
+        with open(path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line)["step"] < self.start]
+        with open(path, "w") as f:
+            f.writelines(kept)
+        return open(path, "a")
+
+    def state_dict(self):
+        """The figures so far, for a checkpoint (JSON: numbers and None)."""
+        return {k: getattr(self, k) for k in SAVED} | {"elapsed": self.elapsed + time.perf_counter() - self.t_start}
+
+    def load_state_dict(self, state):
+        for k in SAVED:
+            setattr(self, k, state[k])
+        self.offset += self.elapsed  # this run's spans come after the checkpoint's time on one axis
 
     def rl_seconds(self, mark):
         """Seconds of RL steps so far, evaluations excluded, this one (begun at `mark`) included: the clock
@@ -49,7 +74,9 @@ class RunLog:
         return self.seconds + time.perf_counter() - mark[1]
 
     def progress(self):
-        return tqdm(range(1, self.run.cfg.steps + 1), disable=self.run.rank != 0, desc="GRPO", dynamic_ncols=True)
+        steps = self.run.cfg.steps
+        return tqdm(range(self.start, steps + 1), initial=self.start - 1, total=steps, disable=self.run.rank != 0,
+                    desc="GRPO", dynamic_ncols=True)
 
     def mark(self, **args):
         """A step begins: its spans carry `args` (step, version); returns where its spans and time start."""
@@ -109,12 +136,20 @@ class RunLog:
             tqdm.write(line)
 
     def close(self):
+        """summary.json, the spans and the pictures. params_sha256: a hash of the trained weights (gathered:
+        collective over the trainers), to compare runs by; wall_s: this run's seconds, plus, after a resume,
+        those up to the checkpoint."""
         run = self.run
+        full = moe_switch.dense_state_dict(run.model) if run.model is not None else None
+        params_sha256 = checkpoint.params_sha256(full) if full is not None else None
         q = run.queue.metrics()
         summary = {"eval_accuracy_before": self.before, "eval_accuracy_after": self.accuracy,
-                   "wall_s": time.perf_counter() - self.t_start, "tokens_per_s": self.tokens / max(self.seconds, 1e-9),
+                   "wall_s": self.elapsed + time.perf_counter() - self.t_start,
+                   "tokens_per_s": self.tokens / max(self.seconds, 1e-9),
                    "queue_bytes_sent": q["queue/bytes_sent"], "queue_bytes_padded_equiv": q["queue/bytes_padded_equiv"],
-                   "world_size": run.roles.world, "config": dataclasses.asdict(run.cfg)}
+                   "world_size": run.roles.world, "resumed_at_step": self.start - 1 if self.start > 1 else None,
+                   "checkpoint_s": run.spans.total("checkpoint"), "params_sha256": params_sha256,
+                   "config": dataclasses.asdict(run.cfg)}
         self.write_spans()
         if self.file:
             self.file.close()
@@ -133,5 +168,5 @@ class RunLog:
         everyone = [None] * run.roles.world if run.rank == 0 else None
         dist.gather_object(mine, everyone, dst=0)
         for rank, spans in enumerate(everyone or []):
-            with open(os.path.join(run.out_dir, f"spans_rank{rank}.jsonl"), "w") as f:
+            with open(os.path.join(run.out_dir, f"spans_rank{rank}.jsonl"), "w" if self.start == 1 else "a") as f:
                 f.writelines(json.dumps(s) + "\n" for s in spans)

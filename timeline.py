@@ -60,13 +60,19 @@ class Spans:
     def __init__(self, idle=("idle",), device=None):
         self.spans, self.idle, self.t0, self.args = [], set(idle), time.perf_counter(), {}
         self.cuda = device if device is not None and str(device).startswith("cuda") else None
+        self.open, self.failed_in = [], None  # the spans running now; where the first error struck
 
     @contextmanager
     def __call__(self, name):
         t0, args = time.perf_counter(), dict(self.args)
+        self.open.append(name)
         try:
             yield
+        except BaseException:
+            self.failed_in = self.failed_in or (" > ".join(self.open), args)
+            raise
         finally:
+            self.open.pop()
             if self.cuda is not None:
                 import torch  # only on CUDA: this file needs nothing but the standard library otherwise
                 torch.cuda.synchronize(self.cuda)

@@ -27,17 +27,19 @@ Departures from the source system, on purpose:
    the sample; the reference runs on the trainer that reads the sample, where it lives.
 2. Sampling randomness is counter-based per sample (model.py): every deployment and world size
    generates the same responses from the same weights, so every mode trains to the same parameters.
-What a run prints and writes in --out: runlog.py.
+What a run prints and writes in --out: runlog.py. Checkpoints (--save-every, --resume): checkpoint.py.
 """
 import datetime
 import functools
 import os
 import time
+import uuid
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+import checkpoint
 import distqueue
 import fusion
 import grpo
@@ -45,30 +47,35 @@ import moe_switch
 import stalesync
 import task
 import timeline
-from config import Config, Roles, grpo_config, model_config, parse_args, validate
+from config import Config, Roles, grpo_config, model_config, parse_args, setup_distributed, validate
 from model import Policy, Sampler, generate
 from runlog import RunLog, all_sum
 
 
 # ----------------------------------------------------------------------------- the run: one loop per deployment
 def train(cfg, out_dir=None):
-    """Warm-up, then GRPO, this rank's part of the deployment. Returns (summary, trained model or None)."""
+    """Warm-up (or --resume), then GRPO, this rank's part of the deployment. Returns (summary, trained
+    model or None). An error names the phase this rank was in: a dead peer surfaces as a failed collective."""
     run = build(cfg, out_dir)
-    warm_up(run)
+    if run.resume_from is None:
+        warm_up(run)
     attach_reference(run)
-    if not run.roles.separated:
-        colocated_loop(run)
-    elif run.rank in run.roles.trainers:
-        trainer_loop(run)
-    else:
-        generator_loop(run)
+    checkpoint.resume(run)  # --resume: the checkpoint's state (nothing without one)
+    try:
+        loop = generator_loop if run.rank not in run.roles.trainers else trainer_loop if run.roles.separated \
+            else colocated_loop
+        loop(run)
+    except Exception as e:
+        where, args = run.spans.failed_in or ("the loop", run.spans.args)
+        raise RuntimeError(f"rank {run.rank} stopped in {where} ({args}): {type(e).__name__}: {e}") from e
     return run.log.close(), run.model
 
 
 def colocated_loop(run):
     """Every rank generates, then trains, switching phases through fusion.py (one replica per TP group)."""
     cfg, spans, sched, actor = run.cfg, run.spans, run.sched, run.actor
-    run.log.warmed_up(evaluate_colocated(run))
+    if run.resume_from is None:
+        run.log.warmed_up(evaluate_colocated(run))
     for step in run.log.progress():
         mark = run.log.mark(step=step, version=step - 1)
         # 6. switch to ROLLOUT: grads and optimizer state to host, inference weights built in buckets
@@ -96,6 +103,7 @@ def colocated_loop(run):
         if is_eval_step(cfg, step) or last:  # after the step's figures: the evaluation's switch is not the step's
             record["eval/accuracy"] = evaluate_colocated(run)
         run.log.write(record)
+        checkpoint.save(run, step)  # every --save-every steps: the whole run at version `step`
         if last:
             break
 
@@ -110,8 +118,9 @@ def evaluate_colocated(run):
 def trainer_loop(run):
     """Separated, a trainer: read a batch, train, push the new weights to the generators."""
     cfg, spans = run.cfg, run.spans
-    push_weights(run, 0)
-    run.log.warmed_up(collect_eval(run, 0))
+    push_weights(run, run.log.start - 1)
+    if run.resume_from is None:
+        run.log.warmed_up(collect_eval(run, 0))
     for step in run.log.progress():
         mark = run.log.mark(step=step, version=step - 1)
         # 4. a token-balanced share of batch step - 1, as the generators put it; the reference's log-probs
@@ -128,22 +137,23 @@ def trainer_loop(run):
         if is_eval_step(cfg, step) or last:  # the generators score version `step` and post it to the store
             record["eval/accuracy"] = collect_eval(run, step)
         run.log.write(record)
+        checkpoint.save(run, step)  # the generators save theirs as they receive version `step`
         if last:
             break
 
 
 def generator_loop(run):
-    """Separated, a generator: decode chunks while the trainers train; new weights come in between two
-    chunks (the samples in flight continue under them: a partial rollout); each batch StaleSync's cut
-    releases goes into the queue at once. S = 0: one chunk is a whole round, and the next waits for the
-    weights of the batch just put."""
+    """Separated, a generator: decode chunks while the trainers train; new weights come in between two chunks
+    (the samples in flight continue under them: a partial rollout); each batch StaleSync's cut releases goes
+    into the queue at once. S = 0: one chunk is a whole round; the next waits for the batch's weights."""
     cfg, sched, spans = run.cfg, run.sched, run.spans
-    receive_weights(run, 0)
+    receive_weights(run, run.log.start - 1, evaluate=run.resume_from is None)
     while sched.version < final_version(run):
         spans.args = {"step": sched.batches_out + 1, "version": sched.version}
         # 6. new weights: version + 1 arrives between two decode chunks
         if run.store.check([weights_key(run, sched.version + 1)]):
             receive_weights(run, sched.version + 1)
+            checkpoint.save(run, sched.version)  # before serving any read of the batches made ahead
             continue
         # 1. generate: admit groups within the staleness bound, decode one chunk
         n_tokens = 0
@@ -165,7 +175,7 @@ def generator_loop(run):
 
 
 # ----------------------------------------------------------------------------- the RL step's stages
-STALE_FACTS = ("start_version", "versions", "regenerated", "filtered")  # a queued row's "stale": build_queue
+STALE_FACTS = ("sample_id", "start_version", "versions", "regenerated", "filtered")  # a row's "stale": build_queue
 
 
 def score_and_enqueue(run, batch):
@@ -176,16 +186,15 @@ def score_and_enqueue(run, batch):
     if run.rank not in run.roles.writers():
         return
     at_cut = [batch.metrics["stale/regenerated_at_cut"], batch.metrics["stale/filtered_at_cut"]]  # on row 0 only
-    stale = [torch.tensor([start, len(set(v.tolist())), *(at_cut if j == 0 else [0, 0])])  # (4,): STALE_FACTS
-             for j, (start, v) in enumerate(zip(batch.start_versions, batch.token_versions))]
+    stale = [torch.tensor([i, start, len(set(v.tolist())), *(at_cut if j == 0 else [0, 0])])  # (5,): STALE_FACTS
+             for j, (i, start, v) in enumerate(zip(batch.ids, batch.start_versions, batch.token_versions))]
     run.queue.put({"prompt": batch.prompts, "response": batch.responses, "old_logprobs": batch.logprobs,
                    "reward": rewards.tolist(), "advantage": advantages.tolist(), "stale": stale})
 
 
 def read_share(run, step):
-    """4. This trainer's token-balanced share of batch step - 1: every writer's rows of it (a writer puts
-    n_local rows per batch, in order: its rows j of that batch have known ids), however far ahead a
-    writer runs."""
+    """4. This trainer's token-balanced share of batch step - 1: every writer's rows of it (a writer puts n_local
+    rows per batch, in order: its rows j of that batch have known ids), however far ahead a writer runs."""
     cfg, roles = run.cfg, run.roles
     per_step = cfg.prompts_per_step * cfg.group_size
     n_local = per_step // roles.replicas
@@ -246,7 +255,7 @@ def final_version(run):
 
 # ----------------------------------------------------------------------------- separated: weights and waits
 def weights_key(run, version):
-    return f"w:{run.out_dir}/{version}"
+    return f"w:{run.key}/{version}"
 
 
 def push_weights(run, version, last=False):
@@ -260,7 +269,7 @@ def push_weights(run, version, last=False):
         fusion.push_weights(run.model, None, 0, run.push_group, run.cfg.bucket_kb * 1024)
 
 
-def receive_weights(run, version):
+def receive_weights(run, version, evaluate=True):
     """6. A generator's side: join the push of `version`, hand it to the scheduler (which drops the
     sampler's KV cache: every in-flight prefix is read again) and, on an evaluation step, post the
     held-out score of this replica to the store for trainer 0."""
@@ -268,7 +277,7 @@ def receive_weights(run, version):
     with run.spans("recv"):
         fusion.push_weights(None, run.engine, 0, run.push_group, run.cfg.bucket_kb * 1024)
     run.sched.update(version)
-    if is_eval_step(run.cfg, version) or version == final_version(run):
+    if evaluate and (is_eval_step(run.cfg, version) or version == final_version(run)):
         with run.spans("eval"):
             correct = held_out_correct(run)
         run.store.set(f"{weights_key(run, version)}/eval/{run.roles.replica(run.rank)}", str(correct))
@@ -301,11 +310,11 @@ def wait_for(run, keys, what, moving=None):
 
 # ----------------------------------------------------------------------------- the supervised warm-up
 def warm_up(run):
-    """Supervised warm-up on the trainers: cross-entropy on the task's answers, data parallel. Trainer 0
-    counts its steps in the store, and a rank that does not train (a separated generator) waits on that
-    heartbeat, not in a collective that a long warm-up would time out."""
+    """Supervised warm-up on the trainers: cross-entropy on the task's answers, data parallel. Trainer 0 counts
+    its steps in the store; a rank that does not train (a separated generator) waits on that heartbeat, not
+    in a collective that a long warm-up would time out."""
     cfg, roles = run.cfg, run.roles
-    heartbeat, done = f"w:{run.out_dir}/warmup_steps", f"w:{run.out_dir}/warmup_done"
+    heartbeat, done = f"w:{run.key}/warmup_steps", f"w:{run.key}/warmup_done"
     if run.rank not in roles.trainers:
         return wait_for(run, [done], "end of trainer 0's warm-up", moving=heartbeat)
     optimizer = torch.optim.AdamW(moe_switch.optimizer_groups(run.model), lr=cfg.warmup_lr, betas=(0.9, 0.98),
@@ -332,6 +341,8 @@ class Run:
     roles: Roles
     device: torch.device
     out_dir: str
+    key: str                      # this start's own prefix of store keys (a restarted job reuses the store)
+    resume_from: tuple            # (folder, meta) of the checkpoint resumed from, or None
     spans: timeline.Spans         # every timed phase of this rank
     store: object                 # the process group's store: the queue's control plane, announcements
     queue: distqueue.DistQueue    # rollout -> training, packed
@@ -358,16 +369,17 @@ def build(cfg, out_dir=None):
     """Process groups, the policy in its training layout, the rollout engine, the queue, the scheduler:
     every deployment option is applied here, once."""
     rank, world, device = setup_distributed(cfg)
-    if out_dir is None:  # rank 0 names the folder, everyone uses it
-        name = [cfg.out or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))]
-        dist.broadcast_object_list(name, src=0)
-        out_dir = name[0]
+    default = cfg.out or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    names = [out_dir or default, uuid.uuid4().hex[:12]]  # rank 0 names the folder and the start
+    dist.broadcast_object_list(names, src=0)
+    out_dir, key = names[0], f"{names[0]}:{names[1]}"
+    resume_from = checkpoint.find(cfg, out_dir)  # checked on every rank before anything is written
     os.makedirs(out_dir, exist_ok=True)
     roles = Roles(world, cfg.deploy == "separated", cfg.infer_tp)
     store = distqueue.default_store()
     eval_prompts, warm_stream, rl_stream = task.prompt_streams(cfg.seed, cfg.max_digits, cfg.eval_prompts)
-    run = Run(cfg, rank, roles, device, out_dir, timeline.Spans(device=device), store,
-              build_queue(cfg, out_dir, store, rank, world, device), eval_prompts, warm_stream, rl_stream)
+    run = Run(cfg, rank, roles, device, out_dir, key, resume_from, timeline.Spans(device=device), store,
+              build_queue(cfg, key, store, rank, world, device), eval_prompts, warm_stream, rl_stream)
     build_policy(run)
     if rank in roles.generators:
         build_rollout(run)
@@ -378,19 +390,20 @@ def build(cfg, out_dir=None):
             inplace=cfg.infer_tp == 1,  # TP 1: the engine holds full weights, gathered straight into them
             skip=run.experts.names if run.experts else (), movers=[run.experts] if run.experts else ())
         run.all_ready = stalesync.AllReady(device=device, spans=run.spans)
-    run.log = RunLog(run)
+    run.log = RunLog(run, start=resume_from[1]["step"] + 1 if resume_from else 1)
     return run
 
 
-def build_queue(cfg, out_dir, store, rank, world, device):
+def build_queue(cfg, key, store, rank, world, device):
     """The queue between rollout and training: one row per sample; its keys live in the process group's
-    store under this run's own prefix. "stale" holds a row's STALE_FACTS: the version its generation
-    started at, how many versions its tokens span (> 1: a partial rollout), and on a batch's first row the
-    groups regenerated and filtered for it, so that the trainers can log what they train."""
+    store under this run's own prefix. "stale" holds a row's STALE_FACTS: its sample id in its replica's
+    scheduler, the version its generation started at, how many versions its tokens span (> 1: a partial
+    rollout), and on a batch's first row the groups regenerated and filtered for it, so that the trainers
+    can log (and count) what they train."""
     columns = {"prompt": "int64", "response": "int64", "old_logprobs": "float32", "reward": "float32",
                "advantage": "float32", "stale": "int64"}
     spec = distqueue.QueueSpec(columns=columns, scalars=("reward", "advantage"), stages={"train": tuple(columns)},
-                               timeout_s=cfg.pg_timeout_s, name=f"dq:{out_dir}")
+                               timeout_s=cfg.pg_timeout_s, name=f"dq:{key}")
     pg = None if device.type == "cpu" else dist.new_group(  # the queue moves host tensors: gloo
         backend="gloo", timeout=datetime.timedelta(seconds=cfg.pg_timeout_s))
     return distqueue.DistQueue(spec, store, rank, world, pg)
@@ -466,19 +479,6 @@ def attach_reference(run):
         run.experts.shard(ref)
     ref.requires_grad_(False)
     run.reference = fusion.HostOffloaded(ref, offload=run.cfg.deploy == "colocated-all")
-
-
-def setup_distributed(cfg):
-    """torchrun's environment, or a world of one. Returns rank, world size, device."""
-    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)  # before init_process_group
-    if not dist.is_initialized():  # plain `python train_grpo.py`, no RANK: a world of one, no rendezvous
-        alone = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=cfg.pg_timeout_s),
-                                **alone)
-    return dist.get_rank(), dist.get_world_size(), device
 
 
 # ----------------------------------------------------------------------------- command line

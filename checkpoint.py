@@ -1,0 +1,291 @@
+# Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (the LICENSE file).
+"""Checkpoint and resume of the whole RL run: the weights and the optimizer, and everything in flight.
+
+    torchrun --standalone --nproc_per_node=2 train_grpo.py --out runs/a --save-every 20 --keep-last 2
+    torchrun --standalone --nproc_per_node=2 train_grpo.py --out runs/a --resume auto   # after a stop or crash
+
+One checkpoint is one folder, which exists only once complete:
+
+    <out>/checkpoints/step_<N>/
+        .metadata, __<r>_0.distcp   the model, the optimizer and the reference model, through
+                                    torch.distributed.checkpoint (DCP): each trainer writes its own FSDP
+                                    shards, and a load at another world size reshards them
+        rank_<r>.pt                 each rank's own state: RNG, prompt streams, the queue's rows not yet
+                                    read, StaleSync's groups in flight (partial rollouts with their versions
+                                    and behaviour log-probs, and the sampler's KV cache when it holds one);
+                                    tensors, lists and numbers only, loaded with torch.load(weights_only=True)
+        meta.json                   the step, the world size, the config, the log's figures so far, and the
+                                    name and size of every file above
+
+Two halves: `write`, `complete`, `read_meta`, `read_own` and `read_dcp` are the mechanism (torch, json and
+the standard library: any run's dicts); `find`, `save` and `resume` say what of a train_grpo.py run goes
+where, and when.
+
+- Atomic: every rank writes into .tmp_step_<N>; after a barrier, rank 0 lists the files with their sizes
+  in meta.json and renames the folder to step_<N>. A crash before the rename leaves the previous
+  checkpoint the newest complete one (the next save removes the leftover); --keep-last K removes all but
+  the newest K.
+- Checked before anything changes: a file missing or of another size than meta.json says, or a config
+  that differs in a field the saved state depends on (SHAPE_FIELDS: the model's shape, the batch, the
+  seed, the staleness settings), fails on every rank with the name of the file or the field.
+- A consistent cut: every rank saves at the same policy version. Colocated: at the end of RL step N.
+  Separated: trainers after pushing version N (and writing its figures), generators right after receiving
+  it, before they serve any read of the batches they made ahead; rows made ahead are saved by their owner.
+- Exact: with the same world size and deployment, a resumed run trains to the parameters of a run that
+  never stopped (CPU, fixed seed), as long as the new weights reach the samplers at fixed points (every
+  colocated mode; separated with S = 0). At another world size or deployment the model and optimizer
+  reshard; the groups that were in flight or queued are dropped and their prompts regenerated first, counted
+  in stale/regenerated.
+
+Shapes: none; one dict per rank.
+"""
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+SHAPE_FIELDS = ("max_digits", "d_model", "n_layers", "n_heads", "n_experts", "top_k", "d_expert", "group_size",
+                "prompts_per_step", "max_new_tokens", "staleness", "threshold", "filter_groups", "seed", "kl_coef")
+LAYOUT_FIELDS = ("deploy", "infer_tp")  # with the world size: may differ, then the in-flight groups regenerate
+
+
+# ----------------------------------------------------------------------------- the mechanism: write, find, read
+def folder(out_dir, step):
+    return os.path.join(out_dir, "checkpoints", f"step_{step}")
+
+
+def write(out_dir, step, rank, own, meta=None, dcp_state=None, dcp_group=None, keep_last=None, group=None):
+    """Collective over `group` (every rank): each rank's `own` dict to rank_<r>.pt, the DCP state (the ranks
+    of dcp_group, which hold it) to its shards, then rank 0 writes meta.json and renames the folder."""
+    import torch.distributed.checkpoint as dcp
+    root = os.path.join(out_dir, "checkpoints")
+    tmp, final = os.path.join(root, f".tmp_step_{step}"), folder(out_dir, step)
+    if rank == 0:
+        for name in os.listdir(root) if os.path.isdir(root) else []:
+            if name.startswith(".tmp_step_"):  # a crashed save's leftover
+                shutil.rmtree(os.path.join(root, name))
+        os.makedirs(tmp)
+    dist.barrier(group=group)
+    if dcp_state is not None:
+        crc = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)  # skip a checksum per tensor that no load ever reads
+        try:
+            dcp.save(dcp_state, checkpoint_id=tmp, process_group=dcp_group)
+        finally:
+            torch.serialization.set_crc32_options(crc)
+    _write_file(os.path.join(tmp, f"rank_{rank}.pt"), lambda f: torch.save(own, f))
+    dist.barrier(group=group)  # every file is written
+    if rank == 0:
+        files = {name: os.path.getsize(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
+        text = json.dumps(dict(meta or {}, step=step, files=files), indent=1)
+        _write_file(os.path.join(tmp, "meta.json"), lambda f: f.write(text.encode()))
+        _publish(tmp, final)
+        prune(out_dir, keep_last)
+    dist.barrier(group=group)  # once write returns, the checkpoint exists for every rank
+    return final
+
+
+def _write_file(path, fill):
+    with open(path, "wb") as f:
+        fill(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _publish(tmp, final):
+    """The step that makes a checkpoint exist: one rename (an older folder of that step is replaced)."""
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    fd = os.open(os.path.dirname(final), os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself reaches the disk
+    finally:
+        os.close(fd)
+
+
+def complete(out_dir):
+    """The complete checkpoints under out_dir, oldest first: [(step, folder)]."""
+    root = os.path.join(out_dir, "checkpoints")
+    names = os.listdir(root) if os.path.isdir(root) else []
+    steps = sorted(int(n[5:]) for n in names if n.startswith("step_") and n[5:].isdigit())
+    return [(s, folder(out_dir, s)) for s in steps if os.path.exists(os.path.join(folder(out_dir, s), "meta.json"))]
+
+
+def prune(out_dir, keep_last):
+    """Remove all but the newest keep_last complete checkpoints (0 or None: keep every one)."""
+    for _, path in complete(out_dir)[:-keep_last] if keep_last else []:
+        shutil.rmtree(path)
+
+
+def read_meta(path):
+    """meta.json, after checking that every file it lists is there with its size: a missing or truncated
+    file is named before anything is loaded."""
+    meta_path = os.path.join(path, "meta.json")
+    if not os.path.exists(meta_path):
+        raise FileNotFoundError(f"{path} is not a complete checkpoint: it has no meta.json (a save that did not "
+                                "finish leaves .tmp_step_<N>; complete ones are step_<N> with meta.json)")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    bad = []
+    for name, size in meta["files"].items():
+        file = os.path.join(path, name)
+        if not os.path.exists(file):
+            bad.append(f"{name} (missing)")
+        elif os.path.getsize(file) != size:
+            bad.append(f"{name} (size {os.path.getsize(file)}, meta.json says {size})")
+    if bad:
+        raise ValueError(f"checkpoint {path} is damaged: {', '.join(bad)}")
+    return meta
+
+
+def read_own(path, rank):
+    """A rank's own file: plain data only (weights_only=True): opening it runs no pickled code."""
+    return torch.load(os.path.join(path, f"rank_{rank}.pt"), weights_only=True)
+
+
+def read_dcp(path, dcp_state, dcp_group=None):
+    """Fill dcp_state (the same keys as saved, in this run's layout) from the shards: DCP reshards."""
+    import torch.distributed.checkpoint as dcp
+    dcp.load(dcp_state, checkpoint_id=path, process_group=dcp_group)
+
+
+def params_sha256(state):
+    """A hash of a full state dict (names, shapes, dtypes, bytes, in name order): two runs that trained to
+    the same parameters print the same hash."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().cpu().contiguous()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- what a train_grpo.py run saves
+def find(cfg, out_dir):
+    """--resume: (folder, meta) to resume from, or None for a fresh start (auto with no checkpoint yet).
+    Every rank calls it before anything is written, and fails alike on a damaged or unfitting checkpoint."""
+    if not cfg.resume:
+        return None
+    found = complete(out_dir) if cfg.resume == "auto" else [(None, cfg.resume)]
+    if not found:
+        return None
+    path = found[-1][1]
+    meta = read_meta(path)
+    saved = meta["config"]
+    diff = [f"--{k.replace('_', '-')} {saved[k]} there, {getattr(cfg, k)} here" for k in SHAPE_FIELDS
+            if saved[k] != getattr(cfg, k)]
+    if diff:
+        raise ValueError(f"checkpoint {path} does not fit this run: {'; '.join(diff)}")
+    if meta["step"] >= cfg.steps:
+        raise ValueError(f"checkpoint {path} is at step {meta['step']}: --steps {cfg.steps} leaves nothing to run")
+    return path, meta
+
+
+def save(run, step):
+    """--save-every: the whole run at policy version `step`, every rank at the cut the docstring names."""
+    cfg = run.cfg
+    if not cfg.save_every or step % cfg.save_every:
+        return
+    with run.spans("checkpoint"):
+        own = {"rng": {"torch": torch.get_rng_state()}, "queue": run.queue.state_dict(),
+               "warm_stream": run.warm_stream.state_dict(), "rl_stream": run.rl_stream.state_dict()}
+        if run.device.type == "cuda":
+            own["rng"]["cuda"] = torch.cuda.get_rng_state(run.device)
+        if run.sched is not None:
+            own.update(sched=run.sched.state_dict(), prompts=run.sched.prompt_fn.state_dict())
+        if run.actor is not None:
+            own["actor"] = run.actor.state_dict()
+        meta = {"world": run.roles.world, "config": dataclasses.asdict(cfg), "log": run.log.state_dict(),
+                "reference": run.reference is not None}
+        write(run.out_dir, step, run.rank, own, meta, _dcp_state(run, run.reference is not None), run.train_group,
+              cfg.keep_last)
+
+
+def _dcp_state(run, reference):
+    """The trainers' part: model and optimizer as FSDP shards (DTensors), and the reference model."""
+    if run.model is None:
+        return None
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model, optim = get_state_dict(run.model, run.optimizer)
+    state = {"model": model, "optim": optim}
+    if reference:
+        with run.reference.on_device() as ref:  # copies: an offloaded reference frees its storages on exit
+            state["reference"] = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    return state
+
+
+def resume(run):
+    """Load the checkpoint `find` chose into a built run: the trainers' DCP state, resharded if the world
+    changed; then each rank's own state, or, at another layout, the in-flight prompts to regenerate."""
+    if run.resume_from is None:
+        return
+    path, meta = run.resume_from
+    if run.reference is not None and not meta["reference"]:
+        raise ValueError(f"checkpoint {path} holds no reference model, and this run needs one "
+                         f"(--deploy {run.cfg.deploy}); resume with the deployment it was saved under")
+    if run.model is not None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        state = _dcp_state(run, run.reference is not None)
+        read_dcp(path, state, run.train_group)
+        set_state_dict(run.model, run.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if run.reference is not None:
+            with run.reference.on_device() as ref:
+                ref.load_state_dict(state["reference"])
+    run.log.load_state_dict(meta["log"])
+    run.log.say(f"resumed from {path}: step {meta['step']}, held-out accuracy {run.log.accuracy}")
+    same = meta["world"] == run.roles.world and all(meta["config"][k] == getattr(run.cfg, k) for k in LAYOUT_FIELDS)
+    if same:
+        _load_own(run, read_own(path, run.rank))
+    else:
+        _regenerate(run, path, meta)
+
+
+def _load_own(run, own):
+    torch.set_rng_state(own["rng"]["torch"])
+    if "cuda" in own["rng"]:
+        torch.cuda.set_rng_state(own["rng"]["cuda"], run.device)
+    run.warm_stream.load_state_dict(own["warm_stream"])
+    run.rl_stream.load_state_dict(own["rl_stream"])
+    if run.sched is not None:
+        run.sched.load_state_dict(own["sched"])
+        run.sched.prompt_fn.load_state_dict(own["prompts"])
+    if run.actor is not None:
+        run.actor.load_state_dict(own["actor"])
+    run.queue.load_state_dict(own["queue"])  # collective: every rank publishes the rows it holds
+
+
+def _regenerate(run, path, meta):
+    """Another world size or deployment: the saved replicas' groups (queued, in flight, or prompts drawn
+    and not yet started) have no replica to continue on. Their prompts, in order, are dealt to this run's
+    replicas, which start them first as new groups; each counts in stale/regenerated. The prompt stream
+    goes on from the furthest saved replica's position, so no global batch of prompts is drawn twice."""
+    from config import Roles
+    cfg, step = run.cfg, meta["step"]
+    saved = meta["config"]
+    old = Roles(meta["world"], saved["deploy"] == "separated", saved["infer_tp"])
+    owns = [read_own(path, r) for r in old.writers()]
+    pending = [p for own in owns for p in _pending_prompts(own, cfg.group_size)]
+    run.rl_stream.load_state_dict(max(owns, key=lambda o: o["rl_stream"]["drawn"])["rl_stream"])
+    run.log.regenerated += len(pending)
+    run.log.extra_groups += len(pending)
+    run.queue.next_local = step * cfg.prompts_per_step * cfg.group_size // max(run.roles.replicas, 1)
+    if run.sched is not None:
+        replica, replicas = run.roles.replica(run.rank), run.roles.replicas
+        run.sched.start_at(step)
+        run.sched.prompt_fn.load_state_dict({"buffer": pending[replica::replicas]})
+    if run.rank == 0:
+        run.log.say(f"resumed at world {run.roles.world} ({cfg.deploy}) from world {meta['world']} "
+                    f"({saved['deploy']}): {len(pending)} groups not yet trained are regenerated")
+
+
+def _pending_prompts(own, group_size):
+    """A saved replica's prompts not yet trained, oldest first: queued rows (one prompt per group of
+    rows), groups in flight, prompts drawn and not yet started."""
+    queued = sorted((r, t) for (r, c), t in own["queue"]["cells"].items() if c == "prompt")
+    return [t for _, t in queued[::group_size]] + [g["prompt"] for g in own["sched"]["pool"]] + \
+        list(own["prompts"]["buffer"])

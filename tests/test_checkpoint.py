@@ -1,0 +1,273 @@
+"""checkpoint.py: a stopped and resumed run trains to the parameters of one that never stopped; the
+checkpoint is atomic, reshards, refuses what does not fit, and loads no pickled code; a dead rank ends
+the job with an error, and under torchrun's restarts the job comes back on its own."""
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import checkpoint
+import train_grpo as T
+from config import Config
+from tests.distributed import free_port, run_distributed
+from tests.test_train_grpo import TINY, _train_tiny
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CKPT = dict(steps=6, save_every=3, keep_last=0)
+
+
+def _lines(out_dir):
+    return [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+
+
+@pytest.mark.parametrize("mode", [{"staleness": 0}, {"staleness": 2, "chunk_steps": 1},
+                                  {"deploy": "separated", "staleness": 0}],
+                         ids=["colocated-S0", "colocated-S2-partial", "separated-S0"])
+def test_stopped_and_resumed_run_trains_to_the_same_parameters(tmp_path, mode):
+    """Run 6 steps saving at step 3; then, in new processes, resume from step 3 and run 3 more: the final
+    parameters are bit-identical, and metrics.jsonl holds every step once."""
+    mode = dict(CKPT, **mode)
+    straight = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path), mode))
+    step_3 = checkpoint.folder(str(tmp_path), 3)
+    own = torch.load(os.path.join(step_3, f"rank_{1}.pt"), weights_only=True)
+    if mode["staleness"] == 2:  # the checkpoint holds partial rollouts: samples with tokens, not done
+        pool = own["sched"]["pool"]
+        assert any(s["tokens"].numel() and not s["done"] for g in pool for s in g["samples"])
+    resumed = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path), dict(mode, resume=step_3)))
+    assert torch.equal(straight[0][1], resumed[0][1])
+    assert straight[0][0]["params_sha256"] == resumed[0][0]["params_sha256"] is not None
+    assert resumed[0][0]["resumed_at_step"] == 3
+    lines = _lines(tmp_path)
+    assert [l["step"] for l in lines] == list(range(7))
+    assert any(abs(l["loss"]) > 1e-4 for l in lines[4:])  # real updates after the resume
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["params_sha256"] == straight[0][0]["params_sha256"]
+
+
+def _train_recording(rank, world_size, out_dir, overrides):
+    """_train_tiny, also returning the sample ids this rank read from the queue at each step, and its
+    scheduler's accounting of every sample id (generators)."""
+    import distqueue
+    reads, runs, get, build = [], [], distqueue.DistQueue.get, T.build
+
+    def recording_get(self, *args, **kwargs):
+        rows = get(self, *args, **kwargs)
+        reads.append([int(t[T.STALE_FACTS.index("sample_id")]) for t in rows.cols["stale"]])
+        return rows
+    distqueue.DistQueue.get = recording_get  # this rank's process only
+    T.build = lambda *a, **k: runs.append(build(*a, **k)) or runs[-1]
+    summary, params = _train_tiny(rank, world_size, out_dir, overrides)
+    sched = runs[0].sched
+    return summary, params, reads, sched.accounting() if sched else None, sched.next_id if sched else None
+
+
+def test_separated_with_staleness_resumes_with_every_sample_trained_once(tmp_path):
+    """Separated, S = 1: the generators run ahead, so at the checkpoint rows of the next batch are queued
+    and groups are in flight. Resumed from step 3, the run trains every sample id exactly once over steps
+    1-6, no age exceeds S, and the generator's accounting covers every id it ever issued."""
+    mode = dict(CKPT, deploy="separated", staleness=1, chunk_steps=1, threshold=0.5)
+    first = run_distributed(_train_recording, world_size=2, args=(str(tmp_path), mode))
+    step_3 = checkpoint.folder(str(tmp_path), 3)
+    own = torch.load(os.path.join(step_3, "rank_1.pt"), weights_only=True)
+    ahead = len(own["queue"]["cells"]) + len(own["sched"]["pool"])
+    resumed = run_distributed(_train_recording, world_size=2, args=(str(tmp_path), dict(mode, resume=step_3)))
+    trained = [i for step in first[0][2][:3] + resumed[0][2] for i in step]  # trainer 0's reads, steps 1-6
+    per_step = TINY["prompts_per_step"] * TINY["group_size"]
+    assert len(trained) == len(set(trained)) == 6 * per_step
+    accounting, issued = resumed[1][3], resumed[1][4]
+    assert accounting["trained"] == set(trained)
+    fates = [accounting[k] for k in ("trained", "regenerated", "filtered", "in_flight")]
+    assert sum(map(len, fates)) == len(set().union(*fates)) == issued  # a partition of every id issued
+    assert all(l["stale/age_max"] <= 1 for l in _lines(tmp_path)[1:])
+    assert ahead > 0, "nothing was ahead of the trainers at the checkpoint: the test proves less than it says"
+
+
+def _loaded_state(rank, world_size, out_dir, overrides):
+    """Build a run and resume it from its checkpoint, train nothing: the full model and optimizer state."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    run = T.build(Config(**dict(TINY, **overrides), out=out_dir), out_dir)
+    T.attach_reference(run)
+    checkpoint.resume(run)
+    model, optim = get_state_dict(run.model, run.optimizer, options=StateDictOptions(full_state_dict=True))
+    return model, optim["state"], run.log.regenerated, run.sched.prompt_fn.buffer
+
+
+def _saved_state(rank, world_size, out_dir, overrides):
+    _train_tiny(rank, world_size, out_dir, overrides)
+    return _loaded_state(rank, world_size, out_dir, dict(overrides, resume="auto", steps=overrides["steps"] + 1))
+
+
+def test_a_checkpoint_saved_at_two_ranks_resumes_at_one(tmp_path):
+    """Model and optimizer reshard on load (FSDP shards of 2 ranks -> 1); the groups in flight on the two
+    saved replicas are dealt to the one replica now, first in its prompts, and counted as regenerated."""
+    mode = dict(CKPT, steps=3, staleness=2, chunk_steps=1)
+    (model2, optim2, _, _), _ = run_distributed(_saved_state, world_size=2, args=(str(tmp_path), mode))
+    [(model1, optim1, regenerated, buffer)] = run_distributed(
+        _loaded_state, world_size=1, args=(str(tmp_path), dict(mode, resume="auto", steps=4)))
+    assert model1.keys() == model2.keys() and all(torch.equal(model1[k], model2[k]) for k in model2)
+    assert optim1.keys() == optim2.keys()
+    assert all(torch.equal(optim1[k][s], optim2[k][s]) for k in optim2 for s in optim2[k])
+    pools = [torch.load(os.path.join(checkpoint.folder(str(tmp_path), 3), f"rank_{r}.pt"), weights_only=True)
+             for r in range(2)]
+    pending = [p for o in pools for p in [g["prompt"] for g in o["sched"]["pool"]] + o["prompts"]["buffer"]]
+    assert regenerated == len(pending) > 0 and all(torch.equal(a, b) for a, b in zip(buffer, pending))
+
+
+def _crash_at_third_save(rank, world_size, out_dir, overrides):
+    publish = checkpoint._publish
+    calls = []
+
+    def crash_once_written(tmp, final):
+        calls.append(final)
+        if len(calls) == 3:  # the third save: its files are written, the rename never happens
+            raise OSError("injected crash between the write and the rename")
+        publish(tmp, final)
+    checkpoint._publish = crash_once_written
+    return _train_tiny(rank, world_size, out_dir, overrides)
+
+
+def test_a_crash_before_the_rename_leaves_the_previous_checkpoint(tmp_path):
+    """--save-every 1 --keep-last 1: steps 1 and 2 save (step_1 removed once step_2 exists), step 3's save dies
+    before its rename: the newest complete checkpoint is step 2's, and --resume auto picks it."""
+    mode = dict(CKPT, steps=5, save_every=1, keep_last=1)
+    with pytest.raises(RuntimeError, match="injected crash"):
+        run_distributed(_crash_at_third_save, world_size=1, args=(str(tmp_path), mode))
+    root = tmp_path / "checkpoints"
+    assert sorted(os.listdir(root)) == [".tmp_step_3", "step_2"]  # keep-last 1 removed step_1
+    assert checkpoint.complete(str(tmp_path)) == [(2, checkpoint.folder(str(tmp_path), 2))]
+    [(summary, _)] = run_distributed(_train_tiny, world_size=1, args=(str(tmp_path), dict(mode, resume="auto")))
+    assert summary["resumed_at_step"] == 2
+    assert [l["step"] for l in _lines(tmp_path)] == list(range(6))
+    assert sorted(os.listdir(root)) == ["step_5"]  # the leftover is replaced by step 3's own save, then pruned
+
+
+def test_a_checkpoint_that_does_not_fit_or_is_damaged_is_refused_before_anything_changes(tmp_path):
+    mode = dict(CKPT, steps=2, save_every=2)
+    run_distributed(_train_tiny, world_size=1, args=(str(tmp_path), mode))
+    path = checkpoint.folder(str(tmp_path), 2)
+    metrics = open(tmp_path / "metrics.jsonl").read()
+
+    def refused(overrides, text):
+        cfg = Config(**dict(TINY, **dict(mode, resume="auto", steps=4, **overrides)), out=str(tmp_path))
+        with pytest.raises((ValueError, FileNotFoundError), match=text):
+            checkpoint.find(cfg, str(tmp_path))
+    refused({"d_model": 16}, "--d-model 32 there, 16 here")
+    refused({"group_size": 2}, "--group-size 4 there, 2 here")
+    with open(os.path.join(path, "__0_0.distcp"), "r+b") as f:  # a shard cut short
+        f.truncate(100)
+    refused({}, r"damaged: __0_0.distcp \(size 100, meta.json says \d+\)")
+    os.remove(os.path.join(path, "rank_0.pt"))
+    refused({}, r"rank_0.pt \(missing\)")
+    with pytest.raises(RuntimeError, match="damaged"):  # the whole run: refused on every rank, no file touched
+        run_distributed(_train_tiny, world_size=1, args=(str(tmp_path), dict(mode, resume="auto", steps=4)))
+    assert open(tmp_path / "metrics.jsonl").read() == metrics
+    os.remove(os.path.join(path, "meta.json"))
+    with pytest.raises(FileNotFoundError, match="no meta.json"):
+        checkpoint.read_meta(path)
+
+
+class _Payload:
+    def __reduce__(self):
+        return os.system, ("echo pwned > pwned.txt",)
+
+
+def test_a_rank_file_loads_no_pickled_code(tmp_path):
+    """What the checkpoint adds beside DCP's shards is plain data: a file carrying code is refused."""
+    os.makedirs(tmp_path / "step")
+    with open(tmp_path / "step" / "rank_0.pt", "wb") as f:
+        pickle.dump({"rng": _Payload()}, f, protocol=2)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        checkpoint.read_own(str(tmp_path / "step"), 0)
+    assert not os.path.exists("pwned.txt") and not os.path.exists(tmp_path / "pwned.txt")
+
+
+# --- processes that die ------------------------------------------------------------------------
+
+TINY_FLAGS = [f"--{k.replace('_', '-')}={int(v) if isinstance(v, bool) else v}" for k, v in TINY.items()]
+
+
+def _wait_for_step(out_dir, step, procs, timeout_s=90):
+    deadline = time.monotonic() + timeout_s
+    path = os.path.join(out_dir, "metrics.jsonl")
+    while time.monotonic() < deadline:
+        if os.path.exists(path) and any(json.loads(l)["step"] >= step for l in open(path) if l.strip()):
+            return
+        assert all(p.poll() is None for p in procs), "a rank exited before the kill"
+        time.sleep(0.05)
+    raise TimeoutError(f"no step {step} in {path} after {timeout_s}s")
+
+
+def test_a_killed_rank_makes_its_peer_exit_with_an_error_not_hang(tmp_path):
+    """Two ranks started as torchrun would (env://), no restarts: rank 1 is SIGKILLed mid-run; rank 0
+    exits non-zero well within the process-group timeout, naming the phase it was in."""
+    port, timeout_s = free_port(), 15
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "train_grpo.py", *TINY_FLAGS, "--steps=200", "--rl-seconds=0",
+           f"--pg-timeout-s={timeout_s}", f"--out={tmp_path}"]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        _wait_for_step(str(tmp_path), 2, procs)
+        procs[1].send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        _, err = procs[0].communicate(timeout=timeout_s + 30)
+        took = time.monotonic() - t0
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode != 0 and took < timeout_s + 5  # + the exit itself
+    assert "rank 0 stopped in" in err, err[-2000:]
+
+
+def _workers(pid):
+    """The train_grpo.py processes whose parent is pid (Linux /proc)."""
+    out = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                mine = b"train_grpo.py" in f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == pid and mine:
+            out.append(int(d))
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds torchrun's workers in /proc")
+def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path):
+    """torchrun --max-restarts 3 with --resume auto: a worker SIGKILLed after the first checkpoint brings
+    the job back from it; the job finishes, every step logged once, with the parameters of a run that
+    never stopped (colocated, S = 0)."""
+    flags = [*TINY_FLAGS, "--steps=16", "--save-every=2", "--rl-seconds=0", "--resume=auto",
+             f"--out={tmp_path}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=3",
+           "train_grpo.py", *flags]
+    job = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)  # killpg ends its workers
+    try:
+        deadline = time.monotonic() + 120
+        while not checkpoint.complete(str(tmp_path)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        workers = _workers(job.pid)
+        assert checkpoint.complete(str(tmp_path)) and workers, "no checkpoint, or no worker to kill"
+        os.kill(workers[-1], signal.SIGKILL)
+        out, _ = job.communicate(timeout=180)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 0, out[-3000:]
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["resumed_at_step"] is not None and summary["resumed_at_step"] >= 2
+    assert [l["step"] for l in _lines(tmp_path)] == list(range(17))
+    [(straight, _)] = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "straight"),
+                                                                         dict(CKPT, steps=16, save_every=0)))[:1]
+    assert summary["params_sha256"] == straight["params_sha256"]
