@@ -12,30 +12,36 @@ One checkpoint is one folder, which exists only once complete:
                                     shards, and a load at another world size reshards them
         rank_<r>.pt                 each rank's own state: RNG, prompt streams, the queue's rows not yet
                                     read, StaleSync's groups in flight (partial rollouts with their versions
-                                    and behaviour log-probs, and the sampler's KV cache when it holds one);
-                                    tensors, lists and numbers only, loaded with torch.load(weights_only=True)
-        meta.json                   the step, the world size, the config, the log's figures so far, and the
-                                    name and size of every file above
+                                    and behaviour log-probs; the sampler's KV cache is empty at the cut, the
+                                    new weights reset it); plain data (tensors, numbers, strings, lists and
+                                    dicts), loaded with torch.load(weights_only=True)
+        meta.json                   the step, the world size, the config, the log's figures so far, whether
+                                    a reference model is saved, and the name and size of every file above
 
-Two halves: `write`, `complete`, `read_meta`, `read_own` and `read_dcp` are the mechanism (torch, json and
-the standard library: any run's dicts); `find`, `save` and `resume` say what of a train_grpo.py run goes
-where, and when.
+Two halves: `folder`, `write`, `complete_checkpoints`, `prune` and the `read_*` functions are the
+mechanism (torch, json and the standard library: any run's dicts); `find`, `save` and `resume` say what
+of a train_grpo.py run goes where, and when. Every rank writes into one folder: the ranks share a
+filesystem (one machine, or a shared disk). DCP's own files (.metadata, and the optimizer's settings in
+the shards) are pickles that its load unpickles: load only checkpoints you trust.
 
 - Atomic: every rank writes into .tmp_step_<N>; after a barrier, rank 0 lists the files with their sizes
   in meta.json and renames the folder to step_<N>. A crash before the rename leaves the previous
   checkpoint the newest complete one (the next save removes the leftover); --keep-last K removes all but
-  the newest K.
+  the newest K. Resumed from step N, a run moves the checkpoints after N (another timeline, now
+  abandoned) to checkpoints/superseded/, so that neither --resume auto nor --keep-last mixes the two.
 - Checked before anything changes: a file missing or of another size than meta.json says, or a config
   that differs in a field the saved state depends on (SHAPE_FIELDS: the model's shape, the batch, the
-  seed, the staleness settings), fails on every rank with the name of the file or the field.
+  seed, the staleness settings), fails on every rank with the name of the file or the field; metrics.jsonl
+  is cut back to the checkpoint's step only once everything has loaded. The optimizer's state comes from
+  the checkpoint, its learning rate from --lr.
 - A consistent cut: every rank saves at the same policy version. Colocated: at the end of RL step N.
   Separated: trainers after pushing version N (and writing its figures), generators right after receiving
   it, before they serve any read of the batches they made ahead; rows made ahead are saved by their owner.
 - Exact: with the same world size and deployment, a resumed run trains to the parameters of a run that
   never stopped (CPU, fixed seed), as long as the new weights reach the samplers at fixed points (every
   colocated mode; separated with S = 0). At another world size or deployment the model and optimizer
-  reshard; the groups that were in flight or queued are dropped and their prompts regenerated first, counted
-  in stale/regenerated.
+  reshard; the groups that were in flight or queued are dropped and their prompts regenerated first,
+  counted in stale/regenerated, before the prompts drawn and not yet started.
 
 Shapes: none; one dict per rank.
 """
@@ -49,11 +55,12 @@ import torch
 import torch.distributed as dist
 
 SHAPE_FIELDS = ("max_digits", "d_model", "n_layers", "n_heads", "n_experts", "top_k", "d_expert", "group_size",
-                "prompts_per_step", "max_new_tokens", "staleness", "threshold", "filter_groups", "seed", "kl_coef")
+                "prompts_per_step", "max_new_tokens", "staleness", "threshold", "chunk_steps", "filter_groups",
+                "seed", "kl_coef")
 LAYOUT_FIELDS = ("deploy", "infer_tp")  # with the world size: may differ, then the in-flight groups regenerate
 
 
-# ----------------------------------------------------------------------------- the mechanism: write, find, read
+# ----------------------------------------------------------------------------- the mechanism: write, list, read
 def folder(out_dir, step):
     return os.path.join(out_dir, "checkpoints", f"step_{step}")
 
@@ -65,7 +72,8 @@ def write(out_dir, step, rank, own, meta=None, dcp_state=None, dcp_group=None, k
     root = os.path.join(out_dir, "checkpoints")
     tmp, final = os.path.join(root, f".tmp_step_{step}"), folder(out_dir, step)
     if rank == 0:
-        for name in os.listdir(root) if os.path.isdir(root) else []:
+        os.makedirs(root, exist_ok=True)
+        for name in os.listdir(root):
             if name.startswith(".tmp_step_"):  # a crashed save's leftover
                 shutil.rmtree(os.path.join(root, name))
         os.makedirs(tmp)
@@ -97,10 +105,13 @@ def _write_file(path, fill):
 
 
 def _publish(tmp, final):
-    """The step that makes a checkpoint exist: one rename (an older folder of that step is replaced)."""
+    """The step that makes a checkpoint exist: one rename. An older folder of that step is first renamed
+    away (while it is, the previous step's checkpoint is the newest complete one), then removed."""
+    old = os.path.join(os.path.dirname(final), ".old_" + os.path.basename(final))
     if os.path.exists(final):
-        shutil.rmtree(final)
+        os.rename(final, old)
     os.rename(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
     fd = os.open(os.path.dirname(final), os.O_RDONLY)
     try:
         os.fsync(fd)  # the rename itself reaches the disk
@@ -108,7 +119,7 @@ def _publish(tmp, final):
         os.close(fd)
 
 
-def complete(out_dir):
+def complete_checkpoints(out_dir):
     """The complete checkpoints under out_dir, oldest first: [(step, folder)]."""
     root = os.path.join(out_dir, "checkpoints")
     names = os.listdir(root) if os.path.isdir(root) else []
@@ -118,7 +129,9 @@ def complete(out_dir):
 
 def prune(out_dir, keep_last):
     """Remove all but the newest keep_last complete checkpoints (0 or None: keep every one)."""
-    for _, path in complete(out_dir)[:-keep_last] if keep_last else []:
+    if not keep_last:
+        return
+    for _, path in complete_checkpoints(out_dir)[:-keep_last]:
         shutil.rmtree(path)
 
 
@@ -171,16 +184,21 @@ def find(cfg, out_dir):
     Every rank calls it before anything is written, and fails alike on a damaged or unfitting checkpoint."""
     if not cfg.resume:
         return None
-    found = complete(out_dir) if cfg.resume == "auto" else [(None, cfg.resume)]
+    found = complete_checkpoints(out_dir) if cfg.resume == "auto" else [(None, cfg.resume)]
     if not found:
         return None
     path = found[-1][1]
-    meta = read_meta(path)
+    try:
+        meta = read_meta(path)
+    except (ValueError, FileNotFoundError) as e:
+        raise type(e)(f"{e}; remove it, or name an older checkpoint with --resume FOLDER") from None
     saved = meta["config"]
     diff = [f"--{k.replace('_', '-')} {saved[k]} there, {getattr(cfg, k)} here" for k in SHAPE_FIELDS
             if saved[k] != getattr(cfg, k)]
     if diff:
         raise ValueError(f"checkpoint {path} does not fit this run: {'; '.join(diff)}")
+    if (cfg.kl_coef > 0 or cfg.deploy == "colocated-all") and not meta["reference"]:
+        raise ValueError(f"checkpoint {path} holds no reference model, and --deploy {cfg.deploy} needs one")
     if meta["step"] >= cfg.steps:
         raise ValueError(f"checkpoint {path} is at step {meta['step']}: --steps {cfg.steps} leaves nothing to run")
     return path, meta
@@ -202,47 +220,59 @@ def save(run, step):
             own["actor"] = run.actor.state_dict()
         meta = {"world": run.roles.world, "config": dataclasses.asdict(cfg), "log": run.log.state_dict(),
                 "reference": run.reference is not None}
-        write(run.out_dir, step, run.rank, own, meta, _dcp_state(run, run.reference is not None), run.train_group,
-              cfg.keep_last)
+        write(run.out_dir, step, run.rank, own, meta, dcp_state=_dcp_state(run), dcp_group=run.train_group,
+              keep_last=cfg.keep_last)
 
 
-def _dcp_state(run, reference):
+def _dcp_state(run):
     """The trainers' part: model and optimizer as FSDP shards (DTensors), and the reference model."""
     if run.model is None:
         return None
     from torch.distributed.checkpoint.state_dict import get_state_dict
     model, optim = get_state_dict(run.model, run.optimizer)
     state = {"model": model, "optim": optim}
-    if reference:
-        with run.reference.on_device() as ref:  # copies: an offloaded reference frees its storages on exit
-            state["reference"] = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    if run.reference is not None:
+        with run.reference.on_device() as ref:  # host copies: an offloaded reference frees its storages on exit
+            state["reference"] = {k: v.detach().to("cpu", copy=True) for k, v in ref.state_dict().items()}
     return state
 
 
 def resume(run):
     """Load the checkpoint `find` chose into a built run: the trainers' DCP state, resharded if the world
-    changed; then each rank's own state, or, at another layout, the in-flight prompts to regenerate."""
+    changed; then each rank's own state, or, at another layout, the in-flight prompts to regenerate; last,
+    metrics.jsonl, cut back to the checkpoint's step. Nothing without a checkpoint."""
     if run.resume_from is None:
         return
     path, meta = run.resume_from
-    if run.reference is not None and not meta["reference"]:
-        raise ValueError(f"checkpoint {path} holds no reference model, and this run needs one "
-                         f"(--deploy {run.cfg.deploy}); resume with the deployment it was saved under")
+    run.log.load_state_dict(meta["log"])
     if run.model is not None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
-        state = _dcp_state(run, run.reference is not None)
+        state = _dcp_state(run)
         read_dcp(path, state, run.train_group)
         set_state_dict(run.model, run.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        for group in run.optimizer.param_groups:  # the state from the checkpoint, the settings from the flags
+            group["lr"] = run.cfg.lr
         if run.reference is not None:
             with run.reference.on_device() as ref:
                 ref.load_state_dict(state["reference"])
-    run.log.load_state_dict(meta["log"])
-    run.log.say(f"resumed from {path}: step {meta['step']}, held-out accuracy {run.log.accuracy}")
-    same = meta["world"] == run.roles.world and all(meta["config"][k] == getattr(run.cfg, k) for k in LAYOUT_FIELDS)
-    if same:
+    saved_layout = (meta["world"], *(meta["config"][k] for k in LAYOUT_FIELDS))
+    if saved_layout == (run.roles.world, *(getattr(run.cfg, k) for k in LAYOUT_FIELDS)):
         _load_own(run, read_own(path, run.rank))
     else:
         _regenerate(run, path, meta)
+    run.log.reopen_metrics()
+    run.log.say(f"resumed from {path}: step {meta['step']}, held-out accuracy {run.log.accuracy}")
+    if run.rank == 0:
+        _supersede_later(run.out_dir, meta["step"])
+
+
+def _supersede_later(out_dir, step):
+    """Checkpoints after the one resumed from belong to an abandoned timeline: moved aside, kept."""
+    for later, path in complete_checkpoints(out_dir):
+        if later > step:
+            aside = os.path.join(out_dir, "checkpoints", "superseded", f"step_{later}")
+            shutil.rmtree(aside, ignore_errors=True)
+            os.renames(path, aside)
 
 
 def _load_own(run, own):
@@ -260,32 +290,33 @@ def _load_own(run, own):
 
 
 def _regenerate(run, path, meta):
-    """Another world size or deployment: the saved replicas' groups (queued, in flight, or prompts drawn
-    and not yet started) have no replica to continue on. Their prompts, in order, are dealt to this run's
-    replicas, which start them first as new groups; each counts in stale/regenerated. The prompt stream
-    goes on from the furthest saved replica's position, so no global batch of prompts is drawn twice."""
+    """Another world size or deployment: the saved replicas' groups (queued, or in flight) have no replica
+    to continue on. Their prompts, in order, then the prompts drawn and not yet started, are dealt to
+    this run's replicas, which start them first as new groups; the groups count in stale/regenerated.
+    The prompt stream goes on from the furthest saved replica's position: no global batch is drawn twice
+    (a replica that lagged leaves its share of the batches it never drew: prompts, not samples)."""
     from config import Roles
-    cfg, step = run.cfg, meta["step"]
-    saved = meta["config"]
+    cfg, step, saved = run.cfg, meta["step"], meta["config"]
     old = Roles(meta["world"], saved["deploy"] == "separated", saved["infer_tp"])
     owns = [read_own(path, r) for r in old.writers()]
-    pending = [p for own in owns for p in _pending_prompts(own, cfg.group_size)]
+    groups = [p for own in owns for p in _groups_not_trained(own, cfg.group_size)]
+    drawn = [p for own in owns for p in own["prompts"]["buffer"]]
     run.rl_stream.load_state_dict(max(owns, key=lambda o: o["rl_stream"]["drawn"])["rl_stream"])
-    run.log.regenerated += len(pending)
-    run.log.extra_groups += len(pending)
+    run.log.regenerated += len(groups)
+    run.log.extra_groups += len(groups)
     run.queue.next_local = step * cfg.prompts_per_step * cfg.group_size // max(run.roles.replicas, 1)
     if run.sched is not None:
         replica, replicas = run.roles.replica(run.rank), run.roles.replicas
         run.sched.start_at(step)
-        run.sched.prompt_fn.load_state_dict({"buffer": pending[replica::replicas]})
+        run.sched.prompt_fn.load_state_dict({"buffer": (groups + drawn)[replica::replicas]})
     if run.rank == 0:
-        run.log.say(f"resumed at world {run.roles.world} ({cfg.deploy}) from world {meta['world']} "
-                    f"({saved['deploy']}): {len(pending)} groups not yet trained are regenerated")
+        print(f"resuming at world {run.roles.world} ({cfg.deploy}) from world {meta['world']} "
+              f"({saved['deploy']}): {len(groups)} groups not yet trained are regenerated", flush=True)
 
 
-def _pending_prompts(own, group_size):
-    """A saved replica's prompts not yet trained, oldest first: queued rows (one prompt per group of
-    rows), groups in flight, prompts drawn and not yet started."""
+def _groups_not_trained(own, group_size):
+    """A saved replica's groups, oldest first, by prompt: queued rows (one prompt per group_size rows of a
+    writer's batch, in row order), then the groups in flight."""
     queued = sorted((r, t) for (r, c), t in own["queue"]["cells"].items() if c == "prompt")
-    return [t for _, t in queued[::group_size]] + [g["prompt"] for g in own["sched"]["pool"]] + \
-        list(own["prompts"]["buffer"])
+    in_flight = [g["prompt"] for g in own["sched"]["pool"]]
+    return [t for _, t in queued[::group_size]] + in_flight

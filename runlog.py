@@ -31,6 +31,14 @@ def all_sum(values, device, group=None, op=dist.ReduceOp.SUM):
     return dict(zip(values, t.tolist()))
 
 
+def _step(line):
+    """The step of a metrics.jsonl line, or None for a line that is empty or cut short."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError):
+        return None
+
+
 class RunLog:
     """Rank 0 writes metrics.jsonl (one object per step) and summary.json, and shows a tqdm bar with a
     line every log_every steps and at each evaluation. At the end every rank's spans go to rank 0, which
@@ -42,19 +50,20 @@ class RunLog:
         t0 = [time.time() - (time.perf_counter() - self.t_start)]  # the run's start in wall-clock time
         dist.broadcast_object_list(t0, src=0)  # rank 0's: every rank's spans on one time axis
         self.offset = time.time() - time.perf_counter() - t0[0]  # perf_counter -> seconds since the start
-        self.file = self.open_metrics() if run.rank == 0 else None
+        self.file = self.open_metrics() if run.rank == 0 and start == 1 else None  # resuming: reopen_metrics
         self.before = self.accuracy = None
         self.tokens = self.seconds = self.regenerated = self.extra_groups = self.skipped = 0.0
         self.elapsed = 0.0  # seconds of earlier runs up to the checkpoint this one resumed from
 
     def open_metrics(self):
         """metrics.jsonl, new; or, resuming at step `start`, kept up to the checkpoint's step and appended to
-        (the lines a run wrote after its last checkpoint go: those steps are run again)."""
+        (the lines a run wrote after its last checkpoint go, and a line cut short by a crash: those steps
+        are run again)."""
         path = os.path.join(self.run.out_dir, "metrics.jsonl")
-        if self.start == 1:
+        if self.start == 1 or not os.path.exists(path):
             return open(path, "w")
         with open(path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line)["step"] < self.start]
+            kept = [line for line in f if _step(line) is not None and _step(line) < self.start]
         with open(path, "w") as f:
             f.writelines(kept)
         return open(path, "a")
@@ -64,9 +73,15 @@ class RunLog:
         return {k: getattr(self, k) for k in SAVED} | {"elapsed": self.elapsed + time.perf_counter() - self.t_start}
 
     def load_state_dict(self, state):
+        """The checkpoint's figures. metrics.jsonl is reopened apart (reopen_metrics), once all has loaded."""
         for k in SAVED:
             setattr(self, k, state[k])
         self.offset += self.elapsed  # this run's spans come after the checkpoint's time on one axis
+
+    def reopen_metrics(self):
+        """Resuming: rank 0's metrics.jsonl, cut back to the checkpoint's step, appended to from here."""
+        if self.run.rank == 0:
+            self.file = self.open_metrics()
 
     def rl_seconds(self, mark):
         """Seconds of RL steps so far, evaluations excluded, this one (begun at `mark`) included: the clock

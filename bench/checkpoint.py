@@ -18,8 +18,8 @@ Then, --repeats rounds, each:
                 are read from the page cache, as a resume right after a save would read them
 
 The save and the plain write alternate which goes first, each after an untimed os.sync(), so that a
-neighbour on the cores or the disk hits both alike and neither writes back the other's dirty pages; each figure is the median over the rounds, and save_over_disk_bound the median of the rounds'
-ratios. Every load is checked: the gathered parameters (moe_switch.dense_state_dict) and this rank's
+neighbour on the cores or the disk hits both alike and neither writes back the other's dirty pages;
+each figure is the median over the rounds, and save_over_disk_bound the median of the rounds' ratios. Every load is checked: the gathered parameters (moe_switch.dense_state_dict) and this rank's
 optimizer shards must hash to the saved ones, or the run fails. bytes is the size of the step_<N> folder.
 One untimed save and load first warms the imports and DCP's first calls. The checkpoints go to a temporary
 folder under --dir (default: the system's temporary folder), removed at the end.

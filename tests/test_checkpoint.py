@@ -1,6 +1,6 @@
 """checkpoint.py: a stopped and resumed run trains to the parameters of one that never stopped; the
-checkpoint is atomic, reshards, refuses what does not fit, and loads no pickled code; a dead rank ends
-the job with an error, and under torchrun's restarts the job comes back on its own."""
+checkpoint is atomic, reshards, refuses what does not fit, and its own files load no pickled code; a
+dead rank ends the job with an error, and under torchrun's restarts the job comes back on its own."""
 import json
 import os
 import pickle
@@ -47,6 +47,9 @@ def test_stopped_and_resumed_run_trains_to_the_same_parameters(tmp_path, mode):
     lines = _lines(tmp_path)
     assert [l["step"] for l in lines] == list(range(7))
     assert any(abs(l["loss"]) > 1e-4 for l in lines[4:])  # real updates after the resume
+    # the first run's step_6 belongs to the abandoned timeline: set aside, and step_6 saved anew
+    assert [s for s, _ in checkpoint.complete_checkpoints(str(tmp_path))] == [3, 6]
+    assert os.path.exists(tmp_path / "checkpoints" / "superseded" / "step_6" / "meta.json")
     summary = json.load(open(tmp_path / "summary.json"))
     assert summary["params_sha256"] == straight[0][0]["params_sha256"]
 
@@ -114,10 +117,29 @@ def test_a_checkpoint_saved_at_two_ranks_resumes_at_one(tmp_path):
     assert model1.keys() == model2.keys() and all(torch.equal(model1[k], model2[k]) for k in model2)
     assert optim1.keys() == optim2.keys()
     assert all(torch.equal(optim1[k][s], optim2[k][s]) for k in optim2 for s in optim2[k])
-    pools = [torch.load(os.path.join(checkpoint.folder(str(tmp_path), 3), f"rank_{r}.pt"), weights_only=True)
+    saved = [torch.load(os.path.join(checkpoint.folder(str(tmp_path), 3), f"rank_{r}.pt"), weights_only=True)
              for r in range(2)]
-    pending = [p for o in pools for p in [g["prompt"] for g in o["sched"]["pool"]] + o["prompts"]["buffer"]]
-    assert regenerated == len(pending) > 0 and all(torch.equal(a, b) for a, b in zip(buffer, pending))
+    in_flight = [g["prompt"] for o in saved for g in o["sched"]["pool"]]
+    pending = in_flight + [p for o in saved for p in o["prompts"]["buffer"]]
+    assert regenerated == len(in_flight) > 0 and len(buffer) == len(pending)
+    assert all(torch.equal(a, b) for a, b in zip(buffer, pending))
+
+
+def test_a_separated_checkpoint_resumes_colocated_at_one_rank_and_trains_on(tmp_path):
+    """Separated S = 1 at 2 ranks, saved with rows of the next batch queued and groups in flight; resumed
+    colocated at 1 rank: both kinds of groups are regenerated (counted) and the run trains to the end."""
+    mode = dict(CKPT, deploy="separated", staleness=1, chunk_steps=1)
+    run_distributed(_train_tiny, world_size=2, args=(str(tmp_path), mode))  # 6 steps: at step 3 it runs ahead
+    step_3 = checkpoint.folder(str(tmp_path), 3)
+    own = torch.load(os.path.join(step_3, "rank_1.pt"), weights_only=True)
+    queued = len(own["queue"]["cells"]) // 6 // TINY["group_size"]  # 6 columns a row, group_size rows a group
+    groups = queued + len(own["sched"]["pool"])
+    [(summary, p)] = run_distributed(_train_tiny, world_size=1, args=(
+        str(tmp_path), dict(mode, deploy="colocated", resume=step_3, steps=5)))
+    lines = _lines(tmp_path)
+    assert queued > 0 and [l["step"] for l in lines] == list(range(6)) and torch.isfinite(p).all()
+    assert lines[4]["stale/regenerated"] - lines[3]["stale/regenerated"] == groups
+    assert summary["resumed_at_step"] == 3
 
 
 def _crash_at_third_save(rank, world_size, out_dir, overrides):
@@ -141,7 +163,7 @@ def test_a_crash_before_the_rename_leaves_the_previous_checkpoint(tmp_path):
         run_distributed(_crash_at_third_save, world_size=1, args=(str(tmp_path), mode))
     root = tmp_path / "checkpoints"
     assert sorted(os.listdir(root)) == [".tmp_step_3", "step_2"]  # keep-last 1 removed step_1
-    assert checkpoint.complete(str(tmp_path)) == [(2, checkpoint.folder(str(tmp_path), 2))]
+    assert checkpoint.complete_checkpoints(str(tmp_path)) == [(2, checkpoint.folder(str(tmp_path), 2))]
     [(summary, _)] = run_distributed(_train_tiny, world_size=1, args=(str(tmp_path), dict(mode, resume="auto")))
     assert summary["resumed_at_step"] == 2
     assert [l["step"] for l in _lines(tmp_path)] == list(range(6))
@@ -160,12 +182,15 @@ def test_a_checkpoint_that_does_not_fit_or_is_damaged_is_refused_before_anything
             checkpoint.find(cfg, str(tmp_path))
     refused({"d_model": 16}, "--d-model 32 there, 16 here")
     refused({"group_size": 2}, "--group-size 4 there, 2 here")
+    with pytest.raises(RuntimeError, match="--group-size 4 there, 2 here"):  # the whole run, before any write
+        run_distributed(_train_tiny, world_size=1, args=(str(tmp_path), dict(mode, resume="auto", steps=4,
+                                                                            group_size=2)))
     with open(os.path.join(path, "__0_0.distcp"), "r+b") as f:  # a shard cut short
         f.truncate(100)
     refused({}, r"damaged: __0_0.distcp \(size 100, meta.json says \d+\)")
     os.remove(os.path.join(path, "rank_0.pt"))
     refused({}, r"rank_0.pt \(missing\)")
-    with pytest.raises(RuntimeError, match="damaged"):  # the whole run: refused on every rank, no file touched
+    with pytest.raises(RuntimeError, match="damaged"):
         run_distributed(_train_tiny, world_size=1, args=(str(tmp_path), dict(mode, resume="auto", steps=4)))
     assert open(tmp_path / "metrics.jsonl").read() == metrics
     os.remove(os.path.join(path, "meta.json"))
@@ -206,7 +231,8 @@ def _wait_for_step(out_dir, step, procs, timeout_s=90):
 
 def test_a_killed_rank_makes_its_peer_exit_with_an_error_not_hang(tmp_path):
     """Two ranks started as torchrun would (env://), no restarts: rank 1 is SIGKILLed mid-run; rank 0
-    exits non-zero well within the process-group timeout, naming the phase it was in."""
+    exits non-zero within the timeout, naming the phase it was in (a collective with the dead rank fails
+    at once; a wait for its rows in the queue, begun at most at the kill, lasts the timeout)."""
     port, timeout_s = free_port(), 15
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "train_grpo.py", *TINY_FLAGS, "--steps=200", "--rl-seconds=0",
@@ -255,10 +281,10 @@ def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path):
                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # killpg ends its workers
     try:
         deadline = time.monotonic() + 120
-        while not checkpoint.complete(str(tmp_path)) and time.monotonic() < deadline:
+        while not checkpoint.complete_checkpoints(str(tmp_path)) and time.monotonic() < deadline:
             time.sleep(0.05)
         workers = _workers(job.pid)
-        assert checkpoint.complete(str(tmp_path)) and workers, "no checkpoint, or no worker to kill"
+        assert checkpoint.complete_checkpoints(str(tmp_path)) and workers, "no checkpoint, or no worker to kill"
         os.kill(workers[-1], signal.SIGKILL)
         out, _ = job.communicate(timeout=180)
     finally:
