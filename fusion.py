@@ -456,9 +456,10 @@ class FusedActor:
         t0 = time.perf_counter()
         reshard_all(self.model)
         # 1. the train-only state to host
-        self._off = self._train_only()
-        self.stats["switch/offload_bytes"] = sum(s.nbytes() for s in self._off)
-        self._hosts = offload(self._off, self._hosts)
+        with self._timed("offload"):
+            self._off = self._train_only()
+            self.stats["switch/offload_bytes"] = sum(s.nbytes() for s in self._off)
+            self._hosts = offload(self._off, self._hosts)
         # 2. the inference weights: gather a bucket, (re-)allocate its engine weights, load, free the bucket
         params, eng = dict(self.model.named_parameters()), self._engine_weights()
         try:
@@ -487,8 +488,14 @@ class FusedActor:
     def _build(self, params, eng):
         """The inference weights, bucket by bucket. Returns (peak bytes held, bytes gathered)."""
         if self.manage_engine:  # the engine's final weights: allocated once, then filled bucket by bucket
-            for p in eng.values():
-                p.untyped_storage().resize_(p.nbytes)
+            with self._timed("alloc"):
+                for p in eng.values():
+                    p.untyped_storage().resize_(p.nbytes)
+        with self._timed("gather"):
+            return self._fill(params, eng)
+
+    def _fill(self, params, eng):
+        """Gather every bucket and load it into the engine. Returns (peak bytes held, bytes gathered)."""
         peak, gathered, loaded = 0, 0, set()
         for bucket in [sum(self.buckets, [])] if self.naive else self.buckets:
             if self.inplace:  # gather straight into the engine's own weights: no bucket buffer at all
@@ -526,14 +533,26 @@ class FusedActor:
         t0 = time.perf_counter()
         for m in reversed(self.movers):
             m.to_train()
-        if self.manage_engine:
-            for s in storages(self._engine_weights().values()):
-                s.resize_(0)
-        reload(self._param_off, self._param_hosts)
-        reload(self._off, self._hosts)
+        with self._timed("free"):
+            if self.manage_engine:
+                for s in storages(self._engine_weights().values()):
+                    s.resize_(0)
+        with self._timed("reload"):
+            reload(self._param_off, self._param_hosts)
+            reload(self._off, self._hosts)
         self._off, self._param_off = [], []
         self.round_trips += 1
         self._finish(TRAIN, t0)  # frees first, then re-allocates: never above its start or end bytes
+
+    @contextmanager
+    def _timed(self, part):
+        """switch/<part>_s: a part of the switch (offload, alloc, gather; free, reload), for the benchmark's
+        breakdown. On CUDA the device's queued work is waited for, so that each part owns its time."""
+        t0 = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.stats[f"switch/{part}_s"] = time.perf_counter() - t0
 
     def _finish(self, phase, t0):
         if self.device.type == "cuda":  # non-blocking copies must land before the time is taken
