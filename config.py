@@ -176,6 +176,12 @@ class Roles:
     def writers(self):  # one rank per TP group puts the (identical) samples into the queue
         return self.generators[::self.infer_tp]
 
+    def role(self, rank):
+        """Which loop of train_grpo.py this rank runs: colocated, trainer or generator."""
+        if not self.separated:
+            return "colocated"
+        return "trainer" if rank in self.trainers else "generator"
+
 
 def validate(cfg, world_size):
     """Check the config against the world size before any collective; raise one ValueError naming every

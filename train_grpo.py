@@ -61,9 +61,8 @@ def train(cfg, out_dir=None):
         warm_up(run)
     attach_reference(run)
     checkpoint.resume(run)  # --resume: the checkpoint's state (nothing without one)
+    loop = {"colocated": colocated_loop, "trainer": trainer_loop, "generator": generator_loop}[run.roles.role(run.rank)]
     try:
-        loop = generator_loop if run.rank not in run.roles.trainers else trainer_loop if run.roles.separated \
-            else colocated_loop
         loop(run)
     except Exception as e:
         where, args = run.spans.failed_in or ("the loop", run.spans.args)
