@@ -29,9 +29,9 @@ throughput on 2 cores). Two measurements, in the same run:
    actor's own clock (to_rollout: offload, alloc, gather; to_train: free, reload); switch_bytes is the
    actor's switch/bytes (offloaded bytes x2 + gathered bytes, per rank). Two bounds, interleaved with the
    round trips, both ranks at once: memcpy_bound_s, a plain torch copy_ of one buffer of switch_bytes;
-   link_bound_s, the same bytes each over the link it needs, the offload and reload as one memcpy and
-   the gather as one broadcast of each rank's whole shard (here gloo over loopback TCP, several times a
-   memcpy's cost per byte: what the gather cannot beat). round_trip_over_link says what the code adds.
+   link_bound_s, the same bytes each over the link it needs: the offload, the reload and each rank's own
+   shard into place as one memcpy, the rest of the gather as one broadcast of each rank's whole shard
+   (here gloo over loopback TCP, several times a memcpy's cost per byte: what the gather cannot beat). round_trip_over_link says what the code adds.
 
 3. The machine's bound (bench_bound): the work of a step without any communication, switch or queue,
    the whole batch in one process alone against half of it in each process at once, --repeats rounds
@@ -169,8 +169,9 @@ def bench_switch(args, rank):
         laps["memcpy"].append(slowest(time.perf_counter() - t0))
         dist.barrier()
         t0 = time.perf_counter()
-        dst[:2 * off].copy_(src[:2 * off])  # the offload and the reload
-        for r in range(2):  # the gather: each rank's shard to the other, one broadcast each
+        local = 2 * off + shards[rank].numel()  # the offload, the reload, and this rank's shard into place
+        dst[:local].copy_(src[:local])
+        for r in range(2):  # the rest of the gather: each rank's shard to the other, one broadcast each
             dist.broadcast(shards[r], src=r)
         laps["link"].append(slowest(time.perf_counter() - t0))
     med = {k: statistics.median(v) for k, v in laps.items()}
