@@ -261,8 +261,8 @@ def resume(run):
     else:
         _regenerate(run, path, meta)
     run.log.reopen_metrics()
-    run.log.say(f"resumed from {path}: step {meta['step']}, held-out accuracy {run.log.accuracy}")
     if run.rank == 0:
+        run.log.say(f"resumed from {path}: step {meta['step']}, held-out accuracy {run.log.accuracy:.3f}")
         _supersede_later(run.out_dir, meta["step"])
 
 
