@@ -107,15 +107,14 @@ def bench_modes(args, rank, store):
     os.makedirs(tmp, exist_ok=True)
     for rep in range(args.repeats):
         for mode in MODES:
-            # A fresh process group over a fresh key prefix per run: train() names its queue's store keys
-            # the same way every time, and a second run must not see the first one's rows.
+            # A fresh process group over a fresh key prefix per run: each run starts as a new job would.
             dist.destroy_process_group()
             dist.init_process_group("gloo", store=dist.PrefixStore(f"{mode}/{rep}/", store), rank=rank,
                                     world_size=2, timeout=datetime.timedelta(seconds=600))
             out = os.path.join(tmp, f"{mode}_{rep}")
             c0, w0 = time.process_time(), time.perf_counter()
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                summary, _ = train_grpo.train(grpo_config(args, mode, out), out)  # out: no broadcast of a name
+                summary, _ = train_grpo.train(grpo_config(args, mode, out), out)
             cores = total(time.process_time() - c0) / (time.perf_counter() - w0)  # CPU-seconds per second, 2 ranks
             spans = [json.loads(line) for line in open(os.path.join(out, f"spans_rank{rank}.jsonl"))]
             phases = ({"rollout"}, {"train", "reference"}, {"switch_to_rollout", "switch_to_train", "push", "recv"})
