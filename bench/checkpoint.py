@@ -19,7 +19,9 @@ Then, --repeats rounds, each:
 
 The save and the plain write alternate which goes first, each after an untimed os.sync(), so that a
 neighbour on the cores or the disk hits both alike and neither writes back the other's dirty pages;
-each figure is the median over the rounds, and save_over_disk_bound the median of the rounds' ratios. Every load is checked: the gathered parameters (moe_switch.dense_state_dict) and this rank's
+each figure is the median over the rounds, and save_over_disk_bound is save_s / disk_bound_s, the
+target's own terms (paired_ratio_median, the median of the rounds' own ratios, is printed beside it).
+Every load is checked: the gathered parameters (moe_switch.dense_state_dict) and this rank's
 optimizer shards must hash to the saved ones, or the run fails. bytes is the size of the step_<N> folder.
 One untimed save and load first warms the imports and DCP's first calls. The checkpoints go to a temporary
 folder under --dir (default: the system's temporary folder), removed at the end.
@@ -255,7 +257,8 @@ def report(args, res):
     rounds = res["rounds"]
     med = {k: statistics.median(r[k] for r in rounds) for k in ("save_s", "disk_bound_s", "load_s",
                                                                 "plain_write_s", "plain_fsync_s")}
-    ratio = statistics.median(r["save_s"] / r["disk_bound_s"] for r in rounds)
+    ratio = med["save_s"] / med["disk_bound_s"]  # the target's own terms
+    paired = statistics.median(r["save_s"] / r["disk_bound_s"] for r in rounds)
     nbytes = rounds[-1]["bytes"]
     mib = 2 ** 20
     print(f"policy: {res['params']:,} parameters (D {args.d_model}, L {args.n_layers}, E {args.n_experts}, "
@@ -267,10 +270,11 @@ def report(args, res):
         print(f"{k:14s} | {med[k]:9.3f} | {nbytes / mib / med[k]:7.0f} | {runs}")
     print(f"plain write: {med['plain_write_s']:.3f} s into the page cache + {med['plain_fsync_s']:.3f} s of fsync")
     met = ratio <= TARGET_RATIO
-    print(f"save_over_disk_bound {ratio:.2f} (median of the rounds' ratios); target save_s <= {TARGET_RATIO:g} x "
-          f"disk_bound_s: {'met' if met else 'NOT met'}")
+    print(f"save_over_disk_bound {ratio:.2f} (the median rounds' own ratios: {paired:.2f}); target save_s <= "
+          f"{TARGET_RATIO:g} x disk_bound_s: {'met' if met else 'NOT met'}")
     out = {"save_s": round(med["save_s"], 4), "load_s": round(med["load_s"], 4), "bytes": nbytes,
            "disk_bound_s": round(med["disk_bound_s"], 4), "save_over_disk_bound": round(ratio, 3),
+           "paired_ratio_median": round(paired, 3),
            "target_met": met, "params": res["params"], "repeats": args.repeats,
            "plain_write_s": round(med["plain_write_s"], 4), "plain_fsync_s": round(med["plain_fsync_s"], 4),
            "rank_bytes": res["shares"], "params_sha256": res["hash"][:16]}
@@ -290,7 +294,7 @@ def main(argv=None):
     g.add_argument("--seq-len", type=int, default=32, help="tokens per sequence of the one training step")
     g.add_argument("--seed", type=int, default=0, help="seed of the initial weights")
     g = p.add_argument_group("measurement")
-    g.add_argument("--repeats", type=int, default=5, help="rounds of save, plain write and load (median)")
+    g.add_argument("--repeats", type=int, default=11, help="rounds of save, plain write and load (median)")
     g.add_argument("--keep-last", type=int, default=1, help="checkpoint.write's keep_last")
     g.add_argument("--dir", default=tempfile.gettempdir(), help="where the temporary checkpoint folder goes")
     g.add_argument("--pg-timeout-s", type=int, default=300, help="timeout of the process group")
