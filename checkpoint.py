@@ -7,9 +7,9 @@
 One checkpoint is one folder, which exists only once complete:
 
     <out>/checkpoints/step_<N>/
-        .metadata, __<r>_0.distcp   the model, the optimizer and the reference model, through
-                                    torch.distributed.checkpoint (DCP): each trainer writes its own FSDP
-                                    shards, and a load at another world size reshards them
+        .metadata, __<r>_0.distcp   through torch.distributed.checkpoint (DCP): the model and the
+                                    optimizer, each trainer its own FSDP shards (a load at another world
+                                    size reshards them), and the reference model, whole, written once
         rank_<r>.pt                 each rank's own state: RNG, prompt streams, the queue's rows not yet
                                     read, StaleSync's groups in flight (partial rollouts with their versions
                                     and behaviour log-probs; the sampler's KV cache is empty at the cut, the
@@ -19,9 +19,9 @@ One checkpoint is one folder, which exists only once complete:
                                     a reference model is saved, and the name and size of every file above
 
 Two halves: `folder`, `write`, `complete_checkpoints`, `prune` and the `read_*` functions are the
-mechanism (torch, json and the standard library: any run's dicts); `find`, `save` and `resume` say what
-of a train_grpo.py run goes where, and when. Every rank writes into one folder: the ranks share a
-filesystem (one machine, or a shared disk). DCP's own files (.metadata, and the optimizer's settings in
+mechanism (torch, json and the standard library: any run's dicts); `find`, `save` and `resume` decide
+what a train_grpo.py run saves, where and when. Every rank writes into one folder: the ranks must share
+a filesystem (one machine, or a shared disk). DCP's own files (.metadata, and the optimizer's settings in
 the shards) are pickles that its load unpickles: load only checkpoints you trust.
 
 - Atomic: every rank writes into .tmp_step_<N>; after a barrier, rank 0 lists the files with their sizes
@@ -30,16 +30,17 @@ the shards) are pickles that its load unpickles: load only checkpoints you trust
   the newest K. Resumed from step N, a run moves the checkpoints after N (another timeline, now
   abandoned) to checkpoints/superseded/, so that neither --resume auto nor --keep-last mixes the two.
 - Checked before anything changes: a file missing or of another size than meta.json says, or a config
-  that differs in a field the saved state depends on (SHAPE_FIELDS: the model's shape, the batch, the
-  seed, the staleness settings), fails on every rank with the name of the file or the field; metrics.jsonl
+  that differs in a field the saved state depends on (SHAPE_FIELDS: the model's and the task's shapes,
+  the batch, the seed, the staleness, filtering and KL settings), fails on every rank with the name of the file or the field; metrics.jsonl
   is cut back to the checkpoint's step only once everything has loaded. The optimizer's state comes from
   the checkpoint, its learning rate from --lr.
 - A consistent cut: every rank saves at the same policy version. Colocated: at the end of RL step N.
   Separated: trainers after pushing version N (and writing its figures), generators right after receiving
   it, before they serve any read of the batches they made ahead; rows made ahead are saved by their owner.
 - Exact: with the same world size and deployment, a resumed run trains to the parameters of a run that
-  never stopped (CPU, fixed seed), as long as the new weights reach the samplers at fixed points (every
-  colocated mode; separated with S = 0). At another world size or deployment the model and optimizer
+  never stopped (CPU, fixed seed, a fixed --steps: --rl-seconds ends on the clock), as long as the new
+  weights reach the samplers at fixed points (colocated; separated with S = 0; tested: colocated S = 0
+  and S = 2, separated S = 0). At another world size or deployment the model and optimizer
   reshard; the groups that were in flight or queued are dropped and their prompts regenerated first,
   counted in stale/regenerated, before the prompts drawn and not yet started.
 
@@ -251,7 +252,7 @@ def resume(run):
         state = _dcp_state(run)
         read_dcp(path, state, run.train_group)
         set_state_dict(run.model, run.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        for group in run.optimizer.param_groups:  # the state from the checkpoint, the settings from the flags
+        for group in run.optimizer.param_groups:  # the state from the checkpoint, the learning rate from --lr
             group["lr"] = run.cfg.lr
         if run.reference is not None:
             with run.reference.on_device() as ref:
