@@ -2,7 +2,7 @@
 """Checkpoint and resume of the whole RL run: the weights and the optimizer, and everything in flight.
 
     torchrun --standalone --nproc_per_node=2 train_grpo.py --out runs/a --save-every 20 --keep-last 2
-    torchrun --standalone --nproc_per_node=2 train_grpo.py --out runs/a --resume auto   # after a stop or crash
+    torchrun --standalone --nproc_per_node=2 train_grpo.py --out runs/a --save-every 20 --resume auto  # again
 
 One checkpoint is one folder, which exists only once complete:
 
