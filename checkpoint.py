@@ -29,20 +29,20 @@ the shards) are pickles that its load unpickles: load only checkpoints you trust
   checkpoint the newest complete one (the next save removes the leftover); --keep-last K removes all but
   the newest K. Resumed from step N, a run moves the checkpoints after N (another timeline, now
   abandoned) to checkpoints/superseded/, so that neither --resume auto nor --keep-last mixes the two.
-- Checked before anything changes: a file missing or of another size than meta.json says, or a config
-  that differs in a field the saved state depends on (SHAPE_FIELDS: the model's and the task's shapes,
-  the batch, the seed, the staleness, filtering and KL settings), fails on every rank with the name of the file or the field; metrics.jsonl
-  is cut back to the checkpoint's step only once everything has loaded. The optimizer's state comes from
-  the checkpoint, its learning rate from --lr.
+- Checked before anything changes: a file missing or of another size than meta.json says, or a config that
+  differs in a field the saved state depends on (SHAPE_FIELDS: the model's and the task's shapes, the
+  batch, the seed, the staleness, filtering and KL settings), fails on every rank with the name of the
+  file or the field; metrics.jsonl is cut back to the checkpoint's step only once everything has loaded.
+  The optimizer's state comes from the checkpoint, its learning rate from --lr.
 - A consistent cut: every rank saves at the same policy version. Colocated: at the end of RL step N.
   Separated: trainers after pushing version N (and writing its figures), generators right after receiving
   it, before they serve any read of the batches they made ahead; rows made ahead are saved by their owner.
 - Exact: with the same world size and deployment, a resumed run trains to the parameters of a run that
   never stopped (CPU, fixed seed, a fixed --steps: --rl-seconds ends on the clock), as long as the new
-  weights reach the samplers at fixed points (colocated; separated with S = 0; tested: colocated S = 0
-  and S = 2, separated S = 0). At another world size or deployment the model and optimizer
-  reshard; the groups that were in flight or queued are dropped and their prompts regenerated first,
-  counted in stale/regenerated, before the prompts drawn and not yet started.
+  weights reach the samplers at fixed points (colocated; separated with S = 0; tested: colocated S = 0 and
+  S = 2, separated S = 0). At another world size or deployment the model and optimizer reshard; the groups
+  that were in flight or queued are dropped and their prompts regenerated first, counted in
+  stale/regenerated, before the prompts drawn and not yet started.
 
 Shapes: none; one dict per rank.
 """
