@@ -9,7 +9,8 @@ One checkpoint is one folder, which exists only once complete:
     <out>/checkpoints/step_<N>/
         .metadata, __<r>_0.distcp   through torch.distributed.checkpoint (DCP): the model and the
                                     optimizer, each trainer its own FSDP shards (a load at another world
-                                    size reshards them), and the reference model, whole, written once
+                                    size reshards them) and EP experts (a load at another EP degree finds
+                                    them by name), and the reference model, written once
         rank_<r>.pt                 each rank's own state: RNG, prompt streams, the queue's rows not yet
                                     read, StaleSync's groups in flight (partial rollouts with their versions
                                     and behaviour log-probs; the sampler's KV cache is empty at the cut, the
@@ -227,16 +228,28 @@ def save(run, step):
 
 
 def _dcp_state(run):
-    """The trainers' part: model and optimizer as FSDP shards (DTensors), and the reference model."""
+    """The trainers' part: model and optimizer as FSDP shards (DTensors), and the reference model. Under
+    EP an expert is a plain tensor on the ranks that hold it and an empty one elsewhere: only its holders
+    name it (identical copies on its replicas, written once), so that a load finds it by name whatever
+    the layout, EP degree or world size it loads into."""
     if run.model is None:
         return None
     from torch.distributed.checkpoint.state_dict import get_state_dict
     model, optim = get_state_dict(run.model, run.optimizer)
-    state = {"model": model, "optim": optim}
+    state = {"model": _held(model), "optim": dict(optim, state=_held(optim["state"], model))}
     if run.reference is not None:
         with run.reference.on_device() as ref:  # host copies: an offloaded reference frees its storages on exit
-            state["reference"] = {k: v.detach().to("cpu", copy=True) for k, v in ref.state_dict().items()}
+            state["reference"] = _held({k: v.detach().to("cpu", copy=True) for k, v in ref.state_dict().items()})
     return state
+
+
+def _held(entries, model=None):
+    """The entries of a state dict whose tensor (or, given `model`, whose parameter there) is not empty:
+    an EP expert this rank does not hold is left out."""
+    def empty(k, v):
+        t = model[k] if model is not None else v
+        return torch.is_tensor(t) and t.numel() == 0
+    return {k: v for k, v in entries.items() if not empty(k, v)}
 
 
 def resume(run):
@@ -248,15 +261,16 @@ def resume(run):
     path, meta = run.resume_from
     run.log.load_state_dict(meta["log"])
     if run.model is not None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
         state = _dcp_state(run)
         read_dcp(path, state, run.train_group)
-        set_state_dict(run.model, run.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(run.model, run.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=run.experts is None))  # EP: the experts held here only
         for group in run.optimizer.param_groups:  # the state from the checkpoint, the learning rate from --lr
             group["lr"] = run.cfg.lr
         if run.reference is not None:
             with run.reference.on_device() as ref:
-                ref.load_state_dict(state["reference"])
+                ref.load_state_dict(state["reference"], strict=run.experts is None)
     saved_layout = (meta["world"], *(meta["config"][k] for k in LAYOUT_FIELDS))
     if saved_layout == (run.roles.world, *(getattr(run.cfg, k) for k in LAYOUT_FIELDS)):
         _load_own(run, read_own(path, run.rank))

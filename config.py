@@ -263,9 +263,6 @@ def value_errors(cfg):
     if cfg.save_every < 0 or cfg.keep_last < 0 or (cfg.resume == "auto" and not cfg.out):
         errors.append(f"--save-every {cfg.save_every} and --keep-last {cfg.keep_last} must be >= 0, and --resume "
                       f"auto needs --out (the folder whose checkpoints it looks for; got {cfg.out!r})")
-    if (cfg.save_every or cfg.resume) and cfg.train_ep:
-        errors.append(f"--save-every / --resume with --train-ep {cfg.train_ep}: the checkpoint does not hold "
-                      "expert-parallel shards; train without EP to checkpoint")
     if min(cfg.steps, cfg.eval_every, cfg.log_every, cfg.micro_batches) < 1:
         errors.append(f"--steps {cfg.steps}, --eval-every {cfg.eval_every}, --log-every {cfg.log_every} and "
                       f"--micro-batches {cfg.micro_batches} must be >= 1")
