@@ -76,7 +76,7 @@ def write(out_dir, step, rank, own, meta=None, dcp_state=None, dcp_group=None, k
     if rank == 0:
         os.makedirs(root, exist_ok=True)
         for name in os.listdir(root):
-            if name.startswith(".tmp_step_"):  # a crashed save's leftover
+            if name.startswith((".tmp_step_", ".old_step_")):  # a crashed save's leftovers
                 shutil.rmtree(os.path.join(root, name))
         os.makedirs(tmp)
     dist.barrier(group=group)
