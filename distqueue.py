@@ -362,9 +362,7 @@ class DistQueue:
                 self.taken[stage].add(r)
                 if self.store.add(self._k("claim", stage, r), 1) == 1:  # atomic: one winner per row
                     won.append(r)
-            if won:  # the log that a resumed queue reads its claims from: one append per poll
-                mine.extend(won)
-                self.store.append(self._k("claimed", stage), "".join(f"{r}," for r in won))
+            mine.extend(won)
             return len(mine) >= n or (len(mine) >= min_rows and len(cand) <= n - len(mine))
 
         def what():
@@ -546,7 +544,6 @@ class DistQueue:
                                                                for r in rows))
         for s, r in sorted({(s, r) for (r, _), stages in self.served.items() for s in stages}):
             self.store.add(self._k("claim", s, r), 1)  # read by s already: no reader of s claims it again
-            self.store.append(self._k("claimed", s), f"{r},")
         for k, v in sd["counters"].items():
             self.store.set(self._k(*k.split("/")), str(v))
         done = self._k("restored")
