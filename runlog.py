@@ -182,6 +182,19 @@ class RunLog:
                 for name, s0, s1, args in run.spans.spans]
         everyone = [None] * run.roles.world if run.rank == 0 else None
         dist.gather_object(mine, everyone, dst=0)
-        for rank, spans in enumerate(everyone or []):
-            with open(os.path.join(run.out_dir, f"spans_rank{rank}.jsonl"), "w" if self.start == 1 else "a") as f:
-                f.writelines(json.dumps(s) + "\n" for s in spans)
+        paths = [os.path.join(run.out_dir, f"spans_rank{rank}.jsonl") for rank in range(len(everyone or []))]
+        kept = [self.kept_spans(p) for p in paths]
+        shift = max([0.0] + [s["end"] - self.elapsed for k in kept for s in k])  # after every kept span
+        for path, old, spans in zip(paths, kept, everyone or []):
+            with open(path, "w") as f:
+                f.writelines(json.dumps(s) + "\n" for s in old)
+                f.writelines(json.dumps(dict(s, start=s["start"] + shift, end=s["end"] + shift)) + "\n" for s in spans)
+
+    def kept_spans(self, path):
+        """Resuming: the spans an earlier run wrote that began before the checkpoint this one resumed from
+        (those after it, like their metrics lines, belong to steps run again). A new run keeps none."""
+        if self.start == 1 or not os.path.exists(path):
+            return []
+        with open(path) as f:
+            spans = [json.loads(line) for line in f if line.strip()]
+        return [s for s in spans if s["start"] < self.elapsed]
