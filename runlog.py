@@ -182,13 +182,19 @@ class RunLog:
                 for name, s0, s1, args in run.spans.spans]
         everyone = [None] * run.roles.world if run.rank == 0 else None
         dist.gather_object(mine, everyone, dst=0)
-        paths = [os.path.join(run.out_dir, f"spans_rank{rank}.jsonl") for rank in range(len(everyone or []))]
-        kept = [self.kept_spans(p) for p in paths]
-        shift = max([0.0] + [s["end"] - self.elapsed for k in kept for s in k])  # after every kept span
-        for path, old, spans in zip(paths, kept, everyone or []):
+        if everyone is None:
+            return
+        earlier = [n for n in os.listdir(run.out_dir) if n.startswith("spans_rank")] if self.start > 1 else []
+        paths = sorted({os.path.join(run.out_dir, n) for n in earlier} |  # an earlier run's ranks, all of them
+                       {os.path.join(run.out_dir, f"spans_rank{rank}.jsonl") for rank in range(len(everyone))})
+        kept = {p: self.kept_spans(p) for p in paths}
+        shift = max([0.0] + [s["end"] - self.elapsed for k in kept.values() for s in k])  # after every kept span
+        new = {os.path.join(run.out_dir, f"spans_rank{rank}.jsonl"): spans for rank, spans in enumerate(everyone)}
+        for path in paths:
             with open(path, "w") as f:
-                f.writelines(json.dumps(s) + "\n" for s in old)
-                f.writelines(json.dumps(dict(s, start=s["start"] + shift, end=s["end"] + shift)) + "\n" for s in spans)
+                f.writelines(json.dumps(s) + "\n" for s in kept[path])
+                f.writelines(json.dumps(dict(s, start=s["start"] + shift, end=s["end"] + shift)) + "\n"
+                             for s in new.get(path, []))
 
     def kept_spans(self, path):
         """Resuming: the spans an earlier run wrote that began before the checkpoint this one resumed from
