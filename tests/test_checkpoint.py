@@ -4,7 +4,6 @@ dead rank ends the job with an error, and under torchrun's restarts the job come
 import json
 import os
 import pickle
-import shutil
 import signal
 import subprocess
 import sys
