@@ -107,6 +107,7 @@ with a fused qkv on 2 gloo processes (tests/test_copy_alone.py runs it in a fold
 Shapes: W world size, t TP degree, W/t DP replicas, B bucket bytes, c = ceil(rows / W) rows per shard.
 """
 import datetime
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -263,9 +264,12 @@ def plan_buckets(meta, bucket_bytes):
     return buckets
 
 
-def bucket_views(bucket, device):
-    """One flat buffer for a bucket and, per weight, its full view (rows, ...) into it."""
-    flat = torch.empty(sum(_numel(s) for _, s, _ in bucket), dtype=bucket[0][2], device=device)
+def bucket_views(bucket, device, storage=None):
+    """One flat buffer for a bucket and, per weight, its full view (rows, ...) into it. storage: a uint8
+    buffer of at least the bucket's bytes to lay it over, instead of a new one."""
+    numel = sum(_numel(s) for _, s, _ in bucket)
+    flat = torch.empty(numel, dtype=bucket[0][2], device=device) if storage is None else \
+        storage[:numel * bucket[0][2].itemsize].view(bucket[0][2])
     views, off = [], 0
     for name, shape, _ in bucket:
         views.append((name, flat[off:off + _numel(shape)].view(shape)))
@@ -302,6 +306,57 @@ def gather_bucket(params, bucket, device):
     for name, full in views:
         gather_into(params[name], full)
     return flat, views
+
+
+class HostExchange:
+    """Ranks on one host gather through shared memory instead of the network: one buffer of a bucket's
+    gathered bytes, mapped by every rank. Each rank writes its own rows of the bucket's weights into
+    their place in it; every rank then reads the whole bucket from it. A rank copies (1 + 1/W) bytes per
+    gathered byte, at memory speed, where gather_into's broadcasts move the same bytes through the
+    loopback network stack (gloo on CPU, several times slower per byte). The CPU counterpart of the
+    CUDA IPC handles that colocated systems pass between processes. Two barriers per bucket: before
+    writing (every rank has read the previous bucket) and after (every rank has written). The buffer
+    lives as long as the object: one bucket of host memory. Build it with HostExchange.usable() true."""
+
+    def __init__(self, group, nbytes):
+        path = [f"/dev/shm/fusion_exchange_{os.urandom(8).hex()}"]  # one name, chosen by the group's first rank
+        dist.broadcast_object_list(path, src=dist.get_global_rank(group, 0), group=group)
+        if dist.get_rank(group) == 0:
+            with open(path[0], "wb") as f:
+                f.truncate(nbytes)
+        dist.barrier(group=group)
+        self.buffer = torch.from_file(path[0], shared=True, size=nbytes, dtype=torch.uint8)  # (nbytes,)
+        dist.barrier(group=group)
+        if dist.get_rank(group) == 0:
+            os.unlink(path[0])  # the mappings stay valid: nothing is left behind, whoever dies
+        self.group = group
+
+    @staticmethod
+    def usable(group, device):
+        """True when the ranks of group (more than one) all run on this host, with /dev/shm, on CPU
+        tensors. Collective over group: every rank gets the same answer."""
+        if device.type != "cpu" or group is None or dist.get_world_size(group) < 2:
+            return False
+        hosts = [None] * dist.get_world_size(group)
+        here = os.uname().nodename if hasattr(os, "uname") else None  # None: no /dev/shm either (Windows)
+        dist.all_gather_object(hosts, (here, os.path.isdir("/dev/shm")), group=group)
+        return all(h == hosts[0] for h in hosts) and hosts[0][1]
+
+    def gather(self, params, bucket):
+        """[(name, full weight)] of a bucket, views into the shared buffer, valid until the next gather:
+        every rank's rows of FSDP2 shards (as gather_into), a plain tensor as it is."""
+        flat, views = bucket_views(bucket, "cpu", self.buffer)
+        dist.barrier(group=self.group)  # every rank has read the previous bucket
+        for name, full in views:
+            p = params[name]
+            if not isinstance(p, DTensor):  # whole on every rank: the first one writes it
+                if dist.get_rank(self.group) == 0:
+                    full.copy_(p.detach())
+                continue
+            local, r, c = p._local_tensor, p.device_mesh.get_local_rank(), -(-full.shape[0] // p.device_mesh.size())
+            full[r * c:r * c + local.shape[0]].copy_(local)                        # (<= c, ...) my rows
+        dist.barrier(group=self.group)  # every rank has written its rows
+        return views
 
 
 @torch.no_grad()
@@ -374,7 +429,8 @@ class FusedActor:
     the end of to_rollout() and at the start of to_train(), in reverse order: one switch moves all."""
 
     def __init__(self, model, optimizer, engine, train_layout, infer_layout, bucket_bytes=1 << 20,
-                 offload_params=False, naive=False, manage_engine=True, inplace=False, skip=(), movers=()):
+                 offload_params=False, naive=False, manage_engine=True, inplace=False, skip=(), movers=(),
+                 host_exchange=True):
         _check_model(model, train_layout, infer_layout)
         self.model, self.optimizer, self.engine = model, optimizer, engine
         self.train_layout, self.infer_layout, self.bucket_bytes = train_layout, infer_layout, bucket_bytes
@@ -391,6 +447,7 @@ class FusedActor:
             raise ValueError("inplace=True needs manage_engine=True, naive=False and engine parameters with the "
                              "model's names, full shapes and dtypes (TP 1); use inplace=False (load_weights)")
         self.inplace = inplace
+        self.exchange = self._exchange(model) if host_exchange and not naive and self.buckets else None
         self.phase, self.round_trips, self._hosts, self._param_hosts = TRAIN, 0, [], []
         self._off, self._param_off, self.stats = [], [], {}
         if manage_engine:
@@ -398,6 +455,14 @@ class FusedActor:
                 s.resize_(0)
             engine.register_forward_pre_hook(self._check_engine_use)
         self.record()
+
+    def _exchange(self, model):
+        """A HostExchange of one bucket when every rank of the FSDP mesh is on this host (CPU), else None:
+        the gather then broadcasts. Collective."""
+        group = next((p.device_mesh.get_group() for p in model.parameters() if isinstance(p, DTensor)), None)
+        if not HostExchange.usable(group, self.device):
+            return None
+        return HostExchange(group, max(sum(_numel(s) * d.itemsize for _, s, d in b) for b in self.buckets))
 
     def _check_engine_use(self, module, args):
         if self.phase != ROLLOUT:
@@ -498,7 +563,7 @@ class FusedActor:
         """Gather every bucket and load it into the engine. Returns (peak bytes held, bytes gathered)."""
         peak, gathered, loaded = 0, 0, set()
         for bucket in [sum(self.buckets, [])] if self.naive else self.buckets:
-            if self.inplace:  # gather straight into the engine's own weights: no bucket buffer at all
+            if self.inplace and self.exchange is None:  # broadcast straight into the engine's own weights
                 works = []
                 for name, *_ in bucket:
                     gather_into(params[name], eng[name].detach(), works)
@@ -506,25 +571,34 @@ class FusedActor:
                 peak, gathered = max(peak, self.resident_bytes()), gathered + sum(eng[n].nbytes for n, *_ in bucket)
                 loaded |= {name for name, *_ in bucket}
                 continue
-            if self.naive:
-                pairs = gather_full_naive({n: p for n, p in params.items() if n not in self.skip})
-                flat = None
-                extra = sum(t.nbytes for _, t in pairs)
+            pairs, extra = self._gather(params, bucket)
+            peak, gathered = max(peak, self.resident_bytes() + extra), gathered + sum(t.nbytes for _, t in pairs)
+            if self.inplace:  # the engine's weights are the model's, by name and shape: a plain copy
+                for name, full in pairs:
+                    eng[name].detach().copy_(full)
+                names = [name for name, _ in pairs]
             else:
-                flat, pairs = gather_bucket(params, bucket, self.device)
-                extra = flat.nbytes
-            peak, gathered = max(peak, self.resident_bytes() + extra), gathered + extra
-            names = self.engine.load_weights(pairs)
+                names = self.engine.load_weights(pairs)
             if names is None and set(n for n, _ in pairs) - set(eng):
                 raise ValueError("the engine's parameter names are not the model's, and its load_weights returned "
                                  "nothing: return the engine parameter names it loaded (as vLLM's loaders do)")
             loaded |= set(names if names is not None else (n for n, _ in pairs))
-            flat = pairs = None  # free the bucket before the next one
+            pairs = None  # free the bucket before the next one
         missing = sorted(set(eng) - loaded)
         if missing:  # re-allocated (or, with its own sleep mode, last version's) and never filled: refuse
             raise ValueError(f"the engine's weights {missing[:8]} were not loaded: its load_weights must load every "
                              f"engine parameter (or name it in skip=) and return the names it loaded")
         return peak, gathered
+
+    def _gather(self, params, bucket):
+        """One bucket's [(name, full weight)] and the bytes it holds beyond the resident ones."""
+        if self.exchange is not None:  # same host: through the shared buffer, held for the actor's life
+            return self.exchange.gather(params, bucket), self.exchange.buffer.nbytes
+        if self.naive:
+            pairs = gather_full_naive({n: p for n, p in params.items() if n not in self.skip})
+            return pairs, sum(t.nbytes for _, t in pairs)
+        flat, pairs = gather_bucket(params, bucket, self.device)
+        return pairs, flat.nbytes
 
     @torch.no_grad()
     def to_train(self):

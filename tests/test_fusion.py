@@ -71,12 +71,16 @@ def _check_exact_and_memory(rank, world, model, opt, ref):
     for tp in [t for t in (1, 2, 4) if world % t == 0]:
         layout = Layout(world, tp, n_heads=CFG.n_heads)
         tp_group, _ = layout.new_groups(timeout_s=60)
-        # TP 1: gathered in place into the engine, through a bucket + load_weights, and all at once (naive,
-        # so that the bound's check has teeth); TP > 1: a bucket + load_weights, which cuts the TP pieces
-        for kind in ("inplace", "bucket", "naive") if tp == 1 else ("bucket",):
+        # TP 1: gathered in place into the engine, through a bucket + load_weights, each through the shared
+        # host buffer and by broadcasts, and all at once (naive, so that the bound's check has teeth);
+        # TP > 1: a bucket + load_weights, which cuts the TP pieces
+        kinds = ("inplace", "inplace/broadcast", "bucket", "bucket/broadcast", "naive") if tp == 1 else ("bucket",)
+        for kind in kinds:
             actor = FusedActor(model, opt, Policy(CFG, tp_group), Layout(world, fsdp=True), layout,
-                               bucket_bytes=BUCKET, naive=kind == "naive", inplace=kind == "inplace")
-            assert actor.inplace == (kind == "inplace")
+                               bucket_bytes=BUCKET, naive=kind == "naive", inplace=kind.startswith("inplace"),
+                               host_exchange=not kind.endswith("broadcast"))
+            assert actor.inplace == kind.startswith("inplace")
+            assert (actor.exchange is not None) == (world > 1 and kind in ("inplace", "bucket")), kind
             assert held_bytes(actor.engine.parameters()) == 0                   # TRAIN: no inference weights
             with rollout(actor) as engine:
                 assert actor.phase == ROLLOUT
@@ -96,7 +100,9 @@ def _check_exact_and_memory(rank, world, model, opt, ref):
             assert m["mem/train_optim_bytes"] > 0 and m["mem/train_infer_bytes"] == 0
             out[(tp, kind)] = m["switch/peak_extra_bytes"]
     assert all(peak <= BUCKET for (_, kind), peak in out.items() if kind != "naive"), out
-    assert out[(1, "inplace")] == 0, out  # no staging buffer at all
+    assert out[(1, "inplace/broadcast")] == 0, out  # no staging buffer at all
+    if world > 1:  # the shared buffer: one bucket, no more
+        assert 0 < out[(1, "inplace")] <= BUCKET, out
     assert out[(1, "naive")] > BUCKET, out  # the whole model gathered at once: the check has teeth
     model.reshard()
     return out
