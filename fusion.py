@@ -19,6 +19,7 @@ Contents, primitives first:
   plan_buckets       (name, full shape, dtype) grouped into buckets of at most B gathered bytes
   gather_into        one weight's FSDP2 shards into a full-size destination: own rows copied, W broadcasts
   gather_bucket      gather_into for a bucket of weights, into one flat buffer; (name, full view) pairs
+  HostExchange       ranks on one host (CPU): a bucket gathered through one shared-memory buffer instead
   push_weights       separated deployment: trainers gather a bucket, trainer `src` broadcasts it to generators
   FusedActor         the two phases: to_rollout(), to_train(), metrics(), state_dict(); `with rollout(actor)`
   HostOffloaded      a frozen module (the reference model) kept on host except inside `with ref.on_device()`
@@ -29,12 +30,15 @@ Departures from the source system (Huawei's RL post-training on CloudMatrix 384)
   2. The engine cuts its TP piece itself inside load_weights, as vLLM's weight loaders do: fusion hands it
      full weights that are views into the gathered bucket. Every rank gathers every weight: under FSDP
      its shards sit on all ranks anyway. When the engine's weights are the full weights (TP 1) and this
-     module manages their storage, the gather writes straight into them instead (`inplace`): no bucket
-     buffer, no load_weights copy, no extra memory at all.
-  3. The gather is W in-place broadcasts per weight, each owner's c rows straight into their place in
-     the destination. One all-gather per weight (this file's first version) moves the same bytes, but
-     gloo's all-gather runs well below its broadcast's bandwidth on CPU (bench/RESULTS.md), and a
-     rank-major collective per bucket would need a copy-out of each weight.
+     module manages their storage, the gather writes straight into them instead (`inplace`): no
+     load_weights copy, and, by broadcasts, no bucket buffer at all.
+  3. Across hosts (and on CUDA, over nccl) the gather is W in-place broadcasts per weight, each owner's
+     c rows straight into their place in the destination. One all-gather per weight (this file's first
+     version) moves the same bytes, but gloo's all-gather runs well below its broadcast's bandwidth on
+     CPU (bench/RESULTS.md). When every rank is on one host and the tensors are on CPU, the ranks
+     exchange the rows through one shared-memory buffer of a bucket instead (HostExchange): copies at
+     memory speed, where loopback TCP costs several times a copy per byte. The GPU counterpart, CUDA IPC
+     handles between the processes of one node, is left out.
   4. The training parameter shards stay on the device during ROLLOUT by default: they are 1/W of the
      model and needed first thing back in TRAIN. `offload_params=True` offloads them too.
   5. The engine's weight storages are freed in TRAIN (resized to 0) and re-allocated bucket by bucket;
