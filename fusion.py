@@ -19,7 +19,7 @@ Contents, primitives first:
   plan_buckets       (name, full shape, dtype) grouped into buckets of at most B gathered bytes
   gather_into        one weight's FSDP2 shards into a full-size destination: own rows copied, W broadcasts
   gather_bucket      gather_into for a bucket of weights, into one flat buffer; (name, full view) pairs
-  HostExchange       ranks on one host (CPU): a bucket gathered through one shared-memory buffer instead
+  HostExchange       ranks on one host (CPU): a bucket gathered through shared memory, not broadcasts
   push_weights       separated deployment: trainers gather a bucket, trainer `src` broadcasts it to generators
   FusedActor         the two phases: to_rollout(), to_train(), metrics(), state_dict(); `with rollout(actor)`
   HostOffloaded      a frozen module (the reference model) kept on host except inside `with ref.on_device()`
@@ -320,31 +320,32 @@ class HostExchange:
     loopback network stack (gloo on CPU, several times slower per byte). The CPU counterpart of the
     CUDA IPC handles that colocated systems pass between processes. Two barriers per bucket: before
     writing (every rank has read the previous bucket) and after (every rank has written). The buffer
-    lives as long as the object: one bucket of host memory. Build it with HostExchange.usable() true."""
+    lives as long as the object: one bucket of host memory. Built by HostExchange.connect()."""
 
-    def __init__(self, group, nbytes):
-        path = [f"/dev/shm/fusion_exchange_{os.urandom(8).hex()}"]  # one name, chosen by the group's first rank
+    def __init__(self, group, buffer):
+        self.group, self.buffer = group, buffer  # buffer: (nbytes,) uint8, the same memory on every rank
+
+    @classmethod
+    def connect(cls, group, nbytes, device):
+        """A HostExchange of nbytes over group, or None where it cannot work: CUDA tensors, one rank, no
+        /dev/shm, or ranks that do not see the file the first rank made (other hosts). Collective over
+        group: every rank gets the same answer."""
+        if device.type != "cpu" or group is None or dist.get_world_size(group) < 2:
+            return None
+        first = dist.get_rank(group) == 0
+        path = [f"/dev/shm/fusion_exchange_{os.urandom(8).hex()}" if os.path.isdir("/dev/shm") else None]
         dist.broadcast_object_list(path, src=dist.get_global_rank(group, 0), group=group)
-        if dist.get_rank(group) == 0:
+        if first and path[0]:
             with open(path[0], "wb") as f:
                 f.truncate(nbytes)
         dist.barrier(group=group)
-        self.buffer = torch.from_file(path[0], shared=True, size=nbytes, dtype=torch.uint8)  # (nbytes,)
+        seen = torch.tensor([int(bool(path[0]) and os.path.exists(path[0]))])
+        dist.all_reduce(seen, op=dist.ReduceOp.MIN, group=group)
+        buffer = torch.from_file(path[0], shared=True, size=nbytes, dtype=torch.uint8) if seen.item() else None
         dist.barrier(group=group)
-        if dist.get_rank(group) == 0:
-            os.unlink(path[0])  # the mappings stay valid: nothing is left behind, whoever dies
-        self.group = group
-
-    @staticmethod
-    def usable(group, device):
-        """True when the ranks of group (more than one) all run on this host, with /dev/shm, on CPU
-        tensors. Collective over group: every rank gets the same answer."""
-        if device.type != "cpu" or group is None or dist.get_world_size(group) < 2:
-            return False
-        hosts = [None] * dist.get_world_size(group)
-        here = os.uname().nodename if hasattr(os, "uname") else None  # None: no /dev/shm either (Windows)
-        dist.all_gather_object(hosts, (here, os.path.isdir("/dev/shm")), group=group)
-        return all(h == hosts[0] for h in hosts) and hosts[0][1]
+        if first and path[0]:
+            os.unlink(path[0])  # the mappings stay valid: nothing is left behind, whoever dies later
+        return cls(group, buffer) if buffer is not None else None
 
     def gather(self, params, bucket):
         """[(name, full weight)] of a bucket, views into the shared buffer, valid until the next gather:
@@ -464,9 +465,8 @@ class FusedActor:
         """A HostExchange of one bucket when every rank of the FSDP mesh is on this host (CPU), else None:
         the gather then broadcasts. Collective."""
         group = next((p.device_mesh.get_group() for p in model.parameters() if isinstance(p, DTensor)), None)
-        if not HostExchange.usable(group, self.device):
-            return None
-        return HostExchange(group, max(sum(_numel(s) * d.itemsize for _, s, d in b) for b in self.buckets))
+        nbytes = max(sum(_numel(s) * d.itemsize for _, s, d in b) for b in self.buckets)
+        return HostExchange.connect(group, nbytes, self.device)
 
     def _check_engine_use(self, module, args):
         if self.phase != ROLLOUT:
