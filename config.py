@@ -41,7 +41,7 @@ class Config:
     top_k: int = flag(2, "experts chosen per token")
     d_expert: int = flag(128, "hidden width of one expert")
     # supervised warm-up
-    warmup_steps: int = flag(400, "supervised steps before RL (0 to skip)")
+    warmup_steps: int = flag(500, "supervised steps before RL (0 to skip)")
     warmup_batch: int = flag(64, "global (prompt, answer) pairs per warm-up step")
     warmup_lr: float = flag(5e-3, "warm-up learning rate")
     # GRPO
