@@ -8,7 +8,8 @@ The colocated deployment, with layout switching and zero-redundancy memory switc
            states and grads are offloaded to host memory, leaving the device to the inference state.
 to_rollout() offloads, then builds the inference weights bucket by bucket: all-gather a bucket of shards,
 hand (name, full tensor) pairs to the engine's load_weights (vLLM's shape), free the bucket. No rank ever
-holds more than its final inference weights plus one bucket. to_train() frees them and brings the rest back.
+holds more than its final inference weights plus one bucket (on one host, the shared one it keeps).
+to_train() frees them and brings the rest back.
 Other state that changes layout between the phases (moe_switch.py's experts) rides along as a "mover":
 any object with to_rollout() and to_train(), called inside the same switch.
 
@@ -314,13 +315,15 @@ def gather_bucket(params, bucket, device):
 
 class HostExchange:
     """Ranks on one host gather through shared memory instead of the network: one buffer of a bucket's
-    gathered bytes, mapped by every rank. Each rank writes its own rows of the bucket's weights into
-    their place in it; every rank then reads the whole bucket from it. A rank copies (1 + 1/W) bytes per
-    gathered byte, at memory speed, where gather_into's broadcasts move the same bytes through the
-    loopback network stack (gloo on CPU, several times slower per byte). The CPU counterpart of the
-    CUDA IPC handles that colocated systems pass between processes. Two barriers per bucket: before
-    writing (every rank has read the previous bucket) and after (every rank has written). The buffer
-    lives as long as the object: one bucket of host memory. Built by HostExchange.connect()."""
+    gathered bytes, mapped by every rank. gather() has each rank write its own rows of the bucket's
+    weights into their place in it (1/W of the bucket; a plain, unsharded tensor: the first rank writes
+    it whole), and hands back views of the whole bucket, which the caller reads (the engine's weights
+    copy it, or load_weights cuts its piece from it). Both at memory speed, where gather_into's
+    broadcasts move the same bytes through the loopback network stack (gloo on CPU, several times
+    slower per byte). The CPU counterpart of the CUDA IPC handles that colocated systems pass between
+    processes. Two barriers per bucket: before writing (every rank is done with the previous bucket)
+    and after (every rank has written). The buffer is one bucket of host memory, held as long as the
+    object (FusedActor counts it as mem/*_exchange_bytes). Built by HostExchange.connect()."""
 
     def __init__(self, group, buffer):
         self.group, self.buffer = group, buffer  # buffer: (nbytes,) uint8, the same memory on every rank
@@ -328,40 +331,72 @@ class HostExchange:
     @classmethod
     def connect(cls, group, nbytes, device):
         """A HostExchange of nbytes over group, or None where it cannot work: CUDA tensors, one rank, no
-        /dev/shm, or ranks that do not see the file the first rank made (other hosts). Collective over
-        group: every rank gets the same answer."""
-        if device.type != "cpu" or group is None or dist.get_world_size(group) < 2:
+        room in /dev/shm, or ranks that cannot map the file the first rank made (other hosts). Collective
+        over group, and every rank gets the same answer, whichever rank fails where."""
+        if device.type != "cpu" or group is None or dist.get_world_size(group) < 2 or nbytes == 0:
             return None
         first = dist.get_rank(group) == 0
-        path = [f"/dev/shm/fusion_exchange_{os.urandom(8).hex()}" if os.path.isdir("/dev/shm") else None]
+        path = [f"/dev/shm/fusion_exchange_{os.urandom(8).hex()}"]  # one name, chosen by the first rank
         dist.broadcast_object_list(path, src=dist.get_global_rank(group, 0), group=group)
-        if first and path[0]:
-            with open(path[0], "wb") as f:
-                f.truncate(nbytes)
-        dist.barrier(group=group)
-        seen = torch.tensor([int(bool(path[0]) and os.path.exists(path[0]))])
-        dist.all_reduce(seen, op=dist.ReduceOp.MIN, group=group)
-        buffer = torch.from_file(path[0], shared=True, size=nbytes, dtype=torch.uint8) if seen.item() else None
-        dist.barrier(group=group)
-        if first and path[0]:
-            os.unlink(path[0])  # the mappings stay valid: nothing is left behind, whoever dies later
-        return cls(group, buffer) if buffer is not None else None
+        created = _make_shared_file(path[0], nbytes) if first else True
+        try:
+            buffer = None
+            if _all_ranks(created, group):  # every rank maps the file; all of them keep it, or none
+                buffer = _try(lambda: torch.from_file(path[0], shared=True, size=nbytes, dtype=torch.uint8))
+            keep = _all_ranks(buffer is not None, group)
+        finally:
+            if first and created:
+                os.unlink(path[0])  # every rank has mapped it or given up: the mappings outlive the name
+        return cls(group, buffer) if keep else None
 
     def gather(self, params, bucket):
-        """[(name, full weight)] of a bucket, views into the shared buffer, valid until the next gather:
-        every rank's rows of FSDP2 shards (as gather_into), a plain tensor as it is."""
+        """[(name, full weight)] of a bucket, views into the shared buffer, valid until this rank's next
+        gather: every rank's rows of FSDP2 shards (as gather_into), a plain tensor as it is."""
         flat, views = bucket_views(bucket, "cpu", self.buffer)
-        dist.barrier(group=self.group)  # every rank has read the previous bucket
+        dist.barrier(group=self.group)  # every rank is done with the previous bucket
         for name, full in views:
             p = params[name]
             if not isinstance(p, DTensor):  # whole on every rank: the first one writes it
                 if dist.get_rank(self.group) == 0:
                     full.copy_(p.detach())
                 continue
-            local, r, c = p._local_tensor, p.device_mesh.get_local_rank(), -(-full.shape[0] // p.device_mesh.size())
-            full[r * c:r * c + local.shape[0]].copy_(local)                        # (<= c, ...) my rows
+            local, mesh = p._local_tensor, p.device_mesh                           # (<= c, ...) my rows
+            r, c = mesh.get_local_rank(), -(-full.shape[0] // mesh.size())
+            full[r * c:r * c + local.shape[0]].copy_(local)
         dist.barrier(group=self.group)  # every rank has written its rows
         return views
+
+
+def _make_shared_file(path, nbytes):
+    """Create path, nbytes long, its memory reserved now (a sparse file on a full /dev/shm would kill the
+    first rank to write past the end with SIGBUS), readable by this user only. True if it worked."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return False
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        return True
+    except OSError:
+        os.unlink(path)
+        return False
+    finally:
+        os.close(fd)
+
+
+def _try(make):
+    """make(), or None if it raised OSError or RuntimeError (torch's mapping errors)."""
+    try:
+        return make()
+    except (OSError, RuntimeError):
+        return None
+
+
+def _all_ranks(ok, group):
+    """True on every rank when ok is true on every rank of group (one MIN all-reduce)."""
+    flag = torch.tensor([int(bool(ok))])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
 
 
 @torch.no_grad()
@@ -423,7 +458,8 @@ class FusedActor:
     all W ranks) or plain; optimizer: built on model.parameters(); engine: a module with
     load_weights(iterable of (name, tensor)) -> the engine parameter names it loaded (vLLM's shape; the
     names are the model's, each tensor the full weight: the engine cuts its TP piece and maps names to
-    its own parameters, e.g. q, k, v into a fused qkv). Starts in TRAIN: the engine's weight storages
+    its own parameters, e.g. q, k, v into a fused qkv; the tensors are valid during the call only, so
+    it copies what it keeps). Starts in TRAIN: the engine's weight storages
     are freed here (manage_engine=True, the default; an engine with its own sleep mode, vLLM's, takes
     manage_engine=False), and using the engine outside ROLLOUT raises. inplace=True (engines whose
     parameters are the model's, same names and full shapes, TP 1): the gather writes straight into the
@@ -431,7 +467,9 @@ class FusedActor:
     between the phases (moe_switch.py's experts): not built, freed, offloaded (offload_params) or
     counted as inference weights here; their grads and optimizer states are still offloaded. movers:
     objects with to_rollout() and to_train() (and optionally a `stats` dict for metrics()), called at
-    the end of to_rollout() and at the start of to_train(), in reverse order: one switch moves all."""
+    the end of to_rollout() and at the start of to_train(), in reverse order: one switch moves all.
+    host_exchange=True: where every rank is on this host and the model on CPU, the gather goes through a
+    HostExchange (one bucket of shared memory, mem/*_exchange_bytes), else by broadcasts."""
 
     def __init__(self, model, optimizer, engine, train_layout, infer_layout, bucket_bytes=1 << 20,
                  offload_params=False, naive=False, manage_engine=True, inplace=False, skip=(), movers=(),
@@ -481,7 +519,8 @@ class FusedActor:
         return {"params": held_bytes(ps, self.device),
                 "grads": held_bytes([p.grad for p in ps if p.grad is not None], self.device),
                 "optim": held_bytes(optim, self.device),
-                "infer": held_bytes(self._engine_weights().values(), self.device)}
+                "infer": held_bytes(self._engine_weights().values(), self.device),
+                "exchange": self.exchange.buffer.nbytes if self.exchange is not None else 0}
 
     def _engine_weights(self):
         return {n: p for n, p in self.engine.named_parameters() if n not in self.skip}
@@ -596,8 +635,8 @@ class FusedActor:
 
     def _gather(self, params, bucket):
         """One bucket's [(name, full weight)] and the bytes it holds beyond the resident ones."""
-        if self.exchange is not None:  # same host: through the shared buffer, held for the actor's life
-            return self.exchange.gather(params, bucket), self.exchange.buffer.nbytes
+        if self.exchange is not None:  # same host: through the shared buffer, resident for the actor's life
+            return self.exchange.gather(params, bucket), 0
         if self.naive:
             pairs = gather_full_naive({n: p for n, p in params.items() if n not in self.skip})
             return pairs, sum(t.nbytes for _, t in pairs)

@@ -3,17 +3,20 @@ switches, memory bounds, the separated push, bad input.
 
 The multi-rank checks run in one gloo spawn per world size (1, 2, 4): each spawn costs seconds of imports."""
 import copy
+import os
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import fusion
 from fusion import (ROLLOUT, TRAIN, FusedActor, HostOffloaded, Layout, held_bytes, plan_buckets,
                     push_weights, rollout, weight_meta)
 from model import ModelConfig, Policy, generate
 from tests.distributed import run_distributed
 
+SHM = os.path.isdir("/dev/shm")  # where HostExchange can work (Linux)
 CFG = ModelConfig(vocab_size=14, d_model=32, n_layers=2, n_heads=4, n_experts=4, top_k=2, d_expert=32,
                   max_seq_len=48)
 BUCKET = 20_000  # bytes: the largest weight, (4, 32, 32) float32, is 16 KiB; the model is ~136 KB
@@ -80,7 +83,7 @@ def _check_exact_and_memory(rank, world, model, opt, ref):
                                bucket_bytes=BUCKET, naive=kind == "naive", inplace=kind.startswith("inplace"),
                                host_exchange=not kind.endswith("broadcast"))
             assert actor.inplace == kind.startswith("inplace")
-            assert (actor.exchange is not None) == (world > 1 and kind in ("inplace", "bucket")), kind
+            assert (actor.exchange is not None) == (world > 1 and kind in ("inplace", "bucket") and SHM), kind
             assert held_bytes(actor.engine.parameters()) == 0                   # TRAIN: no inference weights
             with rollout(actor) as engine:
                 assert actor.phase == ROLLOUT
@@ -99,10 +102,11 @@ def _check_exact_and_memory(rank, world, model, opt, ref):
             m = actor.metrics()
             assert m["mem/train_optim_bytes"] > 0 and m["mem/train_infer_bytes"] == 0
             out[(tp, kind)] = m["switch/peak_extra_bytes"]
+            shared = m["mem/train_exchange_bytes"]  # the shared bucket, resident in both phases
+            assert (0 < shared <= BUCKET) if actor.exchange else shared == 0, (kind, shared)
+            assert m["mem/rollout_exchange_bytes"] == shared
     assert all(peak <= BUCKET for (_, kind), peak in out.items() if kind != "naive"), out
-    assert out[(1, "inplace/broadcast")] == 0, out  # no staging buffer at all
-    if world > 1:  # the shared buffer: one bucket, no more
-        assert 0 < out[(1, "inplace")] <= BUCKET, out
+    assert out[(1, "inplace")] == out[(1, "inplace/broadcast")] == 0, out  # no staging buffer beyond those counted
     assert out[(1, "naive")] > BUCKET, out  # the whole model gathered at once: the check has teeth
     model.reshard()
     return out
@@ -201,6 +205,52 @@ def test_fusion_distributed(world):
     assert m["switch/bytes"] > 0 and m["switch/buckets"] > 1 and "time/to_rollout_s" in m
     if world == 4:
         assert results[0]["sent"] > 0 and results[1]["sent"] == 0  # only trainer 0 broadcasts
+
+
+def _host_exchange(rank, world):
+    """HostExchange against the full tensors: uneven rows, an empty last shard, a plain tensor, one
+    buffer reused over many gathers with new values each time. Then the fallback: a rank that cannot map
+    the file makes every rank get None, and the file is gone."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    fulls = {"a": torch.randn(5, 3), "b": torch.randn(1), "c": torch.randn(4, 2)}  # b: rank 1's shard is empty
+    params = {n: distribute_tensor(t.clone(), mesh, [Shard(0)]) for n, t in fulls.items() if n != "c"}
+    params["c"] = fulls["c"].clone()  # plain: whole on every rank
+    buckets = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in fulls.items()], 64)  # [a, b], [c]
+    exchange = fusion.HostExchange.connect(mesh.get_group(), 64, torch.device("cpu"))
+    assert exchange is not None and len(buckets) == 2
+    for step in range(20):
+        for name, p in params.items():  # new values: the same change on every rank's rows and the full copy
+            (p._local_tensor if name != "c" else p).add_(1.0)
+            fulls[name] += 1.0
+        for bucket in buckets:
+            for name, full in exchange.gather(params, bucket):
+                assert torch.equal(full, fulls[name]), (step, name)
+    made, make, from_file = [], fusion._make_shared_file, torch.from_file
+
+    def recorded(path, nbytes):
+        made.append(path)
+        return make(path, nbytes)
+
+    def no_mapping(*args, **kwargs):
+        raise RuntimeError("no mapping here")
+
+    fusion._make_shared_file = recorded
+    if rank == 1:  # as on another host
+        torch.from_file = no_mapping
+    try:
+        assert fusion.HostExchange.connect(mesh.get_group(), 64, torch.device("cpu")) is None
+    finally:
+        torch.from_file, fusion._make_shared_file = from_file, make
+    return made
+
+
+@pytest.mark.skipif(not SHM, reason="no /dev/shm here: the gather broadcasts")
+def test_host_exchange_gathers_exactly_and_falls_back_together():
+    made = run_distributed(_host_exchange, world_size=2, timeout_s=120)[0]
+    assert len(made) == 1 and made[0].startswith("/dev/shm/") and not os.path.exists(made[0])
 
 
 # ----------------------------------------------------------------------------- single process, no spawn
