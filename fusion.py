@@ -342,7 +342,10 @@ class HostExchange:
         try:
             buffer = None
             if _all_ranks(created, group):  # every rank maps the file; all of them keep it, or none
-                buffer = _try(lambda: torch.from_file(path[0], shared=True, size=nbytes, dtype=torch.uint8))
+                try:
+                    buffer = torch.from_file(path[0], shared=True, size=nbytes, dtype=torch.uint8)
+                except (OSError, RuntimeError):  # a rank that cannot map it: another host's /dev/shm, no room
+                    buffer = None
             keep = _all_ranks(buffer is not None, group)
         finally:
             if first and created:
@@ -382,14 +385,6 @@ def _make_shared_file(path, nbytes):
         return False
     finally:
         os.close(fd)
-
-
-def _try(make):
-    """make(), or None if it raised OSError or RuntimeError (torch's mapping errors)."""
-    try:
-        return make()
-    except (OSError, RuntimeError):
-        return None
 
 
 def _all_ranks(ok, group):

@@ -1,7 +1,7 @@
 """Benchmark fusion.py: separated vs colocated vs colocated-all GRPO on 2 gloo ranks, against the machine's
 bound, and the phase switch.
 
-    python bench/fusion.py                 # the default run, about 2 minutes on 2 CPU cores
+    python bench/fusion.py                 # the default run, about 70 s on 2 CPU cores
     python bench/fusion.py --help          # every knob, grouped
 
 One process tree: 2 spawned ranks, gloo, 1 thread each (2 processes x 1 thread is the best matmul
@@ -175,6 +175,7 @@ def bench_switch(args, rank):
     dst.copy_(src)
     parts = ("offload", "alloc", "gather", "free", "reload")
     laps = {k: [] for k in ("trip", "memcpy", "broadcast") + parts}
+
     def round_trip(a):
         a.to_rollout()
         a.to_train()
