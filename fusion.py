@@ -355,7 +355,7 @@ class HostExchange:
     def gather(self, params, bucket):
         """[(name, full weight)] of a bucket, views into the shared buffer, valid until this rank's next
         gather: every rank's rows of FSDP2 shards (as gather_into), a plain tensor as it is."""
-        flat, views = bucket_views(bucket, "cpu", self.buffer)
+        _, views = bucket_views(bucket, "cpu", self.buffer)
         dist.barrier(group=self.group)  # every rank is done with the previous bucket
         for name, full in views:
             p = params[name]
