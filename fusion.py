@@ -113,8 +113,11 @@ Shapes: W world size, t TP degree, W/t DP replicas, B bucket bytes, c = ceil(row
 """
 import datetime
 import os
+import select
+import shutil
+import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
 import torch
@@ -319,44 +322,57 @@ class HostExchange:
     weights into their place in it (1/W of the bucket; a plain, unsharded tensor: the first rank writes
     it whole), and hands back views of the whole bucket, which the caller reads (the engine's weights
     copy it, or load_weights cuts its piece from it). Both at memory speed, where gather_into's
-    broadcasts move the same bytes through the loopback network stack (gloo on CPU, several times
-    slower per byte). The CPU counterpart of the CUDA IPC handles that colocated systems pass between
-    processes. Two barriers per bucket: before writing (every rank is done with the previous bucket)
-    and after (every rank has written). The buffer is one bucket of host memory, held as long as the
-    object (FusedActor counts it as mem/*_exchange_bytes). Built by HostExchange.connect()."""
+    broadcasts move the same bytes through the loopback network stack (gloo on CPU, several times slower
+    per byte). The CPU counterpart of the CUDA IPC handles that colocated systems pass between processes.
+    Two barriers per bucket: before writing (every rank is done with the previous bucket) and after
+    (every rank has written). They go through named pipes, not the process group: each rank writes a
+    byte into every peer's pipe and reads one from each of them, tens of microseconds where gloo's
+    barrier over loopback TCP takes several hundred; a pipe's write and read order the buffer's writes
+    before them. A peer missing for timeout_s raises TimeoutError, one that exited raises RuntimeError.
+    The buffer is one bucket of host memory, held as long as the object (FusedActor counts it as
+    mem/*_exchange_bytes). Built by HostExchange.connect()."""
 
-    def __init__(self, group, buffer):
-        self.group, self.buffer = group, buffer  # buffer: (nbytes,) uint8, the same memory on every rank
+    def __init__(self, group, buffer, reader, writers, timeout_s):
+        self.group, self.buffer, self.timeout_s = group, buffer, timeout_s  # buffer: (bucket bytes,) uint8
+        self.reader, self.writers = reader, writers  # this rank's pipe, and the W-1 peers' (file descriptors)
 
     @classmethod
-    def connect(cls, group, nbytes, device):
-        """A HostExchange of nbytes over group, or None where it cannot work: CUDA tensors, one rank, no
-        room in /dev/shm, or ranks that cannot map the file the first rank made (other hosts). Collective
-        over group, and every rank gets the same answer, whichever rank fails where."""
-        if device.type != "cpu" or group is None or dist.get_world_size(group) < 2 or nbytes == 0:
+    def connect(cls, group, bucket_bytes, device, timeout_s=300.0):
+        """A HostExchange for buckets of up to bucket_bytes over group, or None where it cannot work: CUDA
+        tensors, one rank, no room in /dev/shm, or ranks that cannot open what the first rank made (other
+        hosts). Collective over group, and every rank gets the same answer, whichever rank fails where."""
+        if device.type != "cpu" or group is None or dist.get_world_size(group) < 2 or bucket_bytes == 0:
             return None
-        first = dist.get_rank(group) == 0
-        path = [f"/dev/shm/fusion_exchange_{os.urandom(8).hex()}"]  # one name, chosen by the first rank
-        dist.broadcast_object_list(path, src=dist.get_global_rank(group, 0), group=group)
-        created = _make_shared_file(path[0], nbytes) if first else True
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        box = [_make_exchange_folder(bucket_bytes, world) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        folder, buffer, reader, writers = box[0], None, None, []
+        if folder is None:
+            return None
         try:
-            buffer = None
-            if _all_ranks(created, group):  # every rank maps the file; all of them keep it, or none
-                try:
-                    buffer = torch.from_file(path[0], shared=True, size=nbytes, dtype=torch.uint8)
-                except (OSError, RuntimeError):  # a rank that cannot map it: another host's /dev/shm, no room
-                    buffer = None
-            keep = _all_ranks(buffer is not None, group)
+            with suppress(OSError, RuntimeError):  # a rank that cannot open them: another host's /dev/shm
+                buffer = torch.from_file(os.path.join(folder, "buffer"), shared=True, size=bucket_bytes,
+                                         dtype=torch.uint8)
+                reader = os.open(os.path.join(folder, f"pipe{rank}"), os.O_RDONLY | os.O_NONBLOCK)
+            if _all_ranks(reader is not None, group):  # every pipe has its reader: the peers can open it
+                with suppress(OSError):
+                    for peer in (q for q in range(world) if q != rank):
+                        writers.append(os.open(os.path.join(folder, f"pipe{peer}"), os.O_WRONLY | os.O_NONBLOCK))
+            keep = _all_ranks(len(writers) == world - 1, group)
         finally:
-            if first and created:
-                os.unlink(path[0])  # every rank has mapped it or given up: the mappings outlive the name
-        return cls(group, buffer) if keep else None
+            if rank == 0:
+                shutil.rmtree(folder, ignore_errors=True)  # every rank has opened or given up: the names go
+        if not keep:
+            for fd in writers + ([reader] if reader is not None else []):
+                os.close(fd)
+            return None
+        return cls(group, buffer, reader, writers, timeout_s)
 
     def gather(self, params, bucket):
         """[(name, full weight)] of a bucket, views into the shared buffer, valid until this rank's next
         gather: every rank's rows of FSDP2 shards (as gather_into), a plain tensor as it is."""
         _, views = bucket_views(bucket, "cpu", self.buffer)
-        dist.barrier(group=self.group)  # every rank is done with the previous bucket
+        self.barrier()  # every rank is done with the previous bucket
         for name, full in views:
             p = params[name]
             if not isinstance(p, DTensor):  # whole on every rank: the first one writes it
@@ -366,25 +382,52 @@ class HostExchange:
             local, mesh = p._local_tensor, p.device_mesh                           # (<= c, ...) my rows
             r, c = mesh.get_local_rank(), -(-full.shape[0] // mesh.size())
             full[r * c:r * c + local.shape[0]].copy_(local)
-        dist.barrier(group=self.group)  # every rank has written its rows
+        self.barrier()  # every rank has written its rows
         return views
 
+    def barrier(self):
+        """Return when every rank of the group has called barrier() as often as this one: a byte into
+        each peer's pipe, then one out of this rank's pipe from each peer."""
+        for fd in self.writers:
+            os.write(fd, b"\0")
+        for _ in self.writers:
+            if not select.select([self.reader], [], [], self.timeout_s)[0]:
+                raise TimeoutError(f"HostExchange: a peer did not reach the barrier within {self.timeout_s} s")
+            if not os.read(self.reader, 1):
+                raise RuntimeError("HostExchange: every peer closed its pipe (exited)")
 
-def _make_shared_file(path, nbytes):
-    """Create path, nbytes long, its memory reserved now (a sparse file on a full /dev/shm would kill the
-    first rank to write past the end with SIGBUS), readable by this user only. True if it worked."""
+    def close(self):
+        """Close this rank's pipes (the buffer's mapping goes with the last view of it)."""
+        if self.reader is None:
+            return
+        for fd in self.writers + [self.reader]:
+            os.close(fd)
+        self.reader, self.writers = None, []
+
+    def __del__(self):
+        self.close()
+
+
+def _make_exchange_folder(nbytes, world):
+    """A new folder in /dev/shm, readable by this user only, holding the buffer (nbytes, its memory
+    reserved now: a sparse file on a full /dev/shm would kill the first rank to write past the end with
+    SIGBUS) and a named pipe per rank. Its path, or None if it could not be made."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError:
-        return False
+        folder = tempfile.mkdtemp(prefix="fusion_exchange_", dir="/dev/shm")  # mode 0700
+    except OSError:  # no /dev/shm (not Linux)
+        return None
     try:
-        os.posix_fallocate(fd, 0, nbytes)
-        return True
+        fd = os.open(os.path.join(folder, "buffer"), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        finally:
+            os.close(fd)
+        for r in range(world):
+            os.mkfifo(os.path.join(folder, f"pipe{r}"), 0o600)
+        return folder
     except OSError:
-        os.unlink(path)
-        return False
-    finally:
-        os.close(fd)
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
 
 
 def _all_ranks(ok, group):
@@ -464,11 +507,12 @@ class FusedActor:
     objects with to_rollout() and to_train() (and optionally a `stats` dict for metrics()), called at
     the end of to_rollout() and at the start of to_train(), in reverse order: one switch moves all.
     host_exchange=True: where every rank is on this host and the model on CPU, the gather goes through a
-    HostExchange (one bucket of shared memory, mem/*_exchange_bytes), else by broadcasts."""
+    HostExchange (one bucket of shared memory, mem/*_exchange_bytes), else by broadcasts. timeout_s: how
+    long the exchange waits for a peer before raising (the broadcasts wait as long as the group allows)."""
 
     def __init__(self, model, optimizer, engine, train_layout, infer_layout, bucket_bytes=1 << 20,
                  offload_params=False, naive=False, manage_engine=True, inplace=False, skip=(), movers=(),
-                 host_exchange=True):
+                 host_exchange=True, timeout_s=300.0):
         _check_model(model, train_layout, infer_layout)
         self.model, self.optimizer, self.engine = model, optimizer, engine
         self.train_layout, self.infer_layout, self.bucket_bytes = train_layout, infer_layout, bucket_bytes
@@ -485,7 +529,7 @@ class FusedActor:
             raise ValueError("inplace=True needs manage_engine=True, naive=False and engine parameters with the "
                              "model's names, full shapes and dtypes (TP 1); use inplace=False (load_weights)")
         self.inplace = inplace
-        self.exchange = self._exchange(model) if host_exchange and not naive and self.buckets else None
+        self.exchange = self._exchange(model, timeout_s) if host_exchange and not naive and self.buckets else None
         self.phase, self.round_trips, self._hosts, self._param_hosts = TRAIN, 0, [], []
         self._off, self._param_off, self.stats = [], [], {}
         if manage_engine:
@@ -494,12 +538,12 @@ class FusedActor:
             engine.register_forward_pre_hook(self._check_engine_use)
         self.record()
 
-    def _exchange(self, model):
-        """A HostExchange of one bucket when every rank of the FSDP mesh is on this host (CPU), else None:
+    def _exchange(self, model, timeout_s):
+        """A HostExchange for these buckets when every rank of the FSDP mesh is on this host (CPU), else None:
         the gather then broadcasts. Collective."""
         group = next((p.device_mesh.get_group() for p in model.parameters() if isinstance(p, DTensor)), None)
         nbytes = max(sum(_numel(s) * d.itemsize for _, s, d in b) for b in self.buckets)
-        return HostExchange.connect(group, nbytes, self.device)
+        return HostExchange.connect(group, nbytes, self.device, timeout_s)
 
     def _check_engine_use(self, module, args):
         if self.phase != ROLLOUT:

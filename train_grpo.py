@@ -387,7 +387,8 @@ def build(cfg, out_dir=None):
             run.model, run.optimizer, run.engine, fusion.Layout(world, fsdp=True),
             fusion.Layout(world, tp=cfg.infer_tp, n_heads=cfg.n_heads), bucket_bytes=cfg.bucket_kb * 1024,
             inplace=cfg.infer_tp == 1,  # TP 1: the engine holds full weights, gathered straight into them
-            skip=run.experts.names if run.experts else (), movers=[run.experts] if run.experts else ())
+            skip=run.experts.names if run.experts else (), movers=[run.experts] if run.experts else (),
+            timeout_s=cfg.pg_timeout_s)
         run.all_ready = stalesync.AllReady(device=device, spans=run.spans)
     run.log = RunLog(run, start=resume_from[1]["step"] + 1 if resume_from else 1)
     return run

@@ -54,6 +54,7 @@ import io
 import json
 import multiprocessing as mp
 import os
+import queue
 import socket
 import statistics
 import sys
@@ -338,9 +339,19 @@ def main(argv=None):
     ctx = mp.get_context("spawn")
     results, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=worker, args=(r, args, port, results)) for r in range(2)]
-    [pr.start() for pr in procs]
-    switch, bounds, runs = results.get(timeout=3600)
-    [pr.join() for pr in procs]
+    for pr in procs:
+        pr.start()
+    res = None
+    while res is None and all(pr.exitcode in (None, 0) for pr in procs):
+        with contextlib.suppress(queue.Empty):
+            res = results.get(timeout=1)
+    for pr in procs:
+        if res is None and pr.is_alive():  # a rank failed: the other may wait in a collective until its timeout
+            pr.terminate()
+        pr.join()
+    if res is None:
+        raise SystemExit(f"a rank failed (its traceback is above): exit codes {[pr.exitcode for pr in procs]}")
+    switch, bounds, runs = res
     if args.switch_only:
         print(json.dumps(switch | switch_ratios(switch)), flush=True)
         return

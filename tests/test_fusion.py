@@ -209,8 +209,9 @@ def test_fusion_distributed(world):
 
 def _host_exchange(rank, world):
     """HostExchange against the full tensors: uneven rows, an empty last shard, a plain tensor, one
-    buffer reused over many gathers with new values each time. Then the fallback: a rank that cannot map
-    the file makes every rank get None, and the file is gone."""
+    buffer reused over many gathers with new values each time. A peer that does not come to a barrier
+    makes it raise TimeoutError, not hang. Then the fallback: a rank that cannot map the buffer makes every
+    rank get None, and the folder is gone."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
     mesh = init_device_mesh("cpu", (world,))
@@ -219,8 +220,8 @@ def _host_exchange(rank, world):
     params = {n: distribute_tensor(t.clone(), mesh, [Shard(0)]) for n, t in fulls.items() if n != "c"}
     params["c"] = fulls["c"].clone()  # plain: whole on every rank
     buckets = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in fulls.items()], 64)  # [a, b], [c]
-    exchange = fusion.HostExchange.connect(mesh.get_group(), 64, torch.device("cpu"))
-    assert exchange is not None and len(buckets) == 2
+    exchange = fusion.HostExchange.connect(mesh.get_group(), 64, torch.device("cpu"), timeout_s=1.0)
+    assert exchange is not None and len(buckets) == 2 and exchange.buffer.nbytes == 64
     for step in range(20):
         for name, p in params.items():  # new values: the same change on every rank's rows and the full copy
             (p._local_tensor if name != "c" else p).add_(1.0)
@@ -228,28 +229,37 @@ def _host_exchange(rank, world):
         for bucket in buckets:
             for name, full in exchange.gather(params, bucket):
                 assert torch.equal(full, fulls[name]), (step, name)
-    made, make, from_file = [], fusion._make_shared_file, torch.from_file
+    timed_out = False
+    if rank == 0:  # rank 1 does not come to this barrier
+        try:
+            exchange.barrier()
+        except TimeoutError:
+            timed_out = True
+    dist.barrier()
+    exchange.close()
+    made, make, from_file = [], fusion._make_exchange_folder, torch.from_file
 
-    def recorded(path, nbytes):
-        made.append(path)
-        return make(path, nbytes)
+    def recorded(nbytes, world):
+        made.append(make(nbytes, world))
+        return made[-1]
 
     def no_mapping(*args, **kwargs):
         raise RuntimeError("no mapping here")
 
-    fusion._make_shared_file = recorded
+    fusion._make_exchange_folder = recorded
     if rank == 1:  # as on another host
         torch.from_file = no_mapping
     try:
         assert fusion.HostExchange.connect(mesh.get_group(), 64, torch.device("cpu")) is None
     finally:
-        torch.from_file, fusion._make_shared_file = from_file, make
-    return made
+        torch.from_file, fusion._make_exchange_folder = from_file, make
+    return made, timed_out
 
 
 @pytest.mark.skipif(not SHM, reason="no /dev/shm here: the gather broadcasts")
-def test_host_exchange_gathers_exactly_and_falls_back_together():
-    made = run_distributed(_host_exchange, world_size=2, timeout_s=120)[0]
+def test_host_exchange_gathers_exactly_times_out_and_falls_back_together():
+    (made, timed_out), _ = run_distributed(_host_exchange, world_size=2, timeout_s=120)
+    assert timed_out
     assert len(made) == 1 and made[0].startswith("/dev/shm/") and not os.path.exists(made[0])
 
 
