@@ -1,7 +1,7 @@
 """Benchmark fusion.py: separated vs colocated vs colocated-all GRPO on 2 gloo ranks, against the machine's
 bound, and the phase switch.
 
-    python bench/fusion.py                 # the default run, about 70 s on 2 CPU cores
+    python bench/fusion.py                 # the default run, about 90 s on 2 CPU cores
     python bench/fusion.py --help          # every knob, grouped
 
 One process tree: 2 spawned ranks, gloo, 1 thread each (2 processes x 1 thread is the best matmul
@@ -25,7 +25,9 @@ throughput on 2 cores). Three measurements, in the same run:
    devices it would be about 2; on 2 cores sharing caches and memory bandwidth it is what they allow.
 
    Each of --repeats rounds measures the bound and then runs the three modes, so that a neighbour on
-   the cores hits them alike; the medians over the rounds are reported, and each round's
+   the cores hits them alike. One warm-up round before them is not counted (--warmup-rounds): a
+   process's first runs are slower, the bound's first whole batch most of all (bench/RESULTS.md).
+   The medians over the rounds are reported, and each round's
    colocated / separated over that round's own bound (colocated_over_separated_over_bound: their
    median) says how close the system comes to what the machine allows.
 
@@ -125,25 +127,28 @@ def run_mode(args, rank, mode, rep):
 
 
 def bench_rounds(args, rank, store):
-    """--repeats rounds, each the machine's bound and then every mode (sep, col, col-all), so that a
-    neighbour on the cores hits the bound and every mode alike. Returns (bounds, {mode: [run_mode()]})."""
+    """--warmup-rounds rounds, not counted, then --repeats rounds, each the machine's bound and then every
+    mode (sep, col, col-all), so that a neighbour on the cores hits the bound and every mode alike.
+    Returns (bounds, {mode: [run_mode()]}) of the counted rounds."""
     bounds, runs = [], {m: [] for m in MODES}
-    for rep in range(args.repeats):
+    for rep in range(-args.warmup_rounds, args.repeats):  # rep < 0: a process's first runs are cold
+        name = f"round {rep + 1}/{args.repeats}" if rep >= 0 else "warm-up round (not counted)"
         fresh_group(store, f"bound/{rep}/", rank)
-        bounds.append(bound_round(args, rank, warm=rep == 0))
+        b = bound_round(args, rank)
         if rank == 0:
-            b = bounds[-1]
-            print(f"  round {rep + 1}/{args.repeats} bound: whole batch alone, rollout {b['alone_rollout_s']:.2f} s + "
-                  f"update {b['alone_update_s']:.2f} s | half each at once, rollout {b['both_rollout_s']:.2f} s + "
+            print(f"  {name} bound: whole batch alone, rollout {b['alone_rollout_s']:.2f} s + update "
+                  f"{b['alone_update_s']:.2f} s | half each at once, rollout {b['both_rollout_s']:.2f} s + "
                   f"update {b['both_update_s']:.2f} s | x{b['bound']:.3f}", flush=True)
         for mode in MODES:
             fresh_group(store, f"{mode}/{rep}/", rank)
-            runs[mode].append(run_mode(args, rank, mode, rep))
-            tok, *per, cores = runs[mode][-1]
+            tok, *per, cores = run = run_mode(args, rank, mode, rep)
             if rank == 0:
-                print(f"  round {rep + 1}/{args.repeats} {mode:13s} {tok:7.0f} tok/s | per step: rollout "
-                      f"{per[0]:.2f}s train {per[1]:.2f}s switch/push {per[2]:.3f}s | cores used {cores:.2f}",
-                      flush=True)
+                print(f"  {name} {mode:13s} {tok:7.0f} tok/s | per step: rollout {per[0]:.2f}s train "
+                      f"{per[1]:.2f}s switch/push {per[2]:.3f}s | cores used {cores:.2f}", flush=True)
+            if rep >= 0:
+                runs[mode].append(run)
+        if rep >= 0:
+            bounds.append(b)
     return bounds, runs
 
 
@@ -199,7 +204,7 @@ def bench_switch(args, rank):
             "switch_model_params": sum(p.numel() for p in engine.parameters()), "switch_buckets": len(actor.buckets)}
 
 
-def bound_round(args, rank, warm):
+def bound_round(args, rank):
     """One round of the machine's bound on colocated / separated: the whole batch's rollout and GRPO update
     in rank 0 alone (rank 1 waits at a barrier): what a separated step costs without its push; then half
     the batch on each rank, both at once, no collective: what a colocated step costs without its switch,
@@ -231,8 +236,6 @@ def bound_round(args, rank, warm):
         grpo.grpo_update(model, opt, samples, algo_config(cfg), "cpu", alone_group)
         return t1 - t0, time.perf_counter() - t1
 
-    if warm:
-        work(rank * args.group_size, (rank + 1) * args.group_size)  # one group each, not timed
     dist.barrier()
     alone = [slowest(t) for t in (work(0, B) if rank == 0 else (0.0, 0.0))]
     dist.barrier()
@@ -317,6 +320,7 @@ def main(argv=None):
     g = p.add_argument_group("GRPO work, the same in every mode")
     g.add_argument("--steps", type=int, default=2, help="GRPO steps per run")
     g.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the three modes (median)")
+    g.add_argument("--warmup-rounds", type=int, default=1, help="rounds run first and not counted")
     g.add_argument("--prompts-per-step", type=int, default=64, help="global prompts per step")
     g.add_argument("--group-size", type=int, default=8, help="responses per prompt")
     g.add_argument("--max-new-tokens", type=int, default=33, help="response budget in tokens")
