@@ -23,8 +23,9 @@ Public API (everything else is private):
 
 Design:
 - Control plane: torch.distributed Store (TCPStore under torchrun): per-column ready logs
-  ("row,owner,len;", a counter and one key per put: a poll fetches only the new entries), one atomic
-  `add` per (stage, row) claim, request queues per owner, sent/ack flags.
+  ("row,owner,len;", a counter and one key per put: a poll fetches only the new entries), claim logs
+  (per stage and block of row ids, one atomic `append` per claim: the first entry naming a row wins
+  it), request queues per owner, sent/ack flags.
 - Data plane: p2p isend/irecv of packed tensors on `pg`: a header of per-cell lengths (K,) int64 first,
   then one uint8 payload. The header is per cell (row x field), so fields of different lengths and
   dtypes share ONE header and ONE payload; dtypes come from the spec, never over the wire.
@@ -45,7 +46,7 @@ Departures from the source system (Huawei's RL post-training on CloudMatrix 384)
 Run: python -m pytest tests/test_distqueue.py ; python bench/distqueue.py --lengths lognormal:5,1.2
 
 Using this file elsewhere: torch (tested with 2.13; CPU tensors; the data moves over a gloo group, also next to nccl),
-and a store with queue operations and atomic add: TCPStore (torchrun's, found from MASTER_ADDR and
+and a store with queue operations, atomic add and append: TCPStore (torchrun's, found from MASTER_ADDR and
 MASTER_PORT) or HashStore (one process); a FileStore is refused at construction. Rows are lists of 1-D
 tensors per column (scalar columns: one value), of the spec's dtypes. Example (tests/test_copy_alone.py
 runs it in a folder that holds only this file):
@@ -82,6 +83,7 @@ import torch.distributed as dist
 
 DTYPES = {"int64": torch.int64, "int32": torch.int32, "float32": torch.float32,
           "bfloat16": torch.bfloat16, "float16": torch.float16, "bool": torch.bool}
+CLAIM_BLOCK = 4096  # row ids per claim log: a claim reads its blocks' logs whole, so they stay short
 
 # ----------------------------------------------------------------------------- packing primitives
 
@@ -205,14 +207,15 @@ def default_store(timeout_s=300.0):
 
 
 def check_store(store):
-    """The queue's control plane needs a store with queue operations and atomic add: TCPStore and
+    """The queue's control plane needs a store with queue operations, atomic add and append: TCPStore and
     HashStore have them, FileStore has no queue operations. Raises before any collective."""
     try:
         store.queue_len("dq/probe")
         store.add("dq/probe_add", 0)
+        store.append("dq/probe_append", "")
     except (NotImplementedError, RuntimeError, AttributeError) as e:
         raise ValueError(f"{type(store).__name__} cannot serve a DistQueue ({e}): it needs queue operations "
-                         "(queue_push, queue_pop, queue_len) and add; pass a TCPStore or a HashStore "
+                         "(queue_push, queue_pop, queue_len), add and append; pass a TCPStore or a HashStore "
                          "(a process group started with file:// has a FileStore)") from None
 
 
@@ -234,6 +237,7 @@ class DistQueue:
         self.next_local = 0      # rows this rank created (ids = next_local * world + rank)
         self.steps = {s: 0 for s in spec.stages}  # balanced reads per stage (plan keys)
         self.inflight = {}       # tag -> (works, tensors) kept alive until the receiver acks
+        self.claims_made = 0     # claim entries this rank wrote (their tokens: rank.count)
         self._reset_caches()
         if dist.is_initialized() and dist.get_backend(pg) != "gloo":  # host tensors, async p2p: gloo only
             raise ValueError(f"pg backend is {dist.get_backend(pg)}; pass pg=dist.new_group(backend='gloo')")
@@ -357,12 +361,7 @@ class DistQueue:
             if len(mine) + len(cand) < min_rows:  # not enough yet: claim nothing, so that a get that times out
                 return False                      # leaves its rows to the next reader (a reader racing for the
                                                   # same rows may still win some of them first, then time out)
-            won = []
-            for r in cand[: n - len(mine)]:
-                self.taken[stage].add(r)
-                if self.store.add(self._k("claim", stage, r), 1) == 1:  # atomic: one winner per row
-                    won.append(r)
-            mine.extend(won)
+            mine.extend(self._claim_rows(stage, cand[: n - len(mine)]))
             return len(mine) >= n or (len(mine) >= min_rows and len(cand) <= n - len(mine))
 
         def what():
@@ -374,6 +373,26 @@ class DistQueue:
                            else "no row has been produced: is the producer alive?")
         self._wait(poll, deadline, what)
         return sorted(mine)
+
+    def _claim_rows(self, stage, rows):
+        """Claim sorted rows for stage; returns those won. Per block of CLAIM_BLOCK row ids, one atomic
+        append of this call's entry to the block's claim log, then one read of the log: a row belongs to
+        the first entry that names it, so racing readers all see the same winner. Two store round trips
+        per block, where a claim per row would cost one per row."""
+        token, won = f"{self.rank}.{self.claims_made}", []  # unique among this queue's readers
+        self.claims_made += 1
+        for block in sorted({r // CLAIM_BLOCK for r in rows}):
+            mine = [r for r in rows if r // CLAIM_BLOCK == block]
+            key = self._k("claims", stage, block)
+            self.store.append(key, f"{token}:{','.join(map(str, mine))};")
+            first = {}
+            for entry in self.store.get(key).decode().split(";")[:-1]:
+                who, ids = entry.split(":")
+                for r in ids.split(","):
+                    first.setdefault(int(r), who)
+            self.taken[stage].update(first)  # every row in the log is claimed, by this call or another
+            won += [r for r in mine if first[r] == token]
+        return won
 
     def _pull(self, stage, rows, tmax, deadline):
         cols, got, owners = self.spec.stages[stage], {}, {}
@@ -542,8 +561,11 @@ class DistQueue:
                 i = int(self.store.add(self._k("ready", c, "n"), 1)) - 1
                 self.store.set(self._k("ready", c, i), "".join(f"{r},{self.rank},{self.cells[(r, c)].numel()};"
                                                                for r in rows))
-        for s, r in sorted({(s, r) for (r, _), stages in self.served.items() for s in stages}):
-            self.store.add(self._k("claim", s, r), 1)  # read by s already: no reader of s claims it again
+        for s in self.spec.stages:  # read by s already: claimed in s's logs, so no reader of s takes them
+            read = sorted({r for (r, _), stages in self.served.items() if s in stages})
+            for block in sorted({r // CLAIM_BLOCK for r in read}):
+                self.store.append(self._k("claims", s, block),
+                                  f"restored:{','.join(str(r) for r in read if r // CLAIM_BLOCK == block)};")
         for k, v in sd["counters"].items():
             self.store.set(self._k(*k.split("/")), str(v))
         done = self._k("restored")

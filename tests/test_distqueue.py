@@ -164,15 +164,48 @@ def test_an_idle_poll_fetches_nothing_old():
     assert store.got == before
 
 
+def test_a_read_claims_its_rows_in_a_few_store_round_trips():
+    """A claim costs two store round trips per block of CLAIM_BLOCK row ids (an append, a read of the
+    block's log), not one per row: 80 rows over two blocks take 4, where a claim per row took 80."""
+    class CountingStore:
+        def __init__(self):
+            self.store, self.calls = dist.HashStore(), []
+
+        def __getattr__(self, name):
+            op = getattr(self.store, name)
+
+            def counted(*args, **kwargs):
+                self.calls.append((name, args[0] if args else None))
+                return op(*args, **kwargs)
+            return counted
+    spec = dq.QueueSpec(columns={"x": "int64"}, stages={"a": ("x",)}, timeout_s=5)
+    store = CountingStore()
+    q = dq.DistQueue(spec, store)
+    block, saved = 40, dq.CLAIM_BLOCK
+    dq.CLAIM_BLOCK = block
+    try:
+        for _ in range(20):
+            q.put({"x": [torch.arange(3)] * 4})
+        store.calls.clear()
+        assert q.get("a", 80).ids == list(range(80))
+        claims = [key for op, key in store.calls if "claims" in str(key)]
+        assert len(claims) == 2 * 80 // block, claims
+        assert q.get("a", 1, min_rows=0).ids == []  # every row is taken: nothing is claimed twice
+    finally:
+        dq.CLAIM_BLOCK = saved
+
+
 # ---------------------------------------------------------------- multi-rank
 
 
 def _exactly_once(rank, world, rows_per_producer):
     """Ranks 2, 3 produce rows with random sleeps; ranks 0, 1 consume 'score', write 'reward' (so the
-    consumers are producers too), and consume 'train', which pulls cells from two owners per row."""
+    consumers are producers too), and consume 'train', which pulls cells from two owners per row. Both
+    consumers race for the same rows."""
     spec = dq.QueueSpec(columns={c: COLS[c] for c in ("prompt", "response", "reward")}, scalars=("reward",),
                         stages={"score": ("prompt", "response"), "train": ("prompt", "response", "reward")},
                         timeout_s=30, poll_s=0.005)
+    dq.CLAIM_BLOCK = 5  # claims race over several claim logs, and one claim can span two of them
     store = dq.default_store()
     q = dq.DistQueue(spec, store, rank, world)
     rng, total = random.Random(rank), 2 * rows_per_producer
