@@ -83,7 +83,7 @@ import torch.distributed as dist
 
 DTYPES = {"int64": torch.int64, "int32": torch.int32, "float32": torch.float32,
           "bfloat16": torch.bfloat16, "float16": torch.float16, "bool": torch.bool}
-CLAIM_BLOCK = 4096  # row ids per claim log: a claim reads its blocks' logs whole, so they stay short
+CLAIM_BLOCK = 1024  # row ids per claim log: a claim reads its blocks' logs whole, so they stay short
 
 # ----------------------------------------------------------------------------- packing primitives
 
@@ -237,7 +237,8 @@ class DistQueue:
         self.next_local = 0      # rows this rank created (ids = next_local * world + rank)
         self.steps = {s: 0 for s in spec.stages}  # balanced reads per stage (plan keys)
         self.inflight = {}       # tag -> (works, tensors) kept alive until the receiver acks
-        self.claims_made = 0     # claim entries this rank wrote (their tokens: rank.count)
+        self.claimer = int(store.add(self._k("claimers"), 1))  # unique per queue object on this store
+        self.claims_made = 0     # claim entries this object wrote (their tokens: claimer.count)
         self._reset_caches()
         if dist.is_initialized() and dist.get_backend(pg) != "gloo":  # host tensors, async p2p: gloo only
             raise ValueError(f"pg backend is {dist.get_backend(pg)}; pass pg=dist.new_group(backend='gloo')")
@@ -379,7 +380,7 @@ class DistQueue:
         append of this call's entry to the block's claim log, then one read of the log: a row belongs to
         the first entry that names it, so racing readers all see the same winner. Two store round trips
         per block, where a claim per row would cost one per row."""
-        token, won = f"{self.rank}.{self.claims_made}", []  # unique among this queue's readers
+        token, won = f"{self.claimer}.{self.claims_made}", []  # unique among this queue's readers
         self.claims_made += 1
         for block in sorted({r // CLAIM_BLOCK for r in rows}):
             mine = [r for r in rows if r // CLAIM_BLOCK == block]

@@ -328,13 +328,15 @@ class HostExchange:
     (every rank has written). They go through named pipes, not the process group: each rank writes a
     byte into every peer's pipe and reads one from each of them, tens of microseconds where gloo's
     barrier over loopback TCP takes several hundred; a pipe's write and read order the buffer's writes
-    before them. A peer missing for timeout_s raises TimeoutError, one that exited raises RuntimeError.
+    before them. A peer missing for timeout_s raises TimeoutError (every peer exited: RuntimeError).
     The buffer is one bucket of host memory, held as long as the object (FusedActor counts it as
     mem/*_exchange_bytes). Built by HostExchange.connect()."""
 
     def __init__(self, group, buffer, reader, writers, timeout_s):
         self.group, self.buffer, self.timeout_s = group, buffer, timeout_s  # buffer: (bucket bytes,) uint8
         self.reader, self.writers = reader, writers  # this rank's pipe, and the W-1 peers' (file descriptors)
+        self.poller = select.poll()  # poll, not select: file descriptors above 1024 are fine
+        self.poller.register(reader, select.POLLIN)
 
     @classmethod
     def connect(cls, group, bucket_bytes, device, timeout_s=300.0):
@@ -344,29 +346,31 @@ class HostExchange:
         if device.type != "cpu" or group is None or dist.get_world_size(group) < 2 or bucket_bytes == 0:
             return None
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        box = [_make_exchange_folder(bucket_bytes, world) if rank == 0 else None]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-        folder, buffer, reader, writers = box[0], None, None, []
-        if folder is None:
-            return None
+        made = _make_exchange_folder(bucket_bytes, world) if rank == 0 else None
+        buffer, reader, writers = None, None, []
         try:
+            box = [made]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+            if box[0] is None:
+                return None
             with suppress(OSError, RuntimeError):  # a rank that cannot open them: another host's /dev/shm
-                buffer = torch.from_file(os.path.join(folder, "buffer"), shared=True, size=bucket_bytes,
+                buffer = torch.from_file(os.path.join(box[0], "buffer"), shared=True, size=bucket_bytes,
                                          dtype=torch.uint8)
-                reader = os.open(os.path.join(folder, f"pipe{rank}"), os.O_RDONLY | os.O_NONBLOCK)
+                reader = os.open(os.path.join(box[0], f"pipe{rank}"), os.O_RDONLY | os.O_NONBLOCK)
             if _all_ranks(reader is not None, group):  # every pipe has its reader: the peers can open it
                 with suppress(OSError):
                     for peer in (q for q in range(world) if q != rank):
-                        writers.append(os.open(os.path.join(folder, f"pipe{peer}"), os.O_WRONLY | os.O_NONBLOCK))
-            keep = _all_ranks(len(writers) == world - 1, group)
+                        writers.append(os.open(os.path.join(box[0], f"pipe{peer}"), os.O_WRONLY | os.O_NONBLOCK))
+            if _all_ranks(len(writers) == world - 1, group):
+                return cls(group, buffer, reader, writers, timeout_s)
+        except BaseException:
+            _close_all(writers + [reader])
+            raise
         finally:
-            if rank == 0:
-                shutil.rmtree(folder, ignore_errors=True)  # every rank has opened or given up: the names go
-        if not keep:
-            for fd in writers + ([reader] if reader is not None else []):
-                os.close(fd)
-            return None
-        return cls(group, buffer, reader, writers, timeout_s)
+            if made is not None:
+                shutil.rmtree(made, ignore_errors=True)  # every rank has opened or given up: the names go
+        _close_all(writers + [reader])
+        return None
 
     def gather(self, params, bucket):
         """[(name, full weight)] of a bucket, views into the shared buffer, valid until this rank's next
@@ -387,25 +391,40 @@ class HostExchange:
 
     def barrier(self):
         """Return when every rank of the group has called barrier() as often as this one: a byte into
-        each peer's pipe, then one out of this rank's pipe from each peer."""
-        for fd in self.writers:
-            os.write(fd, b"\0")
-        for _ in self.writers:
-            if not select.select([self.reader], [], [], self.timeout_s)[0]:
-                raise TimeoutError(f"HostExchange: a peer did not reach the barrier within {self.timeout_s} s")
-            if not os.read(self.reader, 1):
-                raise RuntimeError("HostExchange: every peer closed its pipe (exited)")
+        each peer's pipe, then one out of this rank's pipe from each peer. A failed barrier closes the
+        exchange (the ranks' counts no longer agree): later calls raise."""
+        if self.reader is None:
+            raise RuntimeError("HostExchange is closed (close() was called, or a barrier failed)")
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            for fd in self.writers:
+                os.write(fd, b"\0")
+            for _ in self.writers:
+                if not self.poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
+                    raise TimeoutError(f"HostExchange: a peer did not reach the barrier within {self.timeout_s} s")
+                if not os.read(self.reader, 1):
+                    raise RuntimeError("HostExchange: every peer closed its pipe (exited)")
+        except BrokenPipeError:
+            self.close()
+            raise RuntimeError("HostExchange: a peer closed its pipe (exited)") from None
+        except BaseException:
+            self.close()
+            raise
 
     def close(self):
         """Close this rank's pipes (the buffer's mapping goes with the last view of it)."""
-        if self.reader is None:
-            return
-        for fd in self.writers + [self.reader]:
-            os.close(fd)
+        if self.reader is not None:
+            _close_all(self.writers + [self.reader])
         self.reader, self.writers = None, []
 
     def __del__(self):
         self.close()
+
+
+def _close_all(fds):
+    for fd in fds:
+        if fd is not None:
+            os.close(fd)
 
 
 def _make_exchange_folder(nbytes, world):

@@ -191,6 +191,10 @@ def test_a_read_claims_its_rows_in_a_few_store_round_trips():
         claims = [key for op, key in store.calls if "claims" in str(key)]
         assert len(claims) == 2 * 80 // block, claims
         assert q.get("a", 1, min_rows=0).ids == []  # every row is taken: nothing is claimed twice
+        # a second reader of the same store, rank and queue name (a restarted process) wins only what is left
+        other = dq.DistQueue(spec, store)
+        assert other._claim_rows("a", [78, 79, 80, 81]) == [80, 81]
+        assert q._claim_rows("a", [81, 82]) == [82]
     finally:
         dq.CLAIM_BLOCK = saved
 

@@ -235,6 +235,8 @@ def _host_exchange(rank, world):
             exchange.barrier()
         except TimeoutError:
             timed_out = True
+        with pytest.raises(RuntimeError, match="closed"):  # the counts no longer agree: no later gather
+            exchange.gather(params, buckets[0])
     dist.barrier()
     exchange.close()
     made, make, from_file = [], fusion._make_exchange_folder, torch.from_file
