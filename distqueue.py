@@ -376,23 +376,23 @@ class DistQueue:
         return sorted(mine)
 
     def _claim_rows(self, stage, rows):
-        """Claim sorted rows for stage; returns those won. Per block of CLAIM_BLOCK row ids, one atomic
+        """Claim rows for stage; returns those won. Per block of CLAIM_BLOCK row ids, one atomic
         append of this call's entry to the block's claim log, then one read of the log: a row belongs to
         the first entry that names it, so racing readers all see the same winner. Two store round trips
         per block, where a claim per row would cost one per row."""
         token, won = f"{self.claimer}.{self.claims_made}", []  # unique among this queue's readers
         self.claims_made += 1
         for block in sorted({r // CLAIM_BLOCK for r in rows}):
-            mine = [r for r in rows if r // CLAIM_BLOCK == block]
+            asked = [r for r in rows if r // CLAIM_BLOCK == block]
             key = self._k("claims", stage, block)
-            self.store.append(key, f"{token}:{','.join(map(str, mine))};")
+            self.store.append(key, f"{token}:{','.join(map(str, asked))};")
             first = {}
             for entry in self.store.get(key).decode().split(";")[:-1]:
                 who, ids = entry.split(":")
                 for r in ids.split(","):
                     first.setdefault(int(r), who)
             self.taken[stage].update(first)  # every row in the log is claimed, by this call or another
-            won += [r for r in mine if first[r] == token]
+            won += [r for r in asked if first[r] == token]
         return won
 
     def _pull(self, stage, rows, tmax, deadline):
