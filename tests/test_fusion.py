@@ -210,7 +210,7 @@ def test_fusion_distributed(world):
 def _host_exchange(rank, world):
     """HostExchange against the full tensors: uneven rows, an empty last shard, a plain tensor, one
     buffer reused over many gathers with new values each time. A peer that does not come to a barrier
-    makes it raise TimeoutError, not hang. Then the fallback: a rank that cannot map the buffer makes every
+    makes it raise TimeoutError, one that closed its pipes RuntimeError at once: no hang. Then the fallback: a rank that cannot map the buffer makes every
     rank get None, and the folder is gone."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -239,6 +239,13 @@ def _host_exchange(rank, world):
             exchange.gather(params, buckets[0])
     dist.barrier()
     exchange.close()
+    gone = fusion.HostExchange.connect(mesh.get_group(), 64, torch.device("cpu"), timeout_s=60.0)
+    if rank == 1:  # as a rank that exited: its pipes closed
+        gone.close()
+    dist.barrier()
+    if rank == 0:  # an error at once, not a wait for the timeout
+        with pytest.raises(RuntimeError, match="exited"):
+            gone.barrier()
     made, make, from_file = [], fusion._make_exchange_folder, torch.from_file
 
     def recorded(nbytes, world):
