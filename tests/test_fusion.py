@@ -210,8 +210,8 @@ def test_fusion_distributed(world):
 def _host_exchange(rank, world):
     """HostExchange against the full tensors: uneven rows, an empty last shard, a plain tensor, one
     buffer reused over many gathers with new values each time. A peer that does not come to a barrier
-    makes it raise TimeoutError, one that closed its pipes RuntimeError at once: no hang. Then the fallback: a rank that cannot map the buffer makes every
-    rank get None, and the folder is gone."""
+    makes it raise TimeoutError, one that closed its pipes RuntimeError at once: no hang. Then the
+    fallback: a rank that cannot map the buffer makes every rank get None, and the folder is gone."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
     mesh = init_device_mesh("cpu", (world,))
