@@ -16,6 +16,7 @@ any object with to_rollout() and to_train(), called inside the same switch.
 Contents, primitives first:
   Layout             validated layout: world size, TP degree (rest data-parallel), FSDP or not; new_groups()
   offload / reload   copy storages to host buffers and free them on the device / re-allocate and copy back
+  keep_freed_memory  on CPU: the memory a switch frees stays with the process, as CUDA's caching allocator
   gather_full_naive  every full weight at once: the baseline, a whole extra model on every rank
   plan_buckets       (name, full shape, dtype) grouped into buckets of at most B gathered bytes
   gather_into        one weight's FSDP2 shards into a full-size destination: own rows copied, W broadcasts
@@ -111,6 +112,7 @@ with a fused qkv on 2 gloo processes (tests/test_copy_alone.py runs it in a fold
 
 Shapes: W world size, t TP degree, W/t DP replicas, B bucket bytes, c = ceil(rows / W) rows per shard.
 """
+import ctypes
 import datetime
 import os
 import select
@@ -228,6 +230,21 @@ def reload(stores, hosts):
     for s, h in zip(stores, hosts):
         s.resize_(h.numel())
         _as_bytes(s).copy_(h, non_blocking=s.device.type == "cuda")
+
+
+def keep_freed_memory():
+    """Make this process keep the host memory it frees for its next tensors, as CUDA's caching allocator keeps
+    device memory. On CPU a tensor's memory is glibc malloc's, which decides by the history of block sizes
+    whether a freed block stays with the process or goes back to the OS; when it goes, the next phase
+    faults it back in 4 KiB at a time, and a switch (which frees one phase's memory for the other) costs
+    that every time. Fixed thresholds decide instead: blocks below 1 GiB come from the heap, which is never
+    trimmed. Process-wide, so call it once at start on CPU. Linux with glibc only: returns False elsewhere."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, 2 ** 31 - 1))
 
 
 # ----------------------------------------------------------------------------- building the weights

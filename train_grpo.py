@@ -368,6 +368,8 @@ def build(cfg, out_dir=None):
     """Process groups, the policy in its training layout, the rollout engine, the queue, the scheduler:
     every deployment option is applied here, once."""
     rank, world, device = setup_distributed(cfg)
+    if device.type == "cpu":  # what a phase frees stays with the process for the next, as on CUDA
+        fusion.keep_freed_memory()
     default = cfg.out or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     names = [out_dir or default, uuid.uuid4().hex[:12]]  # rank 0 names the folder and the start
     dist.broadcast_object_list(names, src=0)

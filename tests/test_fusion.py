@@ -4,6 +4,9 @@ switches, memory bounds, the separated push, bad input.
 The multi-rank checks run in one gloo spawn per world size (1, 2, 4): each spawn costs seconds of imports."""
 import copy
 import os
+import resource
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -433,6 +436,35 @@ def test_reference_model_lives_on_host_between_uses():
             assert off.resident_bytes() > 0
             assert torch.equal(module(tok), want)
         assert off.resident_bytes() == 0
+
+
+FREE_THEN_REUSE = """
+import resource, sys, torch
+import fusion
+def faults_to_reuse(nbytes):  # free a storage as a switch does, allocate it again, write it: page faults
+    s = torch.empty(nbytes, dtype=torch.uint8).fill_(1).untyped_storage()
+    s.resize_(0)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    s.resize_(nbytes)
+    fusion._as_bytes(s).fill_(2)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+n = 64 << 20  # above glibc's largest dynamic mmap threshold (32 MiB): unmapped at free by default
+default = faults_to_reuse(n)
+kept = fusion.keep_freed_memory()
+print(default, kept, faults_to_reuse(n))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_freed_host_memory_stays_with_the_process():
+    """keep_freed_memory(): 64 MiB freed and allocated again is the same memory, no page faults; by default
+    glibc unmaps it at free and every 4 KiB page faults in again."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", FREE_THEN_REUSE], cwd=root, capture_output=True, text=True,
+                         check=True, env=dict(os.environ, PYTHONPATH=root)).stdout.split()
+    default, kept, after = int(out[0]), out[1] == "True", int(out[2])
+    pages = (64 << 20) // resource.getpagesize()
+    assert kept and default >= 0.9 * pages and after <= 0.02 * pages, (default, kept, after)
 
 
 # ----------------------------------------------------------------------------- CUDA (skipped without one)
