@@ -439,9 +439,11 @@ def build_policy(run):
     if rank not in roles.trainers:
         return
     ignored = set(run.experts.params(model)) if run.experts else None
-    for block in model.blocks:  # sharded at rest; gathered from a forward to its backward (ZeRO-2's traffic)
-        fully_shard(block, mesh=mesh, ignored_params=ignored, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh, ignored_params=ignored)
+    # One FSDP unit: sharded at rest; the update's first forward gathers the whole model, kept gathered until the
+    # reduce-scatter after its last backward (ZeRO-2's traffic: one all-gather, one reduce-scatter per step). A model
+    # too big to gather whole takes a unit per block (fully_shard(block) first, ZeRO-3), for a gather and hooks
+    # per block and micro-batch: bench/RESULTS.md measures what they cost here.
+    fully_shard(model, mesh=mesh, ignored_params=ignored, reshard_after_forward=False)
     run.model = model
     run.optimizer = torch.optim.AdamW(moe_switch.optimizer_groups(model), lr=cfg.lr, betas=(0.9, 0.98),
                                       weight_decay=0.0)
