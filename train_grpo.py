@@ -31,6 +31,7 @@ What a run prints and writes in --out: runlog.py. Checkpoints (--save-every, --r
 """
 import datetime
 import functools
+import gc
 import os
 import time
 import uuid
@@ -62,11 +63,15 @@ def train(cfg, out_dir=None):
     attach_reference(run)
     checkpoint.resume(run)  # --resume: the checkpoint's state (nothing without one)
     loop = {"colocated": colocated_loop, "trainer": trainer_loop, "generator": generator_loop}[run.roles.role(run.rank)]
+    gc.collect()  # the objects setup made (torch's modules, the model, the queue) live as long as the loop: frozen,
+    gc.freeze()   # they are never scanned again, and a full collection no longer pauses one rank while peers wait
     try:
         loop(run)
     except Exception as e:
         where, args = run.spans.failed_in or ("the loop", run.spans.args)
         raise RuntimeError(f"rank {run.rank} stopped in {where} ({args}): {type(e).__name__}: {e}") from e
+    finally:
+        gc.unfreeze()
     return run.log.close(), run.model
 
 
