@@ -20,14 +20,15 @@ throughput on 2 cores). Three measurements, in the same run:
    small batch decode is overhead-bound (it grows little with the rows: bench/prefill.py's decode
    table): colocation then halves only the training and the ratio caps near 1.5.
 
-2. The machine's bound (bound_round): the work of a step without any communication, switch or queue,
+2. The machine's bound (bound_part): the work of a step without any communication, switch or queue,
    the whole batch in one process alone against half of it in each process at once. On separate
    devices it would be about 2; on 2 cores sharing caches and memory bandwidth it is what they allow.
 
-   Each of --repeats rounds measures the bound and then runs the three modes, so that a neighbour on
-   the cores hits them alike. One warm-up round before them is not counted (--warmup-rounds): a
-   process's first runs are slower, the bound's first whole batch most of all (bench/RESULTS.md).
-   The medians over the rounds are reported, and each round's
+   Each of --repeats rounds runs, in turn: the whole batch alone, separated, half the batch on each
+   rank at once, colocated, colocated-all. Each side of the bound runs next to the mode it bounds: on a
+   shared host the speed drifts over seconds, and a ratio of neighbours feels little of it. One warm-up
+   round before them is not counted (--warmup-rounds): a process's first runs are slower, the bound's
+   first whole batch most of all (bench/RESULTS.md). The medians over the rounds are reported, and each round's
    colocated / separated over that round's own bound (colocated_over_separated_over_bound: their
    median) says how close the system comes to what the machine allows.
 
@@ -52,6 +53,7 @@ Shapes: W = 2 ranks, B = prompts_per_step x group_size sequences per step, D d_m
 import argparse
 import contextlib
 import datetime
+import gc
 import io
 import json
 import multiprocessing as mp
@@ -127,19 +129,18 @@ def run_mode(args, rank, mode, rep):
 
 
 def bench_rounds(args, rank, store):
-    """--warmup-rounds rounds, not counted, then --repeats rounds, each the machine's bound and then every
-    mode (sep, col, col-all), so that a neighbour on the cores hits the bound and every mode alike.
-    Returns (bounds, {mode: [run_mode()]}) of the counted rounds."""
+    """--warmup-rounds rounds, not counted, then --repeats rounds. A round: the whole batch alone, separated,
+    half a batch on each rank at once, colocated, colocated-all. Each side of the bound runs next to the
+    mode it bounds: the host's speed drifts over seconds on a shared machine, and a ratio of neighbours
+    feels little of it. Returns (bounds, {mode: [run_mode()]}) of the counted rounds."""
     bounds, runs = [], {m: [] for m in MODES}
     for rep in range(-args.warmup_rounds, args.repeats):  # rep < 0: a process's first runs are cold
         name = f"round {rep + 1}/{args.repeats}" if rep >= 0 else "warm-up round (not counted)"
-        fresh_group(store, f"bound/{rep}/", rank)
-        b = bound_round(args, rank)
-        if rank == 0:
-            print(f"  {name} bound: whole batch alone, rollout {b['alone_rollout_s']:.2f} s + update "
-                  f"{b['alone_update_s']:.2f} s | half each at once, rollout {b['both_rollout_s']:.2f} s + "
-                  f"update {b['both_update_s']:.2f} s | x{b['bound']:.3f}", flush=True)
-        for mode in MODES:
+        b = {}
+        for part, mode in (("alone", "separated"), ("both", "colocated"), (None, "colocated-all")):
+            if part:
+                fresh_group(store, f"bound/{part}/{rep}/", rank)
+                b[f"{part}_rollout_s"], b[f"{part}_update_s"] = bound_part(args, rank, part)
             fresh_group(store, f"{mode}/{rep}/", rank)
             tok, *per, cores = run = run_mode(args, rank, mode, rep)
             if rank == 0:
@@ -147,6 +148,11 @@ def bench_rounds(args, rank, store):
                       f"{per[1]:.2f}s switch/push {per[2]:.3f}s | cores used {cores:.2f}", flush=True)
             if rep >= 0:
                 runs[mode].append(run)
+        b["bound"] = (b["alone_rollout_s"] + b["alone_update_s"]) / (b["both_rollout_s"] + b["both_update_s"])
+        if rank == 0:
+            print(f"  {name} bound: whole batch alone, rollout {b['alone_rollout_s']:.2f} s + update "
+                  f"{b['alone_update_s']:.2f} s | half each at once, rollout {b['both_rollout_s']:.2f} s + "
+                  f"update {b['both_update_s']:.2f} s | x{b['bound']:.3f}", flush=True)
         if rep >= 0:
             bounds.append(b)
     return bounds, runs
@@ -204,12 +210,12 @@ def bench_switch(args, rank):
             "switch_model_params": sum(p.numel() for p in engine.parameters()), "switch_buckets": len(actor.buckets)}
 
 
-def bound_round(args, rank):
-    """One round of the machine's bound on colocated / separated: the whole batch's rollout and GRPO update
-    in rank 0 alone (rank 1 waits at a barrier): what a separated step costs without its push; then half
-    the batch on each rank, both at once, no collective: what a colocated step costs without its switch,
-    FSDP's collectives and the queue. Their ratio is the most colocation can gain on these cores,
-    contention included. Returns the slower rank's times and the ratio."""
+def bound_part(args, rank, part):
+    """One side of the machine's bound on colocated / separated. part "alone": the whole batch's rollout and
+    GRPO update in rank 0 alone (rank 1 waits at a barrier), what a separated step costs without its push;
+    "both": half the batch on each rank, both at once, no collective, what a colocated step costs without
+    its switch, FSDP's collectives and the queue. alone / both is the most colocation can gain on these
+    cores, contention included. Returns (rollout s, update s) of the slower rank."""
     import torch
     import torch.distributed as dist
     import grpo
@@ -236,12 +242,15 @@ def bound_round(args, rank):
         grpo.grpo_update(model, opt, samples, algo_config(cfg), "cpu", alone_group)
         return t1 - t0, time.perf_counter() - t1
 
-    dist.barrier()
-    alone = [slowest(t) for t in (work(0, B) if rank == 0 else (0.0, 0.0))]
-    dist.barrier()
-    both = [slowest(t) for t in work(rank * B // 2, (rank + 1) * B // 2)]
-    return {"alone_rollout_s": alone[0], "alone_update_s": alone[1], "both_rollout_s": both[0],
-            "both_update_s": both[1], "bound": sum(alone) / sum(both)}
+    rows = (0, B) if part == "alone" else (rank * B // 2, (rank + 1) * B // 2)
+    gc.collect()  # as train_grpo.train does before its loop: no full collection pauses the timed work
+    gc.freeze()
+    try:
+        dist.barrier()
+        times = work(*rows) if part == "both" or rank == 0 else (0.0, 0.0)
+    finally:
+        gc.unfreeze()
+    return tuple(slowest(t) for t in times)
 
 
 def worker(rank, args, port, results):
