@@ -1,7 +1,7 @@
 """Benchmark fusion.py: separated vs colocated vs colocated-all GRPO on 2 gloo ranks, against the machine's
 bound, and the phase switch.
 
-    python bench/fusion.py                 # the default run, about 80 s on 2 CPU cores
+    python bench/fusion.py                 # the default run, about 95 s on 2 CPU cores
     python bench/fusion.py --help          # every knob, grouped
 
 One process tree: 2 spawned ranks, gloo, 1 thread each (2 processes x 1 thread is the best matmul
@@ -21,8 +21,11 @@ throughput on 2 cores). Three measurements, in the same run:
    table): colocation then halves only the training and the ratio caps near 1.5.
 
 2. The machine's bound (bound_part): the work of a step without any communication, switch or queue,
-   the whole batch in one process alone against half of it in each process at once. On separate
-   devices it would be about 2; on 2 cores sharing caches and memory bandwidth it is what they allow.
+   the whole batch in one process alone against half of it in each process at once. The work is the
+   runs' first step itself: its prompts, sampling seeds and initial weights, so the same responses, and
+   each process trains the token-balanced share the queue would give it; it is repeated --steps times,
+   as long as a run. On separate devices the bound would be about 2; on 2 cores sharing caches and
+   memory bandwidth it is what they allow.
 
    Each of --repeats rounds runs, in turn: the whole batch alone, separated, half the batch on each
    rank at once, colocated, colocated-all. Each side of the bound runs next to the mode it bounds: on a
@@ -52,6 +55,7 @@ Shapes: W = 2 ranks, B = prompts_per_step x group_size sequences per step, D d_m
 """
 import argparse
 import contextlib
+import copy
 import datetime
 import gc
 import io
@@ -211,46 +215,74 @@ def bench_switch(args, rank):
 
 
 def bound_part(args, rank, part):
-    """One side of the machine's bound on colocated / separated. part "alone": the whole batch's rollout and
-    GRPO update in rank 0 alone (rank 1 waits at a barrier), what a separated step costs without its push;
-    "both": half the batch on each rank, both at once, no collective, what a colocated step costs without
-    its switch, FSDP's collectives and the queue. alone / both is the most colocation can gain on these
-    cores, contention included. Returns (rollout s, update s) of the slower rank."""
+    """One side of the machine's bound on colocated / separated: the runs' first step, the same prompts,
+    sampling seeds and initial weights, so the same responses, run --steps times from those weights (as long
+    as a mode's run). part "alone": the whole batch's rollout and GRPO update in rank 0 alone (rank 1 waits),
+    what a separated step costs without its queue and push; "both": half the batch's rollout on each rank
+    at once, then the update of a token-balanced share, split as the queue splits (exchanged untimed), with
+    no collective while timed: what a colocated step costs without its switch, FSDP's collectives and the
+    queue. alone / both is the most colocation can gain on these cores, contention included.
+    Returns (rollout s, update s) per step, the slower rank's."""
     import torch
     import torch.distributed as dist
     import grpo
-    import task
     from config import grpo_config as algo_config, model_config
-    from model import Policy, generate
+    from model import Policy
     cfg = grpo_config(args, "colocated", None)
-    B = args.prompts_per_step * args.group_size
-    _, _, stream = task.prompt_streams(args.seed, args.max_digits, 2)
-    prompts = [p for p in stream.next(args.prompts_per_step) for _ in range(args.group_size)]  # B of (P_i,)
     alone_group = [dist.new_group([r]) for r in range(2)][rank]  # grpo's sums over this rank only
-
-    def work(lo, hi):  # rows [lo, hi), whole groups: (rollout s, update s)
-        torch.manual_seed(args.seed)
-        model = Policy(model_config(cfg))
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            gen = generate(model, prompts[lo:hi], torch.arange(lo, hi), cfg.max_new_tokens, task.EOS, task.PAD,
-                           cfg.temperature, cfg.top_p)
-        t1 = time.perf_counter()
-        rewards = torch.tensor([task.score(p, r) for p, r in zip(prompts[lo:hi], gen.tokens)])  # (b,)
-        samples = grpo.Samples(prompts[lo:hi], gen.tokens, gen.logprobs, grpo.group_advantages(rewards, cfg.group_size))
-        grpo.grpo_update(model, opt, samples, algo_config(cfg), "cpu", alone_group)
-        return t1 - t0, time.perf_counter() - t1
-
-    rows = (0, B) if part == "alone" else (rank * B // 2, (rank + 1) * B // 2)
+    torch.manual_seed(args.seed)
+    model = Policy(model_config(cfg))
+    init = copy.deepcopy(model.state_dict())
     gc.collect()  # as train_grpo.train does before its loop: no full collection pauses the timed work
     gc.freeze()
     try:
-        dist.barrier()
-        times = work(*rows) if part == "both" or rank == 0 else (0.0, 0.0)
+        total = [0.0, 0.0]
+        for _ in range(args.steps):
+            model.load_state_dict(init)
+            opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+            dist.barrier()
+            if part == "both" or rank == 0:
+                rollout_s, samples, score_s = bound_rollout(args, cfg, rank, part, model)
+                t0 = time.perf_counter()
+                grpo.grpo_update(model, opt, samples, algo_config(cfg), "cpu", alone_group)
+                total = [total[0] + rollout_s, total[1] + score_s + time.perf_counter() - t0]
+        return tuple(slowest(t / args.steps) for t in total)
     finally:
         gc.unfreeze()
-    return tuple(slowest(t) for t in times)
+
+
+def bound_rollout(args, cfg, rank, part, model):
+    """The bound's rollout of this rank's rows and their scores (timed), and its share of the batch to train
+    (exchanged untimed, part "both"). Returns (rollout s, grpo.Samples, scoring s)."""
+    import torch
+    import torch.distributed as dist
+    import distqueue
+    import grpo
+    import task
+    from model import generate
+    from train_grpo import STALE_FACTS, sample_seed
+    B = args.prompts_per_step * args.group_size
+    _, _, stream = task.prompt_streams(args.seed, args.max_digits, 2)
+    prompts = [p for p in stream.next(args.prompts_per_step) for _ in range(args.group_size)]  # B of (P_i,)
+    seeds = torch.tensor([sample_seed(args.seed, B, 0, B, i) for i in range(B)])  # (B,): the runs' first step
+    lo, hi = (0, B) if part == "alone" else (rank * B // 2, (rank + 1) * B // 2)  # this rank's rollout rows
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        gen = generate(model, prompts[lo:hi], seeds[lo:hi], cfg.max_new_tokens, task.EOS, task.PAD,
+                       cfg.temperature, cfg.top_p)
+    t1 = time.perf_counter()
+    rewards = torch.tensor([task.score(p, r) for p, r in zip(prompts[lo:hi], gen.tokens)])  # (b,)
+    rows = list(zip(range(lo, hi), gen.tokens, gen.logprobs, grpo.group_advantages(rewards, cfg.group_size)))
+    t2 = time.perf_counter()
+    if part == "both":  # the queue's token-balanced split of the whole batch (untimed: the queue's work)
+        everyone = [None, None]
+        dist.all_gather_object(everyone, rows)
+        rows = sorted(everyone[0] + everyone[1], key=lambda row: row[0])
+        sizes = [len(prompts[i]) + 2 * len(tok) + len(STALE_FACTS) for i, tok, _, _ in rows]
+        rows = [rows[j] for j in distqueue.balance_split(sizes, 2)[rank]]
+    ids, tokens, logprobs, advantages = zip(*rows)
+    samples = grpo.Samples([prompts[i] for i in ids], list(tokens), list(logprobs), torch.stack(advantages))
+    return t1 - t0, samples, t2 - t1
 
 
 def worker(rank, args, port, results):
