@@ -606,11 +606,11 @@ class FusedActor:
     def record(self):
         """Take the memory figures of the current phase (again, if the caller has since moved weights of
         its own, e.g. the experts)."""
-        key = self.phase.lower()
-        for cat, nb in self.resident().items():
+        key, held = self.phase.lower(), self.resident()
+        for cat, nb in held.items():
             self.stats[f"mem/{key}_{cat}_bytes"] = nb
         self.stats[f"mem/{key}_bytes"] = torch.cuda.memory_allocated(self.device) \
-            if self.device.type == "cuda" else self.resident_bytes()
+            if self.device.type == "cuda" else sum(held.values())
 
     def metrics(self):
         """Flat dict for metrics.jsonl: mem/*, time/to_rollout_s, time/to_train_s, switch/*, the movers' stats."""
@@ -646,7 +646,7 @@ class FusedActor:
         # 2. the inference weights: gather a bucket, (re-)allocate its engine weights, load, free the bucket
         params, eng = dict(self.model.named_parameters()), self._engine_weights()
         try:
-            peak, gathered = self._build(params, eng)
+            extra, gathered = self._build(params, eng)
         except BaseException:  # back to TRAIN as it was: no engine weights, the train-only state on the device
             if self.manage_engine:
                 for s in storages(eng.values()):
@@ -654,7 +654,7 @@ class FusedActor:
             reload(self._off, self._hosts)
             self._off = []
             raise
-        self.stats["switch/peak_extra_bytes"] = max(0, peak - self.resident_bytes())  # over the weights built
+        self.stats["switch/peak_extra_bytes"] = extra  # over the weights built
         # 3. the training shards too, if asked (they are 1/W of the model and needed first thing back)
         if self.offload_params:
             self._param_off = storages([p for n, p in self.model.named_parameters() if n not in self.skip],
@@ -669,7 +669,7 @@ class FusedActor:
         return self.engine
 
     def _build(self, params, eng):
-        """The inference weights, bucket by bucket. Returns (peak bytes held, bytes gathered)."""
+        """The inference weights, bucket by bucket. Returns (most bytes held beyond them, bytes gathered)."""
         if self.manage_engine:  # the engine's final weights: allocated once, then filled bucket by bucket
             with self._timed("alloc"):
                 for p in eng.values():
@@ -678,19 +678,20 @@ class FusedActor:
             return self._fill(params, eng)
 
     def _fill(self, params, eng):
-        """Gather every bucket and load it into the engine. Returns (peak bytes held, bytes gathered)."""
-        peak, gathered, loaded = 0, 0, set()
+        """Gather every bucket and load it into the engine. Returns (the largest bucket held beyond the engine's
+        weights, bytes gathered)."""
+        extra, gathered, loaded = 0, 0, set()
         for bucket in [sum(self.buckets, [])] if self.naive else self.buckets:
             if self.inplace and self.exchange is None:  # broadcast straight into the engine's own weights
                 works = []
                 for name, *_ in bucket:
                     gather_into(params[name], eng[name].detach(), works)
                 [w.wait() for w in works]
-                peak, gathered = max(peak, self.resident_bytes()), gathered + sum(eng[n].nbytes for n, *_ in bucket)
+                gathered += sum(eng[n].nbytes for n, *_ in bucket)
                 loaded |= {name for name, *_ in bucket}
                 continue
-            pairs, extra = self._gather(params, bucket)
-            peak, gathered = max(peak, self.resident_bytes() + extra), gathered + sum(t.nbytes for _, t in pairs)
+            pairs, held = self._gather(params, bucket)
+            extra, gathered = max(extra, held), gathered + sum(t.nbytes for _, t in pairs)
             if self.inplace:  # the engine's weights are the model's, by name and shape: a plain copy
                 for name, full in pairs:
                     eng[name].detach().copy_(full)
@@ -706,7 +707,7 @@ class FusedActor:
         if missing:  # re-allocated (or, with its own sleep mode, last version's) and never filled: refuse
             raise ValueError(f"the engine's weights {missing[:8]} were not loaded: its load_weights must load every "
                              f"engine parameter (or name it in skip=) and return the names it loaded")
-        return peak, gathered
+        return extra, gathered
 
     def _gather(self, params, bucket):
         """One bucket's [(name, full weight)] and the bytes it holds beyond the resident ones."""
