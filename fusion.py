@@ -55,7 +55,8 @@ Using this file elsewhere: torch >= 2.6 (FSDP2's fully_shard; FSDP1 is refused, 
 on CPU or nccl on CUDA. The model: FSDP2 over a 1-D mesh of all ranks (or plain); its optimizer built
 on model.parameters(). The engine: an nn.Module whose load_weights(pairs of (model name, full
 tensor)) loads them into its own parameters (cutting its TP piece, fusing q/k/v, renaming) and
-returns the names of its own parameters it loaded, as vLLM's loaders do. Example, a vLLM-shaped engine
+returns the names of its own parameters it loaded, as vLLM's loaders do. On CPU, call keep_freed_memory()
+once per process, or glibc may hand each switch's freed memory back to the OS. Example, a vLLM-shaped engine
 with a fused qkv on 2 gloo processes (tests/test_copy_alone.py runs it in a folder holding only this file):
 
     import datetime, os, socket
@@ -115,6 +116,7 @@ Shapes: W world size, t TP degree, W/t DP replicas, B bucket bytes, c = ceil(row
 import ctypes
 import datetime
 import os
+import platform
 import select
 import shutil
 import tempfile
@@ -237,14 +239,22 @@ def keep_freed_memory():
     device memory. On CPU a tensor's memory is glibc malloc's, which decides by the history of block sizes
     whether a freed block stays with the process or goes back to the OS; when it goes, the next phase
     faults it back in 4 KiB at a time, and a switch (which frees one phase's memory for the other) costs
-    that every time. Fixed thresholds decide instead: blocks below 1 GiB come from the heap, which is never
-    trimmed. Process-wide, so call it once at start on CPU. Linux with glibc only: returns False elsewhere."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
+    that every time. Fixed thresholds decide instead: the main thread's blocks below 1 GiB come from its
+    heap, trimmed only above 2 GiB free. The cost is the caching allocator's: resident memory stays at its
+    peak, holes included (the first switches grow the heap; later ones reuse it). Process-wide: call it
+    once, when a CPU run is built. glibc malloc only: returns False where it is not the allocator (musl,
+    or jemalloc or tcmalloc preloaded) or refuses the setting."""
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    libc, process = ctypes.CDLL("libc.so.6"), ctypes.CDLL(None)
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None or ctypes.cast(process.malloc, ctypes.c_void_p).value != \
+            ctypes.cast(libc.malloc, ctypes.c_void_p).value:  # another malloc is interposed
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
-    return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, 2 ** 31 - 1))
+    trim = bool(mallopt(m_trim_threshold, 2 ** 31 - 1))
+    mapped = bool(mallopt(m_mmap_threshold, 1 << 30) or mallopt(m_mmap_threshold, 32 << 20))  # older glibc: 32 MiB
+    return trim and mapped
 
 
 # ----------------------------------------------------------------------------- building the weights

@@ -4,6 +4,7 @@ switches, memory bounds, the separated push, bad input.
 The multi-rank checks run in one gloo spawn per world size (1, 2, 4): each spawn costs seconds of imports."""
 import copy
 import os
+import platform
 import resource
 import subprocess
 import sys
@@ -439,32 +440,43 @@ def test_reference_model_lives_on_host_between_uses():
 
 
 FREE_THEN_REUSE = """
-import resource, sys, torch
+import resource, torch
 import fusion
-def faults_to_reuse(nbytes):  # free a storage as a switch does, allocate it again, write it: page faults
-    s = torch.empty(nbytes, dtype=torch.uint8).fill_(1).untyped_storage()
-    s.resize_(0)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    s.resize_(nbytes)
-    fusion._as_bytes(s).fill_(2)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-n = 64 << 20  # above glibc's largest dynamic mmap threshold (32 MiB): unmapped at free by default
-default = faults_to_reuse(n)
+def cycles(stores, nbytes, k):  # a switch's pattern: free every storage, then allocate and write them again
+    faults = []
+    for _ in range(k):
+        for s in stores:
+            s.resize_(0)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for s in stores:
+            s.resize_(nbytes)
+            fusion._as_bytes(s).fill_(2)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return faults
+n = 40 << 20  # above glibc's largest dynamic mmap threshold (32 MiB): unmapped at free by default
+default = cycles([torch.ones(n, dtype=torch.uint8).untyped_storage() for _ in range(4)], n, 3)
 kept = fusion.keep_freed_memory()
-print(default, kept, faults_to_reuse(n))
+after = cycles([torch.ones(n, dtype=torch.uint8).untyped_storage() for _ in range(4)], n, 8)
+print(min(default), kept, max(after[-3:]))
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
 def test_freed_host_memory_stays_with_the_process():
-    """keep_freed_memory(): 64 MiB freed and allocated again is the same memory, no page faults; by default
-    glibc unmaps it at free and every 4 KiB page faults in again."""
+    """keep_freed_memory(): 4 storages of 40 MiB freed and allocated again, as a switch does, are the same
+    memory once the heap has grown to hold them (the first cycles may grow it): no page faults. By default
+    glibc unmaps them at free and every 4 KiB page faults in again."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", FREE_THEN_REUSE], cwd=root, capture_output=True, text=True,
-                         check=True, env=dict(os.environ, PYTHONPATH=root)).stdout.split()
-    default, kept, after = int(out[0]), out[1] == "True", int(out[2])
-    pages = (64 << 20) // resource.getpagesize()
-    assert kept and default >= 0.9 * pages and after <= 0.02 * pages, (default, kept, after)
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD" and k != "GLIBC_TUNABLES"
+           and not k.startswith("MALLOC_")}  # glibc's own malloc, its defaults
+    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    run = subprocess.run([sys.executable, "-c", FREE_THEN_REUSE], cwd=root, capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr
+    default, kept, after = int(run.stdout.split()[0]), run.stdout.split()[1] == "True", int(run.stdout.split()[2])
+    pages = 4 * (40 << 20) // resource.getpagesize()
+    if default < 0.9 * pages:
+        pytest.skip(f"this host faults {default} pages of {pages} by default (huge pages?): nothing to compare")
+    assert kept and after <= 0.02 * pages, (default, kept, after)
 
 
 # ----------------------------------------------------------------------------- CUDA (skipped without one)
