@@ -63,15 +63,18 @@ def train(cfg, out_dir=None):
     attach_reference(run)
     checkpoint.resume(run)  # --resume: the checkpoint's state (nothing without one)
     loop = {"colocated": colocated_loop, "trainer": trainer_loop, "generator": generator_loop}[run.roles.role(run.rank)]
-    gc.collect()  # the objects setup made (torch's modules, the model, the queue) live as long as the loop: frozen,
-    gc.freeze()   # they are never scanned again, and a full collection no longer pauses one rank while peers wait
+    freeze = gc.get_freeze_count() == 0  # a caller's own frozen objects stay the caller's
+    if freeze:  # what setup made (torch's modules, the model, the queue) lives as long as the loop: frozen, it is
+        gc.collect()  # not scanned again, and a full collection pauses one rank (its peers wait) far less
+        gc.freeze()
     try:
         loop(run)
     except Exception as e:
         where, args = run.spans.failed_in or ("the loop", run.spans.args)
         raise RuntimeError(f"rank {run.rank} stopped in {where} ({args}): {type(e).__name__}: {e}") from e
     finally:
-        gc.unfreeze()
+        if freeze:
+            gc.unfreeze()
     return run.log.close(), run.model
 
 
@@ -444,10 +447,10 @@ def build_policy(run):
     if rank not in roles.trainers:
         return
     ignored = set(run.experts.params(model)) if run.experts else None
-    # One FSDP unit: sharded at rest; the update's first forward gathers the whole model, kept gathered until the
-    # reduce-scatter after its last backward (ZeRO-2's traffic: one all-gather, one reduce-scatter per step). A model
-    # too big to gather whole takes a unit per block (fully_shard(block) first, ZeRO-3), for a gather and hooks
-    # per block and micro-batch: bench/RESULTS.md measures what they cost here.
+    # One FSDP unit: sharded at rest, gathered whole by an update's first forward until the reduce-scatter after its
+    # last backward (ZeRO-2's traffic: one gather, one reduce-scatter per optimizer step). A model too big to gather
+    # takes a unit per block (fully_shard(block) first): a gather and hooks per block and micro-batch, overlapping
+    # the previous block's compute on CUDA, not on CPU with gloo (bench/RESULTS.md).
     fully_shard(model, mesh=mesh, ignored_params=ignored, reshard_after_forward=False)
     run.model = model
     run.optimizer = torch.optim.AdamW(moe_switch.optimizer_groups(model), lr=cfg.lr, betas=(0.9, 0.98),
