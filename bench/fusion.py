@@ -73,6 +73,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
 MODES = ("separated", "colocated", "colocated-all")
+BOUND_SIDE = {"separated": "alone", "colocated": "both"}  # bound_part's side that bounds each mode
 
 
 def free_port():
@@ -141,7 +142,8 @@ def bench_rounds(args, rank, store):
     for rep in range(-args.warmup_rounds, args.repeats):  # rep < 0: a process's first runs are cold
         name = f"round {rep + 1}/{args.repeats}" if rep >= 0 else "warm-up round (not counted)"
         b = {}
-        for part, mode in (("alone", "separated"), ("both", "colocated"), (None, "colocated-all")):
+        for mode in MODES:
+            part = BOUND_SIDE.get(mode)  # the side of the bound run just before this mode
             if part:
                 fresh_group(store, f"bound/{part}/{rep}/", rank)
                 b[f"{part}_rollout_s"], b[f"{part}_update_s"] = bound_part(args, rank, part)
@@ -236,17 +238,19 @@ def bound_part(args, rank, part):
     gc.collect()  # as train_grpo.train does before its loop: no full collection pauses the timed work
     gc.freeze()
     try:
-        total = [0.0, 0.0]
-        for _ in range(args.steps):
+        rollout_s = update_s = 0.0
+        for _ in range(args.steps):  # each pass lasts as long as its slower rank, as a run's step does
             model.load_state_dict(init)
-            opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+            opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)  # the runs'
             dist.barrier()
+            mine = (0.0, 0.0)
             if part == "both" or rank == 0:
-                rollout_s, samples, score_s = bound_rollout(args, cfg, rank, part, model)
+                pass_rollout_s, samples, score_s = bound_rollout(args, cfg, rank, part, model)
                 t0 = time.perf_counter()
                 grpo.grpo_update(model, opt, samples, algo_config(cfg), "cpu", alone_group)
-                total = [total[0] + rollout_s, total[1] + score_s + time.perf_counter() - t0]
-        return tuple(slowest(t / args.steps) for t in total)
+                mine = (pass_rollout_s, score_s + time.perf_counter() - t0)
+            rollout_s, update_s = rollout_s + slowest(mine[0]), update_s + slowest(mine[1])
+        return rollout_s / args.steps, update_s / args.steps
     finally:
         gc.unfreeze()
 
@@ -277,7 +281,7 @@ def bound_rollout(args, cfg, rank, part, model):
     if part == "both":  # the queue's token-balanced split of the whole batch (untimed: the queue's work)
         everyone = [None, None]
         dist.all_gather_object(everyone, rows)
-        rows = sorted(everyone[0] + everyone[1], key=lambda row: row[0])
+        rows = sorted(everyone[0] + everyone[1], key=lambda row: (row[0] % (B // 2), row[0] // (B // 2)))  # queue ids
         sizes = [len(prompts[i]) + 2 * len(tok) + len(STALE_FACTS) for i, tok, _, _ in rows]
         rows = [rows[j] for j in distqueue.balance_split(sizes, 2)[rank]]
     ids, tokens, logprobs, advantages = zip(*rows)
