@@ -63,9 +63,11 @@ def train(cfg, out_dir=None):
     attach_reference(run)
     checkpoint.resume(run)  # --resume: the checkpoint's state (nothing without one)
     loop = {"colocated": colocated_loop, "trainer": trainer_loop, "generator": generator_loop}[run.roles.role(run.rank)]
-    freeze = gc.get_freeze_count() == 0  # a caller's own frozen objects stay the caller's
-    if freeze:  # what setup made (torch's modules, the model, the queue) lives as long as the loop: frozen, it is
-        gc.collect()  # not scanned again, and a full collection pauses one rank (its peers wait) far less
+    # What setup made (torch's modules, the model, the queue) lives as long as the loop: frozen, a full collection
+    # skips it and pauses a rank (its peers waiting) far less. A caller's own frozen objects stay the caller's.
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.collect()
         gc.freeze()
     try:
         loop(run)

@@ -472,7 +472,8 @@ def test_freed_host_memory_stays_with_the_process():
     env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     run = subprocess.run([sys.executable, "-c", FREE_THEN_REUSE], cwd=root, capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr
-    default, kept, after = int(run.stdout.split()[0]), run.stdout.split()[1] == "True", int(run.stdout.split()[2])
+    default, kept, after = run.stdout.split()
+    default, kept, after = int(default), kept == "True", int(after)
     pages = 4 * (40 << 20) // resource.getpagesize()
     if default < 0.9 * pages:
         pytest.skip(f"this host faults {default} pages of {pages} by default (huge pages?): nothing to compare")
