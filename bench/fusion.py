@@ -228,9 +228,15 @@ def bound_part(args, rank, part):
     import torch
     import torch.distributed as dist
     import grpo
+    import task
     from config import grpo_config as algo_config, model_config
     from model import Policy
+    from train_grpo import sample_seed
     cfg = grpo_config(args, "colocated", None)
+    B = args.prompts_per_step * args.group_size
+    _, _, stream = task.prompt_streams(args.seed, args.max_digits, 2)
+    prompts = [p for p in stream.next(args.prompts_per_step) for _ in range(args.group_size)]  # B of (P_i,)
+    seeds = torch.tensor([sample_seed(args.seed, B, 0, B, i) for i in range(B)])  # (B,): the runs' first step
     alone_group = [dist.new_group([r]) for r in range(2)][rank]  # grpo's sums over this rank only
     torch.manual_seed(args.seed)
     model = Policy(model_config(cfg))
@@ -245,7 +251,7 @@ def bound_part(args, rank, part):
             dist.barrier()
             mine = (0.0, 0.0)
             if part == "both" or rank == 0:
-                pass_rollout_s, samples, score_s = bound_rollout(args, cfg, rank, part, model)
+                pass_rollout_s, samples, score_s = bound_rollout(cfg, rank, part, model, prompts, seeds)
                 t0 = time.perf_counter()
                 grpo.grpo_update(model, opt, samples, algo_config(cfg), "cpu", alone_group)
                 mine = (pass_rollout_s, score_s + time.perf_counter() - t0)
@@ -255,20 +261,18 @@ def bound_part(args, rank, part):
         gc.unfreeze()
 
 
-def bound_rollout(args, cfg, rank, part, model):
-    """The bound's rollout of this rank's rows and their scores (timed), and its share of the batch to train
-    (exchanged untimed, part "both"). Returns (rollout s, grpo.Samples, scoring s)."""
+def bound_rollout(cfg, rank, part, model, prompts, seeds):
+    """The bound's rollout of this rank's rows of the batch (prompts, B of (P_i,); seeds (B,)) and their
+    scores (timed), and its share of the batch to train (exchanged untimed, part "both").
+    Returns (rollout s, grpo.Samples, scoring s)."""
     import torch
     import torch.distributed as dist
     import distqueue
     import grpo
     import task
     from model import generate
-    from train_grpo import STALE_FACTS, sample_seed
-    B = args.prompts_per_step * args.group_size
-    _, _, stream = task.prompt_streams(args.seed, args.max_digits, 2)
-    prompts = [p for p in stream.next(args.prompts_per_step) for _ in range(args.group_size)]  # B of (P_i,)
-    seeds = torch.tensor([sample_seed(args.seed, B, 0, B, i) for i in range(B)])  # (B,): the runs' first step
+    from train_grpo import STALE_FACTS
+    B = len(prompts)
     lo, hi = (0, B) if part == "alone" else (rank * B // 2, (rank + 1) * B // 2)  # this rank's rollout rows
     t0 = time.perf_counter()
     with torch.no_grad():
