@@ -31,6 +31,8 @@ Design:
   dtypes share ONE header and ONE payload; dtypes come from the spec, never over the wire.
 - Balance: `get(..., dp_group=g)` reads a global batch of n rows; dp rank 0 claims them and splits by
   tokens (sum of the variable-length fields) with greedy longest-first (LPT): max - min <= longest row.
+  A row written by a rank of g stays with it while that rank holds no more than a fair share: where the
+  writers are the readers (colocated), only the rows that even out their loads move.
 - Every wait polls with a deadline and serves other ranks' requests while it waits (so SPMD ranks that
   are producers and consumers at once never deadlock); a dead producer -> TimeoutError naming the stage
   and the rows. A dp_group read returns only once every rank of the group has its rows, so SPMD code
@@ -135,10 +137,23 @@ def unpack_cells(header, payload, dtypes):
     return [p.clone().view(d) for p, d in zip(torch.split(payload, nbytes), dtypes)]
 
 
-def balance_split(tokens, parts):
-    """Greedy longest-first (LPT): next-longest row to the lightest part. max - min <= max(tokens)."""
-    load, out = [0] * parts, [[] for _ in range(parts)]
+def balance_split(tokens, parts, homes=None):
+    """Rows into `parts` lists of near-equal tokens: greedy longest-first (LPT), the next-longest row to the
+    lightest part. max - min <= max(tokens).
+    homes (optional): the part each row already lives in, or None. Longest first, a row stays home while
+    its home holds no more than a fair share (total / parts); the rest go by LPT. Only what evens out the
+    homes moves, and the bound still holds: a part that got an LPT row was the lightest just before it, and
+    if the heaviest got none, it holds at most the mean, so every part holds the mean."""
+    homes = [None] * len(tokens) if homes is None else homes
+    fair, load, out, rest = sum(tokens) / parts, [0] * parts, [[] for _ in range(parts)], []
     for i in sorted(range(len(tokens)), key=lambda i: (-tokens[i], i)):
+        h = homes[i]
+        if h is not None and load[h] + tokens[i] <= fair:
+            out[h].append(i)
+            load[h] += tokens[i]
+        else:
+            rest.append(i)
+    for i in rest:  # longest first still
         p = min(range(parts), key=lambda p: (load[p], len(out[p]), p))  # ties (0 tokens): fewest rows
         out[p].append(i)
         load[p] += tokens[i]
@@ -440,7 +455,7 @@ class DistQueue:
             rows = self._claim(stage, n, n if dp_size > 1 else min_rows, deadline, only)
             tmax = {c: max(self.ready[c][r][1] for r in rows) for c in cols} if rows else {}
             if dp_size > 1:  # token-balanced split of the global batch, published on the control plane
-                parts = balance_split([sum(self.ready[c][r][1] for c in var) for r in rows], dp_size)
+                parts = self._split(rows, cols, var, dp_group)
                 for i, part in enumerate(parts[1:], 1):
                     self.store.set(self._k("plan", stage, step, root, i), " ".join(
                         [",".join(str(rows[j]) for j in part), ",".join(f"{c}={v}" for c, v in tmax.items())]))
@@ -462,6 +477,13 @@ class DistQueue:
             self._wait(lambda: int(self.store.add(done, 0)) >= dp_size, deadline,
                        lambda: f"in stage '{stage}' waiting for the other DP ranks to receive their rows")
         return batch
+
+    def _split(self, rows, cols, var, dp_group):
+        """balance_split of rows over dp_group by tokens (the lengths of their cells in `var`), a row's home
+        being the DP rank that owns it, if any: a rank that reads what it wrote pulls nothing."""
+        dp_index = {dist.get_global_rank(dp_group, i): i for i in range(dist.get_world_size(dp_group))}
+        return balance_split([sum(self.ready[c][r][1] for c in var) for r in rows], len(dp_index),
+                             homes=[dp_index.get(self.ready[cols[0]][r][0]) for r in rows])
 
     def get(self, stage, n, dp_group=None, group=None, min_rows=None, only=None):
         """Read up to n rows (at least min_rows, default n; 0 = poll) that `stage` has not consumed.

@@ -299,7 +299,8 @@ def bound_rollout(cfg, rank, part, model, prompts, seeds):
         dist.all_gather_object(everyone, rows)
         rows = sorted(everyone[0] + everyone[1], key=lambda row: (row[0] % (B // 2), row[0] // (B // 2)))  # queue ids
         sizes = [len(prompts[i]) + 2 * len(tok) + len(STALE_FACTS) for i, tok, _, _ in rows]
-        rows = [rows[j] for j in distqueue.balance_split(sizes, 2)[rank]]
+        homes = [i // (B // 2) for i, *_ in rows]  # the rank that generated the row
+        rows = [rows[j] for j in distqueue.balance_split(sizes, 2, homes)[rank]]
     ids, tokens, logprobs, advantages = zip(*rows)
     samples = grpo.Samples([prompts[i] for i in ids], list(tokens), list(logprobs), torch.stack(advantages))
     return t1 - t0, samples, t2 - t1

@@ -87,6 +87,28 @@ def test_balance_split_long_tail_within_longest_sample():
     assert max(naive) - min(naive) > max(loads) - min(loads)
 
 
+def test_balance_split_keeps_rows_home_where_balance_allows():
+    """Colocated, the readers wrote the rows: a row leaves its writer only to even out the loads."""
+    g = torch.Generator().manual_seed(2)
+    for sigma, parts in [(1.5, 2), (1.5, 4), (0.5, 2), (0.5, 4)]:
+        tokens = (4.0 + sigma * torch.randn(512, generator=g)).exp().ceil().long().tolist()  # log-normal
+        homes = [i % parts for i in range(512)]  # row ids are local_count * world + writer
+        split = dq.balance_split(tokens, parts, homes)
+        assert sorted(i for p in split for i in p) == list(range(512))
+        loads = [sum(tokens[i] for i in p) for p in split]
+        assert max(loads) - min(loads) <= max(tokens)
+        fair = sum(tokens) / parts
+        for p in range(parts):  # what leaves a home is less than its excess over a fair share plus one row
+            mine = [i for i in range(512) if homes[i] == p]
+            moved = sum(tokens[i] for i in mine if i not in split[p])
+            assert moved < max(0.0, sum(tokens[i] for i in mine) - fair) + max(tokens)
+        away = sum(homes[i] != p for p, rows in enumerate(split) for i in rows)
+        lpt_away = sum(homes[i] != p for p, rows in enumerate(dq.balance_split(tokens, parts)) for i in rows)
+        assert lpt_away > 512 // 3 and (away < 512 // 20 if sigma < 1 else away < lpt_away)  # LPT alone moves ~1/2+
+    assert dq.balance_split([5, 3, 3, 5], 2, [0, 0, 1, 1]) == [[0, 1], [2, 3]]  # balanced homes: nothing moves
+    assert dq.balance_split([5, 3, 3, 5], 2, [None] * 4) == dq.balance_split([5, 3, 3, 5], 2)  # no home: LPT
+
+
 def test_state_dict_resume_is_bit_exact():
     spec = dq.QueueSpec(columns=COLS, scalars=("reward",), stages={"a": ("prompt",), "b": tuple(COLS)})
 
