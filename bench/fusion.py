@@ -396,7 +396,7 @@ def main(argv=None):
     g.add_argument("--switch-d-model", type=int, default=512, help="model width of the switch measurement")
     g.add_argument("--switch-d-expert", type=int, default=1024, help="expert width of the switch measurement")
     g.add_argument("--switch-bucket-kb", type=int, default=16384, help="bucket of the switch measurement, KiB")
-    g.add_argument("--switch-reps", type=int, default=9, help="round trips timed (median)")
+    g.add_argument("--switch-reps", type=int, default=25, help="round trips timed (median)")
     g.add_argument("--switch-only", action="store_true", help="measure the switch only, not the three modes")
     args = p.parse_args(argv)
     print("bench/fusion.py: 2 gloo ranks x 1 thread; regime: compute-bound rollout and training "
