@@ -138,12 +138,14 @@ def unpack_cells(header, payload, dtypes):
 
 
 def balance_split(tokens, parts, homes=None):
-    """Rows into `parts` lists of near-equal tokens: greedy longest-first (LPT), the next-longest row to the
-    lightest part. max - min <= max(tokens).
-    homes (optional): the part each row already lives in, or None. Longest first, a row stays home while
-    its home holds no more than a fair share (total / parts); the rest go by LPT. Only what evens out the
-    homes moves, and the bound still holds: a part that got an LPT row was the lightest just before it, and
-    if the heaviest got none, it holds at most the mean, so every part holds the mean."""
+    """Rows into `parts` lists of near-equal tokens (>= 0): greedy longest-first (LPT), the next-longest row
+    to the lightest part. max - min <= max(tokens).
+    homes (optional): the part each row already lives in, or None. Longest first, a row stays home if its
+    home, with it, holds at most a fair share (total / parts); the rest go by LPT. A home sends away less
+    than its excess over the fair share plus one row, and the bound still holds: the heaviest part, if it
+    got an LPT row, was the lightest just before its last one; if it got none, it holds at most the mean,
+    so every part holds the mean. A part still empty then (all stayed home) takes the shortest row of the
+    part with the most rows: every load was within [0, max(tokens)], and stays there."""
     homes = [None] * len(tokens) if homes is None else homes
     fair, load, out, rest = sum(tokens) / parts, [0] * parts, [[] for _ in range(parts)], []
     for i in sorted(range(len(tokens)), key=lambda i: (-tokens[i], i)):
@@ -157,6 +159,13 @@ def balance_split(tokens, parts, homes=None):
         p = min(range(parts), key=lambda p: (load[p], len(out[p]), p))  # ties (0 tokens): fewest rows
         out[p].append(i)
         load[p] += tokens[i]
+    for q in [q for q in range(parts) if not out[q]]:  # every reader gets a row while there are enough
+        donor = max(range(parts), key=lambda p: (len(out[p]), -p))
+        if len(out[donor]) < 2:
+            break
+        i = min(out[donor], key=lambda i: (tokens[i], i))
+        out[donor].remove(i)
+        out[q].append(i)
     return [sorted(o) for o in out]
 
 
@@ -480,10 +489,17 @@ class DistQueue:
 
     def _split(self, rows, cols, var, dp_group):
         """balance_split of rows over dp_group by tokens (the lengths of their cells in `var`), a row's home
-        being the DP rank that owns it, if any: a rank that reads what it wrote pulls nothing."""
-        dp_index = {dist.get_global_rank(dp_group, i): i for i in range(dist.get_world_size(dp_group))}
-        return balance_split([sum(self.ready[c][r][1] for c in var) for r in rows], len(dp_index),
-                             homes=[dp_index.get(self.ready[cols[0]][r][0]) for r in rows])
+        being the DP rank that holds most of its elements, if any: a rank that reads what it wrote pulls nothing."""
+        dp_index = {g: i for i, g in enumerate(dist.get_process_group_ranks(dp_group))}
+        homes = []
+        for r in rows:
+            held = {}  # DP rank -> elements of this row it holds
+            for c in cols:
+                owner, length = self.ready[c][r]
+                if owner in dp_index:
+                    held[dp_index[owner]] = held.get(dp_index[owner], 0) + length
+            homes.append(max(held, key=lambda i: (held[i], -i)) if held else None)
+        return balance_split([sum(self.ready[c][r][1] for c in var) for r in rows], len(dp_index), homes)
 
     def get(self, stage, n, dp_group=None, group=None, min_rows=None, only=None):
         """Read up to n rows (at least min_rows, default n; 0 = poll) that `stage` has not consumed.

@@ -28,11 +28,11 @@ throughput on 2 cores). Three measurements, in the same run:
    and memory bandwidth it is what they allow.
 
    Each of --repeats rounds runs, in turn: separated, between passes of the whole batch alone (half of
-   them before it, half after); colocated, between passes of half the batch on each rank at once;
-   colocated-all. On a shared host the speed drifts over seconds: a ratio of neighbours feels little of
-   it, and bracketing the mode cancels a drift that is steady over its run. One warm-up round before
-   them is not counted (--warmup-rounds): a process's first runs are slower, the bound's first whole
-   batch most of all (bench/RESULTS.md). The medians over the rounds are reported, and each round's
+   them before it, half after, the odd one before); colocated, between passes of half the batch on each
+   rank at once; colocated-all. On a shared host the speed drifts over seconds: a ratio of neighbours
+   feels little of it, and bracketing the mode cancels a drift that is steady over its run. One warm-up
+   round before them is not counted (--warmup-rounds): a process's first runs are slower, the bound's
+   first whole batch most of all (bench/RESULTS.md). The medians over the rounds are reported, and each round's
    colocated / separated over that round's own bound (colocated_over_separated_over_bound: their
    median) says how close the system comes to what the machine allows.
 
@@ -146,12 +146,12 @@ def bench_rounds(args, rank, store):
         b = {}
         for mode in MODES:
             part = BOUND_SIDE.get(mode)  # the side of the bound that brackets this mode: half before, half after
-            passes = bound_side(args, rank, store, part, f"{rep}/before", (args.steps + 1) // 2)
+            timed = bound_side(args, rank, store, part, f"{rep}/before", (args.steps + 1) // 2)
             fresh_group(store, f"{mode}/{rep}/", rank)
             tok, *per, cores = run = run_mode(args, rank, mode, rep)
-            passes += bound_side(args, rank, store, part, f"{rep}/after", args.steps // 2)
+            timed += bound_side(args, rank, store, part, f"{rep}/after", args.steps // 2)
             if part:
-                b[f"{part}_rollout_s"], b[f"{part}_update_s"] = (statistics.fmean(x) for x in zip(*passes))
+                b[f"{part}_rollout_s"], b[f"{part}_update_s"] = (statistics.fmean(x) for x in zip(*timed))
             if rank == 0:
                 print(f"  {name} {mode:13s} {tok:7.0f} tok/s | per step: rollout {per[0]:.2f}s train "
                       f"{per[1]:.2f}s switch/push {per[2]:.3f}s | cores used {cores:.2f}", flush=True)
@@ -299,7 +299,7 @@ def bound_rollout(cfg, rank, part, model, prompts, seeds):
         dist.all_gather_object(everyone, rows)
         rows = sorted(everyone[0] + everyone[1], key=lambda row: (row[0] % (B // 2), row[0] // (B // 2)))  # queue ids
         sizes = [len(prompts[i]) + 2 * len(tok) + len(STALE_FACTS) for i, tok, _, _ in rows]
-        homes = [i // (B // 2) for i, *_ in rows]  # the rank that generated the row
+        homes = [int(i >= B // 2) for i, *_ in rows]  # the rank that generated the row
         rows = [rows[j] for j in distqueue.balance_split(sizes, 2, homes)[rank]]
     ids, tokens, logprobs, advantages = zip(*rows)
     samples = grpo.Samples([prompts[i] for i in ids], list(tokens), list(logprobs), torch.stack(advantages))

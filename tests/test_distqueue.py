@@ -104,8 +104,11 @@ def test_balance_split_keeps_rows_home_where_balance_allows():
             assert moved < max(0.0, sum(tokens[i] for i in mine) - fair) + max(tokens)
         away = sum(homes[i] != p for p, rows in enumerate(split) for i in rows)
         lpt_away = sum(homes[i] != p for p, rows in enumerate(dq.balance_split(tokens, parts)) for i in rows)
-        assert lpt_away > 512 // 3 and (away < 512 // 20 if sigma < 1 else away < lpt_away)  # LPT alone moves ~1/2+
+        assert lpt_away > 512 // 3 and (away < 512 // 20 if sigma < 1 else away < lpt_away)  # LPT sends most away
     assert dq.balance_split([5, 3, 3, 5], 2, [0, 0, 1, 1]) == [[0, 1], [2, 3]]  # balanced homes: nothing moves
+    for tokens, parts, homes in (([4, 1, 1], 3, [0, 0, 0]), ([0, 0, 0, 0], 2, [0] * 4), ([7, 0, 0], 3, [1] * 3)):
+        split = dq.balance_split(tokens, parts, homes)  # all would stay home: every part still gets a row
+        assert all(split) and sorted(sum(split, [])) == list(range(len(tokens)))
     assert dq.balance_split([5, 3, 3, 5], 2, [None] * 4) == dq.balance_split([5, 3, 3, 5], 2)  # no home: LPT
 
 
