@@ -1,7 +1,7 @@
 """Benchmark fusion.py: separated vs colocated vs colocated-all GRPO on 2 gloo ranks, against the machine's
 bound, and the phase switch.
 
-    python bench/fusion.py                 # the default run, about 140 s on 2 CPU cores
+    python bench/fusion.py                 # the default run, about 150 s on 2 CPU cores
     python bench/fusion.py --help          # every knob, grouped
 
 One process tree: 2 spawned ranks, gloo, 1 thread each (2 processes x 1 thread is the best matmul
