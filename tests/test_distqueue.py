@@ -321,6 +321,27 @@ def test_hierarchical_read_one_read_per_group_identical_data_balanced_tokens():
     assert outs[0]["metrics"]["queue/bytes_bcast"] > 0 and outs[0]["metrics"]["queue/reads"] == reads[-1]
 
 
+def _colocated(rank, world):
+    """Every rank writes rows and reads a token-balanced share of all of them (colocated)."""
+    spec = dq.QueueSpec(columns={"response": "int64"}, stages={"train": ("response",)}, timeout_s=30)
+    q = dq.DistQueue(spec, dq.default_store(), rank, world)
+    out = []
+    for lens in ([[9, 1, 5, 5, 1, 9], [5, 5, 9, 1, 9, 1]][rank], [40 if rank == 0 else 5] * 6):  # loads equal, then 8x
+        ids = q.put({"response": [torch.arange(n) for n in lens]})
+        b = q.get("train", 6 * world, dp_group=dist.group.WORLD)
+        out.append((ids, b.ids, sum(len(r) for r in b.cols["response"]), q.metrics()["queue/bytes_sent"]))
+        dist.barrier()
+    return out
+
+
+def test_colocated_readers_keep_the_rows_they_wrote_where_balance_allows():
+    (even0, heavy0), (even1, heavy1) = run_distributed(_colocated, world_size=2)
+    assert even0[1] == even0[0] and even1[1] == even1[0] and even0[3] == 0  # own rows, nothing sent
+    assert set(heavy0[1]) < set(heavy0[0]) and set(heavy1[0]) < set(heavy1[1])  # only rank 0's surplus moves
+    assert sorted(heavy0[1] + heavy1[1]) == sorted(heavy0[0] + heavy1[0])
+    assert abs(heavy0[2] - heavy1[2]) <= 40 and heavy0[3] > 0  # balanced within the longest row
+
+
 def _dead_producer(rank, world):
     spec = dq.QueueSpec(columns={"prompt": "int64", "response": "int64"},
                         stages={"gen": ("prompt",), "score": ("prompt", "response")}, timeout_s=2)
