@@ -252,9 +252,21 @@ class KVCache:
             self.length = t1
         return self.k[i, :, :, :t1], self.v[i, :, :, :t1]
 
-    def keep_rows(self, rows):
-        """Drop finished rows from the batch: rows (B',) indices of the rows to keep."""
-        self.k, self.v = self.k[:, rows], self.v[:, rows]
+    def compact(self, finished):
+        """Drop the finished rows, finished (B,) bool, from the batch. The naive way, self.k[:, live], copies
+        every live row whenever a row finishes, which is at most decode steps. Here only the live rows past the
+        first B' move, into the finished slots among those, and the batch becomes the first B' rows, a view of
+        the same memory. Returns order (B',): each row's index before; the caller reorders its per-row tensors
+        by it (a row's keys and values are the same wherever it sits in the batch)."""
+        n = int((~finished).sum())
+        holes = finished[:n].nonzero().squeeze(-1)                                # (m,) finished, staying
+        movers = (~finished[n:]).nonzero().squeeze(-1) + n                       # (m,) live, leaving
+        t = self.length  # the columns after it hold nothing yet
+        self.k[:, holes, :, :t], self.v[:, holes, :, :t] = self.k[:, movers, :, :t], self.v[:, movers, :, :t]
+        self.k, self.v = self.k[:, :n], self.v[:, :n]
+        order = torch.arange(len(finished), device=finished.device)
+        order[holes] = movers
+        return order[:n]
 
     def nbytes(self):
         return self.k.nbytes + self.v.nbytes
@@ -454,10 +466,9 @@ class Sampler:
             cache, logits, valid, next_pos = _prefill(model, contexts, self.pad_id, steps)
         out_tok, out_lp = [[] for _ in range(B)], [[] for _ in range(B)]
         done = (budget == 0).tolist()
-        live = (budget[order] > 0).nonzero().squeeze(-1)                           # (B',) cache rows
+        live = cache.compact(budget[order] == 0)                                   # (B',) cache rows
         rows = order[live]                                                         # (B',) their call rows
         logits, valid, next_pos, left = logits[live], valid[live], next_pos[live], budget[rows]
-        cache.keep_rows(live)
         for step in range(steps):
             if len(rows) == 0:
                 break
@@ -470,9 +481,8 @@ class Sampler:
             for b in rows[finished].tolist():
                 done[b] = True
             if bool(finished.any()):  # compact: finished rows leave the batch and stop costing compute
-                keep = (~finished).nonzero().squeeze(-1)
+                keep = cache.compact(finished)                                     # (B'',) rows moved, not copied
                 rows, tok, next_pos, valid, left = rows[keep], tok[keep], next_pos[keep], valid[keep], left[keep]
-                cache.keep_rows(keep)
             if len(rows) == 0 or (step == steps - 1 and not self.keep):  # kept rows need their next logits
                 break
             valid = torch.cat([valid, valid.new_ones(len(rows), 1)], 1)            # (B', t)

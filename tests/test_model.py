@@ -33,6 +33,21 @@ def test_cached_decode_matches_full_forward():
     torch.testing.assert_close(cached, full, atol=1e-5, rtol=0)
 
 
+def test_compacting_the_cache_moves_only_the_rows_it_must():
+    cfg = ModelConfig(vocab_size=14, max_seq_len=64)
+    cache = KVCache(cfg, 6, 10, "cpu", torch.float32)
+    cache.k.normal_(), cache.v.normal_()
+    cache.length = 7
+    k, v, storage = cache.k.clone(), cache.v.clone(), cache.k.untyped_storage().data_ptr()
+    finished = torch.tensor([True, False, False, True, False, False])
+    order = cache.compact(finished)
+    assert order.tolist() == [4, 1, 2, 5]  # rows 4 and 5, live past the first 4, fill the finished slots 0 and 3
+    assert torch.equal(cache.k[..., :7, :], k[:, order, :, :7]) and torch.equal(cache.v[..., :7, :], v[:, order, :, :7])
+    assert cache.k.shape[1] == 4 and cache.k.untyped_storage().data_ptr() == storage  # a view: nothing copied whole
+    order = cache.compact(torch.tensor([False, False, True, True]))  # the finished rows are the last: none moves
+    assert order.tolist() == [0, 1] and torch.equal(cache.k[..., :7, :], k[:, [4, 1], :, :7])
+
+
 def test_generate_logprobs_equal_training_forward():
     model = _model()
     ctxs = _contexts([3, 9, 5, 12])
