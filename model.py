@@ -119,6 +119,12 @@ class Attention(nn.Module):
         return y
 
 
+# An MoE layer on N tokens runs every expert on every token while the work that wastes, N x (E - K) x D x F (x 3)
+# multiply-adds, costs less than gathering each expert's tokens apart, which costs about E x DENSE_MOE_WORK of them
+# here (bench/prefill.py's MoE table: the crossover on CPU).
+DENSE_MOE_WORK = 2 ** 18
+
+
 class MoE(nn.Module):
     """Softmax router, top-k of E SwiGLU experts, gates renormalised over the chosen k."""
 
@@ -127,7 +133,10 @@ class MoE(nn.Module):
         E, D, Fx = cfg.n_experts, cfg.d_model, cfg.d_expert
         Fl = Fx // tp_rank_size(tp_group)[1]                                     # F/t hidden units here
         self.top_k, self.tp_group = cfg.top_k, tp_group
-        self.dense_below = 512  # tokens; below this every expert runs on every token: a few batched matmuls, no gathers
+        # Up to dense_below tokens (decoding), every expert on every token: a few batched matmuls and no gathers, the
+        # E - K experts a token did not choose wasted (F/t hidden units here under TP)
+        wasted = (E - cfg.top_k) * D * Fl                                       # per token
+        self.dense_below = E * DENSE_MOE_WORK / wasted if wasted else float("inf")
         self.router = nn.Linear(D, E, bias=False)
         self.w_gate = nn.Parameter(torch.randn(E, D, Fl) * D ** -0.5)
         self.w_up = nn.Parameter(torch.randn(E, D, Fl) * D ** -0.5)
@@ -144,7 +153,7 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])                                              # (N, D)
         gates = self.gates(x)                                                     # (N, E)
-        if x.shape[0] <= self.dense_below:  # decoding: every expert on every token, combined by gates
+        if x.shape[0] <= self.dense_below:  # a few tokens (decoding): every expert on every token, combined by gates
             h = F.silu(torch.einsum("nd,edf->enf", x, self.w_gate)) \
                 * torch.einsum("nd,edf->enf", x, self.w_up)                       # (E, N, F)
             y = torch.einsum("enf,efd->end", h, self.w_down)                      # (E, N, D)

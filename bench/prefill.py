@@ -2,7 +2,7 @@
 model._prefill's length buckets gain on the pools a stale rollout holds; and what one decode step costs
 by live rows and KV width (the costs bench/simulate.py is calibrated on).
 
-    python bench/prefill.py            # 1 thread, the default policy; about 30 s
+    python bench/prefill.py            # 1 thread, the default policy; about 20 s
 
 model.FORWARD_COST_TOKENS is the price the bucketing DP charges per extra forward. This bench measures
 the two things it stands for, in one run:
@@ -16,6 +16,9 @@ measured forward cost, and the bucketed prefill should not be slower than one pa
 the noise of a timing.
   decode_ms             one decode step (a forward of one token per row with the KV cache, and
                         sampling) for rows in {1, 64, 256} and KV widths {32, 256}.
+  moe_ms                one MoE layer on N tokens, every expert on every token against each expert on its
+                        own tokens, for a few layer shapes, and which of the two the layer runs
+                        (model.DENSE_MOE_WORK): the faster, except near where they cost the same.
 The last line printed is one JSON object.
 """
 import argparse
@@ -77,6 +80,30 @@ def decode_table(policy, reps, rounds=5):
     return {cell: statistics.median(t) * 1e3 for cell, t in times.items()}
 
 
+def moe_table(reps, rounds=3):
+    """ms per MoE layer on N tokens, every expert on every token (dense) against each expert on its own
+    tokens (sparse), for a few layer shapes: {(D, F, E, N): (dense ms, sparse ms, the layer's choice)}. Both
+    compute the same function (equal up to float rounding); model.DENSE_MOE_WORK sets where a layer switches."""
+    cells = {}
+    for D, Fx, E in ((64, 128, 4), (64, 128, 8), (128, 256, 4), (256, 512, 4)):
+        torch.manual_seed(0)
+        layer = M.MoE(M.ModelConfig(d_model=D, d_expert=Fx, n_experts=E, top_k=2))
+        for N in (16, 32, 64, 128, 256, 512):
+            cells[(D, Fx, E, N)] = (layer, torch.randn(N, D))
+    times = {cell: ([], []) for cell in cells}
+    for _ in range(rounds):  # rounds that visit every cell in turn: the host's drift hits all alike
+        for cell, (layer, x) in cells.items():
+            choice = layer.dense_below
+            for way, below in enumerate((float("inf"), 0)):  # dense, then sparse
+                layer.dense_below = below
+                with torch.no_grad():
+                    times[cell][way].append(timed(lambda: layer(x), reps))
+            layer.dense_below = choice
+    return {cell: (statistics.median(d) * 1e3, statistics.median(s) * 1e3,
+                   "dense" if cell[3] <= cells[cell][0].dense_below else "sparse")
+            for cell, (d, s) in times.items()}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=15, help="timed calls per figure (median)")
@@ -106,6 +133,13 @@ def main():
     decode = decode_table(policy, args.reps)
     out["decode_ms"] = {f"{r} rows, width {w}": round(ms, 3) for (r, w), ms in decode.items()}
     print("decode step, ms: " + " | ".join(f"{r} rows x {w}: {ms:.2f}" for (r, w), ms in decode.items()))
+    moe = moe_table(args.reps)
+    out["moe_ms"] = {f"D {d} F {f} E {e}, {n} tokens": {"dense": round(dn, 3), "sparse": round(sp, 3), "chosen": c}
+                     for (d, f, e, n), (dn, sp, c) in moe.items()}
+    for d, f, e, n in moe:
+        dn, sp, c = moe[(d, f, e, n)]
+        print(f"MoE layer D {d} F {f} E {e} (top-2), {n:3d} tokens: every expert {dn:6.2f} ms | routed "
+              f"{sp:6.2f} ms | the layer runs {c}" + (" (the faster)" if (dn <= sp) == (c == "dense") else ""))
     print(json.dumps(out))
 
 
