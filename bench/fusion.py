@@ -64,6 +64,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import socket
 import statistics
 import sys
@@ -118,10 +119,10 @@ def fresh_group(store, prefix, rank):
                             timeout=datetime.timedelta(seconds=600))
 
 
-def run_mode(args, rank, mode, rep):
-    """One GRPO run in `mode`. Returns (tokens_per_s, rollout_s, train_s, switch_s per step, cores used)."""
+def run_mode(args, rank, mode, rep, tmp):
+    """One GRPO run in `mode`, its files under the folder tmp. Returns (tokens_per_s, rollout_s, train_s,
+    switch_s per step, cores used)."""
     import train_grpo
-    tmp = os.path.join(tempfile.gettempdir(), f"bench_fusion_{os.getppid()}")  # the same folder on both ranks
     out = os.path.join(tmp, f"{mode}_{rep}")
     c0, w0 = time.process_time(), time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
@@ -134,7 +135,7 @@ def run_mode(args, rank, mode, rep):
     return (summary["tokens_per_s"], *per, cores)
 
 
-def bench_rounds(args, rank, store):
+def bench_rounds(args, rank, store, tmp):
     """--warmup-rounds rounds, not counted, then --repeats rounds. A round: separated, bracketed by passes of
     the whole batch alone; colocated, bracketed by passes of half a batch on each rank at once; colocated-all.
     The host's speed drifts over seconds on a shared machine: a mode and the side of the bound that bounds
@@ -148,7 +149,7 @@ def bench_rounds(args, rank, store):
             part = BOUND_SIDE.get(mode)  # the side of the bound that brackets this mode: half before, half after
             timed = bound_side(args, rank, store, part, f"{rep}/before", (args.steps + 1) // 2)
             fresh_group(store, f"{mode}/{rep}/", rank)
-            tok, *per, cores = run = run_mode(args, rank, mode, rep)
+            tok, *per, cores = run = run_mode(args, rank, mode, rep, tmp)
             timed += bound_side(args, rank, store, part, f"{rep}/after", args.steps // 2)
             if part:
                 b[f"{part}_rollout_s"], b[f"{part}_update_s"] = (statistics.fmean(x) for x in zip(*timed))
@@ -175,7 +176,7 @@ def bound_side(args, rank, store, part, when, passes):
     return bound_part(args, rank, part, passes)
 
 
-def bench_switch(args, rank):
+def bench_switch(args, rank, tmp):
     """Median FusedActor round trip, part by part, against a memcpy of the same bytes and against the same
     switch gathering by broadcasts (host_exchange=False), interleaved. Returns a dict."""
     import torch
@@ -186,8 +187,7 @@ def bench_switch(args, rank):
     cfg = train_grpo.Config(d_model=args.switch_d_model, d_expert=args.switch_d_expert, n_layers=args.n_layers,
                             deploy="colocated", bucket_kb=args.switch_bucket_kb, seed=args.seed, device="cpu",
                             warmup_steps=0, eval_prompts=2)
-    out = os.path.join(tempfile.gettempdir(), f"bench_fusion_switch_{os.getppid()}")
-    run = train_grpo.build(cfg, out)  # FSDP2, the engine and the FusedActor exactly as a training run has them
+    run = train_grpo.build(cfg, os.path.join(tmp, "switch"))  # FSDP2, the engine and the actor as a run has them
     model, opt, actor, engine = run.model, run.optimizer, run.actor, run.engine
     by_broadcast = fusion.FusedActor(model, opt, engine, actor.train_layout, actor.infer_layout,
                                      bucket_bytes=actor.bucket_bytes, offload_params=actor.offload_params,
@@ -306,7 +306,7 @@ def bound_rollout(cfg, rank, part, model, prompts, seeds):
     return t1 - t0, samples, t2 - t1
 
 
-def worker(rank, args, port, results):
+def worker(rank, args, port, results, tmp):
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)  # 2 processes x 1 thread on 2 cores
@@ -316,10 +316,10 @@ def worker(rank, args, port, results):
     dist.init_process_group("gloo", store=dist.PrefixStore("switch/", store), rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=600))
     try:
-        switch = bench_switch(args, rank)
+        switch = bench_switch(args, rank, tmp)
         if rank == 0:
             print_switch(switch)
-        bounds, runs = bench_rounds(args, rank, store) if not args.switch_only else ([], {})
+        bounds, runs = bench_rounds(args, rank, store, tmp) if not args.switch_only else ([], {})
         if rank == 0:
             results.put((switch, bounds, runs))
     finally:
@@ -404,17 +404,21 @@ def main(argv=None):
     print("config: " + json.dumps(vars(args)), flush=True)
     ctx = mp.get_context("spawn")
     results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=worker, args=(r, args, port, results)) for r in range(2)]
-    for pr in procs:
-        pr.start()
-    res = None
-    while res is None and all(pr.exitcode in (None, 0) for pr in procs):
-        with contextlib.suppress(queue.Empty):
-            res = results.get(timeout=1)
-    for pr in procs:
-        if res is None and pr.is_alive():  # a rank failed: the other may wait in a collective until its timeout
-            pr.terminate()
-        pr.join()
+    tmp = tempfile.mkdtemp(prefix="bench_fusion_")  # the runs' files, shared by the ranks, removed at the end
+    procs = [ctx.Process(target=worker, args=(r, args, port, results, tmp)) for r in range(2)]
+    try:
+        for pr in procs:
+            pr.start()
+        res = None
+        while res is None and all(pr.exitcode in (None, 0) for pr in procs):
+            with contextlib.suppress(queue.Empty):
+                res = results.get(timeout=1)
+        for pr in procs:
+            if res is None and pr.is_alive():  # a rank failed: the other may wait in a collective until its timeout
+                pr.terminate()
+            pr.join()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     if res is None:
         raise SystemExit(f"a rank failed (its traceback is above): exit codes {[pr.exitcode for pr in procs]}")
     switch, bounds, runs = res
