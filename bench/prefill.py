@@ -16,6 +16,9 @@ measured forward cost, and the bucketed prefill should not be slower than one pa
 the noise of a timing.
   decode_ms             one decode step (a forward of one token per row with the KV cache, and
                         sampling) for rows in {1, 64, 256} and KV widths {32, 256}.
+  generate_s            a whole generate() of 64 and 256 rows, the KV cache compacted by KVCache.compact
+                        (the few rows past the live batch move into finished slots) against the naive copy
+                        of every live row whenever a row finishes: the same tokens, and the time.
   moe_ms                one MoE layer on N tokens, every expert on every token against each expert on its
                         own tokens, for a few layer shapes, and which of the two the layer runs
                         (model.DENSE_MOE_WORK): the faster, except near where they cost the same.
@@ -80,6 +83,40 @@ def decode_table(policy, reps, rounds=5):
     return {cell: statistics.median(t) * 1e3 for cell, t in times.items()}
 
 
+def naive_compact(cache, finished):
+    """KVCache.compact the naive way: a copy of every live row, in order."""
+    live = (~finished).nonzero().squeeze(-1)
+    cache.k, cache.v = cache.k[:, live], cache.v[:, live]
+    return live
+
+
+def compaction_table(policy, reps, rounds=3):
+    """A whole generate() of N rows (random contexts of 10 to 30 tokens, up to 33 new tokens, rows ending at EOS
+    as the untrained policy samples it), with the cache compacted by KVCache.compact against the naive copy:
+    {N: (naive s, compact s, same tokens and log-probs)}, the median of `rounds` interleaved rounds."""
+    moved = M.KVCache.compact
+    calls, times, same = {}, {}, {}
+    for rows in (64, 256):
+        contexts = [torch.randint(4, 14, (int(n),)) for n in torch.randint(10, 31, (rows,))]
+        seeds = torch.arange(rows)
+
+        @torch.no_grad()
+        def call(way, contexts=contexts, seeds=seeds):
+            M.KVCache.compact = way
+            try:
+                return M.generate(policy, contexts, seeds, 33, eos_id=1)
+            finally:
+                M.KVCache.compact = moved
+        calls[rows], times[rows] = call, ([], [])
+        a, b = call(naive_compact), call(moved)
+        same[rows] = all(map(torch.equal, a.tokens + a.logprobs, b.tokens + b.logprobs))
+    for _ in range(rounds):
+        for rows, call in calls.items():
+            for way, t in zip((naive_compact, moved), times[rows]):
+                t.append(timed(lambda: call(way), max(reps // 5, 1)))
+    return {rows: (statistics.median(t[0]), statistics.median(t[1]), same[rows]) for rows, t in times.items()}
+
+
 def moe_table(reps, rounds=3):
     """ms per MoE layer on N tokens, every expert on every token (dense) against each expert on its own
     tokens (sparse), for a few layer shapes: {(D, F, E, N): (dense ms, sparse ms, the layer's choice)}. Both
@@ -133,6 +170,12 @@ def main():
     decode = decode_table(policy, args.reps)
     out["decode_ms"] = {f"{r} rows, width {w}": round(ms, 3) for (r, w), ms in decode.items()}
     print("decode step, ms: " + " | ".join(f"{r} rows x {w}: {ms:.2f}" for (r, w), ms in decode.items()))
+    comp = compaction_table(policy, args.reps)
+    out["generate_s"] = {f"{n} rows": {"naive_compaction": round(a, 4), "compact": round(b, 4),
+                                       "speedup": round(a / b, 2), "same_tokens": ok} for n, (a, b, ok) in comp.items()}
+    for n, (a, b, ok) in comp.items():
+        print(f"generate, {n:3d} rows: the naive compaction {a * 1e3:6.1f} ms | KVCache.compact {b * 1e3:6.1f} ms | "
+              f"x{a / b:.2f} | the same tokens and log-probs: {ok}")
     moe = moe_table(args.reps)
     out["moe_ms"] = {f"D {d} F {f} E {e}, {n} tokens": {"dense": round(dn, 3), "sparse": round(sp, 3), "chosen": c}
                      for (d, f, e, n), (dn, sp, c) in moe.items()}
