@@ -2,7 +2,7 @@
 model._prefill's length buckets gain on the pools a stale rollout holds; and what one decode step costs
 by live rows and KV width (the costs bench/simulate.py is calibrated on).
 
-    python bench/prefill.py            # 1 thread, the default policy; about 20 s
+    python bench/prefill.py            # 1 thread, the default policy; about 40 s
 
 model.FORWARD_COST_TOKENS is the price the bucketing DP charges per extra forward. This bench measures
 the two things it stands for, in one run:
