@@ -119,10 +119,10 @@ class Attention(nn.Module):
         return y
 
 
-# An MoE layer on N tokens runs every expert on every token while the work that wastes, N x (E - K) x D x F (x 3)
-# multiply-adds, costs less than gathering each expert's tokens apart, which costs about E x DENSE_MOE_WORK of them
-# here (bench/prefill.py's MoE table: the crossover on CPU).
-DENSE_MOE_WORK = 2 ** 18
+# An MoE layer on N tokens runs every expert on every token while N x D x F <= DENSE_MOE_WORK: below it, a few batched
+# matmuls cost less than each expert's gather, scatter and host sync, though they compute the experts a token did not
+# choose too. A crossover fitted on CPU, for E = 4 to 16 experts (bench/prefill.py's MoE table); not measured on GPUs.
+DENSE_MOE_WORK = 3 * 2 ** 18
 
 
 class MoE(nn.Module):
@@ -133,10 +133,7 @@ class MoE(nn.Module):
         E, D, Fx = cfg.n_experts, cfg.d_model, cfg.d_expert
         Fl = Fx // tp_rank_size(tp_group)[1]                                     # F/t hidden units here
         self.top_k, self.tp_group = cfg.top_k, tp_group
-        # Up to dense_below tokens (decoding), every expert on every token: a few batched matmuls and no gathers, the
-        # E - K experts a token did not choose wasted (F/t hidden units here under TP)
-        wasted = (E - cfg.top_k) * D * Fl                                       # per token
-        self.dense_below = E * DENSE_MOE_WORK / wasted if wasted else float("inf")
+        self.dense_below = DENSE_MOE_WORK / (D * Fl)  # tokens; F/t hidden units here under TP
         self.router = nn.Linear(D, E, bias=False)
         self.w_gate = nn.Parameter(torch.randn(E, D, Fl) * D ** -0.5)
         self.w_up = nn.Parameter(torch.randn(E, D, Fl) * D ** -0.5)
@@ -153,12 +150,12 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])                                              # (N, D)
         gates = self.gates(x)                                                     # (N, E)
-        if x.shape[0] <= self.dense_below:  # a few tokens (decoding): every expert on every token, combined by gates
+        if x.shape[0] <= self.dense_below:  # a few tokens: every expert on every token, combined by gates
             h = F.silu(torch.einsum("nd,edf->enf", x, self.w_gate)) \
                 * torch.einsum("nd,edf->enf", x, self.w_up)                       # (E, N, F)
             y = torch.einsum("enf,efd->end", h, self.w_down)                      # (E, N, D)
             out = torch.einsum("ne,end->nd", gates, y)
-        else:  # training and prefill: each expert only on the tokens routed to it
+        else:  # more: each expert only on the tokens routed to it
             out = torch.zeros_like(x)
             for e in range(gates.shape[1]):
                 idx = gates[:, e].nonzero().squeeze(-1)                           # (n_e,) host sync
@@ -263,22 +260,21 @@ class KVCache:
 
     def compact(self, finished):
         """Drop the finished rows, finished (B,) bool, from the batch. The naive way, self.k[:, live], copies
-        every live row whenever a row finishes, which is at most decode steps. Here only the live rows past the
-        first B' move, into the finished slots among those, and the batch becomes the first B' rows, a view of
-        the same memory. Returns order (B',): each row's index before; the caller reorders its per-row tensors
-        by it (a row's keys and values are the same wherever it sits in the batch)."""
-        n = int((~finished).sum())
-        holes = finished[:n].nonzero().squeeze(-1)                                # (m,) finished, staying
-        movers = (~finished[n:]).nonzero().squeeze(-1) + n                       # (m,) live, leaving
-        t = self.length  # the columns after it hold nothing yet
+        every live row, up to once a decode step. Here only the live rows past the first B' are copied, into
+        the finished slots among those, and the batch becomes the first B' rows, a view of the same memory.
+        Returns order (B',): each row's index before; the caller reorders its per-row tensors by it. A row's
+        place in the batch changes nothing but, in a small batch, a kernel's rounding: the same tokens, and
+        log-probs the same or a few ulp apart (tests/test_model.py)."""
+        done = finished.cpu()  # one host sync
+        n = int((~done).sum())
+        holes = done[:n].nonzero().squeeze(-1)                                    # (m,) finished, staying
+        movers = (~done[n:]).nonzero().squeeze(-1) + n                           # (m,) live, leaving
+        order = torch.arange(len(done))
+        order[holes] = movers
+        holes, movers, t = holes.to(self.k.device), movers.to(self.k.device), self.length  # columns >= t: empty
         self.k[:, holes, :, :t], self.v[:, holes, :, :t] = self.k[:, movers, :, :t], self.v[:, movers, :, :t]
         self.k, self.v = self.k[:, :n], self.v[:, :n]
-        order = torch.arange(len(finished), device=finished.device)
-        order[holes] = movers
-        return order[:n]
-
-    def nbytes(self):
-        return self.k.nbytes + self.v.nbytes
+        return order[:n].to(finished.device)
 
 
 def _mix32(x):
@@ -490,7 +486,7 @@ class Sampler:
             for b in rows[finished].tolist():
                 done[b] = True
             if bool(finished.any()):  # compact: finished rows leave the batch and stop costing compute
-                keep = cache.compact(finished)                                     # (B'',) rows moved, not copied
+                keep = cache.compact(finished)                                     # (B'',) few rows copied
                 rows, tok, next_pos, valid, left = rows[keep], tok[keep], next_pos[keep], valid[keep], left[keep]
             if len(rows) == 0 or (step == steps - 1 and not self.keep):  # kept rows need their next logits
                 break
@@ -498,9 +494,11 @@ class Sampler:
             logits = model(tok[:, None], next_pos[:, None], valid[:, None, None, :], cache)[:, -1]
             next_pos = next_pos + 1
             self.steps += 1
+        # Held: copies of the live rows' keys and values (the batch is a view of the whole cache), and each held
+        # row's context, checked when it resumes.
         self.state = None if not (self.keep and len(rows)) else dict(
-            seeds=seeds[rows].tolist(), k=cache.k[:, :, :, :cache.length], v=cache.v[:, :, :, :cache.length],
-            valid=valid, pos=next_pos, logits=logits,  # ctx: each held row's context, checked when it resumes
+            seeds=seeds[rows].tolist(), valid=valid, pos=next_pos, logits=logits,
+            k=cache.k[:, :, :, :cache.length].clone(), v=cache.v[:, :, :, :cache.length].clone(),
             ctx=[torch.cat([contexts[b].cpu(), torch.tensor(out_tok[b], dtype=torch.long)]) for b in rows.tolist()])
         return Generation(
             tokens=[torch.tensor(t, dtype=torch.long) for t in out_tok],

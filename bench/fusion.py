@@ -417,7 +417,11 @@ def main(argv=None):
             if res is None and pr.is_alive():  # a rank failed: the other may wait in a collective until its timeout
                 pr.terminate()
             pr.join()
-    finally:
+    finally:  # also after an interrupt: no rank left running, then no folder
+        for pr in procs:
+            if pr.is_alive():
+                pr.terminate()
+                pr.join()
         shutil.rmtree(tmp, ignore_errors=True)
     if res is None:
         raise SystemExit(f"a rank failed (its traceback is above): exit codes {[pr.exitcode for pr in procs]}")

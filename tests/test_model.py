@@ -39,13 +39,30 @@ def test_compacting_the_cache_moves_only_the_rows_it_must():
     cache.k.normal_(), cache.v.normal_()
     cache.length = 7
     k, v, storage = cache.k.clone(), cache.v.clone(), cache.k.untyped_storage().data_ptr()
-    finished = torch.tensor([True, False, False, True, False, False])
-    order = cache.compact(finished)
+    assert cache.compact(torch.zeros(6, dtype=torch.bool)).tolist() == list(range(6))  # none finished: no change
+    order = cache.compact(torch.tensor([True, False, False, True, False, False]))
     assert order.tolist() == [4, 1, 2, 5]  # rows 4 and 5, live past the first 4, fill the finished slots 0 and 3
     assert torch.equal(cache.k[..., :7, :], k[:, order, :, :7]) and torch.equal(cache.v[..., :7, :], v[:, order, :, :7])
     assert cache.k.shape[1] == 4 and cache.k.untyped_storage().data_ptr() == storage  # a view: nothing copied whole
     order = cache.compact(torch.tensor([False, False, True, True]))  # the finished rows are the last: none moves
     assert order.tolist() == [0, 1] and torch.equal(cache.k[..., :7, :], k[:, [4, 1], :, :7])
+    assert cache.compact(torch.ones(2, dtype=torch.bool)).tolist() == [] and cache.k.shape[1] == 0
+
+
+def test_compacting_by_moving_rows_samples_what_copying_every_live_row_samples(monkeypatch):
+    model, ctxs = _model(), _contexts([2, 11, 6, 6, 1, 15, 9, 3])
+    moved = generate(model, ctxs, torch.arange(8), max_new_tokens=20, eos_id=EOS)
+
+    def copy_live(cache, finished):  # the naive compaction: every live row copied, in order
+        live = (~finished).nonzero().squeeze(-1)
+        cache.k, cache.v = cache.k[:, live], cache.v[:, live]
+        return live
+    monkeypatch.setattr(KVCache, "compact", copy_live)
+    copied = generate(model, ctxs, torch.arange(8), max_new_tokens=20, eos_id=EOS)
+    assert len({len(t) for t in copied.tokens}) > 2  # rows finish at different steps: the batch is compacted
+    assert all(map(torch.equal, moved.tokens, copied.tokens))
+    for a, b in zip(moved.logprobs, copied.logprobs):  # a row's place in a small batch can move a kernel's rounding
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
 def test_generate_logprobs_equal_training_forward():
