@@ -8,7 +8,7 @@ The colocated deployment, with layout switching and zero-redundancy memory switc
            states and grads are offloaded to host memory, leaving the device to the inference state.
 to_rollout() offloads, then builds the inference weights bucket by bucket: all-gather a bucket of shards,
 hand (name, full tensor) pairs to the engine's load_weights (vLLM's shape), free the bucket. No rank ever
-holds more than its final inference weights plus one bucket (on one host, the shared one it keeps).
+holds more than its final inference weights plus one bucket.
 to_train() frees them and brings the rest back.
 Other state that changes layout between the phases (moe_switch.py's experts) rides along as a "mover":
 any object with to_rollout() and to_train(), called inside the same switch.
@@ -21,7 +21,7 @@ Contents, primitives first:
   plan_buckets       (name, full shape, dtype) grouped into buckets of at most B gathered bytes
   gather_into        one weight's FSDP2 shards into a full-size destination: own rows copied, W broadcasts
   gather_bucket      gather_into for a bucket of weights, into one flat buffer; (name, full view) pairs
-  HostExchange       ranks on one host (CPU): a bucket gathered through shared memory, not broadcasts
+  HostExchange       ranks on one host (CPU): each reads its peers' shards from shared memory, not broadcasts
   push_weights       separated deployment: trainers gather a bucket, trainer `src` broadcasts it to generators
   FusedActor         the two phases: to_rollout(), to_train(), metrics(), state_dict(); `with rollout(actor)`
   HostOffloaded      a frozen module (the reference model) kept on host except inside `with ref.on_device()`
@@ -37,10 +37,10 @@ Departures from the source system (Huawei's RL post-training on CloudMatrix 384)
   3. Across hosts (and on CUDA, over nccl) the gather is W in-place broadcasts per weight, each owner's
      c rows straight into their place in the destination. One all-gather per weight (this file's first
      version) moves the same bytes, but gloo's all-gather runs well below its broadcast's bandwidth on
-     CPU (bench/RESULTS.md). When every rank is on one host and the tensors are on CPU, the ranks
-     exchange the rows through one shared-memory buffer of a bucket instead (HostExchange): copies at
-     memory speed, where loopback TCP costs several times a copy per byte. The GPU counterpart, CUDA IPC
-     handles between the processes of one node, is left out.
+     CPU (bench/RESULTS.md). When every rank is on one host and the tensors are on CPU, the shards live
+     in shared memory and each rank copies its peers' rows straight out of it (HostExchange): one copy
+     per byte at memory speed, where loopback TCP costs several times a copy per byte. The GPU
+     counterpart, peer reads through CUDA IPC handles between the processes of one node, is left out.
   4. The training parameter shards stay on the device during ROLLOUT by default: they are 1/W of the
      model and needed first thing back in TRAIN. `offload_params=True` offloads them too.
   5. The engine's weight storages are freed in TRAIN (resized to 0) and re-allocated bucket by bucket;
@@ -121,7 +121,7 @@ import select
 import shutil
 import tempfile
 import time
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 
 import torch
@@ -344,52 +344,61 @@ def gather_bucket(params, bucket, device):
 
 
 class HostExchange:
-    """Ranks on one host gather through shared memory instead of the network: one buffer of a bucket's
-    gathered bytes, mapped by every rank. gather() has each rank write its own rows of the bucket's
-    weights into their place in it (1/W of the bucket; a plain, unsharded tensor: the first rank writes
-    it whole), and hands back views of the whole bucket, which the caller reads (the engine's weights
-    copy it, or load_weights cuts its piece from it). Both at memory speed, where gather_into's
-    broadcasts move the same bytes through the loopback network stack (gloo on CPU, several times slower
-    per byte). The CPU counterpart of the CUDA IPC handles that colocated systems pass between processes.
-    Two barriers per bucket: before writing (every rank is done with the previous bucket) and after
-    (every rank has written). They go through named pipes, not the process group: each rank writes a
-    byte into every peer's pipe and reads one from each of them, tens of microseconds where gloo's
-    barrier over loopback TCP takes several hundred; a pipe's write and read order the buffer's writes
-    before them. A peer missing for timeout_s raises TimeoutError (every peer exited: RuntimeError).
-    The buffer is one bucket of host memory, held as long as the object (FusedActor counts it as
-    mem/*_exchange_bytes). Built by HostExchange.connect()."""
+    """Ranks on one host gather by reading each other's shards from shared memory, not through the network.
+    connect() moves each rank's FSDP2 shard storages into shared memory in place (torch's own sharing, as
+    torch.multiprocessing does it: the parameters, FSDP2 and the optimizer keep their tensors, now backed
+    by a shared file) and maps every peer's. gather_into() then fills a full weight from each owner's rows
+    straight out of its memory: one copy per gathered byte at memory speed, where gather_into's broadcasts
+    move the same bytes through the loopback network stack (gloo on CPU, several times slower per byte),
+    and a staging buffer that each rank writes its rows into would copy every byte one and a half times.
+    The CPU counterpart of the CUDA IPC handles through which the GPUs of one node read each other's memory.
+    No peer may change its shards while others read them: reading() brackets a gather with two barriers,
+    entering (every rank is done with its optimizer step) and leaving (every rank has read). They go
+    through named pipes, not the process group: each rank writes a byte into every peer's pipe and reads
+    one from each of them, tens of microseconds where gloo's barrier over loopback TCP takes several
+    hundred; a pipe's write and read order the memory writes before them. The entering byte also says
+    whether the rank's shards are still the storages it shared: a parameter replaced since (e.g. by
+    load_state_dict(assign=True)) would leave its peers reading stale memory, so then every rank raises.
+    A peer missing for timeout_s raises TimeoutError (every peer exited: RuntimeError).
+    It holds no memory of its own. The shared storages can no longer be resized, which offload_params
+    needs: FusedActor then gathers by broadcasts. Built by HostExchange.connect()."""
 
-    def __init__(self, group, buffer, reader, writers, timeout_s):
-        self.group, self.buffer, self.timeout_s = group, buffer, timeout_s  # buffer: (bucket bytes,) uint8
+    def __init__(self, group, peer_rows, shared, reader, writers, timeout_s):
+        self.rank, self.world, self.timeout_s = dist.get_rank(group), dist.get_world_size(group), timeout_s
+        self.peer_rows = peer_rows  # {name: {peer rank: its rows (<= c, ...) mapped from its memory, or None}}
+        self.shared = shared        # {name: (storage address, offset)}: this rank's shards as it shared them
         self.reader, self.writers = reader, writers  # this rank's pipe, and the W-1 peers' (file descriptors)
         self.poller = select.poll()  # poll, not select: file descriptors above 1024 are fine
         self.poller.register(reader, select.POLLIN)
 
     @classmethod
-    def connect(cls, group, bucket_bytes, device, timeout_s=300.0):
-        """A HostExchange for buckets of up to bucket_bytes over group, or None where it cannot work: CUDA
-        tensors, one rank, no room in /dev/shm, or ranks that cannot open what the first rank made (other
-        hosts). Collective over group, and every rank gets the same answer, whichever rank fails where."""
-        if device.type != "cpu" or group is None or dist.get_world_size(group) < 2 or bucket_bytes == 0:
+    def connect(cls, group, params, timeout_s=300.0):
+        """A HostExchange for the FSDP2 shards among params ({name: parameter}) over group, or None where it
+        cannot work: tensors not on CPU, one rank, no room in /dev/shm, or ranks that cannot open what the
+        others shared (other hosts, other PID namespaces). Collective over group, and every rank gets the
+        same answer, whichever rank fails where."""
+        if group is None or dist.get_world_size(group) < 2 or any(p.device.type != "cpu" for p in params.values()):
             return None
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        made = _make_exchange_folder(bucket_bytes, world) if rank == 0 else None
-        buffer, reader, writers = None, None, []
+        made = _make_pipes_folder(world) if rank == 0 else None
+        reader, writers = None, []
         try:
             box = [made]
             dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
             if box[0] is None:
                 return None
-            with suppress(OSError, RuntimeError):  # a rank that cannot open them: another host's /dev/shm
-                buffer = torch.from_file(os.path.join(box[0], "buffer"), shared=True, size=bucket_bytes,
-                                         dtype=torch.uint8)
+            with suppress(OSError):  # a rank that cannot open it: another host's /dev/shm
                 reader = os.open(os.path.join(box[0], f"pipe{rank}"), os.O_RDONLY | os.O_NONBLOCK)
-            if _all_ranks(reader is not None, group):  # every pipe has its reader: the peers can open it
+            mine = _share_shards(params)
+            everyone = [None] * world
+            dist.all_gather_object(everyone, (os.getpid(), mine and mine[0]), group=group)
+            peer_rows = _map_peers(everyone, rank) if reader is not None else None
+            if _all_ranks(peer_rows is not None, group):  # every pipe has its reader: the peers can open it
                 with suppress(OSError):
                     for peer in (q for q in range(world) if q != rank):
                         writers.append(os.open(os.path.join(box[0], f"pipe{peer}"), os.O_WRONLY | os.O_NONBLOCK))
             if _all_ranks(len(writers) == world - 1, group):
-                return cls(group, buffer, reader, writers, timeout_s)
+                return cls(group, peer_rows, mine[1], reader, writers, timeout_s)
         except BaseException:
             _close_all(writers + [reader])
             raise
@@ -399,38 +408,57 @@ class HostExchange:
         _close_all(writers + [reader])
         return None
 
-    def gather(self, params, bucket):
-        """[(name, full weight)] of a bucket, views into the shared buffer, valid until this rank's next
-        gather: every rank's rows of FSDP2 shards (as gather_into), a plain tensor as it is."""
-        _, views = bucket_views(bucket, "cpu", self.buffer)
-        self.barrier()  # every rank is done with the previous bucket
-        for name, full in views:
-            p = params[name]
-            if not isinstance(p, DTensor):  # whole on every rank: the first one writes it
-                if dist.get_rank(self.group) == 0:
-                    full.copy_(p.detach())
-                continue
-            local, mesh = p._local_tensor, p.device_mesh                           # (<= c, ...) my rows
-            r, c = mesh.get_local_rank(), -(-full.shape[0] // mesh.size())
-            full[r * c:r * c + local.shape[0]].copy_(local)
-        self.barrier()  # every rank has written its rows
-        return views
+    def gather_into(self, name, p, out):
+        """Fill out (rows, ...), a contiguous full-size tensor, with the full weight of p: each owner's rows
+        of its FSDP2 shard (Shard(0), c = ceil(rows / W) rows each, as gather_into) copied from its memory,
+        this rank's from its own; a plain tensor copied. Inside reading()."""
+        if not isinstance(p, DTensor):
+            out.copy_(p.detach())
+            return
+        if name not in self.peer_rows:
+            raise KeyError(f"{name}: not among the parameters HostExchange.connect() shared")
+        c = -(-out.shape[0] // self.world)
+        for owner in range(self.world):
+            rows = p._local_tensor if owner == self.rank else self.peer_rows[name][owner]   # (<= c, ...)
+            if rows is not None and rows.numel():
+                out[owner * c:owner * c + rows.shape[0]].copy_(rows)
 
-    def barrier(self):
-        """Return when every rank of the group has called barrier() as often as this one: a byte into
-        each peer's pipe, then one out of this rank's pipe from each peer. A failed barrier closes the
-        exchange (the ranks' counts no longer agree): later calls raise."""
+    @contextmanager
+    def reading(self, params):
+        """Around a gather of params ({name: parameter}): enter when every rank has come, its shards still the
+        storages it shared (else ValueError on every rank); leave when every rank has read."""
+        moved = sorted(n for n, (address, offset) in self.shared.items() if n not in params or
+                       (_local(params[n]).untyped_storage().data_ptr(), _local(params[n]).storage_offset())
+                       != (address, offset))
+        if not self.barrier(ok=not moved):
+            raise ValueError(f"the shards {moved[:4] or '(of another rank)'} are no longer the storages "
+                             "HostExchange.connect() shared (a parameter was replaced, e.g. by "
+                             "load_state_dict(assign=True)): the peers would read stale memory; build a new "
+                             "FusedActor after replacing parameters")
+        try:
+            yield
+        finally:
+            if self.reader is not None:  # not after a failed barrier: its error stands
+                self.barrier()
+
+    def barrier(self, ok=True):
+        """Return when every rank of the group has called barrier() as often as this one: True if every rank
+        passed ok=True. A byte into each peer's pipe, then one out of this rank's pipe from each peer. A
+        failed barrier closes the exchange (the ranks' counts no longer agree): later calls raise."""
         if self.reader is None:
             raise RuntimeError("HostExchange is closed (close() was called, or a barrier failed)")
-        deadline = time.monotonic() + self.timeout_s
+        deadline, all_ok = time.monotonic() + self.timeout_s, bool(ok)
         try:
             for fd in self.writers:
-                os.write(fd, b"\0")
+                os.write(fd, bytes([all_ok]))
             for _ in self.writers:
                 if not self.poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
                     raise TimeoutError(f"HostExchange: a peer did not reach the barrier within {self.timeout_s} s")
-                if not os.read(self.reader, 1):
+                byte = os.read(self.reader, 1)
+                if not byte:
                     raise RuntimeError("HostExchange: every peer closed its pipe (exited)")
+                all_ok = all_ok and byte == b"\1"
+            return all_ok
         except BrokenPipeError:
             self.close()
             raise RuntimeError("HostExchange: a peer closed its pipe (exited)") from None
@@ -439,10 +467,10 @@ class HostExchange:
             raise
 
     def close(self):
-        """Close this rank's pipes (the buffer's mapping goes with the last view of it)."""
+        """Close this rank's pipes and drop its mappings of the peers' shards."""
         if self.reader is not None:
             _close_all(self.writers + [self.reader])
-        self.reader, self.writers = None, []
+        self.reader, self.writers, self.peer_rows = None, [], {}
 
     def __del__(self):
         self.close()
@@ -454,26 +482,68 @@ def _close_all(fds):
             os.close(fd)
 
 
-def _make_exchange_folder(nbytes, world):
-    """A new folder in /dev/shm, readable by this user only, holding the buffer (nbytes, its memory
-    reserved now: a sparse file on a full /dev/shm would kill the first rank to write past the end with
-    SIGBUS) and a named pipe per rank. Its path, or None if it could not be made."""
+def _make_pipes_folder(world):
+    """A new folder in /dev/shm, readable by this user only, holding a named pipe per rank. Its path, or None
+    if it could not be made."""
     try:
         folder = tempfile.mkdtemp(prefix="fusion_exchange_", dir="/dev/shm")  # mode 0700
     except OSError:  # no /dev/shm (not Linux)
         return None
     try:
-        fd = os.open(os.path.join(folder, "buffer"), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, nbytes)
-        finally:
-            os.close(fd)
         for r in range(world):
             os.mkfifo(os.path.join(folder, f"pipe{r}"), 0o600)
         return folder
     except OSError:
         shutil.rmtree(folder, ignore_errors=True)
         return None
+
+
+def _share_shards(params):
+    """Move this rank's non-empty FSDP2 shards into shared memory, in place. Returns (what a peer needs to map
+    them: {name: dict}, {name: (storage address, offset)}), or None if /dev/shm has no room (torch reserves
+    the bytes before it copies, and refuses cleanly)."""
+    public, shared = {}, {}
+    try:
+        for name, p in params.items():
+            local = p._local_tensor if isinstance(p, DTensor) else None                  # (<= c, ...) my rows
+            if local is None:
+                continue
+            if not local.numel():  # nothing to read: a peer skips it
+                public[name] = None
+                continue
+            storage = local.untyped_storage()
+            fd, nbytes = storage._share_fd_cpu_()  # every tensor on this storage now views a shared file
+            file = os.fstat(fd)
+            public[name] = {"fd": fd, "file": (file.st_dev, file.st_ino), "nbytes": nbytes, "dtype": local.dtype,
+                            "offset": local.storage_offset(), "shape": tuple(local.shape), "stride": local.stride()}
+            shared[name] = (storage.data_ptr(), local.storage_offset())
+    except RuntimeError:
+        return None
+    return public, shared
+
+
+def _map_peers(everyone, rank):
+    """{name: {peer rank: its rows, or None}} mapped from every peer's shared shards through /proc/<pid>/fd/<fd>
+    (the very file the peer holds open, checked by its identity), or None where any cannot be opened."""
+    if any(public is None or set(public) != set(everyone[rank][1]) for _, public in everyone):
+        return None  # a rank without room in /dev/shm, or ranks that disagree on the shards
+    rows, files = {name: {} for name in everyone[rank][1]}, {}
+    try:
+        for owner, (pid, public) in enumerate(everyone):
+            if owner == rank:
+                continue
+            for name, m in public.items():
+                if m is not None and (owner, m["fd"]) not in files:
+                    path = f"/proc/{pid}/fd/{m['fd']}"
+                    file = os.stat(path)
+                    if (file.st_dev, file.st_ino) != m["file"]:
+                        return None  # another process's file: the peer is in another PID namespace
+                    files[owner, m["fd"]] = torch.UntypedStorage.from_file(path, True, m["nbytes"])
+                rows[name][owner] = None if m is None else \
+                    torch.empty(0, dtype=m["dtype"]).set_(files[owner, m["fd"]], m["offset"], m["shape"], m["stride"])
+    except (OSError, RuntimeError):
+        return None
+    return rows
 
 
 def _all_ranks(ok, group):
@@ -552,9 +622,10 @@ class FusedActor:
     counted as inference weights here; their grads and optimizer states are still offloaded. movers:
     objects with to_rollout() and to_train() (and optionally a `stats` dict for metrics()), called at
     the end of to_rollout() and at the start of to_train(), in reverse order: one switch moves all.
-    host_exchange=True: where every rank is on this host and the model on CPU, the gather goes through a
-    HostExchange (one bucket of shared memory, mem/*_exchange_bytes), else by broadcasts. timeout_s: how
-    long the exchange waits for a peer before raising (the broadcasts wait as long as the group allows)."""
+    host_exchange=True: where every rank is on this host and the model on CPU, the ranks read each other's
+    shards from shared memory (HostExchange: it moves the shards there when the actor is built), else the
+    gather broadcasts; offload_params and naive always broadcast. timeout_s: how long the exchange waits
+    for a peer before raising (the broadcasts wait as long as the group allows)."""
 
     def __init__(self, model, optimizer, engine, train_layout, infer_layout, bucket_bytes=1 << 20,
                  offload_params=False, naive=False, manage_engine=True, inplace=False, skip=(), movers=(),
@@ -575,7 +646,8 @@ class FusedActor:
             raise ValueError("inplace=True needs manage_engine=True, naive=False and engine parameters with the "
                              "model's names, full shapes and dtypes (TP 1); use inplace=False (load_weights)")
         self.inplace = inplace
-        self.exchange = self._exchange(model, timeout_s) if host_exchange and not naive and self.buckets else None
+        shareable = host_exchange and not naive and not offload_params and self.buckets
+        self.exchange = self._exchange(model, timeout_s) if shareable else None
         self.phase, self.round_trips, self._hosts, self._param_hosts = TRAIN, 0, [], []
         self._off, self._param_off, self.stats = [], [], {}
         if manage_engine:
@@ -585,11 +657,11 @@ class FusedActor:
         self.record()
 
     def _exchange(self, model, timeout_s):
-        """A HostExchange for these buckets when every rank of the FSDP mesh is on this host (CPU), else None:
-        the gather then broadcasts. Collective."""
+        """A HostExchange of the gathered weights' shards when every rank of the FSDP mesh is on this host
+        (CPU), else None: the gather then broadcasts. Collective."""
         group = next((p.device_mesh.get_group() for p in model.parameters() if isinstance(p, DTensor)), None)
-        nbytes = max(sum(_numel(s) * d.itemsize for _, s, d in b) for b in self.buckets)
-        return HostExchange.connect(group, nbytes, self.device, timeout_s)
+        params = {n: p for n, p in model.named_parameters() if n not in self.skip}
+        return HostExchange.connect(group, params, timeout_s)
 
     def _check_engine_use(self, module, args):
         if self.phase != ROLLOUT:
@@ -604,8 +676,7 @@ class FusedActor:
         return {"params": held_bytes(ps, self.device),
                 "grads": held_bytes([p.grad for p in ps if p.grad is not None], self.device),
                 "optim": held_bytes(optim, self.device),
-                "infer": held_bytes(self._engine_weights().values(), self.device),
-                "exchange": self.exchange.buffer.nbytes if self.exchange is not None else 0}
+                "infer": held_bytes(self._engine_weights().values(), self.device)}
 
     def _engine_weights(self):
         return {n: p for n, p in self.engine.named_parameters() if n not in self.skip}
@@ -684,30 +755,26 @@ class FusedActor:
             with self._timed("alloc"):
                 for p in eng.values():
                     p.untyped_storage().resize_(p.nbytes)
-        with self._timed("gather"):
+        with self._timed("gather"), self._reading(params):
             return self._fill(params, eng)
+
+    def _reading(self, params):
+        """On one host, the span in which the ranks read each other's shards; elsewhere nothing."""
+        return self.exchange.reading(params) if self.exchange is not None else nullcontext()
 
     def _fill(self, params, eng):
         """Gather every bucket and load it into the engine. Returns (the largest bucket held beyond the engine's
         weights, bytes gathered)."""
         extra, gathered, loaded = 0, 0, set()
         for bucket in [sum(self.buckets, [])] if self.naive else self.buckets:
-            if self.inplace and self.exchange is None:  # broadcast straight into the engine's own weights
-                works = []
-                for name, *_ in bucket:
-                    gather_into(params[name], eng[name].detach(), works)
-                [w.wait() for w in works]
+            if self.inplace:  # the engine's weights are the model's, by name and full shape: gathered into them
+                self._gather_into(params, [(name, eng[name].detach()) for name, *_ in bucket])
                 gathered += sum(eng[n].nbytes for n, *_ in bucket)
                 loaded |= {name for name, *_ in bucket}
                 continue
             pairs, held = self._gather(params, bucket)
             extra, gathered = max(extra, held), gathered + sum(t.nbytes for _, t in pairs)
-            if self.inplace:  # the engine's weights are the model's, by name and shape: a plain copy
-                for name, full in pairs:
-                    eng[name].detach().copy_(full)
-                names = [name for name, _ in pairs]
-            else:
-                names = self.engine.load_weights(pairs)
+            names = self.engine.load_weights(pairs)
             if names is None and set(n for n, _ in pairs) - set(eng):
                 raise ValueError("the engine's parameter names are not the model's, and its load_weights returned "
                                  "nothing: return the engine parameter names it loaded (as vLLM's loaders do)")
@@ -721,13 +788,24 @@ class FusedActor:
 
     def _gather(self, params, bucket):
         """One bucket's [(name, full weight)] and the bytes it holds beyond the resident ones."""
-        if self.exchange is not None:  # same host: through the shared buffer, resident for the actor's life
-            return self.exchange.gather(params, bucket), 0
         if self.naive:
             pairs = gather_full_naive({n: p for n, p in params.items() if n not in self.skip})
             return pairs, sum(t.nbytes for _, t in pairs)
-        flat, pairs = gather_bucket(params, bucket, self.device)
+        flat, pairs = bucket_views(bucket, self.device)
+        self._gather_into(params, pairs)
         return pairs, flat.nbytes
+
+    def _gather_into(self, params, outs):
+        """Fill each (name, full-size destination) with its full weight: read from the peers' shards on one host,
+        else by broadcasts."""
+        works = []
+        for name, out in outs:
+            if self.exchange is not None:
+                self.exchange.gather_into(name, params[name], out)
+            else:
+                gather_into(params[name], out, works)
+        for work in works:
+            work.wait()
 
     @torch.no_grad()
     def to_train(self):

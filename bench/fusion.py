@@ -43,9 +43,8 @@ throughput on 2 cores). Three measurements, in the same run:
    its parts from the actor's own clock (to_rollout: offload, alloc, gather; to_train: free, reload),
    switch_bytes the bytes it moves per rank (offloaded bytes x2 + gathered bytes). Interleaved with it,
    both ranks at once: memcpy_bound_s, a plain torch copy_ of switch_bytes in one buffer; and the same
-   switch with the gather by broadcasts (host_exchange=False), what it costs without the shared buffer.
-   Through the shared buffer a rank copies more than switch_bytes: its own rows in, then the whole
-   bucket out, (1 + 1/W) times the gathered bytes; the memcpy bound counts them once.
+   switch with the gather by broadcasts (host_exchange=False), what it costs without shared memory.
+   Through shared memory a rank copies each gathered byte once, from its own shard or a peer's.
 
 Targets on 2 CPU cores: colocated_over_separated_over_bound >= 0.95 and switch_round_trip_s <= 1.5 *
 memcpy_bound_s (targets_met). The last line printed is one JSON object. cores_used is the ranks'

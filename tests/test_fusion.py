@@ -106,9 +106,8 @@ def _check_exact_and_memory(rank, world, model, opt, ref):
             m = actor.metrics()
             assert m["mem/train_optim_bytes"] > 0 and m["mem/train_infer_bytes"] == 0
             out[(tp, kind)] = m["switch/peak_extra_bytes"]
-            shared = m["mem/train_exchange_bytes"]  # the shared bucket, resident in both phases
-            assert (0 < shared <= BUCKET) if actor.exchange else shared == 0, (kind, shared)
-            assert m["mem/rollout_exchange_bytes"] == shared
+            if actor.exchange:  # the ranks read each other's shards: every non-empty one lives in shared memory
+                assert all(_local(p).is_shared() for p in model.parameters() if _local(p).numel()), kind
     assert all(peak <= BUCKET for (_, kind), peak in out.items() if kind != "naive"), out
     assert out[(1, "inplace")] == out[(1, "inplace/broadcast")] == 0, out  # no staging buffer beyond those counted
     assert out[(1, "naive")] > BUCKET, out  # the whole model gathered at once: the check has teeth
@@ -212,10 +211,12 @@ def test_fusion_distributed(world):
 
 
 def _host_exchange(rank, world):
-    """HostExchange against the full tensors: uneven rows, an empty last shard, a plain tensor, one
-    buffer reused over many gathers with new values each time. A peer that does not come to a barrier
+    """HostExchange against the full tensors: uneven rows, an empty shard, a plain tensor, the shards changed
+    in place before every gather (read from the peer's memory, never a stale copy). A shard replaced on one
+    rank makes every rank raise, and the counts still agree after. A peer that does not come to a barrier
     makes it raise TimeoutError, one that closed its pipes RuntimeError at once: no hang. Then the
-    fallback: a rank that cannot map the buffer makes every rank get None, and the folder is gone."""
+    fallbacks: a rank that cannot map its peer's shards, or a peer's process id that names another process,
+    make every rank get None, and the folder is gone."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
     mesh = init_device_mesh("cpu", (world,))
@@ -223,16 +224,26 @@ def _host_exchange(rank, world):
     fulls = {"a": torch.randn(5, 3), "b": torch.randn(1), "c": torch.randn(4, 2)}  # b: rank 1's shard is empty
     params = {n: distribute_tensor(t.clone(), mesh, [Shard(0)]) for n, t in fulls.items() if n != "c"}
     params["c"] = fulls["c"].clone()  # plain: whole on every rank
-    buckets = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in fulls.items()], 64)  # [a, b], [c]
-    exchange = fusion.HostExchange.connect(mesh.get_group(), 64, torch.device("cpu"), timeout_s=1.0)
-    assert exchange is not None and len(buckets) == 2 and exchange.buffer.nbytes == 64
+    exchange = fusion.HostExchange.connect(mesh.get_group(), params, timeout_s=1.0)
+    assert exchange is not None and params["a"]._local_tensor.is_shared()
     for step in range(20):
         for name, p in params.items():  # new values: the same change on every rank's rows and the full copy
             (p._local_tensor if name != "c" else p).add_(1.0)
             fulls[name] += 1.0
-        for bucket in buckets:
-            for name, full in exchange.gather(params, bucket):
-                assert torch.equal(full, fulls[name]), (step, name)
+        with exchange.reading(params):
+            for name, full in fulls.items():
+                out = torch.full_like(full, float("nan"))
+                exchange.gather_into(name, params[name], out)
+                assert torch.equal(out, full), (step, name)
+    kept, replaced = params["a"], distribute_tensor(fulls["a"].clone(), mesh, [Shard(0)])  # (collective)
+    if rank == 1:  # a replaced parameter: its peers would read the old storage
+        params["a"] = replaced
+    with pytest.raises(ValueError, match="no longer the storages"):  # on every rank, not only rank 1
+        with exchange.reading(params):
+            pass
+    params["a"] = kept
+    with exchange.reading(params):  # the ranks' barrier counts still agree
+        pass
     timed_out = False
     if rank == 0:  # rank 1 does not come to this barrier
         try:
@@ -240,40 +251,51 @@ def _host_exchange(rank, world):
         except TimeoutError:
             timed_out = True
         with pytest.raises(RuntimeError, match="closed"):  # the counts no longer agree: no later gather
-            exchange.gather(params, buckets[0])
+            with exchange.reading(params):
+                pass
     dist.barrier()
     exchange.close()
-    gone = fusion.HostExchange.connect(mesh.get_group(), 64, torch.device("cpu"), timeout_s=60.0)
+    gone = fusion.HostExchange.connect(mesh.get_group(), params, timeout_s=60.0)
     if rank == 1:  # as a rank that exited: its pipes closed
         gone.close()
     dist.barrier()
     if rank == 0:  # an error at once, not a wait for the timeout
         with pytest.raises(RuntimeError, match="exited"):
             gone.barrier()
-    made, make, from_file = [], fusion._make_exchange_folder, torch.from_file
+    return timed_out, _fallbacks(rank, mesh, params)
 
-    def recorded(nbytes, world):
-        made.append(make(nbytes, world))
+
+def _fallbacks(rank, mesh, params):
+    """connect() where a rank cannot map its peer's shards (another host), then where rank 0's process id
+    names another process (another PID namespace): None on every rank. Returns the folders made."""
+    made, make, from_file, getpid = [], fusion._make_pipes_folder, torch.UntypedStorage.from_file, os.getpid
+
+    def recorded(world):
+        made.append(make(world))
         return made[-1]
 
     def no_mapping(*args, **kwargs):
         raise RuntimeError("no mapping here")
 
-    fusion._make_exchange_folder = recorded
-    if rank == 1:  # as on another host
-        torch.from_file = no_mapping
+    fusion._make_pipes_folder = recorded
     try:
-        assert fusion.HostExchange.connect(mesh.get_group(), 64, torch.device("cpu")) is None
+        if rank == 1:
+            torch.UntypedStorage.from_file = no_mapping
+        assert fusion.HostExchange.connect(mesh.get_group(), params) is None
+        torch.UntypedStorage.from_file = from_file
+        if rank == 0:
+            os.getpid = os.getppid  # the test runner: its file of that number, if any, is not the shard's
+        assert fusion.HostExchange.connect(mesh.get_group(), params) is None
     finally:
-        torch.from_file, fusion._make_exchange_folder = from_file, make
-    return made, timed_out
+        torch.UntypedStorage.from_file, fusion._make_pipes_folder, os.getpid = from_file, make, getpid
+    return made
 
 
 @pytest.mark.skipif(not SHM, reason="no /dev/shm here: the gather broadcasts")
 def test_host_exchange_gathers_exactly_times_out_and_falls_back_together():
-    (made, timed_out), _ = run_distributed(_host_exchange, world_size=2, timeout_s=120)
+    (timed_out, made), _ = run_distributed(_host_exchange, world_size=2, timeout_s=120)
     assert timed_out
-    assert len(made) == 1 and made[0].startswith("/dev/shm/") and not os.path.exists(made[0])
+    assert len(made) == 2 and all(m.startswith("/dev/shm/") and not os.path.exists(m) for m in made)
 
 
 # ----------------------------------------------------------------------------- single process, no spawn
