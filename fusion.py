@@ -23,7 +23,7 @@ Contents, primitives first:
   gather_bucket      gather_into for a bucket of weights, into one flat buffer; (name, full view) pairs
   HostExchange       ranks on one host (CPU): each reads its peers' shards from shared memory, not broadcasts
   push_weights       separated deployment: trainers gather a bucket, trainer `src` broadcasts it to generators
-  FusedActor         the two phases: to_rollout(), to_train(), metrics(), state_dict(); `with rollout(actor)`
+  FusedActor         the two phases: to_rollout(), to_train(), metrics(), state_dict(), close(); `with rollout(...)`
   HostOffloaded      a frozen module (the reference model) kept on host except inside `with ref.on_device()`
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
@@ -33,7 +33,7 @@ Departures from the source system (Huawei's RL post-training on CloudMatrix 384)
      full weights that are views into the gathered bucket. Every rank gathers every weight: under FSDP
      its shards sit on all ranks anyway. When the engine's weights are the full weights (TP 1) and this
      module manages their storage, the gather writes straight into them instead (`inplace`): no
-     load_weights copy, and, by broadcasts, no bucket buffer at all.
+     load_weights copy and no bucket buffer.
   3. Across hosts (and on CUDA, over nccl) the gather is W in-place broadcasts per weight, each owner's
      c rows straight into their place in the destination. One all-gather per weight (this file's first
      version) moves the same bytes, but gloo's all-gather runs well below its broadcast's bandwidth on
@@ -117,6 +117,7 @@ import ctypes
 import datetime
 import os
 import platform
+import resource
 import select
 import shutil
 import tempfile
@@ -354,64 +355,74 @@ class HostExchange:
     The CPU counterpart of the CUDA IPC handles through which the GPUs of one node read each other's memory.
     No peer may change its shards while others read them: reading() brackets a gather with two barriers,
     entering (every rank is done with its optimizer step) and leaving (every rank has read). They go
-    through named pipes, not the process group: each rank writes a byte into every peer's pipe and reads
-    one from each of them, tens of microseconds where gloo's barrier over loopback TCP takes several
-    hundred; a pipe's write and read order the memory writes before them. The entering byte also says
-    whether the rank's shards are still the storages it shared: a parameter replaced since (e.g. by
-    load_state_dict(assign=True)) would leave its peers reading stale memory, so then every rank raises.
-    A peer missing for timeout_s raises TimeoutError (every peer exited: RuntimeError).
-    It holds no memory of its own. The shared storages can no longer be resized, which offload_params
-    needs: FusedActor then gathers by broadcasts. Built by HostExchange.connect()."""
+    through named pipes, not the process group: a pipe per ordered pair of ranks; each rank writes a byte
+    into the pipe to each peer and reads one from the pipe from each, tens of microseconds where gloo's
+    barrier over loopback TCP takes several hundred; a pipe's write and read order the memory writes
+    before them. The entering byte also says whether the rank's shards are still the storages it shared:
+    a parameter replaced since (e.g. by load_state_dict(assign=True)) would leave its peers reading stale
+    memory, so then every rank raises. A peer missing for timeout_s raises TimeoutError, one that exited
+    RuntimeError.
+    Costs: /dev/shm holds the whole model (the shards of every rank), and each shard storage keeps a file
+    descriptor open. The shards stay in shared memory for the life of the process, where a storage must
+    never be resized again: torch crashes the process when one grows back. FusedActor therefore refuses
+    offload_params on such a model. Built by HostExchange.connect()."""
 
-    def __init__(self, group, peer_rows, shared, reader, writers, timeout_s):
+    def __init__(self, group, peer_rows, shared, readers, writers, timeout_s):
         self.rank, self.world, self.timeout_s = dist.get_rank(group), dist.get_world_size(group), timeout_s
         self.peer_rows = peer_rows  # {name: {peer rank: its rows (<= c, ...) mapped from its memory, or None}}
-        self.shared = shared        # {name: (storage address, offset)}: this rank's shards as it shared them
-        self.reader, self.writers = reader, writers  # this rank's pipe, and the W-1 peers' (file descriptors)
-        self.poller = select.poll()  # poll, not select: file descriptors above 1024 are fine
-        self.poller.register(reader, select.POLLIN)
+        self.shared = shared        # {name: (storage, offset)}: this rank's shards as it shared them (held)
+        self.readers, self.writers = readers, writers  # the pipes from and to the W-1 peers (file descriptors)
 
     @classmethod
     def connect(cls, group, params, timeout_s=300.0):
         """A HostExchange for the FSDP2 shards among params ({name: parameter}) over group, or None where it
-        cannot work: tensors not on CPU, one rank, no room in /dev/shm, or ranks that cannot open what the
-        others shared (other hosts, other PID namespaces). Collective over group, and every rank gets the
-        same answer, whichever rank fails where."""
+        cannot work: tensors not on CPU, one rank, too little room in /dev/shm or too few file descriptors,
+        or ranks that cannot open what the others shared (other hosts, other PID namespaces). Collective over
+        group, and every rank gets the same answer, whichever rank fails where. Where it fails after the
+        ranks began sharing, their shards stay in shared memory."""
         if group is None or dist.get_world_size(group) < 2 or any(p.device.type != "cpu" for p in params.values()):
             return None
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        made = _make_pipes_folder(world) if rank == 0 else None
-        reader, writers = None, []
+        made = _make_pipes_folder(dist.get_world_size(group)) if dist.get_rank(group) == 0 else None
+        box, pipes, exchange = [made], ([], []), None
         try:
-            box = [made]
             dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-            if box[0] is None:
-                return None
-            with suppress(OSError):  # a rank that cannot open it: another host's /dev/shm
-                reader = os.open(os.path.join(box[0], f"pipe{rank}"), os.O_RDONLY | os.O_NONBLOCK)
-            mine = _share_shards(params)
-            everyone = [None] * world
-            dist.all_gather_object(everyone, (os.getpid(), mine and mine[0]), group=group)
-            peer_rows = _map_peers(everyone, rank) if reader is not None else None
-            if _all_ranks(peer_rows is not None, group):  # every pipe has its reader: the peers can open it
-                with suppress(OSError):
-                    for peer in (q for q in range(world) if q != rank):
-                        writers.append(os.open(os.path.join(box[0], f"pipe{peer}"), os.O_WRONLY | os.O_NONBLOCK))
-            if _all_ranks(len(writers) == world - 1, group):
-                return cls(group, peer_rows, mine[1], reader, writers, timeout_s)
-        except BaseException:
-            _close_all(writers + [reader])
-            raise
+            if box[0] is not None:
+                exchange = cls._connect(group, params, box[0], pipes, timeout_s)
         finally:
             if made is not None:
                 shutil.rmtree(made, ignore_errors=True)  # every rank has opened or given up: the names go
-        _close_all(writers + [reader])
-        return None
+            if exchange is None:
+                _close_all(pipes[0] + pipes[1])
+        return exchange
+
+    @classmethod
+    def _connect(cls, group, params, folder, pipes, timeout_s):
+        """connect() once rank 0 has made the pipes' folder. pipes: two lists to open this rank's pipes from
+        and to its peers into (connect() closes them unless an exchange is returned)."""
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        readers, writers, peers = pipes[0], pipes[1], [q for q in range(world) if q != rank]
+        with suppress(OSError):  # a rank that cannot open them: another host's /dev/shm
+            for q in peers:
+                readers.append(os.open(os.path.join(folder, f"{q}to{rank}"), os.O_RDONLY | os.O_NONBLOCK))
+        if not _all_ranks(len(readers) == world - 1 and _room_for(params, world), group):
+            return None
+        mine = _share_shards(params)  # (what a peer needs to map them, {name: (storage, offset)}), or None
+        everyone = [None] * world
+        dist.all_gather_object(everyone, (os.getpid(), mine and mine[0]), group=group)
+        peer_rows = _map_peers(everyone, rank)
+        if not _all_ranks(peer_rows is not None, group):
+            return None
+        with suppress(OSError):  # every pipe has its reader: the peers can open them
+            for q in peers:
+                writers.append(os.open(os.path.join(folder, f"{rank}to{q}"), os.O_WRONLY | os.O_NONBLOCK))
+        if not _all_ranks(len(writers) == world - 1, group):
+            return None
+        return cls(group, peer_rows, mine[1], readers, writers, timeout_s)
 
     def gather_into(self, name, p, out):
         """Fill out (rows, ...), a contiguous full-size tensor, with the full weight of p: each owner's rows
-        of its FSDP2 shard (Shard(0), c = ceil(rows / W) rows each, as gather_into) copied from its memory,
-        this rank's from its own; a plain tensor copied. Inside reading()."""
+        of its FSDP2 shard (Shard(0), c = ceil(rows / W) rows each, as the module's gather_into lays them)
+        copied from its memory, this rank's from its own; a plain tensor copied. Inside reading()."""
         if not isinstance(p, DTensor):
             out.copy_(p.detach())
             return
@@ -427,37 +438,51 @@ class HostExchange:
     def reading(self, params):
         """Around a gather of params ({name: parameter}): enter when every rank has come, its shards still the
         storages it shared (else ValueError on every rank); leave when every rank has read."""
-        moved = sorted(n for n, (address, offset) in self.shared.items() if n not in params or
-                       (_local(params[n]).untyped_storage().data_ptr(), _local(params[n]).storage_offset())
-                       != (address, offset))
+        moved = self._moved(params)
         if not self.barrier(ok=not moved):
             raise ValueError(f"the shards {moved[:4] or '(of another rank)'} are no longer the storages "
                              "HostExchange.connect() shared (a parameter was replaced, e.g. by "
-                             "load_state_dict(assign=True)): the peers would read stale memory; build a new "
-                             "FusedActor after replacing parameters")
+                             "load_state_dict(assign=True)): the peers would read stale memory; close() the "
+                             "FusedActor and build a new one after replacing parameters")
         try:
             yield
         finally:
-            if self.reader is not None:  # not after a failed barrier: its error stands
+            if self.readers:  # not after a failed barrier: its error stands
                 self.barrier()
+
+    def _moved(self, params):
+        """Names of this rank's shards that are no longer the storages it shared."""
+        moved = []
+        for name, (storage, offset) in self.shared.items():
+            local = _local(params[name]) if name in params else None
+            if local is None or local.untyped_storage().data_ptr() != storage.data_ptr() or \
+                    local.storage_offset() != offset:  # the storage is held: its address is not reused
+                moved.append(name)
+        return sorted(moved)
 
     def barrier(self, ok=True):
         """Return when every rank of the group has called barrier() as often as this one: True if every rank
-        passed ok=True. A byte into each peer's pipe, then one out of this rank's pipe from each peer. A
-        failed barrier closes the exchange (the ranks' counts no longer agree): later calls raise."""
-        if self.reader is None:
+        passed ok=True. A byte into the pipe to each peer, then one out of the pipe from each. A failed
+        barrier closes the exchange (the ranks' counts no longer agree): later calls raise."""
+        if not self.readers:
             raise RuntimeError("HostExchange is closed (close() was called, or a barrier failed)")
-        deadline, all_ok = time.monotonic() + self.timeout_s, bool(ok)
+        deadline, all_ok, waiting = time.monotonic() + self.timeout_s, bool(ok), set(self.readers)
         try:
             for fd in self.writers:
                 os.write(fd, bytes([all_ok]))
-            for _ in self.writers:
-                if not self.poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
+            while waiting:  # one byte from each peer's pipe: a fast peer's next byte waits there for the next call
+                poller = select.poll()  # poll, not select: file descriptors above 1024 are fine
+                for fd in waiting:
+                    poller.register(fd, select.POLLIN)
+                ready = poller.poll(max(0.0, deadline - time.monotonic()) * 1000)
+                if not ready:
                     raise TimeoutError(f"HostExchange: a peer did not reach the barrier within {self.timeout_s} s")
-                byte = os.read(self.reader, 1)
-                if not byte:
-                    raise RuntimeError("HostExchange: every peer closed its pipe (exited)")
-                all_ok = all_ok and byte == b"\1"
+                for fd, _ in ready:
+                    byte = os.read(fd, 1)
+                    if not byte:
+                        raise RuntimeError("HostExchange: a peer closed its pipe (exited)")
+                    all_ok = all_ok and byte == b"\1"
+                    waiting.discard(fd)
             return all_ok
         except BrokenPipeError:
             self.close()
@@ -467,10 +492,9 @@ class HostExchange:
             raise
 
     def close(self):
-        """Close this rank's pipes and drop its mappings of the peers' shards."""
-        if self.reader is not None:
-            _close_all(self.writers + [self.reader])
-        self.reader, self.writers, self.peer_rows = None, [], {}
+        """Close this rank's pipes and drop its mappings of the peers' shards (its own stay shared)."""
+        _close_all(self.readers + self.writers)
+        self.readers, self.writers, self.peer_rows = [], [], {}
 
     def __del__(self):
         self.close()
@@ -483,25 +507,37 @@ def _close_all(fds):
 
 
 def _make_pipes_folder(world):
-    """A new folder in /dev/shm, readable by this user only, holding a named pipe per rank. Its path, or None
-    if it could not be made."""
+    """A new folder in /dev/shm, readable by this user only, holding a named pipe per ordered pair of ranks
+    ("0to1": from rank 0 to rank 1). Its path, or None if it could not be made."""
     try:
         folder = tempfile.mkdtemp(prefix="fusion_exchange_", dir="/dev/shm")  # mode 0700
     except OSError:  # no /dev/shm (not Linux)
         return None
     try:
-        for r in range(world):
-            os.mkfifo(os.path.join(folder, f"pipe{r}"), 0o600)
+        for src in range(world):
+            for dst in (r for r in range(world) if r != src):
+                os.mkfifo(os.path.join(folder, f"{src}to{dst}"), 0o600)
         return folder
     except OSError:
         shutil.rmtree(folder, ignore_errors=True)
         return None
 
 
+def _room_for(params, world):
+    """Whether /dev/shm can take every rank's FSDP2 shards of params (the whole model, padded to W shards) and
+    this process has a file descriptor to spare for each of its own."""
+    shards = [p for p in params.values() if isinstance(p, DTensor)]
+    nbytes = sum(-(-p.shape[0] // world) * world * _numel(p.shape[1:]) * p.element_size() for p in shards)
+    shm = os.statvfs("/dev/shm")
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    spare = soft == resource.RLIM_INFINITY or len(os.listdir("/proc/self/fd")) + len(shards) + 64 <= soft
+    return shm.f_bavail * shm.f_frsize >= nbytes and spare
+
+
 def _share_shards(params):
     """Move this rank's non-empty FSDP2 shards into shared memory, in place. Returns (what a peer needs to map
-    them: {name: dict}, {name: (storage address, offset)}), or None if /dev/shm has no room (torch reserves
-    the bytes before it copies, and refuses cleanly)."""
+    them: {name: dict, or None for an empty shard}, {name: (storage, offset)}), or None if /dev/shm ran out
+    of room (torch reserves the bytes before it copies, and refuses cleanly)."""
     public, shared = {}, {}
     try:
         for name, p in params.items():
@@ -516,7 +552,7 @@ def _share_shards(params):
             file = os.fstat(fd)
             public[name] = {"fd": fd, "file": (file.st_dev, file.st_ino), "nbytes": nbytes, "dtype": local.dtype,
                             "offset": local.storage_offset(), "shape": tuple(local.shape), "stride": local.stride()}
-            shared[name] = (storage.data_ptr(), local.storage_offset())
+            shared[name] = (storage, local.storage_offset())
     except RuntimeError:
         return None
     return public, shared
@@ -525,22 +561,26 @@ def _share_shards(params):
 def _map_peers(everyone, rank):
     """{name: {peer rank: its rows, or None}} mapped from every peer's shared shards through /proc/<pid>/fd/<fd>
     (the very file the peer holds open, checked by its identity), or None where any cannot be opened."""
-    if any(public is None or set(public) != set(everyone[rank][1]) for _, public in everyone):
+    publics = [public for _, public in everyone]
+    if None in publics or any(set(public) != set(publics[0]) for public in publics):
         return None  # a rank without room in /dev/shm, or ranks that disagree on the shards
-    rows, files = {name: {} for name in everyone[rank][1]}, {}
+    rows, files = {name: {} for name in publics[rank]}, {}
     try:
         for owner, (pid, public) in enumerate(everyone):
             if owner == rank:
                 continue
             for name, m in public.items():
-                if m is not None and (owner, m["fd"]) not in files:
+                if m is None:
+                    rows[name][owner] = None
+                    continue
+                if (owner, m["fd"]) not in files:
                     path = f"/proc/{pid}/fd/{m['fd']}"
                     file = os.stat(path)
                     if (file.st_dev, file.st_ino) != m["file"]:
                         return None  # another process's file: the peer is in another PID namespace
                     files[owner, m["fd"]] = torch.UntypedStorage.from_file(path, True, m["nbytes"])
-                rows[name][owner] = None if m is None else \
-                    torch.empty(0, dtype=m["dtype"]).set_(files[owner, m["fd"]], m["offset"], m["shape"], m["stride"])
+                view = torch.empty(0, dtype=m["dtype"])
+                rows[name][owner] = view.set_(files[owner, m["fd"]], m["offset"], m["shape"], m["stride"])
     except (OSError, RuntimeError):
         return None
     return rows
@@ -646,15 +686,26 @@ class FusedActor:
             raise ValueError("inplace=True needs manage_engine=True, naive=False and engine parameters with the "
                              "model's names, full shapes and dtypes (TP 1); use inplace=False (load_weights)")
         self.inplace = inplace
+        self._check_offloadable()
         shareable = host_exchange and not naive and not offload_params and self.buckets
         self.exchange = self._exchange(model, timeout_s) if shareable else None
         self.phase, self.round_trips, self._hosts, self._param_hosts = TRAIN, 0, [], []
-        self._off, self._param_off, self.stats = [], [], {}
+        self._off, self._param_off, self.stats, self._hook = [], [], {}, None
         if manage_engine:
             for s in storages(eng.values()):
                 s.resize_(0)
-            engine.register_forward_pre_hook(self._check_engine_use)
+            self._hook = engine.register_forward_pre_hook(self._check_engine_use)
         self.record()
+
+    def _check_offloadable(self):
+        """offload_params frees the shards' storages and grows them back; one that a HostExchange moved into shared
+        memory would crash the process as it grows: refuse, before anything moves."""
+        shared = [n for n, p in self.model.named_parameters()
+                  if n not in self.skip and _local(p).untyped_storage().is_shared()]
+        if self.offload_params and shared:
+            raise ValueError(f"offload_params=True, but the shards {shared[:4]} are in shared memory for good (an "
+                             "actor built with host_exchange=True on this model put them there): build this one "
+                             "with offload_params=False")
 
     def _exchange(self, model, timeout_s):
         """A HostExchange of the gathered weights' shards when every rank of the FSDP mesh is on this host
@@ -696,7 +747,8 @@ class FusedActor:
     def metrics(self):
         """Flat dict for metrics.jsonl: mem/*, time/to_rollout_s, time/to_train_s, switch/*, the movers' stats."""
         out = dict(self.stats, **{"switch/round_trips": self.round_trips, "switch/bucket_bytes": self.bucket_bytes,
-                                  "switch/buckets": len(self.buckets)})
+                                  "switch/buckets": len(self.buckets),
+                                  "switch/host_exchange": self.exchange is not None})
         for m in self.movers:
             out.update(getattr(m, "stats", {}))
         return out
@@ -717,6 +769,7 @@ class FusedActor:
         """TRAIN -> ROLLOUT: offload grads and optimizer states, build the inference weights bucket by bucket.
         Returns the engine."""
         self._expect(TRAIN, "to_rollout")
+        self._check_offloadable()
         t0 = time.perf_counter()
         reshard_all(self.model)
         # 1. the train-only state to host
@@ -842,6 +895,15 @@ class FusedActor:
         key = "to_rollout" if phase == ROLLOUT else "to_train"
         self.stats[f"time/{key}_s"] = time.perf_counter() - t0
         self.record()
+
+    def close(self):
+        """Unhook the engine and close the host exchange, so that another FusedActor can drive the same engine
+        (after parameters were replaced, say). In TRAIN."""
+        self._expect(TRAIN, "close")
+        if self._hook is not None:
+            self._hook.remove()
+        if self.exchange is not None:
+            self.exchange.close()
 
     # -- resume
     def state_dict(self):

@@ -2,6 +2,7 @@
 switches, memory bounds, the separated push, bad input.
 
 The multi-rank checks run in one gloo spawn per world size (1, 2, 4): each spawn costs seconds of imports."""
+import contextlib
 import copy
 import os
 import platform
@@ -78,8 +79,8 @@ def _check_exact_and_memory(rank, world, model, opt, ref):
     for tp in [t for t in (1, 2, 4) if world % t == 0]:
         layout = Layout(world, tp, n_heads=CFG.n_heads)
         tp_group, _ = layout.new_groups(timeout_s=60)
-        # TP 1: gathered in place into the engine, through a bucket + load_weights, each through the shared
-        # host buffer and by broadcasts, and all at once (naive, so that the bound's check has teeth);
+        # TP 1: gathered in place into the engine, through a bucket + load_weights, each read from the peers'
+        # shards in shared memory and by broadcasts, and all at once (naive, so that the bound's check has teeth);
         # TP > 1: a bucket + load_weights, which cuts the TP pieces
         kinds = ("inplace", "inplace/broadcast", "bucket", "bucket/broadcast", "naive") if tp == 1 else ("bucket",)
         for kind in kinds:
@@ -184,6 +185,9 @@ def _distributed(rank, world):
     opt.step()                       # real optimizer state, grads None: the state between two steps
     opt.zero_grad(set_to_none=True)
     out = {"peaks": _check_exact_and_memory(rank, world, model, opt, _reference(model))}
+    if world > 1 and SHM:  # its actors moved the shards into shared memory, where offloading them would crash
+        with pytest.raises(ValueError, match="in shared memory for good"):
+            FusedActor(model, opt, Policy(CFG), Layout(world, fsdp=True), Layout(world), offload_params=True)
     # 50 round trips where they are cheapest (2 ranks); the training shards offloaded too on 4
     out["metrics"] = _check_bit_identical(rank, world, offload_params=world == 4, round_trips=50 if world == 2 else 2)
     if world == 4:
@@ -213,10 +217,9 @@ def test_fusion_distributed(world):
 def _host_exchange(rank, world):
     """HostExchange against the full tensors: uneven rows, an empty shard, a plain tensor, the shards changed
     in place before every gather (read from the peer's memory, never a stale copy). A shard replaced on one
-    rank makes every rank raise, and the counts still agree after. A peer that does not come to a barrier
-    makes it raise TimeoutError, one that closed its pipes RuntimeError at once: no hang. Then the
-    fallbacks: a rank that cannot map its peer's shards, or a peer's process id that names another process,
-    make every rank get None, and the folder is gone."""
+    rank makes every rank raise, and an error inside a gather on one rank still lets it leave with the
+    others: the barrier counts agree after both. A peer that does not come to a barrier makes it raise
+    TimeoutError, one that closed its pipes RuntimeError at once: no hang. Then the fallbacks."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
     mesh = init_device_mesh("cpu", (world,))
@@ -244,6 +247,12 @@ def _host_exchange(rank, world):
     params["a"] = kept
     with exchange.reading(params):  # the ranks' barrier counts still agree
         pass
+    with pytest.raises(ZeroDivisionError) if rank == 1 else contextlib.nullcontext():
+        with exchange.reading(params):  # one rank fails inside a gather: it still leaves with the others
+            if rank == 1:
+                1 / 0
+    with exchange.reading(params):  # and the counts still agree
+        pass
     timed_out = False
     if rank == 0:  # rank 1 does not come to this barrier
         try:
@@ -266,9 +275,10 @@ def _host_exchange(rank, world):
 
 
 def _fallbacks(rank, mesh, params):
-    """connect() where a rank cannot map its peer's shards (another host), then where rank 0's process id
-    names another process (another PID namespace): None on every rank. Returns the folders made."""
-    made, make, from_file, getpid = [], fusion._make_pipes_folder, torch.UntypedStorage.from_file, os.getpid
+    """connect() where one rank cannot share its shards (/dev/shm full), where one cannot map its peer's (another
+    host), and where rank 0's announced file is not the one the peer opens (another PID namespace): None on
+    every rank, no rank left waiting. Returns the folders made."""
+    made, make, share, from_file = [], fusion._make_pipes_folder, fusion._share_shards, torch.UntypedStorage.from_file
 
     def recorded(world):
         made.append(make(world))
@@ -277,17 +287,25 @@ def _fallbacks(rank, mesh, params):
     def no_mapping(*args, **kwargs):
         raise RuntimeError("no mapping here")
 
+    def other_file(ps):  # rank 0 announces other inodes than the files behind /proc/<pid>/fd/<fd>
+        public, shared = share(ps)
+        return {n: m and dict(m, file=(m["file"][0], m["file"][1] + 1)) for n, m in public.items()}, shared
+
     fusion._make_pipes_folder = recorded
     try:
-        if rank == 1:
+        if rank == 1:  # /dev/shm full there
+            fusion._share_shards = lambda ps: None
+        assert fusion.HostExchange.connect(mesh.get_group(), params) is None
+        fusion._share_shards = share
+        if rank == 1:  # as on another host
             torch.UntypedStorage.from_file = no_mapping
         assert fusion.HostExchange.connect(mesh.get_group(), params) is None
         torch.UntypedStorage.from_file = from_file
-        if rank == 0:
-            os.getpid = os.getppid  # the test runner: its file of that number, if any, is not the shard's
+        if rank == 0:  # as in another PID namespace
+            fusion._share_shards = other_file
         assert fusion.HostExchange.connect(mesh.get_group(), params) is None
     finally:
-        torch.UntypedStorage.from_file, fusion._make_pipes_folder, os.getpid = from_file, make, getpid
+        fusion._share_shards, torch.UntypedStorage.from_file, fusion._make_pipes_folder = share, from_file, make
     return made
 
 
@@ -295,7 +313,7 @@ def _fallbacks(rank, mesh, params):
 def test_host_exchange_gathers_exactly_times_out_and_falls_back_together():
     (timed_out, made), _ = run_distributed(_host_exchange, world_size=2, timeout_s=120)
     assert timed_out
-    assert len(made) == 2 and all(m.startswith("/dev/shm/") and not os.path.exists(m) for m in made)
+    assert len(made) == 3 and all(m.startswith("/dev/shm/") and not os.path.exists(m) for m in made)
 
 
 # ----------------------------------------------------------------------------- single process, no spawn
@@ -363,6 +381,14 @@ def test_the_engine_outside_rollout_a_custom_load_weights_and_renamed_engines():
     with rollout(actor) as engine:  # not inplace unless asked: a load_weights of its own is always called
         engine(tok)
     assert calls and not actor.inplace
+    second = FusedActor(actor.model, actor.optimizer, actor.engine, Layout(1, fsdp=True), Layout(1),
+                        bucket_bytes=BUCKET)
+    with pytest.raises(RuntimeError, match="the engine was called in TRAIN"):  # the first actor's hook, in TRAIN
+        with rollout(second) as engine:
+            engine(tok)
+    actor.close()  # unhooked: the second actor drives the engine alone
+    with rollout(second) as engine:
+        torch.testing.assert_close(engine(tok), actor.model(tok))
     torch.manual_seed(0)
     model = Policy(CFG)
     want = model(tok)
