@@ -700,9 +700,11 @@ class FusedActor:
     def _check_offloadable(self):
         """offload_params frees the shards' storages and grows them back; one that a HostExchange moved into shared
         memory would crash the process as it grows: refuse, before anything moves."""
+        if not self.offload_params:
+            return
         shared = [n for n, p in self.model.named_parameters()
                   if n not in self.skip and _local(p).untyped_storage().is_shared()]
-        if self.offload_params and shared:
+        if shared:
             raise ValueError(f"offload_params=True, but the shards {shared[:4]} are in shared memory for good (an "
                              "actor built with host_exchange=True on this model put them there): build this one "
                              "with offload_params=False")

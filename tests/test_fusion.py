@@ -184,10 +184,14 @@ def _distributed(rank, world):
     _backward(model, rank, 0)
     opt.step()                       # real optimizer state, grads None: the state between two steps
     opt.zero_grad(set_to_none=True)
+    early = FusedActor(model, opt, Policy(CFG), Layout(world, fsdp=True), Layout(world), offload_params=True)
     out = {"peaks": _check_exact_and_memory(rank, world, model, opt, _reference(model))}
     if world > 1 and SHM:  # its actors moved the shards into shared memory, where offloading them would crash
         with pytest.raises(ValueError, match="in shared memory for good"):
             FusedActor(model, opt, Policy(CFG), Layout(world, fsdp=True), Layout(world), offload_params=True)
+        with pytest.raises(ValueError, match="in shared memory for good"):  # refused before anything moves
+            early.to_rollout()
+        assert early.phase == TRAIN
     # 50 round trips where they are cheapest (2 ranks); the training shards offloaded too on 4
     out["metrics"] = _check_bit_identical(rank, world, offload_params=world == 4, round_trips=50 if world == 2 else 2)
     if world == 4:
