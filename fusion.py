@@ -300,12 +300,10 @@ def plan_buckets(meta, bucket_bytes):
     return buckets
 
 
-def bucket_views(bucket, device, storage=None):
-    """One flat buffer for a bucket and, per weight, its full view (rows, ...) into it. storage: a uint8
-    buffer of at least the bucket's bytes to lay it over, instead of a new one."""
+def bucket_views(bucket, device):
+    """One flat buffer for a bucket and, per weight, its full view (rows, ...) into it."""
     numel = sum(_numel(s) for _, s, _ in bucket)
-    flat = torch.empty(numel, dtype=bucket[0][2], device=device) if storage is None else \
-        storage[:numel * bucket[0][2].itemsize].view(bucket[0][2])
+    flat = torch.empty(numel, dtype=bucket[0][2], device=device)
     views, off = [], 0
     for name, shape, _ in bucket:
         views.append((name, flat[off:off + _numel(shape)].view(shape)))
