@@ -500,8 +500,7 @@ class HostExchange:
 
 def _close_all(fds):
     for fd in fds:
-        if fd is not None:
-            os.close(fd)
+        os.close(fd)
 
 
 def _make_pipes_folder(world):
