@@ -24,20 +24,33 @@ Public API (everything else is private):
 Design:
 - Control plane: torch.distributed Store (TCPStore under torchrun): per-column ready logs
   ("row,owner,len;", a counter and one key per put: a poll fetches only the new entries), claim logs
-  (per stage and block of row ids, one atomic `append` per claim: the first entry naming a row wins
-  it), request queues per owner, sent/ack flags.
+  (per stage and block of row ids, one atomic `append` per claim: a row belongs to the first claim naming
+  it that was not released since), request queues per owner, a state key per transfer (sent, cancelled
+  or missing: one writer wins) and an ack per transfer (kept or dropped).
 - Data plane: p2p isend/irecv of packed tensors on `pg`: a header of per-cell lengths (K,) int64 first,
   then one uint8 payload. The header is per cell (row x field), so fields of different lengths and
   dtypes share ONE header and ONE payload; dtypes come from the spec, never over the wire.
 - Balance: `get(..., dp_group=g)` reads a global batch of n rows; dp rank 0 claims them and splits by
   tokens (sum of the variable-length fields) with greedy longest-first (LPT): max - min <= longest row.
   A row written by a rank of g stays with it while that rank holds no more than a fair share: where the
-  writers are the readers (colocated), only the rows that even out their loads move.
+  writers are the readers (colocated), only the rows that even out their loads move. The plan a rank
+  reads carries n: a rank that passed another n raises ValueError naming both (the whole group does).
+- A claim poll scans only the rows its reader has not seen claimed (the rows a claim log shows held
+  leave its tables; a rank that reads a DP plan gets the cells' places with it): its cost follows the
+  rows not yet claimed, not the rows ever put.
 - Every wait polls with a deadline and serves other ranks' requests while it waits (so SPMD ranks that
-  are producers and consumers at once never deadlock); a dead producer -> TimeoutError naming the stage
-  and the rows. A dp_group read returns only once every rank of the group has its rows, so SPMD code
-  may enter a collective right after it; otherwise a rank whose cells are still wanted must keep
-  calling the queue, or `drain()`, before blocking elsewhere.
+  are producers and consumers at once never deadlock); a producer that does not answer -> TimeoutError
+  naming the stage, the rows and its rank. A dp_group read returns only once every rank of the group has
+  its rows, so SPMD code may enter a collective right after it; otherwise a rank whose cells are still
+  wanted must keep calling the queue, or `drain()`, before blocking elsewhere.
+- A get that raises (TimeoutError, or a pull's error) loses nothing and strands nothing. It keeps no
+  row, its reader's own cells included, and releases its claims: the rows stay claimable, and a retried
+  get (or any reader of the stage) reads each of them exactly once. Each owner it asked either never
+  sends (the request is cancelled first) or has its transfer acknowledged as dropped, so the owner's
+  drain() and state_dict() do not wait for it; an owner frees a cell only once a reader of every stage
+  acknowledged keeping it. With dp_group the read succeeds on every rank of the group or on none (each
+  raises the first failure's error type; dp rank 0 releases the group's rows); with group, the members
+  raise the leader's failure (they wait up to 2 x timeout_s for its answer).
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
 1. Data lives in host memory and moves on a gloo group (pass `pg`); the source's queue is an RDMA store.
@@ -48,10 +61,10 @@ Departures from the source system (Huawei's RL post-training on CloudMatrix 384)
 Run: python -m pytest tests/test_distqueue.py ; python bench/distqueue.py --lengths lognormal:5,1.2
 
 Using this file elsewhere: torch (tested with 2.13; CPU tensors; the data moves over a gloo group, also next to nccl),
-and a store with queue operations, atomic add and append: TCPStore (torchrun's, found from MASTER_ADDR and
-MASTER_PORT) or HashStore (one process); a FileStore is refused at construction. Rows are lists of 1-D
-tensors per column (scalar columns: one value), of the spec's dtypes. Example (tests/test_copy_alone.py
-runs it in a folder that holds only this file):
+and a store with queue operations, atomic add, append and compare_set: TCPStore (torchrun's, found from
+MASTER_ADDR and MASTER_PORT) or HashStore (one process); a FileStore is refused at construction. Rows are
+lists of 1-D tensors per column (scalar columns: one value), of the spec's dtypes. Example
+(tests/test_copy_alone.py runs it in a folder that holds only this file):
 
     import datetime, os, socket
     import torch, torch.distributed as dist, torch.multiprocessing as mp
@@ -216,31 +229,35 @@ class Rows:
 
 def default_store(timeout_s=300.0):
     """The store of the run's rendezvous, from public API: a TCPStore client of MASTER_ADDR:MASTER_PORT
-    (torchrun, or any env:// start, sets both); an in-process HashStore in a world of one. Elsewhere
-    (tcp:// or file:// starts), build the store yourself and pass it."""
+    (torchrun, or any env:// start, sets both); an in-process HashStore in a world of one. After a tcp://
+    start, its error says which store to pass; after a file:// start, pass a TCPStore of your own."""
     import datetime
     import os
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return dist.HashStore()
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        raise ValueError("DistQueue needs a store that every rank reaches: MASTER_ADDR/MASTER_PORT are not set "
-                         "(the process group was not started from torchrun's environment); pass "
-                         "store=dist.TCPStore(host, port, world_size, is_master=rank == 0)")
+        raise ValueError("DistQueue needs a store that every rank reaches, and MASTER_ADDR/MASTER_PORT are not set "
+                         "(the process group was not started from torchrun's environment). After "
+                         "init_method='tcp://HOST:PORT', pass store=dist.TCPStore(HOST, PORT, is_master=False) on "
+                         "every rank: a client of the store that the rendezvous already serves on PORT (a second "
+                         "is_master=True store there fails: the port is taken). Else a TCPStore on a free port, "
+                         "is_master=True on one rank only")
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def check_store(store):
-    """The queue's control plane needs a store with queue operations, atomic add and append: TCPStore and
-    HashStore have them, FileStore has no queue operations. Raises before any collective."""
+    """The queue's control plane needs a store with queue operations, atomic add, append and compare_set:
+    TCPStore and HashStore have them, FileStore has no queue operations. Raises before any collective."""
     try:
         store.queue_len("dq/probe")
         store.add("dq/probe_add", 0)
         store.append("dq/probe_append", "")
+        store.compare_set("dq/probe_compare_set", "", "")
     except (NotImplementedError, RuntimeError, AttributeError) as e:
         raise ValueError(f"{type(store).__name__} cannot serve a DistQueue ({e}): it needs queue operations "
-                         "(queue_push, queue_pop, queue_len), add and append; pass a TCPStore or a HashStore "
-                         "(a process group started with file:// has a FileStore)") from None
+                         "(queue_push, queue_pop, queue_len), add, append and compare_set; pass a TCPStore or a "
+                         "HashStore (a process group started with file:// has a FileStore)") from None
 
 
 # ----------------------------------------------------------------------------- the queue
@@ -257,12 +274,12 @@ class DistQueue:
         self.spec, self.store, self.rank, self.world, self.pg = spec, store, rank, world_size, pg
         self.p = spec.name
         self.cells = {}          # (row, col) -> 1-D tensor this rank owns and has not fully delivered
-        self.served = {}         # (row, col) -> stages it was delivered to so far
+        self.served = {}         # (row, col) -> stages whose reader acknowledged keeping it
         self.next_local = 0      # rows this rank created (ids = next_local * world + rank)
         self.steps = {s: 0 for s in spec.stages}  # balanced reads per stage (plan keys)
-        self.inflight = {}       # tag -> (works, tensors) kept alive until the receiver acks
+        self.inflight = {}       # tag -> (works, tensors, cells, stage): sent, kept alive until the reader acks
         self.claimer = int(store.add(self._k("claimers"), 1))  # unique per queue object on this store
-        self.claims_made = 0     # claim entries this object wrote (their tokens: claimer.count)
+        self.claims_made = 0     # reads this object claimed for (their tokens: claimer.count)
         self._reset_caches()
         if dist.is_initialized() and dist.get_backend(pg) != "gloo":  # host tensors, async p2p: gloo only
             raise ValueError(f"pg backend is {dist.get_backend(pg)}; pass pg=dist.new_group(backend='gloo')")
@@ -273,9 +290,8 @@ class DistQueue:
         return j * self.world + (self.rank if rank is None else rank)
 
     def _reset_caches(self):
-        self.ready = {c: {} for c in self.spec.columns}  # col -> {row: (owner, length)}
-        self.ready_off = {c: 0 for c in self.spec.columns}  # col -> entries of its ready log read so far
-        self.taken = {s: set() for s in self.spec.stages}  # rows known to be claimed, per stage
+        self.unclaimed = {s: {} for s in self.spec.stages}  # stage -> {row: {col: (owner, length)}} not seen claimed
+        self.ready_off = {s: dict.fromkeys(cols, 0) for s, cols in self.spec.stages.items()}  # log entries read
 
     def _k(self, *parts):
         return "/".join([self.p, *map(str, parts)])
@@ -307,42 +323,53 @@ class DistQueue:
                 if c in self.spec.scalars and t.numel() != 1 or c not in self.spec.scalars and t.dim() != 1:
                     raise ValueError(f"column '{c}' row {r}: shape {tuple(t.shape)}; scalar fields take one "
                                      f"value, others a 1-D tensor")
-                if (r, c) in self.cells or r in self.ready[c]:
+                if (r, c) in self.cells or any(c in seen.get(r, ()) for seen in self.unclaimed.values()):
                     raise ValueError(f"cell (row {r}, column '{c}') written twice")
                 cells[(r, c)] = t.detach().reshape(-1).to("cpu", copy=True)  # own copy, in host memory (departure 1)
         self.cells.update(cells)
         self.next_local += len(ids) if new else 0
-        for c in columns:  # the ready log: a counter, then one key per entry, so a poll reads only what is new
-            i = int(self.store.add(self._k("ready", c, "n"), 1)) - 1
-            self.store.set(self._k("ready", c, i), "".join(f"{r},{self.rank},{cells[(r, c)].numel()};" for r in ids))
+        for c in columns:
+            self._publish(c, "".join(f"{r},{self.rank},{cells[(r, c)].numel()};" for r in ids))
         self.serve()
         return ids
 
+    def _publish(self, col, entries):
+        """Append to col's ready log: a counter, then one key per entry, so a poll reads only what is new.
+        Entries are "row,owner,len;", or "row,owner,len,stage;" for a row released in that stage."""
+        i = int(self.store.add(self._k("ready", col, "n"), 1)) - 1
+        self.store.set(self._k("ready", col, i), entries)
+
     # --- serving: the owner answers pull requests (called from every wait loop)
     def serve(self):
+        """Answer the requests waiting for this rank, one packed transfer each; then retire the transfers
+        their readers acknowledged: kept (the cells reached that stage) or dropped (a get that failed)."""
         qk = self._k("req", self.rank)
         while self.store.queue_len(qk) > 0:
             dst, tag, stage, tmax, cells = self.store.queue_pop(qk, block=False).decode().split("|")
             tag, keys = int(tag), [(int(r), c) for r, c in (x.split(":") for x in cells.split(","))]
-            missing = [k for k in keys if k not in self.cells]
-            if missing:
-                raise RuntimeError(f"rank {self.rank} asked by rank {dst} for cells {missing[:8]} it does not hold")
+            missing, state = [k for k in keys if k not in self.cells], self._k("state", tag)
+            answer = self.store.compare_set(state, "", f"missing {missing[:8]}" if missing else "sent").decode()
+            if answer != "sent":  # the reader cancelled first (it never reads this), or the cells are gone
+                if answer == "cancelled":
+                    self.store.delete_key(state)
+                continue
             header, payload = pack_cells([self.cells[k] for k in keys])  # (K,), (bytes,)
             works = [dist.isend(header, int(dst), group=self.pg, tag=2 * tag)]
             if payload.numel():
                 works.append(dist.isend(payload, int(dst), group=self.pg, tag=2 * tag + 1))
-            self.inflight[tag] = (works, (header, payload))
-            self.store.set(self._k("sent", tag), "1")
+            self.inflight[tag] = (works, (header, payload), keys, stage)
             tm = dict(x.split("=") for x in tmax.split(",") if x)
             pad_bytes = sum(int(tm.get(c, self.cells[(r, c)].numel())) * self.cells[(r, c)].element_size()
                             for r, c in keys)
             self._count("bytes_sent", header.nbytes + payload.nbytes)
             self._count("bytes_padded_equiv", header.nbytes + pad_bytes)
-            for k in keys:
-                self._delivered(k, stage)
         for tag in [t for t in self.inflight if self.store.check([self._k("ack", t)])]:
-            for w in self.inflight.pop(tag)[0]:
+            works, _, keys, stage = self.inflight.pop(tag)
+            for w in works:  # the reader received it all before acknowledging: these return at once
                 w.wait()
+            if self.store.get(self._k("ack", tag)) == b"kept":
+                for k in keys:
+                    self._delivered(k, stage)
             self.store.delete_key(self._k("ack", tag))
 
     def _delivered(self, key, stage):
@@ -366,146 +393,274 @@ class DistQueue:
                    lambda: f"in drain: rows {sorted({r for r, _ in self.cells})[:16]} not yet read by every stage, "
                            f"transfers {sorted(self.inflight)} not acknowledged")
 
-    # --- consumers: claim (control plane), pull (data plane)
-    def _refresh(self, cols):
-        for c in cols:  # entries in order; one counted but not yet written is read at a later poll
-            n = int(self.store.add(self._k("ready", c, "n"), 0))
-            while self.ready_off[c] < n and self.store.check([k := self._k("ready", c, self.ready_off[c])]):
-                for e in self.store.get(k).decode().split(";")[:-1]:
-                    r, o, length = map(int, e.split(","))
-                    self.ready[c][r] = (o, length)
-                self.ready_off[c] += 1
+    # --- consumers: claim and release (control plane), fetch (data plane), then keep or drop
+    def _token(self):
+        """A name for one read's claims, unique among this queue's readers."""
+        self.claims_made += 1
+        return f"{self.claimer}.{self.claims_made}"
 
-    def _claim(self, stage, n, min_rows, deadline, only=None):
-        cols, mine = self.spec.stages[stage], []
+    def _refresh(self, stage):
+        """The new entries of the stage's ready logs -> self.unclaimed[stage]. Each stage keeps its own place
+        in each log, so a rank tracks only the stages it claims for."""
+        seen, off = self.unclaimed[stage], self.ready_off[stage]
+        for c in self.spec.stages[stage]:  # entries in order; one counted but not yet written: at a later poll
+            n = int(self.store.add(self._k("ready", c, "n"), 0))
+            while off[c] < n and self.store.check([k := self._k("ready", c, off[c])]):
+                for e in self.store.get(k).decode().split(";")[:-1]:
+                    r, o, length, *released = e.split(",")
+                    if released in ([], [stage]):  # a release shows its rows to their stage's readers only
+                        seen.setdefault(int(r), {})[c] = (int(o), int(length))
+                off[c] += 1
+
+    def _claim(self, stage, n, min_rows, deadline, token, only=None):
+        """Claim up to n complete rows (at least min_rows) as `token` -> {row: {col: (owner, length)}}.
+        A claim that times out releases what it won, so its rows go to the next reader."""
+        cols, seen, mine = self.spec.stages[stage], self.unclaimed[stage], {}
 
         def poll():
-            self._refresh(cols)
-            cand = sorted(r for r in self.ready[cols[0]] if r not in self.taken[stage]
-                          and all(r in self.ready[c] for c in cols) and (only is None or r in only))
-            if len(mine) + len(cand) < min_rows:  # not enough yet: claim nothing, so that a get that times out
-                return False                      # leaves its rows to the next reader (a reader racing for the
-                                                  # same rows may still win some of them first, then time out)
-            mine.extend(self._claim_rows(stage, cand[: n - len(mine)]))
+            self._refresh(stage)
+            cand = sorted(r for r, cells in seen.items() if len(cells) == len(cols) and (only is None or r in only))
+            if len(mine) + len(cand) < min_rows:  # not enough yet: claim nothing (a reader racing for the same
+                return False                      # rows may still win some first: then the timeout releases them)
+            mine.update(self._claim_rows(stage, cand[: n - len(mine)], token))
             return len(mine) >= n or (len(mine) >= min_rows and len(cand) <= n - len(mine))
+        try:
+            self._wait(poll, deadline, lambda: self._lacking(stage, n, min_rows, len(mine), only))
+        except Exception:
+            self._release(stage, token, mine)
+            raise
+        return mine
 
-        def what():
-            partial = sorted({r for c in cols for r in self.ready[c]} - self.taken[stage])
-            lack = sorted({c for r in partial for c in cols if r not in self.ready[c]})
-            head = f"in stage '{stage}' waiting for {n - len(mine)} more rows with columns {list(cols)} " \
-                   f"(claimed {len(mine)}): "
-            return head + (f"rows {partial[:32]} are missing columns {lack}" if partial
-                           else "no row has been produced: is the producer alive?")
-        self._wait(poll, deadline, what)
-        return sorted(mine)
+    def _lacking(self, stage, n, min_rows, claimed, only):
+        """Why a claim still waits: rows that miss columns, fewer complete rows than asked, or none at all."""
+        cols, seen = self.spec.stages[stage], self.unclaimed[stage]
+        rows = [r for r in seen if only is None or r in only]
+        partial = sorted(r for r in rows if len(seen[r]) < len(cols))
+        why = (f"in stage '{stage}' waiting for {n - claimed} more rows with columns {list(cols)} (claimed "
+               f"{claimed}): {len(rows) - len(partial)} unclaimed rows{' (of only)' if only is not None else ''} "
+               f"have every column, and this get asked for {n} (at least {min_rows})")
+        if partial:
+            lack = sorted({c for r in partial for c in cols if c not in seen[r]})
+            return why + f"; rows {partial[:32]} are missing columns {lack}"
+        if not rows:
+            return why + "; no unclaimed row has been put: is a producer still putting rows?"
+        return why + ": put more rows before this get, ask for fewer (n), or take what there is (min_rows)"
 
-    def _claim_rows(self, stage, rows):
-        """Claim rows for stage; returns those won. Per block of CLAIM_BLOCK row ids, one atomic
-        append of this call's entry to the block's claim log, then one read of the log: a row belongs to
-        the first entry that names it, so racing readers all see the same winner. Two store round trips
-        per block, where a claim per row would cost one per row."""
-        token, won = f"{self.claimer}.{self.claims_made}", []  # unique among this queue's readers
-        self.claims_made += 1
+    def _claim_rows(self, stage, rows, token):
+        """Claim rows for stage as `token`; returns {row: cells} of those won, out of self.unclaimed. Per
+        block of CLAIM_BLOCK row ids, one atomic append of the claim to the block's log, then one read of
+        the log: a row belongs to the first claim naming it that was not released since, so racing readers
+        all see the same holder. Every row the log shows held leaves self.unclaimed: a poll scans only the
+        rows this reader has not seen claimed. Two store round trips per block, not one per row."""
+        won = {}
         for block in sorted({r // CLAIM_BLOCK for r in rows}):
-            asked = [r for r in rows if r // CLAIM_BLOCK == block]
             key = self._k("claims", stage, block)
-            self.store.append(key, f"{token}:{','.join(map(str, asked))};")
-            first = {}
-            for entry in self.store.get(key).decode().split(";")[:-1]:
-                who, ids = entry.split(":")
-                for r in ids.split(","):
-                    first.setdefault(int(r), who)
-            self.taken[stage].update(first)  # every row in the log is claimed, by this call or another
-            won += [r for r in asked if first[r] == token]
+            self.store.append(key, f"{token}:{','.join(str(r) for r in rows if r // CLAIM_BLOCK == block)};")
+            held = self._holders(self.store.get(key))
+            for r in held:
+                cells = self.unclaimed[stage].pop(r, None)
+                if held[r] == token and cells is not None:  # None: won at an earlier poll of this read
+                    won[r] = cells
         return won
 
-    def _pull(self, stage, rows, tmax, deadline):
-        cols, got, owners = self.spec.stages[stage], {}, {}
-        for r in rows:
+    @staticmethod
+    def _holders(log):
+        """A claim log ("token:ids;" claims, "-token:ids;" releases) -> {row: the token that holds it}."""
+        held = {}
+        for entry in log.decode().split(";")[:-1]:
+            who, ids = entry.split(":")
+            for r in map(int, ids.split(",")):
+                if not who.startswith("-"):
+                    held.setdefault(r, who)
+                elif held.get(r) == who[1:]:
+                    del held[r]
+        return held
+
+    def _release(self, stage, token, rows):
+        """Give back rows claimed as `token` ({row: {col: (owner, length)}}): a "-token" entry in each block's
+        claim log ends the claims, and an entry per column naming the stage, in the ready logs, shows the
+        rows again to the stage's readers (they dropped them when they saw them claimed)."""
+        ids = sorted(rows)
+        for block in sorted({r // CLAIM_BLOCK for r in ids}):
+            self.store.append(self._k("claims", stage, block),
+                              f"-{token}:{','.join(str(r) for r in ids if r // CLAIM_BLOCK == block)};")
+        for c in self.spec.stages[stage] if ids else ():
+            self._publish(c, "".join(f"{r},{rows[r][c][0]},{rows[r][c][1]},{stage};" for r in ids))
+
+    def _fetch(self, stage, rows, tmax, deadline):
+        """The cells of rows ({row: {col: (owner, length)}}): local ones copied, one request and one packed
+        transfer per remote owner. Acknowledges nothing (the caller keeps or drops): returns the cells and
+        the tags received. On an error it cancels the requests not yet answered, drops what came, and raises."""
+        cols, owners = self.spec.stages[stage], {}
+        for r in sorted(rows):
             for c in cols:
-                owners.setdefault(self.ready[c][r][0], []).append((r, c))
-        tm = ",".join(f"{c}={n}" for c, n in tmax.items())
-        tags = {}
+                owners.setdefault(rows[r][c][0], []).append((r, c))
+        got = {k: self.cells[k].clone() for k in owners.pop(self.rank, [])}  # the consumer may write into it
+        tm, tags, received = ",".join(f"{c}={n}" for c, n in tmax.items()), {}, []
         for o, keys in owners.items():
-            if o == self.rank:  # local cells: no transfer
-                for k in keys:
-                    got[k] = self.cells[k].clone()  # the consumer may write into it; other stages read it too
-                    self._delivered(k, stage)
-                continue
             tags[o] = int(self.store.add(self._k("tag"), 1))
             msg = f"{self.rank}|{tags[o]}|{stage}|{tm}|" + ",".join(f"{r}:{c}" for r, c in keys)
             self.store.queue_push(self._k("req", o), msg)
-        for o, tag in tags.items():
-            self._wait(lambda: self.store.check([self._k("sent", tag)]), deadline,
-                       lambda: f"in stage '{stage}' waiting for rows {sorted({r for r, _ in owners[o]})} "
-                               f"from rank {o}: is the producer alive?")
-            keys = owners[o]
-            header = torch.empty(len(keys), dtype=torch.int64)  # (K,) lengths header first
-            dist.recv(header, o, group=self.pg, tag=2 * tag)
-            expect = [self.ready[c][r][1] for r, c in keys]
-            if header.tolist() != expect:
-                raise RuntimeError(f"header {header.tolist()} from rank {o} != published lengths {expect}")
-            dtypes = [DTYPES[self.spec.columns[c]] for _, c in keys]
-            nbytes = sum(int(n) * torch.empty(0, dtype=d).element_size() for n, d in zip(expect, dtypes))
-            payload = torch.empty(nbytes, dtype=torch.uint8)  # (bytes,) then one payload
-            if nbytes:
-                dist.recv(payload, o, group=self.pg, tag=2 * tag + 1)
-            got.update(zip(keys, unpack_cells(header, payload, dtypes)))
-            self.store.set(self._k("ack", tag), "1")
-            self.store.delete_key(self._k("sent", tag))
-        return Rows(list(rows), {c: [got[(r, c)] for r in rows] for c in cols}, dict(tmax))
+        try:
+            for o, tag in list(tags.items()):
+                self._wait(lambda: self.store.check([self._k("state", tag)]), deadline,
+                           lambda: self._silent(stage, o, owners[o]))
+                del tags[o]  # answered: received next, or a broken transfer (an error, never retried)
+                got.update(self._recv(o, tag, owners[o], rows))
+                received.append(tag)
+        except Exception:
+            for o, tag in tags.items():  # not answered yet: cancelled, unless the owner answers first
+                if self.store.compare_set(self._k("state", tag), "", "cancelled") == b"sent":
+                    self._recv(o, tag, owners[o], rows)  # it sent just now: take it, to acknowledge it
+                    received.append(tag)
+            self._ack(received, keep=False)
+            raise
+        return got, received
+
+    def _silent(self, stage, o, keys):
+        """Why a pull still waits: its owner has not answered."""
+        waiting = self.store.queue_len(self._k("req", o))
+        return (f"in stage '{stage}' waiting for rows {sorted({r for r, _ in keys})[:32]} from rank {o}, which has "
+                f"not answered ({waiting} requests wait in its queue): rank {o} is alive but not calling the queue "
+                f"(busy elsewhere: in a collective, in compute), or it is gone. A rank whose cells are still wanted "
+                f"must keep calling the queue, or drain(), before blocking elsewhere")
+
+    def _recv(self, o, tag, keys, rows):
+        """One transfer from owner o: its answer (state key), a header (K,) of lengths, then one payload."""
+        state = self._k("state", tag)
+        answer = self.store.get(state).decode()
+        self.store.delete_key(state)
+        if answer != "sent":
+            raise RuntimeError(f"rank {o}, asked by rank {self.rank} for cells it does not hold, answered {answer}")
+        header = torch.empty(len(keys), dtype=torch.int64)  # (K,) lengths header first
+        dist.recv(header, o, group=self.pg, tag=2 * tag)
+        expect = [rows[r][c][1] for r, c in keys]
+        if header.tolist() != expect:
+            raise RuntimeError(f"header {header.tolist()} from rank {o} != published lengths {expect}")
+        dtypes = [DTYPES[self.spec.columns[c]] for _, c in keys]
+        nbytes = sum(int(n) * torch.empty(0, dtype=d).element_size() for n, d in zip(expect, dtypes))
+        payload = torch.empty(nbytes, dtype=torch.uint8)  # (bytes,) then one payload
+        if nbytes:
+            dist.recv(payload, o, group=self.pg, tag=2 * tag + 1)
+        return dict(zip(keys, unpack_cells(header, payload, dtypes)))
+
+    def _ack(self, tags, keep):
+        for tag in tags:
+            self.store.set(self._k("ack", tag), "kept" if keep else "dropped")
 
     def _read(self, stage, n, min_rows, dp_group, step, deadline, only=None):
+        """Claim (dp rank 0), split and publish the plan (dp rank 0), fetch this rank's part; keep it only if
+        every rank of the DP group fetched its own, else drop it, release the group's claims and raise."""
         cols = self.spec.stages[stage]
         dp_rank, dp_size = (dist.get_rank(dp_group), dist.get_world_size(dp_group)) if dp_group else (0, 1)
-        root = dist.get_global_rank(dp_group, 0) if dp_group else self.rank  # names this DP group's plan
-        var = [c for c in cols if c not in self.spec.scalars]
-        if dp_rank == 0:
-            rows = self._claim(stage, n, n if dp_size > 1 else min_rows, deadline, only)
-            tmax = {c: max(self.ready[c][r][1] for r in rows) for c in cols} if rows else {}
-            if dp_size > 1:  # token-balanced split of the global batch, published on the control plane
-                parts = self._split(rows, cols, var, dp_group)
-                for i, part in enumerate(parts[1:], 1):
-                    self.store.set(self._k("plan", stage, step, root, i), " ".join(
-                        [",".join(str(rows[j]) for j in part), ",".join(f"{c}={v}" for c, v in tmax.items())]))
-                rows = [rows[j] for j in parts[0]]
-        else:
-            key = self._k("plan", stage, step, root, dp_rank)
-            self._wait(lambda: self.store.check([key]), deadline,
-                       lambda: f"in stage '{stage}' waiting for dp rank 0's plan for step {step}")
-            ids, tm = self.store.get(key).decode().split(" ")
-            self.store.delete_key(key)
-            rows = [int(x) for x in ids.split(",") if x]
-            tmax = {c: int(v) for c, v in (x.split("=") for x in tm.split(","))}
-            self._refresh(cols)
-        self.store.add(self._k("reads", stage), 1)
-        batch = self._pull(stage, rows, tmax, deadline)
+        root = dist.get_global_rank(dp_group, 0) if dp_group else self.rank  # names this DP group's keys
+        token, claimed, got, tags, error = self._token(), {}, {}, [], None
+        try:
+            if dp_rank == 0:
+                claimed = self._claim(stage, n, n if dp_size > 1 else min_rows, deadline, token, only)
+                rows, tmax = self._plan(stage, n, claimed, dp_size, dp_group, step, root)
+            else:
+                rows, tmax = self._take_plan(stage, n, dp_rank, step, root, deadline)
+            got, tags = self._fetch(stage, rows, tmax, deadline)
+        except Exception as e:
+            error = e
         if dp_size > 1:  # return only when the whole DP group has its rows: SPMD code may then enter a
-            done = self._k("done", stage, step, root)  # collective without starving a peer's pull
-            self.store.add(done, 1)
-            self._wait(lambda: int(self.store.add(done, 0)) >= dp_size, deadline,
-                       lambda: f"in stage '{stage}' waiting for the other DP ranks to receive their rows")
-        return batch
-
-    def _split(self, rows, cols, var, dp_group):
-        """balance_split of rows over dp_group by tokens (the lengths of their cells in `var`), a row's home
-        being the DP rank that holds most of its elements, if any: a rank that reads what it wrote pulls nothing."""
-        dp_index = {g: i for i, g in enumerate(dist.get_process_group_ranks(dp_group))}
-        homes = []
+            error = self._agree(stage, step, root, dp_rank, dp_size, error, deadline)  # collective at once
+        self._ack(tags, keep=error is None)
+        if error is not None:
+            if dp_rank == 0:  # its claim holds the whole group's rows; a plan may be left unread
+                self._release(stage, token, claimed)
+                for i in range(1, dp_size):
+                    self.store.delete_key(self._k("plan", stage, step, root, i))
+            raise error
         for r in rows:
+            for c in cols:
+                if rows[r][c][0] == self.rank:
+                    self._delivered((r, c), stage)
+        self.store.add(self._k("reads", stage), 1)
+        ids = sorted(rows)
+        return Rows(ids, {c: [got[(r, c)] for r in ids] for c in cols}, dict(tmax))
+
+    def _plan(self, stage, n, claimed, dp_size, dp_group, step, root):
+        """dp rank 0: its own part of the claimed rows and the longest cell per field; with a DP group, it
+        publishes every other rank's part: n, the longest cells, and per row where its cells are."""
+        cols, ids = self.spec.stages[stage], sorted(claimed)
+        tmax = {c: max(claimed[r][c][1] for r in ids) for c in cols} if ids else {}
+        if dp_size == 1:
+            return claimed, tmax
+        parts = self._split(ids, claimed, cols, dp_group)
+        tm = ",".join(f"{c}={v}" for c, v in tmax.items())
+        for i, part in enumerate(parts[1:], 1):
+            where = ";".join(f"{r}:" + ",".join(f"{o},{length}" for o, length in (claimed[r][c] for c in cols))
+                             for r in (ids[j] for j in part))
+            self.store.set(self._k("plan", stage, step, root, i), f"{n}|{tm}|{where}")
+        return {ids[j]: claimed[ids[j]] for j in parts[0]}, tmax
+
+    def _take_plan(self, stage, n, dp_rank, step, root, deadline):
+        """dp rank > 0: this rank's part of dp rank 0's plan (unless the group failed first); checks n."""
+        key, outcome = self._k("plan", stage, step, root, dp_rank), self._k("outcome", stage, step, root)
+        self._wait(lambda: self.store.check([key]) or self.store.check([outcome]), deadline,
+                   lambda: f"in stage '{stage}' waiting for dp rank 0's plan for step {step}")
+        if not self.store.check([key]):
+            raise RuntimeError(f"dp rank 0 published no plan for step {step}")  # _agree says why
+        n0, tm, where = self.store.get(key).decode().split("|")
+        self.store.delete_key(key)
+        if int(n0) != n:
+            raise ValueError(f"get('{stage}', n={n}) on dp rank {dp_rank}, but dp rank 0 asked for n={n0}: every "
+                             f"rank of a dp_group passes the same n (the global batch)")
+        cols, rows = self.spec.stages[stage], {}
+        for e in where.split(";") if where else ():
+            r, places = e.split(":")
+            v = [int(x) for x in places.split(",")]
+            rows[int(r)] = {c: (v[2 * j], v[2 * j + 1]) for j, c in enumerate(cols)}
+        return rows, {c: int(v) for c, v in (x.split("=") for x in tm.split(",") if x)}
+
+    def _agree(self, stage, step, root, dp_rank, dp_size, error, deadline):
+        """All or nothing across a DP group: each rank votes (its part fetched, or its error); the last of
+        dp_size ok votes, or the first error, sets the outcome (compare_set: the first writer wins), and every
+        rank waits for it. Returns None, or the error this rank raises: the first failure's, on every rank."""
+        outcome = self._k("outcome", stage, step, root)
+        if error is None and int(self.store.add(self._k("done", stage, step, root), 1)) == dp_size:
+            self.store.compare_set(outcome, "", "ok")
+            for key in ("done", "outcome"):  # every rank voted here, so it read the last step's outcome
+                self.store.delete_key(self._k(key, stage, step - 1, root))
+        elif error is not None:
+            self.store.compare_set(outcome, "", f"{dp_rank}|{type(error).__name__}|{error}")
+        try:
+            self._wait(lambda: self.store.check([outcome]), deadline,
+                       lambda: f"in stage '{stage}' waiting for the other DP ranks to receive their rows")
+        except TimeoutError as e:
+            error = e
+            self.store.compare_set(outcome, "", f"{dp_rank}|TimeoutError|{e}")
+        verdict = self.store.get(outcome).decode()
+        if verdict == "ok":
+            return None
+        first, kind, why = verdict.split("|", 2)
+        if int(first) == dp_rank:
+            return error
+        return {"TimeoutError": TimeoutError, "ValueError": ValueError}.get(kind, RuntimeError)(
+            f"dp rank {first} of this get's dp_group failed, so this rank keeps no row: {why}")
+
+    def _split(self, ids, rows, cols, dp_group):
+        """balance_split of rows over dp_group by tokens (the lengths of their variable-length cells), a row's
+        home being the DP rank that holds most of its elements, if any: a rank reading what it wrote pulls nothing."""
+        dp_index = {g: i for i, g in enumerate(dist.get_process_group_ranks(dp_group))}
+        var, homes = [c for c in cols if c not in self.spec.scalars], []
+        for r in ids:
             held = {}  # DP rank -> elements of this row it holds
             for c in cols:
-                owner, length = self.ready[c][r]
+                owner, length = rows[r][c]
                 if owner in dp_index:
                     held[dp_index[owner]] = held.get(dp_index[owner], 0) + length
             homes.append(max(held, key=lambda i: (held[i], -i)) if held else None)
-        return balance_split([sum(self.ready[c][r][1] for c in var) for r in rows], len(dp_index), homes)
+        return balance_split([sum(rows[r][c][1] for c in var) for r in ids], len(dp_index), homes)
 
     def get(self, stage, n, dp_group=None, group=None, min_rows=None, only=None):
         """Read up to n rows (at least min_rows, default n; 0 = poll) that `stage` has not consumed.
         dp_group: n is the global batch, split by tokens across its ranks. group: only its first rank
         reads; it broadcasts the packed batch to the rest of the group. only: a set of row ids to take
-        from, for a reader that must take given rows (e.g. one batch of each producer)."""
+        from, for a reader that must take given rows (e.g. one batch of each producer). A get that raises
+        keeps no row and leaves every row it took claimable: it may be called again."""
         if stage not in self.spec.stages:
             raise KeyError(f"unknown stage '{stage}'; valid: {list(self.spec.stages)}")
         dp, min_rows = dist.get_world_size(dp_group) if dp_group else 1, n if min_rows is None else min_rows
@@ -520,21 +675,36 @@ class DistQueue:
             raise ValueError(f"group backend is {dist.get_backend(group)}; the broadcast needs a gloo group")
         leader = dist.get_global_rank(group, 0) if group is not None else self.rank
         step, self.steps[stage] = self.steps[stage], self.steps[stage] + 1  # same count on every rank (SPMD)
-        batch = self._read(stage, n, min_rows, dp_group, step, deadline, only) if leader == self.rank else None
-        return batch if group is None else self._bcast(batch, stage, group, leader, deadline)
+        if group is None:
+            return self._read(stage, n, min_rows, dp_group, step, deadline, only)
+        batch, error = None, None
+        if leader == self.rank:
+            try:
+                batch = self._read(stage, n, min_rows, dp_group, step, deadline, only)
+            except Exception as e:  # told to the group first, so that its members raise too
+                error = e
+        return self._bcast(batch, error, stage, group, leader, deadline + self.spec.timeout_s)
 
-    def _bcast(self, batch, stage, group, leader, deadline):
-        """Leader -> its model-parallel group: size, header (B, 1+C) [ids, lengths], one payload."""
+    def _bcast(self, batch, error, stage, group, leader, deadline):
+        """Leader -> its model-parallel group: size (or the leader's failure: < 0), header (B, 1+C)
+        [ids, lengths], one payload. The deadline is the leader's plus timeout_s: the leader always answers."""
         cols = list(self.spec.stages[stage])
         dtypes = [DTYPES[self.spec.columns[c]] for c in cols]
+        failures = (TimeoutError, ValueError, RuntimeError)  # a leader's failure -> meta -1, -2, -3
 
         def bcast(t, what):
             w = dist.broadcast(t, leader, group=group, async_op=True)
             self._wait(w.is_completed, deadline, lambda: f"in stage '{stage}' waiting for {what} from leader {leader}")
             w.wait()  # completed may mean failed (a dead leader): raise that, never read an unfilled buffer
-        meta = torch.tensor([len(batch.ids) if batch else 0], dtype=torch.int64)  # (1,)
+        code = next((-1 - i for i, f in enumerate(failures) if isinstance(error, f)), -3) if error else 0
+        meta = torch.tensor([len(batch.ids) if batch else code], dtype=torch.int64)  # (1,)
         bcast(meta, "the batch size")
+        if error is not None:
+            raise error
         B = int(meta)
+        if B < 0:
+            raise failures[-B - 1](f"in stage '{stage}' the read of this group's leader, rank {leader}, failed (its "
+                                   f"error says why): this rank keeps no row")
         if batch is not None:
             flat = [batch.cols[c][i] for i in range(B) for c in cols]  # row-major cells, K = B * C
             header, payload = pack_cells(flat)
@@ -597,9 +767,7 @@ class DistQueue:
         for c in self.spec.columns:  # one ready-log entry per column, as one put would write
             rows = sorted(r for r, col in self.cells if col == c)
             if rows:
-                i = int(self.store.add(self._k("ready", c, "n"), 1)) - 1
-                self.store.set(self._k("ready", c, i), "".join(f"{r},{self.rank},{self.cells[(r, c)].numel()};"
-                                                               for r in rows))
+                self._publish(c, "".join(f"{r},{self.rank},{self.cells[(r, c)].numel()};" for r in rows))
         for s in self.spec.stages:  # read by s already: claimed in s's logs, so no reader of s takes them
             read = sorted({r for (r, _), stages in self.served.items() if s in stages})
             for block in sorted({r // CLAIM_BLOCK for r in read}):

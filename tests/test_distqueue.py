@@ -2,7 +2,10 @@
 
 python -m pytest tests/test_distqueue.py
 """
+import datetime
+import os
 import random
+import re
 import time
 
 import pytest
@@ -217,11 +220,49 @@ def test_a_read_claims_its_rows_in_a_few_store_round_trips():
         assert len(claims) == 2 * 80 // block, claims
         assert q.get("a", 1, min_rows=0).ids == []  # every row is taken: nothing is claimed twice
         # a second reader of the same store, rank and queue name (a restarted process) wins only what is left
+        q.put({"x": [torch.arange(3)] * 3})  # rows 80, 81, 82
         other = dq.DistQueue(spec, store)
-        assert other._claim_rows("a", [78, 79, 80, 81]) == [80, 81]
-        assert q._claim_rows("a", [81, 82]) == [82]
+        other._refresh("a")
+        assert sorted(other._claim_rows("a", [78, 79, 80, 81], other._token())) == [80, 81]
+        q._refresh("a")
+        assert sorted(q._claim_rows("a", [81, 82], q._token())) == [82]
     finally:
         dq.CLAIM_BLOCK = saved
+
+
+def test_a_get_of_more_rows_than_exist_says_how_many_and_what_to_do():
+    spec = dq.QueueSpec(columns={"x": "int64"}, stages={"a": ("x",)}, timeout_s=0.2)
+    q = dq.DistQueue(spec, dq.default_store())
+    q.put({"x": [torch.arange(3)] * 3})
+    with pytest.raises(TimeoutError) as e:
+        q.get("a", 5)
+    assert "3 unclaimed rows have every column, and this get asked for 5" in str(e.value)
+    assert "put more rows" in str(e.value) and "missing columns" not in str(e.value)
+    assert q.get("a", 5, min_rows=3).ids == [0, 1, 2]  # the timeout claimed nothing
+
+
+def _entries(x):
+    """Entries of nested containers (dicts, sets, lists, tuples); tensors are not looked into."""
+    if isinstance(x, dict):
+        return len(x) + sum(_entries(v) for v in x.values())
+    if isinstance(x, (list, set, tuple)):
+        return len(x) + sum(_entries(v) for v in x)
+    return 0
+
+
+def test_a_poll_scans_only_the_rows_not_yet_claimed():
+    """A claim poll scans what the queue holds per row: after 2,000 rows put and read in two stages, that
+    follows the rows still unread, not every row ever put."""
+    spec = dq.QueueSpec(columns={"x": "int64", "y": "int64"}, stages={"a": ("x", "y"), "b": ("x",)}, timeout_s=5)
+    q = dq.DistQueue(spec, dist.HashStore())
+    for _ in range(100):
+        q.put({"x": [torch.arange(3)] * 20, "y": [torch.arange(2)] * 20})
+        assert len(q.get("a", 20).ids) == 20 and len(q.get("b", 20).ids) == 20
+    q.put({"x": [torch.arange(3)] * 5})  # 5 rows more: stage a waits for their y
+    assert q.get("a", 1, min_rows=0).ids == [] and len(q.get("b", 2).ids) == 2
+    held = _entries({k: v for k, v in vars(q).items() if k not in ("spec", "store")})
+    assert held < 100, held
+    assert len(q.unclaimed["a"]) == 5 and len(q.unclaimed["b"]) == 3  # what a poll of each stage scans
 
 
 # ---------------------------------------------------------------- multi-rank
@@ -403,3 +444,166 @@ def test_a_store_without_queue_operations_is_refused_at_construction(tmp_path):
     with pytest.raises(ValueError, match="FileStore cannot serve a DistQueue.*TCPStore or a HashStore"):
         dq.DistQueue(spec, dist.FileStore(str(tmp_path / "store"), 1))
     dq.DistQueue(spec, dist.HashStore())  # fine
+
+
+class _OwnerAnswersFirst:
+    """Rank 0's store, where a get that gave up cancels its request: rank 2 is let back first, and answers."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def compare_set(self, key, expected, desired):
+        if desired == "cancelled":
+            self.store.set("t/back", "1")
+            self.store.wait([key])  # rank 2 answered: the cancel comes too late, rank 0 must take the transfer
+        return self.store.compare_set(key, expected, desired)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def _slow_owner(rank, world, answers_late):
+    """Rank 0 reads 6 rows: 2 of its own, 2 of rank 1, which serves at once, and 2 of rank 2, which is alive
+    but away (it waits on the store, not calling the queue) until rank 0's first get has timed out (or, if
+    answers_late, until that get cancels its request: rank 2 then answers first)."""
+    spec = dq.QueueSpec(columns={"x": "int64"}, stages={"t": ("x",)}, timeout_s=3)
+    store = dq.default_store()
+    q = dq.DistQueue(spec, _OwnerAnswersFirst(store) if answers_late and rank == 0 else store, rank, world)
+    q.put({"x": [torch.arange(3) + 10 * (rank + 3 * j) for j in range(2)]})  # rows rank, rank + 3
+    store.add("t/put", 1)
+    if rank > 0:
+        if rank == 2:
+            store.wait(["t/back"])
+        q.drain(timeout_s=60)  # rank 1: the transfer rank 0 dropped does not hold it up
+        return {"cells": len(q.cells), "inflight": len(q.inflight)}
+    while int(store.add("t/put", 0)) < world:
+        time.sleep(0.01)
+    try:
+        q.get("t", 6)
+        error = None
+    except TimeoutError as e:
+        error = str(e)
+    own = len(q.cells)  # its own cells: still held, not delivered by the failed get
+    store.set("t/back", "1")
+    b = q.get("t", 6)
+    q.drain(timeout_s=60)
+    return {"error": error, "own": own, "ids": b.ids, "x": [t.tolist() for t in b.cols["x"]],
+            "cells": len(q.cells), "inflight": len(q.inflight)}
+
+
+@pytest.mark.parametrize("answers_late", [False, True])
+def test_a_get_that_fails_on_a_slow_owner_loses_nothing_and_a_retry_reads_every_row_once(answers_late):
+    out = run_distributed(_slow_owner, world_size=3, args=(answers_late,))
+    error = out[0]["error"]
+    assert error is not None and "waiting for rows [2, 5] from rank 2" in error
+    assert "alive but not calling the queue" in error and "or it is gone" in error
+    assert "must keep calling the queue, or drain(), before blocking elsewhere" in error
+    assert out[0]["own"] == 2
+    assert out[0]["ids"] == list(range(6))  # exactly once, in one retry
+    assert out[0]["x"] == [(torch.arange(3) + 10 * r).tolist() for r in range(6)]
+    assert all(o["cells"] == 0 and o["inflight"] == 0 for o in out)  # every owner drained
+
+
+def _dp_slow_owner(rank, world):
+    """DP ranks 0, 1 read 6 rows as one global batch; rank 2 owns 2 of them and is away at first."""
+    dp = dist.new_group([0, 1])
+    spec = dq.QueueSpec(columns={"x": "int64"}, stages={"t": ("x",)}, timeout_s=3)
+    store = dq.default_store()
+    q = dq.DistQueue(spec, store, rank, world)
+    q.put({"x": [torch.arange(3) + 10 * (rank + 3 * j) for j in range(2)]})
+    store.add("t/put", 1)
+    if rank == 2:
+        store.wait(["t/back"])
+        q.drain(timeout_s=60)
+        return {"cells": len(q.cells), "inflight": len(q.inflight)}
+    while int(store.add("t/put", 0)) < world:
+        time.sleep(0.01)
+    try:
+        q.get("t", 6, dp_group=dp)
+        error = None
+    except TimeoutError as e:
+        error = str(e)
+    if int(store.add("t/failed", 1)) == 2:
+        store.set("t/back", "1")
+    b = q.get("t", 6, dp_group=dp)
+    q.drain(timeout_s=60)
+    return {"error": error, "ids": b.ids, "x": [t.tolist() for t in b.cols["x"]],
+            "cells": len(q.cells), "inflight": len(q.inflight)}
+
+
+def test_a_dp_group_read_fails_on_every_rank_or_none_and_its_retry_reads_every_row_once():
+    out = run_distributed(_dp_slow_owner, world_size=3)
+    assert out[0]["error"] is not None and out[1]["error"] is not None  # both raised TimeoutError
+    assert sorted(out[0]["ids"] + out[1]["ids"]) == list(range(6))
+    assert all(x == (torch.arange(3) + 10 * r).tolist() for o in out[:2] for r, x in zip(o["ids"], o["x"]))
+    assert all(o["cells"] == 0 and o["inflight"] == 0 for o in out)
+
+
+def _dp_different_n(rank, world):
+    spec = dq.QueueSpec(columns={"x": "int64"}, stages={"t": ("x",)}, timeout_s=10)
+    store = dq.default_store()
+    q = dq.DistQueue(spec, store, rank, world)
+    q.put({"x": [torch.arange(3)] * 2})
+    store.add("t/put", 1)
+    while int(store.add("t/put", 0)) < world:
+        time.sleep(0.01)
+    try:
+        q.get("t", 4 if rank == 0 else 2, dp_group=dist.group.WORLD)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return error, q.get("t", 4, dp_group=dist.group.WORLD).ids
+
+
+def test_dp_ranks_that_pass_different_n_all_raise_naming_both():
+    (e0, ids0), (e1, ids1) = run_distributed(_dp_different_n, world_size=2)
+    for e in (e0, e1):
+        assert e is not None and "get('t', n=2) on dp rank 1, but dp rank 0 asked for n=4" in e
+    assert sorted(ids0 + ids1) == [0, 1, 2, 3]  # the failed read kept nothing: the next one reads them all
+
+
+def _leader_fails(rank, world):
+    """Model-parallel group {0, 1}, leader 0: the first read times out (no row), the second finds rows."""
+    group = dist.new_group([0, 1])
+    spec = dq.QueueSpec(columns={"x": "int64"}, stages={"t": ("x",)}, timeout_s=2)
+    q = dq.DistQueue(spec, dq.default_store(), rank, world)
+    try:
+        q.get("t", 2, group=group)
+        error = None
+    except TimeoutError as e:
+        error = str(e)
+    if rank == 1:
+        q.put({"x": [torch.arange(3), torch.arange(4)]})
+    b = q.get("t", 2, group=group)
+    return error, b.ids, [t.tolist() for t in b.cols["x"]]
+
+
+def test_a_leaders_failed_read_is_raised_in_its_whole_group_and_a_retry_works():
+    (e0, ids0, x0), (e1, ids1, x1) = run_distributed(_leader_fails, world_size=2)
+    assert "waiting for 2 more rows" in e0 and "the read of this group's leader, rank 0, failed" in e1
+    assert ids0 == ids1 == [1, 3] and x0 == x1 == [[0, 1, 2], [0, 1, 2, 3]]
+
+
+def _tcp_start(rank, world, port):
+    """A world started from tcp://: the queue's error names the store to pass; build exactly that."""
+    dist.destroy_process_group()
+    del os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    spec = dq.QueueSpec(columns={"x": "int64"}, stages={"t": ("x",)}, timeout_s=20)
+    with pytest.raises(ValueError) as e:
+        dq.DistQueue(spec, rank=rank, world_size=world)
+    advice = re.search(r"store=(dist\.TCPStore\([^)]*\))", str(e.value)).group(1)
+    names = {"dist": dist, "HOST": "127.0.0.1", "PORT": port, "host": "127.0.0.1", "port": port,
+             "world_size": world, "rank": rank}
+    q = dq.DistQueue(spec, eval(advice, names), rank, world)  # the advice, word for word
+    q.put({"x": [torch.arange(3)] * 2})
+    ids = q.get("t", 4, dp_group=dist.group.WORLD).ids
+    dist.barrier()
+    return advice, ids
+
+
+def test_the_advice_for_a_tcp_start_works_as_written():
+    from tests.distributed import free_port
+    (advice, ids0), (_, ids1) = run_distributed(_tcp_start, world_size=2, args=(free_port(),))
+    assert "is_master=False" in advice and sorted(ids0 + ids1) == [0, 1, 2, 3]
