@@ -19,10 +19,11 @@ Contents, primitives first:
                      the expert grads synced over replicas and clipped with the rest, dense_state_dict
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
-  1. Each expert slice (name, e) is its own tensor, not a view of a stacked (E, D, H) parameter: a slice
-     of a stacked tensor cannot be freed alone, which would make the memory bound impossible. A bucket
-     is one round of batched isend/irecv, at most B bytes out and B in per rank, going straight from
-     the source storage into the final one: no staging copy, not a persistent flat parameter bucket.
+  1. Each expert slice (name, e) is its own tensor, not a view of a stacked (E, D, H) parameter (the
+     dense MoE's layout, model.py's: EPMoE.from_dense cuts the stack): a slice of a stacked tensor cannot
+     be freed alone, which would make the memory bound impossible. A bucket is one round of batched
+     isend/irecv, at most B bytes out and B in per rank, going straight from the source storage into the
+     final one: no staging copy, not a persistent flat parameter bucket.
   2. Memory is the module's own accounting of the storages it holds (and, on 2+ GPUs, a test with
      torch.cuda.max_memory_allocated). On entry a rank holds its source layout: the previous phase's
      own memory, more than the target when the EP degree goes up. The switch's first step frees what it

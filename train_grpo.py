@@ -45,6 +45,7 @@ import distqueue
 import fusion
 import grpo
 import moe_switch
+import shm_transport
 import stalesync
 import task
 import timeline
@@ -379,7 +380,7 @@ def build(cfg, out_dir=None):
     every deployment option is applied here, once."""
     rank, world, device = setup_distributed(cfg)
     if device.type == "cpu":  # what a phase frees stays with the process for the next, as on CUDA
-        fusion.keep_freed_memory()
+        shm_transport.keep_freed_memory()
     default = cfg.out or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     names = [out_dir or default, uuid.uuid4().hex[:12]]  # rank 0 names the folder and the start
     dist.broadcast_object_list(names, src=0)
@@ -395,12 +396,14 @@ def build(cfg, out_dir=None):
     if rank in roles.generators:
         build_rollout(run)
     if not roles.separated:  # one phase switch moves everything: shards, optimizer state, experts
+        # the gather: from the peers' shards in shared memory on one host on CPU, else broadcasts (collective)
+        transport = shm_transport.SharedMemory.connect(run.model, cfg.pg_timeout_s) or fusion.Broadcasts()
         run.actor = fusion.FusedActor(
-            run.model, run.optimizer, run.engine, fusion.Layout(world, fsdp=True),
-            fusion.Layout(world, tp=cfg.infer_tp, n_heads=cfg.n_heads), bucket_bytes=cfg.bucket_kb * 1024,
+            run.model, run.optimizer, run.engine, bucket_bytes=cfg.bucket_kb * 1024,
             inplace=cfg.infer_tp == 1,  # TP 1: the engine holds full weights, gathered straight into them
-            skip=run.experts.names if run.experts else (), movers=[run.experts] if run.experts else (),
-            timeout_s=cfg.pg_timeout_s)
+            movers=[run.experts] if run.experts else (), transport=transport)
+        if rank == 0:
+            print(f"switch: {run.actor.path}", flush=True)  # e.g. "in place, SharedMemory"
         run.all_ready = stalesync.AllReady(device=device, spans=run.spans)
     run.log = RunLog(run, start=resume_from[1]["step"] + 1 if resume_from else 1)
     return run

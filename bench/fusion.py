@@ -43,8 +43,9 @@ throughput on 2 cores). Three measurements, in the same run:
    its parts from the actor's own clock (to_rollout: offload, alloc, gather; to_train: free, reload),
    switch_bytes the bytes it moves per rank (offloaded bytes x2 + gathered bytes). Interleaved with it,
    both ranks at once: memcpy_bound_s, a plain torch copy_ of switch_bytes in one buffer; and the same
-   switch with the gather by broadcasts (host_exchange=False), what it costs without shared memory.
-   Through shared memory a rank copies each gathered byte once, from its own shard or a peer's.
+   switch with the gather by broadcasts (transport=fusion.Broadcasts()), what it costs without shared
+   memory. Through shared memory (shm_transport.py) a rank copies each gathered byte once, from its own
+   shard or a peer's.
 
 Targets on 2 CPU cores: colocated_over_separated_over_bound >= 0.95 and switch_round_trip_s <= 1.5 *
 memcpy_bound_s (targets_met). The last line printed is one JSON object. cores_used is the ranks'
@@ -177,20 +178,21 @@ def bound_side(args, rank, store, part, when, passes):
 
 def bench_switch(args, rank, tmp):
     """Median FusedActor round trip, part by part, against a memcpy of the same bytes and against the same
-    switch gathering by broadcasts (host_exchange=False), interleaved. Returns a dict."""
+    switch gathering by broadcasts (transport=fusion.Broadcasts()), interleaved. Returns a dict."""
     import torch
     import torch.distributed as dist
     import fusion
+    import shm_transport
     import train_grpo
     from task import VOCAB
     cfg = train_grpo.Config(d_model=args.switch_d_model, d_expert=args.switch_d_expert, n_layers=args.n_layers,
                             deploy="colocated", bucket_kb=args.switch_bucket_kb, seed=args.seed, device="cpu",
                             warmup_steps=0, eval_prompts=2)
-    run = train_grpo.build(cfg, os.path.join(tmp, "switch"))  # FSDP2, the engine and the actor as a run has them
+    with contextlib.redirect_stdout(io.StringIO()):  # FSDP2, the engine and the actor as a run has them
+        run = train_grpo.build(cfg, os.path.join(tmp, "switch"))
     model, opt, actor, engine = run.model, run.optimizer, run.actor, run.engine
-    by_broadcast = fusion.FusedActor(model, opt, engine, actor.train_layout, actor.infer_layout,
-                                     bucket_bytes=actor.bucket_bytes, offload_params=actor.offload_params,
-                                     inplace=actor.inplace, skip=actor.skip, movers=actor.movers, host_exchange=False)
+    by_broadcast = fusion.FusedActor(model, opt, engine, bucket_bytes=actor.bucket_bytes, inplace=actor.inplace,
+                                     movers=actor.movers, transport=fusion.Broadcasts())
     tokens = torch.randint(0, VOCAB, (4, 16))                                              # (B, T)
     model(tokens).logsumexp(-1).mean().backward()  # one step: the Adam state (exp_avg, exp_avg_sq) exists
     opt.step()
@@ -219,8 +221,9 @@ def bench_switch(args, rank, tmp):
         for part in parts:
             laps[part].append(slowest(actor.stats[f"switch/{part}_s"]))
     med = {k: statistics.median(v) for k, v in laps.items()}
+    shared = isinstance(actor.transport, shm_transport.SharedMemory)
     return {"switch_round_trip_s": med["trip"], "switch_bytes": nbytes, "memcpy_bound_s": med["memcpy"],
-            "switch_broadcast_round_trip_s": med["broadcast"], "switch_host_exchange": actor.exchange is not None,
+            "switch_broadcast_round_trip_s": med["broadcast"], "switch_host_exchange": shared,
             **{f"switch_{k}_s": med[k] for k in parts},
             "switch_offload_bytes": off, "switch_gather_bytes": actor.stats["switch/gather_bytes"],
             "switch_model_params": sum(p.numel() for p in engine.parameters()), "switch_buckets": len(actor.buckets)}
