@@ -7,34 +7,44 @@
 One checkpoint is one folder, which exists only once complete:
 
     <out>/checkpoints/step_<N>/
-        .metadata, __<r>_0.distcp   through torch.distributed.checkpoint (DCP): the model and the
-                                    optimizer, each trainer its own FSDP shards (a load at another world
-                                    size reshards them) and EP experts (a load at another EP degree finds
-                                    them by name), and the reference model, written once
+        .metadata, __<r>_0.distcp   through torch.distributed.checkpoint (DCP), tensors only: the model and
+                                    the optimizer's state, each trainer its own FSDP shards (a load at
+                                    another world size reshards them) and EP experts (a load at another EP
+                                    degree finds them by name), and the reference model, written once
         rank_<r>.pt                 each rank's own state: RNG, prompt streams, the queue's rows not yet
                                     read, StaleSync's groups in flight (partial rollouts with their versions
                                     and behaviour log-probs; the sampler's KV cache is empty at the cut, the
-                                    new weights reset it); plain data (tensors, numbers, strings, lists and
-                                    dicts), loaded with torch.load(weights_only=True)
+                                    new weights reset it), the optimizer's param_groups (a record); plain
+                                    data (tensors, numbers, strings, lists and dicts), loaded with
+                                    torch.load(weights_only=True)
         meta.json                   the step, the world size, the config, the log's figures so far, whether
                                     a reference model is saved, and the name and size of every file above
 
 Two halves: `folder`, `write`, `complete_checkpoints`, `prune` and the `read_*` functions are the
 mechanism (torch, json and the standard library: any run's dicts); `find`, `save` and `resume` decide
 what a train_grpo.py run saves, where and when. Every rank writes into one folder: the ranks must share
-a filesystem (one machine, or a shared disk). DCP's own files (.metadata, and the optimizer's settings in
-the shards) are pickles that its load unpickles: load only checkpoints you trust.
+a filesystem (one machine, or a shared disk).
+
+A checkpoint is code to trust. DCP's .metadata is a pickle that its load unpickles (torch's format, not
+this file's: whoever can write it runs code as the user who resumes), so nothing of this file's goes to
+DCP but tensors, whose shards DCP loads with weights_only=True (a non-tensor entry it would unpickle with
+weights_only=False; DCP of an older checkpoint may hold the optimizer's param_groups: they are not read).
+`find` refuses a folder that another user owns or may write, or one in a folder they may write (`untrusted`),
+unless --trust-checkpoint-perms 1; `write` leaves its files writable by their owner alone, whatever the umask.
 
 - Atomic: every rank writes into .tmp_step_<N>; after a barrier, rank 0 lists the files with their sizes
   in meta.json and renames the folder to step_<N>. A crash before the rename leaves the previous
   checkpoint the newest complete one (the next save removes the leftover); --keep-last K removes all but
   the newest K. Resumed from step N, a run moves the checkpoints after N (another timeline, now
   abandoned) to checkpoints/superseded/, so that neither --resume auto nor --keep-last mixes the two.
-- Checked before anything changes: a file missing or of another size than meta.json says, or a config that
-  differs in a field the saved state depends on (SHAPE_FIELDS: the model's and the task's shapes, the
-  batch, the seed, the staleness, filtering and KL settings), fails on every rank with the name of the
-  file or the field; metrics.jsonl is cut back to the checkpoint's step only once everything has loaded.
-  The optimizer's state comes from the checkpoint, its learning rate from --lr.
+- Checked before anything changes: rank 0 chooses the folder (--resume auto: the newest it lists; a rank
+  listing for itself could see another step on a shared disk that caches attributes), and each rank checks
+  it: a meta.json that is not JSON or lacks a field, a file missing or of another size than meta.json says,
+  an owner or mode `untrusted` refuses, or a config that differs in a field the saved state depends on
+  (SHAPE_FIELDS: the model's and the task's shapes, the batch, the seed, the staleness, filtering and KL
+  settings): every rank fails with the name of the file, the field or the flag, and of the rank that
+  found it; metrics.jsonl is cut back to the checkpoint's step only once everything has loaded.
+  The optimizer's state comes from the checkpoint, all its settings (--lr among them) from this run.
 - A consistent cut: every rank saves at the same policy version. Colocated: at the end of RL step N.
   Separated: trainers after pushing version N (and writing its figures), generators right after receiving
   it, before they serve any read of the batches they made ahead; rows made ahead are saved by their owner.
@@ -52,6 +62,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 
 import torch
 import torch.distributed as dist
@@ -74,11 +85,11 @@ def write(out_dir, step, rank, own, meta=None, dcp_state=None, dcp_group=None, k
     root = os.path.join(out_dir, "checkpoints")
     tmp, final = os.path.join(root, f".tmp_step_{step}"), folder(out_dir, step)
     if rank == 0:
-        os.makedirs(root, exist_ok=True)
+        os.makedirs(root, mode=0o755, exist_ok=True)  # writable by this user only, as `untrusted` asks (umask 002)
         for name in os.listdir(root):
             if name.startswith((".tmp_step_", ".old_step_")):  # a crashed save's leftovers
                 shutil.rmtree(os.path.join(root, name))
-        os.makedirs(tmp)
+        os.makedirs(tmp, mode=0o755)
     dist.barrier(group=group)
     if dcp_state is not None:
         crc = torch.serialization.get_crc32_options()
@@ -91,6 +102,7 @@ def write(out_dir, step, rank, own, meta=None, dcp_state=None, dcp_group=None, k
     _write_file(os.path.join(tmp, f"rank_{rank}.pt"), lambda f: torch.save(own, f))
     dist.barrier(group=group)  # every file is written
     if rank == 0:
+        _write_protect(tmp)
         files = {name: os.path.getsize(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
         text = json.dumps(dict(meta or {}, step=step, files=files), indent=1)
         _write_file(os.path.join(tmp, "meta.json"), lambda f: f.write(text.encode()))
@@ -101,10 +113,21 @@ def write(out_dir, step, rank, own, meta=None, dcp_state=None, dcp_group=None, k
 
 
 def _write_file(path, fill):
-    with open(path, "wb") as f:
+    with open(path, "wb", opener=lambda p, flags: os.open(p, flags, 0o644)) as f:  # 0o644: see _write_protect
         fill(f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _write_protect(tmp):
+    """No group or other user may write the files (DCP opens its own with the umask's mode, 0o664 under umask
+    002), or a load would refuse them (`untrusted`). A file another uid wrote is left as it is: refused."""
+    if not hasattr(os, "geteuid"):  # no POSIX owners and modes (Windows)
+        return
+    for name in os.listdir(tmp):
+        st = os.stat(os.path.join(tmp, name))
+        if st.st_uid == os.geteuid() and st.st_mode & 0o022:
+            os.chmod(os.path.join(tmp, name), st.st_mode & 0o7755)
 
 
 def _publish(tmp, final):
@@ -139,14 +162,20 @@ def prune(out_dir, keep_last):
 
 
 def read_meta(path):
-    """meta.json, after checking that every file it lists is there with its size: a missing or truncated
-    file is named before anything is loaded."""
+    """meta.json, after checking that it holds what `write` puts there (the step, every file's name and size)
+    and that every file it lists is there with its size: a field, or a missing or truncated file, is named
+    before anything is loaded."""
     meta_path = os.path.join(path, "meta.json")
     if not os.path.exists(meta_path):
         raise FileNotFoundError(f"{path} is not a complete checkpoint: it has no meta.json (a save that did not "
                                 "finish leaves .tmp_step_<N>; complete ones are step_<N> with meta.json)")
-    with open(meta_path) as f:
-        meta = json.load(f)
+    with open(meta_path, "rb") as f:
+        text = f.read()
+    try:
+        meta = json.loads(text)
+    except ValueError as e:  # json's JSONDecodeError, or bytes that are not UTF-8
+        raise ValueError(f"{meta_path} is not valid JSON ({e}): cut short, or edited by hand") from None
+    require(meta_path, meta, {"step": int, "files": dict})
     bad = []
     for name, size in meta["files"].items():
         file = os.path.join(path, name)
@@ -157,6 +186,44 @@ def read_meta(path):
     if bad:
         raise ValueError(f"checkpoint {path} is damaged: {', '.join(bad)}")
     return meta
+
+
+def require(meta_path, meta, fields):
+    """Each of `fields` ({"step": int, "config.seed": object, ...}, dotted into nested dicts) in meta and of
+    its type, or a ValueError naming the file and the field."""
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_path} is not a JSON object but a {type(meta).__name__}")
+    for name, kind in fields.items():
+        value = meta
+        for key in name.split("."):
+            value = value[key] if isinstance(value, dict) and key in value else _MISSING
+        if value is _MISSING:
+            raise ValueError(f"{meta_path}: the field {name} is missing")
+        if not isinstance(value, kind):
+            raise ValueError(f"{meta_path}: the field {name} is {value!r}, not {kind.__name__}")
+
+
+_MISSING = object()
+
+
+def untrusted(path):
+    """Why the checkpoint at `path` may hold another user's code, or None: the folder holding it, the folder
+    and every entry in it must belong to this user (or root) and be writable by no group and no other user
+    (the holding folder may be, with the sticky bit: no one else can rename this user's folder away). Loading
+    unpickles DCP's .metadata: whoever can write it runs code as the user who loads it."""
+    if not hasattr(os, "geteuid"):  # no POSIX owners and modes (Windows)
+        return None
+    me, path = os.geteuid(), os.path.realpath(path)
+    holder = os.path.dirname(path)
+    for p in [holder, path] + [os.path.join(path, n) for n in sorted(os.listdir(path))]:
+        st = os.lstat(p)
+        if stat.S_ISLNK(st.st_mode):
+            return f"{p} is a symbolic link (a checkpoint holds none)"
+        if st.st_uid not in (me, 0):
+            return f"{p} is owned by uid {st.st_uid}, not this process's uid {me}"
+        if st.st_mode & 0o022 and not (p == holder and st.st_mode & stat.S_ISVTX):
+            return f"{p} has mode {oct(st.st_mode & 0o777)}: group- or world-writable"
+    return None
 
 
 def read_own(path, rank):
@@ -184,17 +251,63 @@ def params_sha256(state):
 # ----------------------------------------------------------------------------- what a train_grpo.py run saves
 def find(cfg, out_dir):
     """--resume: (folder, meta) to resume from, or None for a fresh start (auto with no checkpoint yet).
-    Every rank calls it before anything is written, and fails alike on a damaged or unfitting checkpoint."""
+    Every rank calls it before anything is written. Rank 0 chooses the folder (auto: the newest complete
+    checkpoint it lists); each rank then checks that folder itself (its meta.json and files, their owners
+    and modes, the config), and if one rank cannot load it, every rank fails with that rank's reason."""
     if not cfg.resume:
         return None
-    found = complete_checkpoints(out_dir) if cfg.resume == "auto" else [(None, cfg.resume)]
-    if not found:
+    path = _choose(cfg, out_dir)
+    if path is None:
         return None
-    path = found[-1][1]
+    try:
+        found, error = _check(cfg, path), None
+    except (ValueError, OSError) as e:  # OSError: FileNotFoundError, PermissionError, an unreadable file
+        found, error = None, (type(e).__name__, str(e))
+    errors = [error]
+    if dist.is_initialized():
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        r, (kind, text) = failed[0]
+        raise _ERRORS.get(kind, RuntimeError)(f"rank {r}: {text}" if len(errors) > 1 else text)
+    return found
+
+
+_ERRORS = {e.__name__: e for e in (ValueError, FileNotFoundError, PermissionError)}
+
+
+def _choose(cfg, out_dir):
+    """The folder to resume from, as rank 0 sees it (None: a fresh start). Were each rank to list
+    checkpoints/ itself, two nodes of a shared disk that caches file attributes could pick different
+    steps, and DCP would load shards of both without an error."""
+    if cfg.resume != "auto":
+        return cfg.resume
+    found = complete_checkpoints(out_dir) if not dist.is_initialized() or dist.get_rank() == 0 else None
+    choice = [found[-1][1] if found else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(choice, src=0)
+    return choice[0]
+
+
+def _check(cfg, path):
+    """(path, meta) if this rank can resume this run from `path`; else an error naming the file, the field
+    or the flag."""
+    from runlog import SAVED
+    fields = {"world": int, "reference": bool, "log": dict, **{f"log.{k}": object for k in SAVED},
+              "config": dict, **{f"config.{k}": object for k in SHAPE_FIELDS + LAYOUT_FIELDS}}
     try:
         meta = read_meta(path)
-    except (ValueError, FileNotFoundError) as e:
-        raise type(e)(f"{e}; remove it, or name an older checkpoint with --resume FOLDER") from None
+        require(os.path.join(path, "meta.json"), meta, fields)
+    except ValueError as e:
+        raise ValueError(f"{e}; remove it, or name an older checkpoint with --resume FOLDER") from None
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{e}; remove it, or name an older checkpoint with --resume FOLDER") from None
+    why = None if cfg.trust_checkpoint_perms else untrusted(path)
+    if why:
+        raise PermissionError(f"checkpoint {path}: {why}. Another user could have put code in it (a load "
+                              "unpickles DCP's .metadata): check who wrote it, then pass --trust-checkpoint-perms 1 "
+                              "to load it anyway (e.g. a disk shared by a group)")
     saved = meta["config"]
     diff = [f"--{k.replace('_', '-')} {saved[k]} there, {getattr(cfg, k)} here" for k in SHAPE_FIELDS
             if saved[k] != getattr(cfg, k)]
@@ -221,26 +334,29 @@ def save(run, step):
             own.update(sched=run.sched.state_dict(), prompts=run.sched.prompt_fn.state_dict())
         if run.actor is not None:
             own["actor"] = run.actor.state_dict()
+        dcp_state, own["optim_groups"] = _dcp_state(run)
         meta = {"world": run.roles.world, "config": dataclasses.asdict(cfg), "log": run.log.state_dict(),
                 "reference": run.reference is not None}
-        write(run.out_dir, step, run.rank, own, meta, dcp_state=_dcp_state(run), dcp_group=run.train_group,
+        write(run.out_dir, step, run.rank, own, meta, dcp_state=dcp_state, dcp_group=run.train_group,
               keep_last=cfg.keep_last)
 
 
 def _dcp_state(run):
-    """The trainers' part: model and optimizer as FSDP shards (DTensors), and the reference model. Under
-    EP an expert is a plain tensor on the ranks that hold it and an empty one elsewhere: only its holders
-    name it (identical copies on its replicas, written once), so that a load finds it by name whatever
-    the layout, EP degree or world size it loads into."""
+    """(state, param_groups). The state, DCP's part, is tensors only (a non-tensor entry, DCP would pickle and
+    its load unpickle): the trainers' model and optimizer state as FSDP shards (DTensors), and the reference
+    model. The optimizer's param_groups (its settings, and its parameters' names: plain data) go to the rank
+    files. Under EP an expert is a plain tensor on the ranks that hold it and an empty one elsewhere: only
+    its holders name it (identical copies on its replicas, written once), so that a load finds it by name
+    whatever the layout, EP degree or world size it loads into. (None, None) on a generator."""
     if run.model is None:
-        return None
+        return None, None
     from torch.distributed.checkpoint.state_dict import get_state_dict
     model, optim = get_state_dict(run.model, run.optimizer)
-    state = {"model": _held(model), "optim": dict(optim, state=_held(optim["state"], model))}
+    state = {"model": _held(model), "optim": {"state": _held(optim["state"], model)}}
     if run.reference is not None:
         with run.reference.on_device() as ref:  # host copies: an offloaded reference frees its storages on exit
             state["reference"] = _held({k: v.detach().to("cpu", copy=True) for k, v in ref.state_dict().items()})
-    return state
+    return state, optim["param_groups"]
 
 
 def _held(entries, model=None):
@@ -255,19 +371,22 @@ def _held(entries, model=None):
 def resume(run):
     """Load the checkpoint `find` chose into a built run: the trainers' DCP state, resharded if the world
     changed; then each rank's own state, or, at another layout, the in-flight prompts to regenerate; last,
-    metrics.jsonl, cut back to the checkpoint's step. Nothing without a checkpoint."""
+    metrics.jsonl, cut back to the checkpoint's step. Nothing without a checkpoint.
+    The optimizer: its state (each parameter's step and Adam moments) from the checkpoint; every setting of
+    its param_groups (the learning rate from --lr, betas, eps, weight decay, foreach, ...) from this run as
+    train_grpo.py built it. The saved param_groups stay in the rank files as a record, never applied: a
+    checkpoint of older code (foreach=None before commit e9fabe9) does not undo a choice made since."""
     if run.resume_from is None:
         return
     path, meta = run.resume_from
     run.log.load_state_dict(meta["log"])
     if run.model is not None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-        state = _dcp_state(run)
-        read_dcp(path, state, run.train_group)
-        set_state_dict(run.model, run.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+        state, groups = _dcp_state(run)  # groups: this run's settings
+        read_dcp(path, state, run.train_group)  # an older checkpoint's param_groups in DCP are not read
+        set_state_dict(run.model, run.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=dict(state["optim"], param_groups=groups),
                        options=StateDictOptions(strict=run.experts is None))  # EP: the experts held here only
-        for group in run.optimizer.param_groups:  # the state from the checkpoint, the learning rate from --lr
-            group["lr"] = run.cfg.lr
         if run.reference is not None:
             with run.reference.on_device() as ref:
                 ref.load_state_dict(state["reference"], strict=run.experts is None)

@@ -94,6 +94,9 @@ class Config:
     keep_last: int = flag(2, "checkpoints kept, the newest (0: every one)")
     resume: str = flag("", "auto (the newest complete checkpoint in --out, or a fresh start if none) or a "
                            "checkpoint folder")
+    trust_checkpoint_perms: bool = flag(False, "1: resume from a checkpoint that another user owns or may write "
+                                               "(group- or world-writable, e.g. a group-shared disk); loading one "
+                                               "runs its pickled code (checkpoint.py)")
     device: str = flag("auto", "auto, cpu or cuda")
     pg_timeout_s: int = flag(300, "timeout in seconds of every process group")
 

@@ -1,6 +1,9 @@
 """checkpoint.py: a stopped and resumed run trains to the parameters of one that never stopped; the
-checkpoint is atomic, reshards, refuses what does not fit, and its own files load no pickled code; a
-dead rank ends the job with an error, and under torchrun's restarts the job comes back on its own."""
+checkpoint is atomic, reshards, refuses what does not fit, what is damaged (naming the file and the field)
+and what another user may have written, and its own files load no pickled code (DCP gets tensors only); rank
+0 chooses the checkpoint for every rank; a dead rank ends the job with an error, and under torchrun's
+restarts the job comes back on its own."""
+import functools
 import json
 import os
 import pickle
@@ -211,6 +214,153 @@ def test_a_rank_file_loads_no_pickled_code(tmp_path):
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         checkpoint.read_own(str(tmp_path / "step"), 0)
     assert not os.path.exists("pwned.txt") and not os.path.exists(tmp_path / "pwned.txt")
+
+
+def _train_with_old_optimizer_settings(rank, world_size, out_dir, overrides):
+    """_train_tiny, its RL optimizer set as before commit e9fabe9 (foreach=None) and with other betas."""
+    build = T.build
+
+    def old_build(*args, **kwargs):
+        run = build(*args, **kwargs)
+        for group in run.optimizer.param_groups:
+            group.update(foreach=None, betas=(0.5, 0.5))
+        return run
+    T.build = old_build  # this rank's process only
+    return _train_tiny(rank, world_size, out_dir, overrides)
+
+
+def _resumed_optimizer(rank, world_size, out_dir, overrides):
+    """Build a run and resume it, train nothing: its optimizer's settings (no params) and Adam step counts."""
+    run = T.build(Config(**dict(TINY, **overrides), out=out_dir), out_dir)
+    T.attach_reference(run)
+    checkpoint.resume(run)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in run.optimizer.param_groups]
+    return groups, sorted({float(s["step"]) for s in run.optimizer.state.values()})
+
+
+def test_dcp_holds_only_tensors_and_the_optimizer_settings_are_this_runs(tmp_path):
+    """DCP's load unpickles every non-tensor entry with weights_only=False: the checkpoint gives it tensors
+    only, and the optimizer's settings (param_groups) go to the rank files, plain data. On resume the
+    state (Adam's moments and step) comes from the checkpoint, every setting from this run: a checkpoint
+    saved with foreach=None (before commit e9fabe9) and other betas resumes with foreach=True, the betas
+    train_grpo.py builds, and this run's --lr."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    mode = dict(CKPT, steps=2, save_every=2)
+    run_distributed(_train_with_old_optimizer_settings, world_size=2, args=(str(tmp_path), mode))
+    path = checkpoint.folder(str(tmp_path), 2)
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata  # DCP's pickle, written by this test
+    assert [k for k, m in saved.items() if not isinstance(m, TensorStorageMetadata)] == []
+    groups = checkpoint.read_own(path, 0)["optim_groups"]  # the settings it trained with, kept as a record
+    assert groups and all(g["foreach"] is None and g["betas"] == (0.5, 0.5) for g in groups)
+    resumed = run_distributed(_resumed_optimizer, world_size=2, args=(str(tmp_path), dict(mode, steps=3, lr=1e-3,
+                                                                                          resume=path)))
+    for groups, steps in resumed:
+        assert all(g["foreach"] is True and g["betas"] == (0.9, 0.98) and g["lr"] == 1e-3 for g in groups)
+        assert steps == [2.0]  # two optimizer steps, from the checkpoint
+
+
+def _umask_002_train(rank, world_size, out_dir, overrides):
+    """_train_tiny under umask 002 (a user's own group may write what it creates, as on many desktops)."""
+    os.umask(0o002)  # this rank's process only
+    return _train_tiny(rank, world_size, out_dir, overrides)
+
+
+def test_a_checkpoint_another_user_owns_or_may_write_is_refused_unless_trusted(tmp_path, monkeypatch):
+    """Loading a checkpoint unpickles DCP's .metadata: whoever can write the folder can run code as the
+    user who resumes. The folder, the folder holding it and every file in it must be this user's (or
+    root's) and writable by no one else, or --trust-checkpoint-perms 1; what the project writes passes,
+    even under umask 002."""
+    mode = dict(CKPT, steps=2, save_every=2)
+    run_distributed(_umask_002_train, world_size=1, args=(str(tmp_path), mode))
+    path = checkpoint.folder(str(tmp_path), 2)
+    cfg = Config(**dict(TINY, **dict(mode, resume="auto", steps=4)), out=str(tmp_path))
+    trusting = Config(**dict(TINY, **dict(mode, resume="auto", steps=4, trust_checkpoint_perms=True)),
+                      out=str(tmp_path))
+    assert checkpoint.find(cfg, str(tmp_path))[0] == path
+
+    def refused(target, text):
+        with pytest.raises(PermissionError, match=text) as e:
+            checkpoint.find(cfg, str(tmp_path))
+        assert target in str(e.value) and "--trust-checkpoint-perms 1" in str(e.value)  # tmp_path: a real path
+        assert checkpoint.find(trusting, str(tmp_path))[0] == path
+    for target in (path, os.path.dirname(path), os.path.join(path, ".metadata")):
+        mode_was = os.stat(target).st_mode & 0o777
+        for writable in (0o020, 0o002):
+            os.chmod(target, mode_was | writable)
+            refused(target, f"mode {oct(mode_was | writable)}: group- or world-writable")
+        os.chmod(target, mode_was)
+    os.chmod(os.path.dirname(path), 0o1777)  # a holding folder like /tmp: no one else renames this user's folder
+    assert checkpoint.find(cfg, str(tmp_path))[0] == path
+    os.chmod(os.path.dirname(path), 0o755)
+    os.symlink(os.path.join(path, "meta.json"), os.path.join(path, "extra"))
+    refused(os.path.join(path, "extra"), "is a symbolic link")
+    os.remove(os.path.join(path, "extra"))
+    meta = os.path.join(path, "meta.json")
+    if os.geteuid() == 0:
+        os.chown(meta, 4242, -1)
+        refused(meta, "owned by uid 4242")
+    else:  # files of this user, seen by another
+        monkeypatch.setattr(os, "geteuid", lambda uid=os.geteuid(): uid + 1)
+        refused(os.path.dirname(path), f"owned by uid {os.stat(meta).st_uid}")  # the first one checked
+        monkeypatch.undo()
+    os.chmod(path, 0o777)
+    with pytest.raises(RuntimeError, match="--trust-checkpoint-perms 1"):  # the whole run, before any write
+        run_distributed(_train_tiny, world_size=1, args=(str(tmp_path), dict(mode, resume="auto", steps=4)))
+
+
+def test_a_hand_edited_meta_json_is_refused_naming_the_file_and_the_field(tmp_path):
+    """meta.json cut short, or without a field the resume reads, is refused with the file's name and the
+    field's, not a TypeError of json's or a bare KeyError."""
+    mode = dict(CKPT, steps=2, save_every=2)
+    run_distributed(_train_tiny, world_size=1, args=(str(tmp_path), mode))
+    meta_path = os.path.join(checkpoint.folder(str(tmp_path), 2), "meta.json")
+    text = open(meta_path).read()
+    cfg = Config(**dict(TINY, **dict(mode, resume="auto", steps=4)), out=str(tmp_path))
+
+    def refused(edited, field):
+        with open(meta_path, "w") as f:
+            f.write(edited)
+        with pytest.raises(ValueError, match=field) as e:
+            checkpoint.find(cfg, str(tmp_path))
+        assert meta_path in str(e.value) and "--resume FOLDER" in str(e.value)
+    refused(text[:len(text) // 2], "not valid JSON")
+    refused("[]", "not a JSON object")
+    for field in ("step", "files", "world", "reference", "log", "config", "config.seed", "config.deploy"):
+        meta = json.loads(text)
+        *parents, key = field.split(".")
+        del functools.reduce(dict.__getitem__, parents, meta)[key]
+        refused(json.dumps(meta), f"the field {field} is missing")
+    meta = dict(json.loads(text), step="2")
+    refused(json.dumps(meta), "the field step is '2', not int")
+
+
+def _resumed_from(rank, world_size, out_dir, overrides, hide):
+    """Build a run and resume it, rank 1 seeing the disk as a lagging node may: `hide` "listing", its list
+    of checkpoints ends one step early; "meta", step_6's meta.json is not there (yet) for it."""
+    if rank == 1 and hide == "listing":
+        listed = checkpoint.complete_checkpoints
+        checkpoint.complete_checkpoints = lambda out: listed(out)[:-1]
+    if rank == 1 and hide == "meta":
+        exists = os.path.exists
+        os.path.exists = lambda p: not p.endswith(os.path.join("step_6", "meta.json")) and exists(p)
+    run = T.build(Config(**dict(TINY, **overrides), out=out_dir), out_dir)
+    T.attach_reference(run)
+    checkpoint.resume(run)
+    return run.resume_from[0], run.log.start
+
+
+def test_rank_0_chooses_the_checkpoint_and_the_others_follow_or_fail_together(tmp_path):
+    """--resume auto: rank 0 lists the checkpoints and chooses; a rank whose listing lags (a shared disk's
+    attribute cache) loads rank 0's choice, not an older step's shards; a rank that cannot read the
+    chosen folder's meta.json makes every rank fail, naming it."""
+    run_distributed(_train_tiny, world_size=2, args=(str(tmp_path), CKPT))  # step_3 and step_6
+    mode = dict(CKPT, resume="auto", steps=8)
+    step_6 = checkpoint.folder(str(tmp_path), 6)
+    resumed = run_distributed(_resumed_from, world_size=2, args=(str(tmp_path), mode, "listing"))
+    assert resumed == [(step_6, 7), (step_6, 7)]
+    with pytest.raises(RuntimeError, match=r"rank 1: .*step_6 is not a complete checkpoint: it has no meta.json"):
+        run_distributed(_resumed_from, world_size=2, args=(str(tmp_path), mode, "meta"))
 
 
 # --- processes that die ------------------------------------------------------------------------
