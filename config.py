@@ -11,6 +11,7 @@ makes a world of one.
 import argparse
 import dataclasses
 import datetime
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -234,8 +235,48 @@ def layout_errors(cfg, world):
     return errors
 
 
-def value_errors(cfg):
+# Sizes: every count that a shape, a batch or a loop divides by or runs over, >= 1; counts that may be 0, >= 0.
+POSITIVE = ("max_digits", "eval_prompts", "d_model", "n_layers", "n_heads", "n_experts", "top_k", "d_expert",
+            "warmup_batch", "steps", "prompts_per_step", "group_size", "updates_per_batch",
+            "micro_batches", "chunk_steps", "max_new_tokens", "bucket_kb", "eval_every", "log_every", "pg_timeout_s")
+NON_NEGATIVE = ("warmup_steps", "train_ep", "infer_ep", "seed", "save_every", "keep_last")
+
+
+def number_errors(cfg):
+    """Every size >= 1 (or >= 0 where 0 means "none"), every float finite: a NaN learning rate or an
+    infinite temperature would train on, or a NaN --rl-seconds never stop, without an error."""
+    errors = [f"--{_flag(k)} {getattr(cfg, k)} must be >= 1" for k in POSITIVE if getattr(cfg, k) < 1]
+    errors += [f"--{_flag(k)} {getattr(cfg, k)} must be >= 0" for k in NON_NEGATIVE if getattr(cfg, k) < 0]
+    floats = [f.name for f in dataclasses.fields(Config) if f.type is float]
+    errors += [f"--{_flag(k)} {getattr(cfg, k)} must be a finite number" for k in floats
+               if getattr(cfg, k) is not None and not math.isfinite(getattr(cfg, k))]
+    return errors
+
+
+def _flag(name):
+    return name.replace("_", "-")
+
+
+def shape_errors(cfg):
+    """The model's shapes: heads of even width (RoPE), top-k within the experts, and the rollout engine's TP
+    cut (heads and each expert's hidden width split over --infer-tp ranks)."""
     errors = []
+    if cfg.d_model % cfg.n_heads or (cfg.d_model // cfg.n_heads) % 2:
+        errors.append(f"--d-model {cfg.d_model} must split into --n-heads {cfg.n_heads} heads of even width "
+                      "(d_model / n_heads even, for the rotary embedding)")
+    if cfg.top_k > cfg.n_experts:
+        errors.append(f"--top-k {cfg.top_k} must be at most --n-experts {cfg.n_experts}")
+    if cfg.infer_tp >= 1 and cfg.d_expert % cfg.infer_tp:
+        errors.append(f"--d-expert {cfg.d_expert} must be a multiple of --infer-tp {cfg.infer_tp} (each TP rank "
+                      "holds an equal share of every expert's hidden units)")
+    return errors
+
+
+def value_errors(cfg):
+    errors = number_errors(cfg)
+    if errors:  # the checks below divide by these sizes or build the model from them
+        return errors
+    errors = shape_errors(cfg)
     if cfg.group_size < 2 and (cfg.adv_estimator != "reinforce++" or cfg.filter_groups):
         errors.append(f"--group-size {cfg.group_size}: a group baseline (and --filter-groups) needs at least 2 "
                       "responses per prompt; only --adv-estimator reinforce++ takes 1")
@@ -244,7 +285,7 @@ def value_errors(cfg):
     except (ValueError, TypeError) as e:
         errors.append(f"--staleness {cfg.staleness} / --threshold {cfg.threshold} / --chunk-steps "
                       f"{cfg.chunk_steps}: {e}")
-    if not 1 <= cfg.max_digits <= 32:
+    if cfg.max_digits > 32:
         errors.append(f"--max-digits {cfg.max_digits} must be in [1, 32]")
     elif len(task.held_out(cfg.max_digits, cfg.eval_prompts)[1]) >= task.n_possible_prompts(cfg.max_digits):
         errors.append(f"--eval-prompts {cfg.eval_prompts} with --max-digits {cfg.max_digits}: the held-out set "
@@ -260,18 +301,15 @@ def value_errors(cfg):
         errors.append(f"--clip-eps-high {cfg.clip_eps_high} and --tis-cap {cfg.tis_cap} must be > 0 when given")
     if not cfg.grad_clip > 0 or not cfg.warmup_lr > 0:
         errors.append(f"--grad-clip {cfg.grad_clip} and --warmup-lr {cfg.warmup_lr} must be > 0")
-    if cfg.warmup_steps < 0 or cfg.seed < 0 or cfg.pg_timeout_s < 1 or cfg.rl_seconds < 0:
-        errors.append(f"--warmup-steps {cfg.warmup_steps}, --seed {cfg.seed} and --rl-seconds {cfg.rl_seconds} "
-                      f"must be >= 0, --pg-timeout-s {cfg.pg_timeout_s} >= 1")
-    if cfg.save_every < 0 or cfg.keep_last < 0 or (cfg.resume == "auto" and not cfg.out):
-        errors.append(f"--save-every {cfg.save_every} and --keep-last {cfg.keep_last} must be >= 0, and --resume "
-                      f"auto needs --out (the folder whose checkpoints it looks for; got {cfg.out!r})")
-    if min(cfg.steps, cfg.eval_every, cfg.log_every, cfg.micro_batches) < 1:
-        errors.append(f"--steps {cfg.steps}, --eval-every {cfg.eval_every}, --log-every {cfg.log_every} and "
-                      f"--micro-batches {cfg.micro_batches} must be >= 1")
+    if cfg.rl_seconds < 0:
+        errors.append(f"--rl-seconds {cfg.rl_seconds} must be >= 0 (0: run --steps)")
+    if cfg.resume == "auto" and not cfg.out:
+        errors.append(f"--resume auto needs --out (the folder whose checkpoints it looks for; got {cfg.out!r})")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         errors.append("--device cuda: no CUDA device is available; use --device cpu or auto")
-    return errors + bucket_errors(cfg)
+    if errors:  # the bucket check builds the model's shapes
+        return errors
+    return bucket_errors(cfg)
 
 
 def bucket_errors(cfg):
@@ -289,10 +327,26 @@ def bucket_errors(cfg):
     return []
 
 
+def local_gpu(env, n_gpus):
+    """The GPU of this process: LOCAL_RANK, its index on its node, as torchrun sets it. A launcher that sets
+    RANK for several processes but no LOCAL_RANK would put every one on GPU 0: refused, as is an index
+    the node does not have."""
+    if "LOCAL_RANK" not in env:
+        if int(env.get("WORLD_SIZE", "1")) > 1:
+            raise ValueError(f"RANK {env.get('RANK')} of WORLD_SIZE {env['WORLD_SIZE']} and no LOCAL_RANK: set "
+                             "LOCAL_RANK to this process's index on its node (torchrun does), or every rank takes GPU 0")
+        return 0
+    index = int(env["LOCAL_RANK"])
+    if not 0 <= index < n_gpus:
+        raise ValueError(f"LOCAL_RANK {index}, but this node has {n_gpus} GPUs: start at most one process per GPU")
+    return index
+
+
 def setup_distributed(cfg):
     """torchrun's environment, or a world of one. Returns rank, world size, device."""
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    device = torch.device("cuda", local_gpu(os.environ, torch.cuda.device_count())) if cuda else \
+        torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)  # before init_process_group
     timeout = datetime.timedelta(seconds=cfg.pg_timeout_s)

@@ -178,6 +178,7 @@ class RunLog:
     def write_spans(self):
         """Every rank's spans, gathered to rank 0 (the ranks may not share a disk), one file per rank."""
         run = self.run
+        run.spans.settle()
         mine = [{"rank": run.rank, "name": name, "start": s0 + self.offset, "end": s1 + self.offset, **args}
                 for name, s0, s1, args in run.spans.spans]
         everyone = [None] * run.roles.world if run.rank == 0 else None

@@ -17,7 +17,7 @@ in its folder one spans_rank<N>.jsonl per rank (every timed phase:
     python -m timeline runs/A runs/B --out curves.svg --labels S0,S1   # one comparison of several runs
     python timeline.py --help
 
-Contents: Spans (recording), load_spans, check_nesting, trace_events / write_trace, pick_window,
+Contents: Spans and CudaClock (recording), load_spans, check_nesting, trace_events / write_trace, pick_window,
 write_timeline_svg, load_metrics, curve_points, write_curves_svg, write_all, main.
 """
 import argparse
@@ -54,17 +54,23 @@ WIDTH = 1000
 class Spans:
     """Records every timed phase as (name, start, end, args); spans named in `idle` count as waiting.
     args: a copy of `self.args` when the span began (the caller sets e.g. the step and policy version
-    there), so that a timeline can say what each span belonged to. device: on CUDA, a span ends only
-    once the device's queued work has (the times are then real)."""
+    there), so that a timeline can say what each span belonged to.
+    device: on CUDA, work runs behind the host: each span also leaves a mark on the device's stream at
+    its start and end (CudaClock), and settle() moves each bound to when the device reached it, if that
+    was later. settle() waits for the device once for every span since the last one (total() and the
+    run's log call it once per step): spans never serialise the device's work on the host."""
 
-    def __init__(self, idle=("idle",), device=None):
+    def __init__(self, idle=("idle",), device=None, clock=None):
         self.spans, self.idle, self.t0, self.args = [], set(idle), time.perf_counter(), {}
-        self.cuda = device if device is not None and str(device).startswith("cuda") else None
+        cuda = device is not None and str(device).startswith("cuda")
+        self.clock = clock if clock is not None else CudaClock(device) if cuda else None  # None: host times only
+        self.pending = []  # (index in spans, start mark, end mark): spans whose device times are not read yet
         self.open, self.failed_in = [], None  # the spans running now; where the first error struck
 
     @contextmanager
     def __call__(self, name):
         t0, args = time.perf_counter(), dict(self.args)
+        start = self.clock.mark() if self.clock is not None else None
         self.open.append(name)
         try:
             yield
@@ -73,22 +79,54 @@ class Spans:
             raise
         finally:
             self.open.pop()
-            if self.cuda is not None:
-                import torch  # only on CUDA: this file needs nothing but the standard library otherwise
-                torch.cuda.synchronize(self.cuda)
+            if self.clock is not None:
+                self.pending.append((len(self.spans), start, self.clock.mark()))
             self.spans.append((name, t0, time.perf_counter(), args))
+
+    def settle(self):
+        """Each pending span's start and end: the later of the host's time and the device's (one wait)."""
+        if not self.pending:
+            return
+        at = self.clock.times([m for _, start, end in self.pending for m in (start, end)])  # host seconds
+        for j, (i, _, _) in enumerate(self.pending):
+            name, t0, t1, args = self.spans[i]
+            self.spans[i] = (name, max(t0, at[2 * j]), max(t1, at[2 * j + 1]), args)
+        self.pending.clear()
 
     def total(self, names, since=0):
         """Seconds spent in spans called `names` (a name or a tuple of names), over the spans since index `since`."""
+        self.settle()
         names = (names,) if isinstance(names, str) else tuple(names)
         return sum(t1 - t0 for n, t0, t1, _ in self.spans[since:] if n in names)
 
     def perf(self, tokens, since_t=None):
         """perf/tokens_per_s and perf/idle_frac over the wall time since since_t (default: creation)."""
+        self.settle()
         t0 = self.t0 if since_t is None else since_t
         wall = max(time.perf_counter() - t0, 1e-9)
         idle = sum(min(b, time.perf_counter()) - max(a, t0) for n, a, b, _ in self.spans if n in self.idle and b > t0)
         return {"perf/tokens_per_s": tokens / wall, "perf/idle_frac": idle / wall}
+
+
+class CudaClock:
+    """Marks on a CUDA device's current stream (timing events), read back as host perf_counter seconds:
+    times(marks) records one more event, waits for it (the one synchronisation), and counts each mark
+    back from it by the device's own elapsed time."""
+
+    def __init__(self, device):
+        import torch  # only on CUDA: this file needs nothing but the standard library otherwise
+        self.torch, self.device = torch, device
+
+    def mark(self):
+        event = self.torch.cuda.Event(enable_timing=True)
+        event.record(self.torch.cuda.current_stream(self.device))
+        return event
+
+    def times(self, marks):
+        last = self.mark()
+        last.synchronize()
+        now = time.perf_counter()
+        return [now - m.elapsed_time(last) / 1000 for m in marks]
 
 
 # --- spans ------------------------------------------------------------------------------------

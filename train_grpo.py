@@ -270,13 +270,17 @@ def weights_key(run, version):
 
 def push_weights(run, version, last=False):
     """6. A trainer's side: announce `version` (and, if it is the last, that it is), then gather it bucket
-    by bucket; trainer 0 broadcasts."""
+    by bucket; trainer 0 broadcasts, and its push ends once every generator has the weights (a broadcast's
+    sender may return before its receivers do)."""
     if run.rank == 0:
         if last:
             run.store.set(weights_key(run, "final"), str(version))
         run.store.set(weights_key(run, version), "1")
     with run.spans("push"):
         fusion.push_weights(run.model, None, 0, run.push_group, run.cfg.bucket_kb * 1024)
+        if run.rank == 0:
+            received = [f"{weights_key(run, version)}/got/{i}" for i in range(run.roles.replicas)]
+            wait_for(run, received, f"the generators' receipt of version {version}")
 
 
 def receive_weights(run, version, evaluate=True):
@@ -286,6 +290,7 @@ def receive_weights(run, version, evaluate=True):
     wait_for(run, [weights_key(run, version)], f"weights of version {version}")
     with run.spans("recv"):
         fusion.push_weights(None, run.engine, 0, run.push_group, run.cfg.bucket_kb * 1024)
+    run.store.set(f"{weights_key(run, version)}/got/{run.roles.replica(run.rank)}", "1")
     run.sched.update(version)
     if evaluate and (is_eval_step(run.cfg, version) or version == final_version(run)):
         with run.spans("eval"):

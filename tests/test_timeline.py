@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -214,3 +215,34 @@ def test_spans_record_name_times_and_args():
     assert spans.total("idle") == a1 - a0 and spans.total(("idle", "rollout")) == (a1 - a0) + (b1 - b0)
     m = spans.perf(100)
     assert set(m) == {"perf/tokens_per_s", "perf/idle_frac"} and 0 < m["perf/idle_frac"] <= 1
+
+
+class LateDevice:
+    """A stand-in for a CUDA stream that runs `lag` seconds behind the host: a mark is reached lag seconds
+    after it was recorded. Counts the waits (times calls)."""
+
+    def __init__(self, lag):
+        self.lag, self.waits = lag, 0
+
+    def mark(self):
+        return time.perf_counter() + self.lag
+
+    def times(self, marks):
+        self.waits += 1
+        return list(marks)
+
+
+def test_spans_on_a_device_end_when_the_device_does_and_wait_once_per_settle():
+    device = LateDevice(lag=5.0)
+    spans = T.Spans(clock=device)
+    with spans("train"):
+        with spans("reference"):
+            pass
+    assert device.waits == 0  # closing a span does not wait for the device
+    assert spans.total("train") >= 0 and device.waits == 1
+    (inner, a0, a1, _), (outer, b0, b1, _) = spans.spans
+    assert a1 - time.perf_counter() > 4 and b0 <= a0 <= a1 <= b1  # moved to the device's times, still nested
+    with spans("rollout"):
+        pass
+    spans.settle(), spans.settle()
+    assert device.waits == 2 and spans.spans[-1][2] - time.perf_counter() > 4

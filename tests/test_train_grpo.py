@@ -23,15 +23,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["--deploy", "separated", "--infer-tp", "2"], "--deploy separated needs an even world size"),
     (["--staleness", "-1"], "--staleness -1"),
     (["--threshold", "1.5"], "threshold=1.5 is outside the valid range (0, 1]"),
-    (["--chunk-steps", "0"], "--chunk-steps 0: chunk_steps=0 must be an integer >= 1"),
+    (["--chunk-steps", "0"], "--chunk-steps 0 must be >= 1"),
     (["--grad-clip", "0"], "--grad-clip 0.0 and --warmup-lr 0.005 must be > 0"),
-    (["--warmup-steps", "-5"], "--warmup-steps -5, --seed 0 and --rl-seconds 200.0 must be >= 0"),
-    (["--pg-timeout-s", "0"], "--pg-timeout-s 0 >= 1"),
+    (["--warmup-steps", "-5"], "--warmup-steps -5 must be >= 0"),
+    (["--pg-timeout-s", "0"], "--pg-timeout-s 0 must be >= 1"),
+    # every size >= 1 and every float finite, before the model is built or a process group exists
+    (["--n-heads", "0"], "--n-heads 0 must be >= 1"),
+    (["--d-model", "0"], "--d-model 0 must be >= 1"),
+    (["--d-expert", "0"], "--d-expert 0 must be >= 1"),
+    (["--n-layers", "0"], "--n-layers 0 must be >= 1"),
+    (["--group-size", "0", "--adv-estimator", "reinforce++", "--filter-groups", "0"], "--group-size 0 must be >= 1"),
+    (["--lr", "nan"], "--lr nan must be a finite number"),
+    (["--kl-coef", "nan"], "--kl-coef nan must be a finite number"),
+    (["--clip-eps", "nan"], "--clip-eps nan must be a finite number"),
+    (["--rl-seconds", "nan"], "--rl-seconds nan must be a finite number"),
+    (["--temperature", "inf"], "--temperature inf must be a finite number"),
+    (["--infer-tp", "2", "--d-expert", "33"], "--d-expert 33 must be a multiple of --infer-tp 2"),
+    (["--d-model", "62"], "--d-model 62 must split into --n-heads 4 heads of even width"),
+    (["--top-k", "5"], "--top-k 5 must be at most --n-experts 4"),
     (["--bucket-kb", "1"], "--bucket-kb 1 is smaller than the largest weight, blocks.0.moe.w_gate (131072 bytes)"),
     (["--infer-tp", "4"], "--infer-tp 4 must be 1, 2 or 4 and divide both the world size 2"),
     (["--top-p", "1.5"], "--top-p 1.5"),
     (["--max-new-tokens", "10"], "--max-new-tokens 10 cannot hold"),
-    (["--n-heads", "3"], "n_heads=3"),
+    (["--n-heads", "3"], "--d-model 64 must split into --n-heads 3 heads"),
     (["--train-ep", "2"], "--train-ep 2 and --infer-ep 0: set both"),
     (["--train-ep", "3", "--infer-ep", "1"], "--train-ep 3: EP degree 3 does not divide n_experts 4 or world size 2"),
     (["--train-ep", "2", "--infer-ep", "2"], "--infer-ep 2: an engine with experts spread over ranks"),
@@ -52,6 +66,16 @@ def test_cli_rejects_bad_arguments_before_starting(capsys):
         T.main(["--loss-agg", "mean"])
     assert e.value.code == 2 and "invalid choice: 'mean'" in capsys.readouterr().err
     assert not torch.distributed.is_initialized()
+
+
+def test_each_rank_takes_its_own_gpu_or_the_launch_is_refused():
+    from config import local_gpu
+    assert local_gpu({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3"}, n_gpus=8) == 3
+    assert local_gpu({}, n_gpus=1) == 0  # a world of one
+    with pytest.raises(ValueError, match="RANK 1 of WORLD_SIZE 2 and no LOCAL_RANK"):
+        local_gpu({"RANK": "1", "WORLD_SIZE": "2"}, n_gpus=2)  # would put both ranks on GPU 0
+    with pytest.raises(ValueError, match="LOCAL_RANK 2, but this node has 2 GPUs"):
+        local_gpu({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "2"}, n_gpus=2)
 
 
 def test_import_starts_no_training(tmp_path):
