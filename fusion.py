@@ -16,8 +16,8 @@ A switch's path is two choices; FusedActor.path names it, and train_grpo.py prin
     load_weights  any TP: a bucket of full weights handed to engine.load_weights (vLLM's interface), which
                   cuts its TP piece, fuses, renames and copies.
   The bytes' way to every rank (transport=; the seam: Broadcasts)
-    Broadcasts    this file, any backend and hosts: each rank copies its own rows into place, then W
-                  in-place broadcasts, one per owner, bring the others' (gather_into).
+    Broadcasts    this file, any backend and hosts: for each weight, each rank copies its own rows into place,
+                  then W in-place broadcasts, one per owner, bring the others' (gather_into).
     SharedMemory  shm_transport.py, the ranks of one host on CPU: each copies its peers' rows out of their
                   shared memory, one copy per byte, as verl and NeMo-RL read a GPU node's through CUDA IPC.
   train_grpo.py: in place at TP 1, else load_weights; on CPU on one host SharedMemory (Broadcasts where it
@@ -27,10 +27,11 @@ Departures from the source system (Huawei's RL post-training on CloudMatrix 384)
   1. FSDP (ZeRO-3) to train, TP to generate (every rank gathers every weight); EP in moe_switch.py; no PP.
   2. The training shards stay on the device in ROLLOUT (1/W of the model); offload_params=True moves them.
   3. The actor frees the engine's weights in TRAIN (vLLM's sleep mode would); the KV cache is the engine's.
-A call that would read a freed storage crashes the process, so it raises instead, naming the phase: the
+The calls that would read a freed storage, and crash the process, raise instead, naming the phase: the
 engine in TRAIN, optimizer.step() or a backward in ROLLOUT, the model in ROLLOUT under offload_params.
+(Other reads of the grads or states in ROLLOUT, zero_grad(set_to_none=False) or clipping, are not guarded.)
 
-Run: python -m pytest tests/test_fusion.py   (exactness W 1/2/4 x t 1/2/4, bit-identical training, memory)
+Run: python -m pytest tests/test_fusion.py   (exactness W 1/2 x t 1/2, bit-identical training, memory; W 4: -m slow)
 
 Using this file elsewhere: torch >= 2.6, gloo or nccl, a model and an engine as FusedActor says. Example, a
 vLLM-shaped engine on 2 gloo processes (tests/test_copy_alone.py runs it in a folder holding only this file):
@@ -78,10 +79,8 @@ vLLM-shaped engine on 2 gloo processes (tests/test_copy_alone.py runs it in a fo
 
 Shapes: W world size, t TP degree, W/t DP replicas, B bucket bytes, c = ceil(rows / W) rows per shard.
 """
-import datetime
 import time
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -89,43 +88,6 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor, Shard
 
 TRAIN, ROLLOUT = "TRAIN", "ROLLOUT"
-
-
-# ----------------------------------------------------------------------------- layouts
-@dataclass(frozen=True)
-class Layout:
-    """The inference layout of W ranks: rank grid arange(W).view(W // t, t), a TP group per row (t adjacent
-    ranks), a DP group per column. (Training's is FSDP2's own: every parameter sharded over all W ranks.)"""
-    world_size: int     # W
-    tp: int = 1         # t, the tensor-parallel degree: 1, 2 or 4
-    n_heads: int = 0    # attention heads, which t must divide (0: not checked)
-
-    def __post_init__(self):
-        errors = []
-        if self.world_size < 1:
-            errors.append("the world size must be >= 1")
-        if self.tp not in (1, 2, 4):
-            errors.append(f"TP degree {self.tp} must be 1, 2 or 4")
-        elif self.world_size % self.tp:
-            errors.append(f"TP degree {self.tp} does not divide the world size {self.world_size}")
-        if self.n_heads and self.n_heads % self.tp:
-            errors.append(f"TP degree {self.tp} does not divide n_heads {self.n_heads}")
-        if errors:
-            raise ValueError(f"bad layout (world size {self.world_size}, tp {self.tp}, n_heads {self.n_heads}): "
-                             + "; ".join(errors))
-
-    def new_groups(self, timeout_s=300.0):
-        """(TP group, DP group) of this rank (a row, a column of the grid; None: one rank). Collective."""
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if world != self.world_size:
-            raise ValueError(f"layout world size {self.world_size} != process group size {world}")
-        grid, mine = torch.arange(world).view(world // self.tp, self.tp), [None, None]  # (W / t, t)
-        for kind, groups in enumerate((grid, grid.T)):  # the TP groups, then the DP groups
-            for ranks in groups.tolist():
-                if len(ranks) > 1:  # a group of one rank is None
-                    group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
-                    mine[kind] = group if dist.get_rank() in ranks else mine[kind]
-        return tuple(mine)
 
 
 # ----------------------------------------------------------------------------- host offload
@@ -151,13 +113,17 @@ def offload(stores, hosts=()):
     if any(s.device.type == "cpu" and s.is_shared() for s in stores):  # torch crashes as one grows back
         raise ValueError("offload: a storage in shared memory (a SharedMemory transport's shard) cannot be freed")
     out = []
-    for i, s in enumerate(stores):
-        cuda = s.device.type == "cuda"
-        h = hosts[i] if i < len(hosts) and hosts[i].numel() == s.nbytes() else \
-            torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=cuda)
-        h.copy_(_as_bytes(s), non_blocking=cuda)
-        s.resize_(0)
-        out.append(h)
+    try:  # all or nothing: a failure (a host buffer not allocated) gives back what was freed
+        for i, s in enumerate(stores):
+            cuda = s.device.type == "cuda"
+            h = hosts[i] if i < len(hosts) and hosts[i].numel() == s.nbytes() else \
+                torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=cuda)
+            h.copy_(_as_bytes(s), non_blocking=cuda)
+            s.resize_(0)
+            out.append(h)
+    except BaseException:
+        reload(stores[:len(out)], out)
+        raise
     return out
 
 
@@ -239,17 +205,19 @@ class Broadcasts:
 
     @contextmanager
     def gathering(self, params):
-        mesh = next((p.device_mesh for p in params.values() if isinstance(p, DTensor)), None)  # None: no shards
-        ok = torch.ones(1, device=mesh.device_type if mesh is not None else None)
+        mesh = next((p.device_mesh for p in params.values() if isinstance(p, DTensor)), None)  # None: a plain model
+        group = mesh.get_group() if mesh is not None else None  # None: the default group, if any
+        ok = torch.ones(1, device=next(iter(params.values())).device)
+        agree = dist.is_initialized() and dist.get_world_size(group) > 1
         try:
             yield
         except BaseException:
             with suppress(Exception):  # where a collective failed this one may fail too: the first error stands
-                if mesh is not None:
-                    dist.all_reduce(ok.zero_(), op=dist.ReduceOp.MIN, group=mesh.get_group())
+                if agree:
+                    dist.all_reduce(ok.zero_(), op=dist.ReduceOp.MIN, group=group)
             raise
-        if mesh is not None:
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=mesh.get_group())
+        if agree:
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
         if not ok.item():
             raise RuntimeError("another rank failed in this switch (its error is in its output); back in TRAIN")
 
@@ -264,15 +232,16 @@ class Broadcasts:
         pass
 
 
+# ----------------------------------------------------------------------------- the separated deployment's push
 @torch.no_grad()
 def push_weights(model, engine, src, group, bucket_bytes):
     """Separated deployment, after a step: every trainer (model given) gathers each bucket over its FSDP mesh,
     trainer `src` (a global rank) broadcasts it over `group` (src and the generators), and each generator
     (engine given) hands it to engine.load_weights. Every trainer and generator calls it. Returns bytes sent."""
-    members = dist.get_process_group_ranks(group) if group is not None else [src]
-    if src not in members:
+    in_group = group is None or dist.get_rank(group) >= 0  # a rank outside the group holds a placeholder for it
+    members = dist.get_process_group_ranks(group) if group is not None and in_group else [src]
+    if in_group and src not in members:
         raise ValueError(f"push_weights: src rank {src} is not in the group's ranks {members}")
-    in_group = dist.get_rank() in members
     if model is not None:
         reshard_all(model)
     box = [weight_meta(model) if model is not None else None]  # the names and full shapes, from src
@@ -410,33 +379,35 @@ class FusedActor:
     @torch.no_grad()
     def to_rollout(self):
         """TRAIN -> ROLLOUT: grads and optimizer states to host, the engine's weights built bucket by bucket,
-        the movers. Returns the engine. If it raises, every rank is back in TRAIN as it was (the ok flag)."""
+        the movers. Returns the engine. If it raises, this actor's state is back in TRAIN as it was (a mover
+        that raises leaves its own as it was); an error inside the gather raises on every rank (the ok flag)."""
         self._expect(TRAIN, "to_rollout() called")
         t0 = time.perf_counter()
         reshard_all(self.model)
         params, eng = dict(self.model.named_parameters()), self._engine_weights()
-        with self._timed("offload"):  # 1. grads and optimizer states to host, in a fixed order (buffers reused)
-            grads = [p.grad for p in params.values() if p.grad is not None]
-            opt = [v for p in params.values() for _, v in sorted(self.optimizer.state.get(p, {}).items())]
-            self._off = storages(grads + [v for v in opt if torch.is_tensor(v)], self.device)
-            self.stats["switch/offload_bytes"] = sum(s.nbytes() for s in self._off)
-            self._hosts = offload(self._off, self._hosts)
         try:
+            with self._timed("offload"):  # 1. grads and optimizer states to host, in a fixed order (buffers reused)
+                grads = [p.grad for p in params.values() if p.grad is not None]
+                opt = [v for p in params.values() for _, v in sorted(self.optimizer.state.get(p, {}).items())]
+                off = storages(grads + [v for v in opt if torch.is_tensor(v)], self.device)
+                self.stats["switch/offload_bytes"] = sum(s.nbytes() for s in off)
+                self._hosts, self._off = offload(off, self._hosts), off  # all or nothing
             with self._timed("alloc"):  # 2. the inference weights: allocated once, gathered into bucket by bucket
                 for p in eng.values():
                     p.untyped_storage().resize_(p.nbytes)
             with self._timed("gather"), self.transport.gathering(params):
                 extra, gathered = self._fill(params, eng)
             if self.offload_params:  # 3. the training shards too (1/W of the model, needed first thing back)
-                self._param_off = storages([p for n, p in params.items() if n not in self.skip], self.device)
-                self._param_hosts = offload(self._param_off, self._param_hosts)
+                off = storages([p for n, p in params.items() if n not in self.skip], self.device)
+                self._param_hosts, self._param_off = offload(off, self._param_hosts), off
+            for m in self.movers:  # 4. whatever else changes layout (the experts' EP re-shard)
+                m.to_rollout()
         except BaseException:  # back to TRAIN as it was: no engine weights, the train-only state on the device
             self._free_engine()
+            reload(self._param_off, self._param_hosts)
             reload(self._off, self._hosts)
-            self._off = []
+            self._off, self._param_off = [], []
             raise
-        for m in self.movers:  # 4. whatever else changes layout (the experts' EP re-shard)
-            m.to_rollout()
         self._finish(ROLLOUT, t0)
         moved = 2 * self.stats["switch/offload_bytes"] + gathered  # per round trip
         self.stats.update({"switch/peak_extra_bytes": extra, "switch/gather_bytes": gathered, "switch/bytes": moved})
@@ -483,6 +454,7 @@ class FusedActor:
         with self._timed("reload"):
             reload(self._param_off, self._param_hosts)
             reload(self._off, self._hosts)
+        self._off, self._param_off = [], []  # the storages are the device's again (a failed switch reloads none)
         self.round_trips += 1
         self._finish(TRAIN, t0)  # frees first, then re-allocates: never above its start or end bytes
 

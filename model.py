@@ -38,6 +38,7 @@ V vocabulary, L layers.
 
     python -m pytest tests/test_model.py
 """
+import datetime
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,6 +94,42 @@ def apply_rope(x, cos, sin):
 def tp_rank_size(group):
     """(rank, size) in a tensor-parallel group; (0, 1) without one."""
     return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """The rollout engine's layout over W ranks: rank grid arange(W).view(W // t, t), a TP group per row (t
+    adjacent ranks: one replica), a DP group per column. (Training's is FSDP2's own, over all W ranks.)"""
+    world_size: int     # W
+    tp: int = 1         # t, the tensor-parallel degree: 1, 2 or 4
+    n_heads: int = 0    # attention heads, which t must divide (0: not checked)
+
+    def __post_init__(self):
+        errors = []
+        if self.world_size < 1:
+            errors.append("the world size must be >= 1")
+        if self.tp not in (1, 2, 4):
+            errors.append(f"TP degree {self.tp} must be 1, 2 or 4")
+        elif self.world_size % self.tp:
+            errors.append(f"TP degree {self.tp} does not divide the world size {self.world_size}")
+        if self.n_heads and self.n_heads % self.tp:
+            errors.append(f"TP degree {self.tp} does not divide n_heads {self.n_heads}")
+        if errors:
+            raise ValueError(f"bad layout (world size {self.world_size}, tp {self.tp}, n_heads {self.n_heads}): "
+                             + "; ".join(errors))
+
+    def new_groups(self, timeout_s=300.0):
+        """(TP group, DP group) of this rank (a row, a column of the grid; None: one rank). Collective."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world != self.world_size:
+            raise ValueError(f"layout world size {self.world_size} != process group size {world}")
+        grid, mine = torch.arange(world).view(world // self.tp, self.tp), [None, None]  # (W / t, t)
+        for kind, groups in enumerate((grid, grid.T)):  # the TP groups, then the DP groups
+            for ranks in groups.tolist():
+                if len(ranks) > 1:  # a group of one rank is None
+                    group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
+                    mine[kind] = group if dist.get_rank() in ranks else mine[kind]
+        return tuple(mine)
 
 
 class Attention(nn.Module):

@@ -13,7 +13,7 @@ do with CUDA IPC handles (verl's and NeMo-RL's colocated weight refit): one tran
 fusion.py's seam (keeps_shards, gathering, fill, close; fusion.Broadcasts says what each does).
 
     transport = shm_transport.SharedMemory.connect(model, timeout_s=300) or fusion.Broadcasts()  # collective
-    actor = fusion.FusedActor(model, optimizer, engine, inplace=True, transport=transport)  # as train_grpo.build
+    actor = fusion.FusedActor(model, optimizer, engine, inplace=True, transport=transport)  # TP 1, as build() does
 
 No peer may change its shards while others read them: gathering() brackets a switch's gather with two
 barriers, entering (every rank is done with its optimizer step) and leaving (every rank has read; each

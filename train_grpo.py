@@ -50,7 +50,7 @@ import stalesync
 import task
 import timeline
 from config import Config, Roles, grpo_config, model_config, parse_args, setup_distributed, validate
-from model import Policy, Sampler, generate
+from model import Policy, Sampler, TPLayout, generate
 from runlog import RunLog, all_sum
 
 
@@ -444,7 +444,7 @@ def build_policy(run):
     else:  # FSDP over every rank; the engine is tensor-parallel over groups of infer_tp ranks
         run.train_group = dist.group.WORLD
         mesh = init_device_mesh(device.type, (roles.world,))
-        tp_group = fusion.Layout(roles.world, cfg.infer_tp, n_heads=cfg.n_heads).new_groups(cfg.pg_timeout_s)[0]
+        tp_group = TPLayout(roles.world, cfg.infer_tp, n_heads=cfg.n_heads).new_groups(cfg.pg_timeout_s)[0]
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model = Policy(model_config(cfg)).to(device)
     if rank in roles.generators:

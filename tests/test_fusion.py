@@ -11,9 +11,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fusion
-from fusion import (ROLLOUT, TRAIN, FusedActor, HostOffloaded, Layout, held_bytes, plan_buckets,
+from fusion import (ROLLOUT, TRAIN, FusedActor, HostOffloaded, held_bytes, plan_buckets,
                     push_weights, rollout, weight_meta)
-from model import ModelConfig, Policy, generate
+from model import ModelConfig, Policy, TPLayout, generate
 from tests.distributed import run_distributed
 
 CFG = ModelConfig(vocab_size=14, d_model=32, n_layers=2, n_heads=4, n_experts=4, top_k=2, d_expert=32,
@@ -72,7 +72,7 @@ def _check_exact_and_memory(rank, world, model, opt, ref, connect=None):
     ref_gen = generate(ref, contexts, torch.arange(4) + 11, 12, EOS)
     out = {}
     for tp in [t for t in (1, 2, 4) if world % t == 0]:
-        layout = Layout(world, tp, n_heads=CFG.n_heads)
+        layout = TPLayout(world, tp, n_heads=CFG.n_heads)
         tp_group, _ = layout.new_groups(timeout_s=60)
         # TP 1: gathered in place into the engine, through buckets + load_weights, and all at once (the naive
         # switch: one bucket as large as the model, so that the bound's check has teeth); TP > 1: buckets +
@@ -113,7 +113,7 @@ def _check_bit_identical(rank, world, offload_params, round_trips, connect=None)
     """TRAIN -> ROLLOUT -> TRAIN with grads set (before the step) and without (after it) changes nothing."""
     a, opt_a = _train_model(world)
     b, opt_b = _train_model(world)
-    layout = Layout(world, 2 if world > 1 else 1, n_heads=CFG.n_heads)
+    layout = TPLayout(world, 2 if world > 1 else 1, n_heads=CFG.n_heads)
     tp_group, _ = layout.new_groups(timeout_s=60)
     actor = FusedActor(a, opt_a, Policy(CFG, tp_group), bucket_bytes=BUCKET, offload_params=offload_params,
                        transport=connect(a) if connect else None)
@@ -220,7 +220,7 @@ def test_fusion_world_of_one():
     assert m["switch/bytes"] > 0 and m["switch/buckets"] > 1 and m["switch/peak_extra_bytes"] <= BUCKET
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_fusion_distributed(world):
     results = run_distributed(_distributed, world_size=world, timeout_s=300)
     m = results[0]["metrics"]
@@ -239,14 +239,14 @@ def _plain_actor(**kw):
 
 def test_bad_layouts_name_their_sizes():
     with pytest.raises(ValueError, match="TP degree 2 does not divide the world size 3"):
-        Layout(3, tp=2)
+        TPLayout(3, tp=2)
     with pytest.raises(ValueError, match="TP degree 4 does not divide n_heads 6"):
-        Layout(8, tp=4, n_heads=6)
+        TPLayout(8, tp=4, n_heads=6)
     with pytest.raises(ValueError, match="TP degree 3 must be 1, 2 or 4"):
-        Layout(6, tp=3)
+        TPLayout(6, tp=3)
     # a layout for 4 ranks in a world of 1: refused before any collective (there is no process group)
     with pytest.raises(ValueError, match="layout world size 4 != process group size 1"):
-        Layout(4, tp=2).new_groups()
+        TPLayout(4, tp=2).new_groups()
     with pytest.raises(ValueError, match="bucket_bytes 1000 is smaller than weight"):
         plan_buckets(weight_meta(Policy(CFG)), 1000)
 
@@ -357,6 +357,47 @@ def test_a_failed_switch_leaves_train_intact():
     with rollout(actor):
         pass
     assert all(torch.equal(a, b) for a, b in zip(_snapshot(model, opt), before))
+
+
+def test_a_switch_that_fails_in_its_offload_or_a_mover_leaves_train_intact(monkeypatch):
+    """A host buffer that cannot be allocated partway through the offload, or a mover that raises after the
+    gather: to_rollout raises, and the optimizer states and grads are back on the device, bit for bit (the
+    storages freed before the failure included), no engine weight left; the next round trip works."""
+    actor = _plain_actor(inplace=False)
+    model, opt = actor.model, actor.optimizer
+    _backward(model, 0, 0)
+    opt.step()
+    _backward(model, 0, 1)  # grads too
+    before = _snapshot(model, opt) + [p.grad.clone() for p in model.parameters()]
+    empty, made = torch.empty, []
+
+    def third_fails(*args, **kwargs):  # the offload's third host buffer
+        made.append(1)
+        if len(made) == 3:
+            raise MemoryError("host buffer")
+        return empty(*args, **kwargs)
+    monkeypatch.setattr(torch, "empty", third_fails)
+    with pytest.raises(MemoryError, match="host buffer"):
+        actor.to_rollout()
+    monkeypatch.setattr(torch, "empty", empty)
+    now = lambda: _snapshot(model, opt) + [p.grad for p in model.parameters()]  # noqa: E731
+    assert actor.phase == TRAIN and held_bytes(actor.engine.parameters()) == 0
+    assert all(torch.equal(a, b) for a, b in zip(now(), before))
+
+    class Failing:
+        names, stats = (), {}
+
+        def to_rollout(self):
+            raise RuntimeError("mover failed")
+    actor.movers.append(Failing())
+    with pytest.raises(RuntimeError, match="mover failed"):
+        actor.to_rollout()
+    assert actor.phase == TRAIN and held_bytes(actor.engine.parameters()) == 0
+    assert all(torch.equal(a, b) for a, b in zip(now(), before))
+    actor.movers.pop()
+    with rollout(actor):
+        pass
+    assert all(torch.equal(a, b) for a, b in zip(now(), before))
 
 
 def test_calls_that_would_read_freed_storages_raise_naming_the_phase():

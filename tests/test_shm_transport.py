@@ -201,7 +201,7 @@ def _shared_memory(rank, world):
 
 
 @pytest.mark.skipif(not SHM, reason="no /dev/shm here: the gather broadcasts")
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_shared_memory(world):
     results = run_distributed(_shared_memory, world_size=world, timeout_s=300)
     if world == 2:
