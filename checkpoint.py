@@ -52,8 +52,9 @@ unless --trust-checkpoint-perms 1; `write` leaves its files writable by their ow
   never stopped (CPU, fixed seed, a fixed --steps: --rl-seconds ends on the clock), as long as the new
   weights reach the samplers at fixed points (colocated; separated with S = 0; tested: colocated S = 0 and
   S = 2, separated S = 0). At another world size or deployment the model and optimizer reshard; the groups
-  that were in flight or queued are dropped and their prompts regenerated first, counted in
-  stale/regenerated, before the prompts drawn and not yet started.
+  that were in flight or queued are dropped, counted in stale/regenerated, and the new replicas start their
+  slots again: a slot's prompt is a function of the slot (task.SlotPrompts) and of the curriculum's counts,
+  which every rank saves alike, so the same prompts are drawn again.
 
 Shapes: none; one dict per rank.
 """
@@ -327,11 +328,11 @@ def save(run, step):
         return
     with run.spans("checkpoint"):
         own = {"rng": {"torch": torch.get_rng_state()}, "queue": run.queue.state_dict(),
-               "warm_stream": run.warm_stream.state_dict(), "rl_stream": run.rl_stream.state_dict()}
+               "warm_stream": run.warm_stream.state_dict(), "curriculum": run.curriculum.state_dict()}
         if run.device.type == "cuda":
             own["rng"]["cuda"] = torch.cuda.get_rng_state(run.device)
         if run.sched is not None:
-            own.update(sched=run.sched.state_dict(), prompts=run.sched.prompt_fn.state_dict())
+            own["sched"] = run.sched.state_dict()
         if run.actor is not None:
             own["actor"] = run.actor.state_dict()
         dcp_state, own["optim_groups"] = _dcp_state(run)
@@ -415,10 +416,9 @@ def _load_own(run, own):
     if "cuda" in own["rng"]:
         torch.cuda.set_rng_state(own["rng"]["cuda"], run.device)
     run.warm_stream.load_state_dict(own["warm_stream"])
-    run.rl_stream.load_state_dict(own["rl_stream"])
+    run.curriculum.load_state_dict(own["curriculum"])
     if run.sched is not None:
         run.sched.load_state_dict(own["sched"])
-        run.sched.prompt_fn.load_state_dict(own["prompts"])
     if run.actor is not None:
         run.actor.load_state_dict(own["actor"])
     run.queue.load_state_dict(own["queue"])  # collective: every rank publishes the rows it holds
@@ -426,32 +426,27 @@ def _load_own(run, own):
 
 def _regenerate(run, path, meta):
     """Another world size or deployment: the saved replicas' groups (queued, or in flight) have no replica
-    to continue on. Their prompts, in order, then the prompts drawn and not yet started, are dealt to
-    this run's replicas, which start them first as new groups; the groups count in stale/regenerated.
-    The prompt stream goes on from the furthest saved replica's position: no global batch is drawn twice
-    (a replica that lagged leaves its share of the batches it never drew: prompts, not samples)."""
+    to continue on. They are dropped and counted in stale/regenerated; this run's replicas start at the
+    checkpoint's step, their first slots again. A slot's prompt is drawn from the slot itself and the
+    curriculum's counts (the same on every saved rank), so those slots get the prompts the saved run
+    would have drawn for them (their first attempts)."""
     from config import Roles
     cfg, step, saved = run.cfg, meta["step"], meta["config"]
     old = Roles(meta["world"], saved["deploy"] == "separated", saved["infer_tp"])
     owns = [read_own(path, r) for r in old.writers()]
-    groups = [p for own in owns for p in _groups_not_trained(own, cfg.group_size)]
-    drawn = [p for own in owns for p in own["prompts"]["buffer"]]
-    run.rl_stream.load_state_dict(max(owns, key=lambda o: o["rl_stream"]["drawn"])["rl_stream"])
-    run.log.regenerated += len(groups)
-    run.log.extra_groups += len(groups)
+    dropped = sum(_groups_not_trained(own, cfg.group_size) for own in owns)
+    run.curriculum.load_state_dict(owns[0]["curriculum"])
+    run.log.regenerated += dropped
+    run.log.extra_groups += dropped
     run.queue.next_local = step * cfg.prompts_per_step * cfg.group_size // max(run.roles.replicas, 1)
     if run.sched is not None:
-        replica, replicas = run.roles.replica(run.rank), run.roles.replicas
         run.sched.start_at(step)
-        run.sched.prompt_fn.load_state_dict({"buffer": (groups + drawn)[replica::replicas]})
     if run.rank == 0:
         print(f"resuming at world {run.roles.world} ({cfg.deploy}) from world {meta['world']} "
-              f"({saved['deploy']}): {len(groups)} groups not yet trained are regenerated", flush=True)
+              f"({saved['deploy']}): {dropped} groups not yet trained are regenerated", flush=True)
 
 
 def _groups_not_trained(own, group_size):
-    """A saved replica's groups, oldest first, by prompt: queued rows (one prompt per group_size rows of a
-    writer's batch, in row order), then the groups in flight."""
-    queued = sorted((r, t) for (r, c), t in own["queue"]["cells"].items() if c == "prompt")
-    in_flight = [g["prompt"] for g in own["sched"]["pool"]]
-    return [t for _, t in queued[::group_size]] + in_flight
+    """How many groups a saved replica held untrained: queued rows (group_size rows a group), and in flight."""
+    queued = sum(c == "prompt" for (_, c) in own["queue"]["cells"])
+    return queued // group_size + len(own["sched"]["pool"])

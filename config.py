@@ -59,6 +59,10 @@ class Config:
     kl_coef: float = flag(0.0, "k3 KL penalty weight (0: no reference model)")
     filter_groups: bool = flag(True, "1: dynamic sampling, drop groups whose rewards are all equal and generate "
                                       "more, so every step trains on prompts_per_step informative groups")
+    filter_limit: int = flag(128, "dynamic sampling's brake: the run stops once a step has dropped more than this "
+                                  "many groups per prompt it trains (a policy that solves, or fails, everything)")
+    curriculum: bool = flag(True, "1: draw the RL prompts' lengths where groups are informative (pass rates per "
+                                  "length, learned from every scored group: curriculum.py); 0: the task's own draw")
     mask_truncated: bool = flag(False, "1: responses cut by the token budget contribute no loss")
     tis_cap: float = flag(None, "truncated importance sampling: weight each token by min(pi_train / pi_rollout, "
                                 "C), pi_train recomputed before the update (the decoupled objective, capped)")
@@ -237,7 +241,7 @@ def layout_errors(cfg, world):
 
 # Sizes: every count that a shape, a batch or a loop divides by or runs over, >= 1; counts that may be 0, >= 0.
 POSITIVE = ("max_digits", "eval_prompts", "d_model", "n_layers", "n_heads", "n_experts", "top_k", "d_expert",
-            "warmup_batch", "steps", "prompts_per_step", "group_size", "updates_per_batch",
+            "warmup_batch", "steps", "prompts_per_step", "group_size", "filter_limit", "updates_per_batch",
             "micro_batches", "chunk_steps", "max_new_tokens", "bucket_kb", "eval_every", "log_every", "pg_timeout_s")
 NON_NEGATIVE = ("warmup_steps", "train_ep", "infer_ep", "seed", "save_every", "keep_last")
 

@@ -22,7 +22,7 @@ import timeline
 # time/<key>_s in metrics.jsonl: the seconds a step spent in spans of these names
 PHASES = {"rollout": "rollout", "train": "train", "reference": "reference", "score": "score",
           "switch": ("switch_to_rollout", "switch_to_train", "push", "recv")}
-SAVED = ("before", "accuracy", "tokens", "seconds", "regenerated", "extra_groups", "skipped", "elapsed")
+SAVED = ("before", "accuracy", "by_digits", "tokens", "seconds", "regenerated", "extra_groups", "skipped", "elapsed")
 
 def all_sum(values, device, group=None, op=dist.ReduceOp.SUM):
     """A dict of floats reduced over the group in one collective (float64)."""
@@ -51,7 +51,8 @@ class RunLog:
         dist.broadcast_object_list(t0, src=0)  # rank 0's: every rank's spans on one time axis
         self.offset = time.time() - time.perf_counter() - t0[0]  # perf_counter -> seconds since the start
         self.file = self.open_metrics() if run.rank == 0 and start == 1 else None  # resuming: reopen_metrics
-        self.before = self.accuracy = None
+        self.before = self.accuracy = self.by_digits = None
+        self.last_step = start - 1
         self.tokens = self.seconds = self.regenerated = self.extra_groups = self.skipped = 0.0
         self.elapsed = 0.0  # seconds of earlier runs up to the checkpoint this one resumed from
 
@@ -89,9 +90,27 @@ class RunLog:
         return self.seconds + time.perf_counter() - mark[1]
 
     def progress(self):
-        steps = self.run.cfg.steps
-        return tqdm(range(self.start, steps + 1), initial=self.start - 1, total=steps, disable=self.run.rank != 0,
-                    desc="GRPO", dynamic_ncols=True)
+        """The RL steps, start .. --steps, with a bar on rank 0 that follows the limit that binds: its share is
+        the larger of the RL seconds over --rl-seconds and the steps over --steps, so its time left is the
+        sooner end, and it ends at 100% when the clock stops the run."""
+        cfg = self.run.cfg
+        bar = tqdm(total=100, disable=self.run.rank != 0, desc="GRPO", dynamic_ncols=True,
+                   bar_format="{l_bar}{bar}| {postfix} [{elapsed}<{remaining}]")
+
+        def advance(step):
+            share = max(step / cfg.steps, self.seconds / cfg.rl_seconds if cfg.rl_seconds else 0.0)
+            of_time = f", {self.seconds:.0f}/{cfg.rl_seconds:.0f} s of RL" if cfg.rl_seconds else ""
+            bar.set_postfix_str(f"step {step}/{cfg.steps}{of_time}", refresh=False)
+            bar.update(min(100.0, 100 * share) - bar.n)
+        advance(self.start - 1)
+        try:
+            for step in range(self.start, cfg.steps + 1):
+                yield step
+                advance(step)
+        finally:
+            if cfg.rl_seconds and self.seconds >= cfg.rl_seconds:  # the last step, which the clock ended
+                advance(self.last_step)
+            bar.close()
 
     def mark(self, **args):
         """A step begins: its spans carry `args` (step, version); returns where its spans and time start."""
@@ -109,6 +128,7 @@ class RunLog:
         self.tokens, self.seconds = self.tokens + s["response_tokens"], self.seconds + step_s
         self.regenerated += s["regenerated"]
         self.extra_groups += s["regenerated"] + s["filtered"]
+        kept, self.last_step = run.cfg.prompts_per_step, step
         self.skipped += s["skipped_max"]
         return {"step": step, "reward/mean": s["reward"] / rows, **grpo.batch_means(s),
                 "rollout/response_tokens": s["response_tokens"], "perf/tokens_per_s": s["response_tokens"] / step_s,
@@ -117,22 +137,25 @@ class RunLog:
                 "perf/idle_frac": spans.total(("queue", "idle"), first) / step_s,
                 "stale/age_max": s["age_max"], "stale/age_mean": s["age_sum"] / rows,
                 "stale/partial_continued": s["partial_continued"], "stale/regenerated": self.regenerated,
-                # dynamic sampling: groups dropped this step; groups generated and never trained, so far
+                # dynamic sampling: groups dropped this step; groups generated and never trained, so far; the
+                # step's yield, groups trained over groups generated (dropped, or regenerated when too old)
                 "rollout/filtered_groups": s["filtered"], "rollout/extra_groups": self.extra_groups,
+                "rollout/yield": kept / (kept + s["filtered"] + s["regenerated"]),
+                "rollout/prompt_digits_mean": s["prompt_digits"] / rows,
                 "train/skipped_steps": self.skipped,  # optimizer steps skipped for a non-finite gradient, so far
                 **(run.queue.metrics() if self.file else {}), **extra}  # rank 0 writes the record
 
-    def warmed_up(self, accuracy):
+    def warmed_up(self, evaluation):
         """Step 0: the held-out accuracy after the warm-up, the "before" figure."""
-        self.before = self.accuracy = accuracy
+        self.before = evaluation["eval/accuracy"]
         self.say(f"warm-up: {self.run.cfg.warmup_steps} steps in {self.run.spans.total('warmup'):.1f}s | "
-                 f"held-out accuracy {accuracy or 0.0:.3f}")
-        self.write({"step": 0, "eval/accuracy": accuracy}, show=False)
+                 f"held-out accuracy {self.before or 0.0:.3f}")
+        self.write({"step": 0, **evaluation}, show=False)
 
     def write(self, rec, show=None):
         """One line of metrics.jsonl; on the terminal every log_every steps and at each evaluation."""
         if rec.get("eval/accuracy") is not None:
-            self.accuracy = rec["eval/accuracy"]
+            self.accuracy, self.by_digits = rec["eval/accuracy"], rec["eval/accuracy_by_digits"]
         if not self.file:
             return
         self.file.write(json.dumps(rec) + "\n")
@@ -158,7 +181,9 @@ class RunLog:
         full = moe_switch.dense_state_dict(run.model) if run.model is not None else None
         params_sha256 = checkpoint.params_sha256(full) if full is not None else None
         q = run.queue.metrics()
+        kept = self.last_step * run.cfg.prompts_per_step  # the groups trained, in every step so far
         summary = {"eval_accuracy_before": self.before, "eval_accuracy_after": self.accuracy,
+                   "eval_accuracy_by_digits": self.by_digits, "yield": kept / max(kept + self.extra_groups, 1),
                    "wall_s": self.elapsed + time.perf_counter() - self.t_start,
                    "tokens_per_s": self.tokens / max(self.seconds, 1e-9),
                    "queue_bytes_sent": q["queue/bytes_sent"], "queue_bytes_padded_equiv": q["queue/bytes_padded_equiv"],

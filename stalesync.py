@@ -15,8 +15,15 @@ Contents, naive first:
   AllReady          colocated: the ranks' "my batch is ready" flags combined, one all-reduce per chunk
 
 The rules (v = policy version = optimizer steps taken; k = index of the next batch, trained at version k):
-  admission  a group may start only while groups_started < (S + v + 1) * groups_per_step, so that after
-             the start groups_started <= (S + v + 1) * groups_per_step (AReaL's capacity) always holds;
+  slots      every group fills a slot: slots are numbered 0, 1, 2, ... in the order they open, and each
+             slot ends up with exactly one trained group. A group's prompt and seeds are functions of its
+             (slot, attempt): attempt 0 first, one more each time the slot's group is dropped (filtered:
+             a new prompt) or restarted (aged out: the same prompt, fresh samples). Where the caller's
+             prompt_fn and seed_fn map slots to a global batch, the same slot gets the same prompt and
+             samples however the batch is split over replicas;
+  admission  a new slot may open only while slots_opened < (S + v + 1) * groups_per_step, so that after
+             it opens slots_opened <= (S + v + 1) * groups_per_step (AReaL's capacity) always holds; a
+             slot whose group was filtered reopens at once (it is within the capacity already);
   cut        batch k is emitted once groups_per_step groups are complete AND the oldest groups_per_step of
              those that started at a version <= k - S (their last chance to be trained with age <= S) are
              complete; the batch takes those due groups first, then the oldest complete ones;
@@ -27,6 +34,9 @@ The rules (v = policy version = optimizer steps taken; k = index of the next bat
              are the ones that age out. A retry keeps the prompt mix, though for each prompt it still
              favours the attempts that finish in time. With the cut rule above a group ages out only when
              more than groups_per_step groups fall due at once, which needs S >= 2.
+  brakes     a row still unfinished at max_len response tokens is the sampler's fault, and more than
+             max_filtered groups dropped while one batch is made means the filter refuses nearly every group
+             (a policy that solves, or fails, everything): each raises, naming the count, never spins;
   S = 0      capacity admits exactly one batch per version and the cut waits for all of it; the sampler
              is then called once per round with no cut (max_steps=None): the very call sync_rollout
              makes, so the samples, updates and parameters are those of the synchronous path, bit for bit.
@@ -43,8 +53,9 @@ Departures from the source system (Huawei's RL post-training on CloudMatrix 384)
    of samples and weights is the caller's (a queue, p2p). The one collective here is AllReady's flag.
 3. The sampler is a callable step_fn(contexts, seeds, n_done, max_steps) -> (tokens, logprobs, done),
    called once per decode chunk on every in-flight row; a stateless sampler re-prefills the prefix each
-   chunk, a cached one keeps its KV cache between chunks, and update() calls its reset(): new
-   weights, so every prefix is read again.
+   chunk, a cached one keeps its KV cache between chunks. Its reset() is called once the cached prefixes
+   are stale: at the end of a colocated round (the next one runs under new weights, and the cache is
+   rollout memory) and when update(version) brings weights mid-round (separated).
 4. Ages are counted in optimizer steps of the trainer (batch index), not wall time.
 
     python -m pytest tests/test_stalesync.py
@@ -58,11 +69,18 @@ The callables StaleSync takes, checked at each call with an error that names the
       already has; max_steps, at most this many new tokens per row (None: to the end). Out: tokens and
       logprobs, R sequences (tensors or lists, possibly empty) of the new tokens and their log-probs;
       done, R bools, True once a row has ended. Every call makes a token or ends each row.
-  prompt_fn() -> the next prompt, an int64 tensor (P,) or a list of ints; seed_fn(sample_id) -> int, optional.
-  reset, state (optional): the sampler's cache reset, called when new weights arrive (update()), and an
-      object with state_dict()/load_state_dict() saved in the scheduler's checkpoint. Default: step_fn's,
-      or its owner's when step_fn is a bound method: reset() if it has one; itself as the state if it has
+      Every row must be done by max_len tokens (StaleConfig.max_len, the response budget, if given).
+      Tokens are integers; a padded (R, T) tensor is refused (its pads would become response tokens).
+  prompt_fn(slot, attempt) -> the prompt of a group, an int64 tensor (P,) or a list of ints.
+  seed_fn(slot, attempt, member) -> int, optional: the sampling seed of member j of that group (default: the
+      sample's id, unique in this scheduler).
+  reset, state (optional): the sampler's cache reset (see 3. above), and an object with
+      state_dict()/load_state_dict() saved in the scheduler's checkpoint. Default: step_fn's, or its
+      owner's when step_fn is a bound method: reset() if it has one; itself as the state if it has
       state_dict() and is not an nn.Module (a model's weights do not belong in this checkpoint).
+  What state_dict() does not hold: prompt_fn's and seed_fn's own state. Functions of (slot, attempt) alone,
+      or of state the caller restores with its own checkpoint, resume exactly; a prompt_fn that reads an
+      unsaved stream serves its prompts again after a resume.
 Example (tests/test_copy_alone.py runs it in a folder that holds only this file):
 
     import torch
@@ -74,7 +92,7 @@ Example (tests/test_copy_alone.py runs it in a folder that holds only this file)
         return [[7] * m for m in made], [[-0.1] * m for m in made], [m == k for m, k in zip(made, left)]
 
     cfg = StaleConfig(staleness=1, groups_per_step=2, group_size=4, threshold=0.5, chunk_steps=2)
-    sched = StaleSync(cfg, toy_sampler, prompt_fn=lambda: torch.tensor([1, 2, 3]))
+    sched = StaleSync(cfg, toy_sampler, prompt_fn=lambda slot, attempt: torch.tensor([1, 2, 3]))
     for step in range(6):
         batch = sched.rollout()             # 2 complete groups of 4, for the weights of version `step`
         assert max(step - v for v in batch.start_versions) <= cfg.staleness
@@ -82,7 +100,7 @@ Example (tests/test_copy_alone.py runs it in a folder that holds only this file)
     print("trained", len(sched.accounting()["trained"]), "samples")
 
 Shapes: B samples in a batch, G group size, T response tokens (n_i per sample), S staleness bound,
-v policy version, k batch index.
+v policy version, k batch index, R rows in flight.
 """
 import math
 import numbers
@@ -102,16 +120,27 @@ def _prompt(p):
     return t.long()
 
 
+def _tokens(t, row):
+    """One row's new tokens as a 1-D int64 tensor; floats (which a cast would truncate) are refused."""
+    t = torch.as_tensor(t)
+    if t.numel() and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+        raise ValueError(f"row {row}: the sampler returned tokens of dtype {t.dtype}; token ids are integers")
+    return t.long().reshape(-1)
+
+
 def _unpack(out, rows):
     """A sampler's output for `rows` rows: (tokens, logprobs, done), or an object with those attributes
     (a dataclass, say), each of R items; tokens and logprobs as tensors. Refuses anything else, naming
     the contract."""
     tokens, logprobs, done = (out.tokens, out.logprobs, out.done) if hasattr(out, "tokens") else tuple(out)
+    if torch.is_tensor(tokens) and tokens.dim() == 2:
+        raise ValueError(f"the sampler returned tokens as one {tuple(tokens.shape)} tensor: return one 1-D sequence "
+                         "per row (a list of tensors or of lists), or its padding becomes response tokens")
     if not len(tokens) == len(logprobs) == len(done) == rows:
         raise ValueError(f"the sampler returned {len(tokens)} token rows, {len(logprobs)} log-prob rows and "
                          f"{len(done)} done flags for {rows} rows; it must return one of each per row "
                          "(see 'Using this file elsewhere' in stalesync.py)")
-    tokens = [torch.as_tensor(t, dtype=torch.long).reshape(-1) for t in tokens]
+    tokens = [_tokens(t, i) for i, t in enumerate(tokens)]
     logprobs = [torch.as_tensor(lp, dtype=torch.float32).reshape(-1) for lp in logprobs]
     bad = [i for i, (t, lp) in enumerate(zip(tokens, logprobs)) if len(t) != len(lp)]
     if bad:
@@ -136,6 +165,8 @@ class StaleConfig:
     threshold: float = 1.0           # in (0, 1]: the decode pool holds groups_per_step / threshold groups
                                      #   and a round ends when groups_per_step of them are complete
     chunk_steps: int = 8             # decode steps per sampler call between cut checks (S > 0 only)
+    max_len: int = None              # the response budget: a row not done at this many tokens raises (None: no check)
+    max_filtered: int = None         # keep_group may drop at most this many groups while one batch is made
 
     def __post_init__(self):
         if not _is_int(self.staleness) or self.staleness < 0:
@@ -143,9 +174,9 @@ class StaleConfig:
                              "(0 is the synchronous algorithm)")
         if not 0 < self.threshold <= 1:
             raise ValueError(f"threshold={self.threshold!r} is outside the valid range (0, 1]")
-        for name in ("groups_per_step", "group_size", "chunk_steps"):
+        for name in ("groups_per_step", "group_size", "chunk_steps", "max_len", "max_filtered"):
             x = getattr(self, name)
-            if not _is_int(x) or x < 1:
+            if not (x is None and name.startswith("max")) and (not _is_int(x) or x < 1):
                 raise ValueError(f"{name}={x!r} must be an integer >= 1")
 
     @property
@@ -155,9 +186,11 @@ class StaleConfig:
 
 @dataclass
 class Batch:
-    """One optimizer step's samples, groups contiguous, in admission order (group_advantages-ready)."""
+    """One optimizer step's samples, groups contiguous, in slot order (group_advantages-ready)."""
     version: int          # k: the policy version this batch must be trained at
     ids: list             # (B,) sample ids
+    slots: list           # (B,) the slot of each sample's group
+    seeds: list           # (B,) each sample's sampling seed
     prompts: list         # (B,) of (P_i,) int64
     responses: list       # (B,) of (n_i,) int64
     logprobs: list        # (B,) of (n_i,) float32 behaviour log-probs
@@ -168,14 +201,14 @@ class Batch:
 
 
 class StaleSync:
-    """Bounded-staleness scheduler over prompt groups. prompt_fn() -> (P,) int64 gives the next prompt;
-    seed_fn(sample_id) -> int gives the sampling seed of a sample (ids are 0, 1, 2, ... in order).
-    keep_group(prompt, responses) -> bool, optional (dynamic sampling): a group it refuses once complete
-    (say, every reward equal: no advantage) is dropped, counted (stale/filtered) and frees its admission
-    slot, so that more groups start until groups_per_step kept ones are complete."""
+    """Bounded-staleness scheduler over prompt groups, one per slot (see the rules above).
+    prompt_fn(slot, attempt) -> (P,) int64 gives a group's prompt; seed_fn(slot, attempt, member) -> int the
+    sampling seed of each of its G samples (default: the sample's id; ids are 0, 1, 2, ... in order).
+    keep_group(prompt, responses) -> bool, optional (dynamic sampling): called once on every group as it
+    completes; a group it refuses (say, every reward equal: no advantage) is dropped, counted
+    (stale/filtered), and its slot reopens for a new prompt."""
 
-    def __init__(self, cfg: StaleConfig, step_fn, prompt_fn, seed_fn=lambda sid: sid, keep_group=None,
-                 reset=None, state=None):
+    def __init__(self, cfg: StaleConfig, step_fn, prompt_fn, seed_fn=None, keep_group=None, reset=None, state=None):
         self.cfg, self.step_fn, self.prompt_fn, self.seed_fn = cfg, step_fn, prompt_fn, seed_fn
         self.keep_group = keep_group
         owner = getattr(step_fn, "__self__", step_fn)  # a bound method's object: where reset and state are
@@ -185,35 +218,44 @@ class StaleSync:
         self.sampler_state = state if state is not None else (owner if plain else None)
         self.version = 0          # v: weights the sampler uses now
         self.batches_out = 0      # k: batches emitted; the next one is trained at version k
-        self.groups_started = 0   # admitted prompt groups (regenerations not counted)
+        self.slots_opened = 0     # slots opened so far (a reopened one not counted again)
+        self.reopen = []          # (slot, attempt) of filtered groups' slots, to refill first
         self.next_id = 0          # next sample id
         self.pool = []            # groups not yet emitted (in flight or complete), admission order
         self.fate = {}            # sample id -> "trained" | "regenerated" | "filtered"
         self.regenerated = 0      # groups regenerated because they would have aged past S
         self.filtered = 0         # complete groups keep_group dropped
         self.filtered_reported = 0  # of those, reported in a batch's metrics so far
-        self.max_admitted_over = -10**9  # max over time of groups_started - capacity (tests: <= 0)
+        self.max_admitted_over = -10**9  # max over time of slots_opened - capacity (tests: <= 0)
 
     # --- admission
     def capacity(self):
         return (self.cfg.staleness + self.version + 1) * self.cfg.groups_per_step
 
     def _new_samples(self, g):
+        """A fresh attempt's G samples for group g (its slot and attempt set), not yet started."""
         ids = range(self.next_id, self.next_id + self.cfg.group_size)
         self.next_id += self.cfg.group_size
-        g.update(start_version=None, samples=[dict(id=i, seed=int(self.seed_fn(i)), tokens=[], logprobs=[],
-                                                   versions=[], done=False) for i in ids])
+        seeds = list(ids) if self.seed_fn is None else [int(self.seed_fn(g["slot"], g["attempt"], j))
+                                                        for j in range(self.cfg.group_size)]
+        g.update(start_version=None, samples=[dict(id=i, seed=seed, tokens=[], logprobs=[], versions=[], done=False)
+                                              for i, seed in zip(ids, seeds)])
 
     def admit(self):
-        """Start new groups while capacity and the decode pool allow. Returns how many started."""
+        """Start new groups while capacity and the decode pool allow: reopened slots first (a new prompt for a
+        filtered group's slot), then new slots. Returns how many started."""
         n = 0
-        while self.groups_started - self.filtered < self.capacity() and self.in_flight() < self.cfg.pool_groups:
-            g = dict(gid=self.groups_started, prompt=_prompt(self.prompt_fn()))
+        while self.in_flight() < self.cfg.pool_groups and (self.reopen or self.slots_opened < self.capacity()):
+            if self.reopen:
+                slot, attempt = self.reopen.pop(0)
+            else:
+                slot, attempt = self.slots_opened, 0
+                self.slots_opened += 1
+            g = dict(slot=slot, attempt=attempt, prompt=_prompt(self.prompt_fn(slot, attempt)))
             self._new_samples(g)
             self.pool.append(g)
-            self.groups_started += 1
             n += 1
-            self.max_admitted_over = max(self.max_admitted_over, self.groups_started - self.filtered - self.capacity())
+            self.max_admitted_over = max(self.max_admitted_over, self.slots_opened - self.capacity())
         return n
 
     def in_flight(self):
@@ -245,11 +287,21 @@ class StaleSync:
             s["versions"] += [self.version] * len(t)
             s["done"] = bool(d)
             n += len(t)
+        self._check_budget(rows)
         self._filter({id(g): g for g, _ in rows}.values())
         return n
 
+    def _check_budget(self, rows):
+        """Brake: a row past the response budget and not done would be decoded forever."""
+        over = [s["id"] for _, s in rows if not s["done"] and self.cfg.max_len and len(s["tokens"]) >= self.cfg.max_len]
+        if over:
+            name = getattr(self.step_fn, "__qualname__", type(self.step_fn).__name__)
+            raise RuntimeError(f"the sampler {name} returned samples {over[:8]} with {self.cfg.max_len} or more "
+                               f"tokens and not done: it must end every row (done=True) by max_len "
+                               f"{self.cfg.max_len}, the response budget")
+
     def _filter(self, groups):
-        """Dynamic sampling: drop the groups that just completed and that keep_group refuses."""
+        """Dynamic sampling: drop the groups that just completed and that keep_group refuses; their slots reopen."""
         if self.keep_group is None:
             return
         for g in [g for g in groups if _complete(g)]:
@@ -258,6 +310,14 @@ class StaleSync:
                 for s in g["samples"]:
                     self.fate[s["id"]] = "filtered"
                 self.filtered += 1
+                self.reopen.append((g["slot"], g["attempt"] + 1))
+        self.reopen.sort()
+        dropped = self.filtered - self.filtered_reported
+        if self.cfg.max_filtered and dropped > self.cfg.max_filtered:
+            raise FilterLimitError(f"dynamic sampling dropped {dropped} groups while making batch {self.batches_out}, "
+                               f"past the limit of {self.cfg.max_filtered}: nearly every group's rewards are equal "
+                               "(a policy that solves, or fails, nearly every prompt); train or warm up differently, "
+                               "or turn the filter off")
 
     # --- cut at threshold, age bound
     def _due(self):
@@ -277,7 +337,7 @@ class StaleSync:
         gps, k = self.cfg.groups_per_step, self.batches_out
         due = [g for g in self._due()[:gps] if _complete(g)]  # all of them, as ready() checked
         rest = [g for g in self.pool if _complete(g) and all(g is not d for d in due)]
-        chosen = sorted(due + rest[:gps - len(due)], key=lambda g: g["gid"])
+        chosen = sorted(due + rest[:gps - len(due)], key=lambda g: g["slot"])
         chosen_ids = {id(g) for g in chosen}
         self.pool = [g for g in self.pool if id(g) not in chosen_ids]
         self.batches_out += 1
@@ -286,26 +346,32 @@ class StaleSync:
             if g["start_version"] is not None and g["start_version"] <= k - self.cfg.staleness:
                 for s in g["samples"]:
                     self.fate[s["id"]] = "regenerated"
+                g["attempt"] += 1
                 self._new_samples(g)
                 self.regenerated += 1
         samples = [(g, s) for g in chosen for s in g["samples"]]
         for _, s in samples:
             self.fate[s["id"]] = "trained"
-        filtered_at_cut = self.filtered - self.filtered_reported
-        self.filtered_reported = self.filtered
-        ages = [k - g["start_version"] for g, _ in samples]                                        # (B,)
-        metrics = {"stale/age_max": max(ages), "stale/age_mean": sum(ages) / len(ages),
-                   "stale/regenerated": self.regenerated,  # so far; at this cut:
-                   "stale/regenerated_at_cut": self.regenerated - regenerated_before,
-                   "stale/filtered": self.filtered, "stale/filtered_at_cut": filtered_at_cut,
-                   "stale/partial_continued": sum(len(set(s["versions"])) > 1 for _, s in samples),
-                   "rollout/response_tokens": sum(len(s["tokens"]) for _, s in samples)}
-        return Batch(version=k, ids=[s["id"] for _, s in samples], prompts=[g["prompt"] for g, _ in samples],
+        metrics = self._metrics(k, samples, self.regenerated - regenerated_before)
+        return Batch(version=k, ids=[s["id"] for _, s in samples], slots=[g["slot"] for g, _ in samples],
+                     seeds=[s["seed"] for _, s in samples], prompts=[g["prompt"] for g, _ in samples],
                      responses=[torch.tensor(s["tokens"], dtype=torch.long) for _, s in samples],
                      logprobs=[torch.tensor(s["logprobs"], dtype=torch.float32) for _, s in samples],
                      token_versions=[torch.tensor(s["versions"], dtype=torch.long) for _, s in samples],
                      start_versions=[g["start_version"] for g, _ in samples], done=[True] * len(samples),
                      metrics=metrics)
+
+    def _metrics(self, k, samples, regenerated_at_cut):
+        """stale/* figures of batch k (samples: its (group, sample) pairs)."""
+        filtered_at_cut = self.filtered - self.filtered_reported
+        self.filtered_reported = self.filtered
+        ages = [k - g["start_version"] for g, _ in samples]                                        # (B,)
+        return {"stale/age_max": max(ages), "stale/age_mean": sum(ages) / len(ages),
+                "stale/regenerated": self.regenerated,  # so far; at this cut:
+                "stale/regenerated_at_cut": regenerated_at_cut,
+                "stale/filtered": self.filtered, "stale/filtered_at_cut": filtered_at_cut,
+                "stale/partial_continued": sum(len(set(s["versions"])) > 1 for _, s in samples),
+                "rollout/response_tokens": sum(len(s["tokens"]) for _, s in samples)}
 
     def rollout(self, spans=None, all_ready=None):
         """Colocated round: admit (refilling the pool), decode chunks until ready, emit batch k = version.
@@ -316,38 +382,45 @@ class StaleSync:
         that is not ready knows the answer and may post its flag without waiting for it). A rank that is
         ready before its peers keeps decoding its in-flight long tail instead of idling at the gradient
         all-reduce; with nothing in flight it only waits. S = 0 is unchanged (nothing is ever in flight
-        once this rank's batch is complete)."""
+        once this rank's batch is complete). The round ends with the sampler's reset(): what it cached
+        was read under weights that the step about to train replaces, and it is rollout memory."""
         if self.batches_out != self.version:
             raise RuntimeError(f"colocated rollout at version {self.version} but {self.batches_out} batches out: "
-                               "call update() after each optimizer step")
+                               "call update() once after each optimizer step")
         with (spans("rollout") if spans else nullcontext()):
             while not (self.ready() if all_ready is None else all_ready(self.ready())):
                 self.admit()
                 if self.decode() == 0 and not self.ready():
                     raise RuntimeError("no sample in flight and no batch ready: check the sampler's done flags")
-            return self.take()
+            batch = self.take()
+        if self.reset_fn is not None:
+            self.reset_fn()
+        return batch
 
     def update(self, version=None):
-        """New weights reached the sampler: version + 1 (colocated), or the version received (separated).
-        A sampler that keeps a KV cache between calls drops it here (its reset, see `reset`): every
-        in-flight prefix must be read again under the new weights."""
+        """New weights reached the sampler: version + 1 (colocated, after the optimizer step on the batch
+        rollout() returned), or the version received (separated: mid-round, so a sampler that keeps a KV
+        cache between calls drops it here, see `reset`; every in-flight prefix is read again)."""
+        if version is None and self.version >= self.batches_out:
+            raise RuntimeError(f"update() at version {self.version} with {self.batches_out} batches out: weights of "
+                               "version v + 1 are trained on batch v, so call update() once per batch that "
+                               "rollout() returned, after its optimizer step")
         if version is not None and not (_is_int(version) and self.version <= version <= self.batches_out):
             raise ValueError(f"update(version={version!r}): weights of version v are trained on batches < v, so "
                              f"v must be an integer in [{self.version}, {self.batches_out}] (the sampler's version "
                              "up to the batches emitted)")
         self.version = self.version + 1 if version is None else int(version)
-        if self.reset_fn is not None:
+        if version is not None and self.reset_fn is not None:
             self.reset_fn()
 
     def start_at(self, version):
         """Nothing in flight, at `version`, with as many batches emitted, as if the earlier rounds had run
-        here (sample ids and admission counted as they would be with no group filtered or regenerated): a
-        resume that cannot keep the groups in flight (another world size) regenerates them elsewhere."""
+        here (the slots of those batches opened): a resume that cannot keep the groups in flight (another
+        world size) starts the next slots again, their first attempts."""
         if self.batches_out or self.pool:
             raise RuntimeError("start_at() on a scheduler that has already emitted or admitted groups")
         self.version = self.batches_out = version
-        self.groups_started = version * self.cfg.groups_per_step
-        self.next_id = self.groups_started * self.cfg.group_size
+        self.slots_opened = version * self.cfg.groups_per_step
 
     # --- accounting and checkpoint
     def accounting(self):
@@ -359,34 +432,43 @@ class StaleSync:
         out["in_flight"] = {s["id"] for g in self.pool for s in g["samples"]}
         return out
 
+    COUNTERS = ("version", "batches_out", "slots_opened", "next_id", "regenerated", "filtered", "filtered_reported",
+                "max_admitted_over")
+
     def state_dict(self):
-        pool = [dict(gid=g["gid"], prompt=g["prompt"].clone(), start_version=g["start_version"],
+        """The groups in flight (partial responses, their versions and log-probs), the slots to reopen, the
+        counters and sample fates, and the sampler's state if it has one (see the contract above for what
+        it does not hold)."""
+        pool = [dict(slot=g["slot"], attempt=g["attempt"], prompt=g["prompt"].clone(), start_version=g["start_version"],
                      samples=[dict(id=s["id"], seed=s["seed"], done=s["done"],
                                    tokens=torch.tensor(s["tokens"], dtype=torch.long),
                                    logprobs=torch.tensor(s["logprobs"], dtype=torch.float32),
                                    versions=torch.tensor(s["versions"], dtype=torch.long))
                               for s in g["samples"]]) for g in self.pool]
-        return dict(cfg=vars(self.cfg).copy(), version=self.version, batches_out=self.batches_out,
-                    groups_started=self.groups_started, next_id=self.next_id, regenerated=self.regenerated,
-                    filtered=self.filtered, filtered_reported=self.filtered_reported,
-                    max_admitted_over=self.max_admitted_over, fate=dict(self.fate), pool=pool,
+        return dict(cfg=vars(self.cfg).copy(), **{k: getattr(self, k) for k in self.COUNTERS},
+                    reopen=[list(r) for r in self.reopen], fate=dict(self.fate), pool=pool,
                     sampler=self.sampler_state.state_dict() if self.sampler_state is not None else None)
 
     def load_state_dict(self, sd):
         if sd["cfg"] != vars(self.cfg):
             raise ValueError(f"checkpoint config {sd['cfg']} differs from this scheduler's {vars(self.cfg)}")
-        for key in ("version", "batches_out", "groups_started", "next_id", "regenerated", "filtered",
-                    "filtered_reported", "max_admitted_over"):
+        for key in self.COUNTERS:
             setattr(self, key, sd[key])
         if sd["sampler"] is not None:  # the held rows' KV cache too, if the sampler saves it: bit-exact
             self.sampler_state.load_state_dict(sd["sampler"])
         elif self.reset_fn is not None:  # a cache not checkpointed: the prefixes are read again
             self.reset_fn()
+        self.reopen = [tuple(r) for r in sd["reopen"]]
         self.fate = dict(sd["fate"])
-        self.pool = [dict(gid=g["gid"], prompt=g["prompt"].clone(), start_version=g["start_version"],
+        self.pool = [dict(slot=g["slot"], attempt=g["attempt"], prompt=g["prompt"].clone(),
+                          start_version=g["start_version"],
                           samples=[dict(id=s["id"], seed=s["seed"], done=s["done"], tokens=s["tokens"].tolist(),
                                         logprobs=s["logprobs"].tolist(), versions=s["versions"].tolist())
                                    for s in g["samples"]]) for g in sd["pool"]]
+
+
+class FilterLimitError(RuntimeError):
+    """keep_group dropped more than max_filtered groups while one batch was made (StaleConfig)."""
 
 
 class AllReady:
@@ -419,6 +501,3 @@ def _is_int(x):
 
 def _complete(g):
     return all(s["done"] for s in g["samples"])
-
-
-# ----------------------------------------------------------------------------- timing

@@ -7,7 +7,13 @@ The string length k is round(lognormal(2.0, 0.6)) clipped to [1, max_digits], so
 to max_digits + 1 tokens with a long tail (median about 8): the tail that the staleness and packing
 mechanisms are measured on. The reward is a rule, exact match: 1 or 0. Swapping the task for another
 one with a verifiable reward means swapping this file: train_grpo.py uses `VOCAB`, `PAD`, `EOS`,
-`score`, `answer` (for the supervised warm-up), `prompt_streams` and `ReplicaPrompts`.
+`score`, `answer` (for the supervised warm-up), `prompt_streams`, and for the RL prompts `SlotPrompts`
+and `difficulty`.
+
+A prompt's difficulty key is its digit count k. The RL prompts are drawn by global batch slot and
+attempt (`SlotPrompts`, a pure function of the seed, the slot, the attempt and the draw over lengths in
+force), so that every deployment draws the same prompt for the same slot; the draw picks k from the task's
+length distribution, or the caller's draw made from it (curriculum.py), then the digits.
 
 The held-out set is a fixed draw of prompts (its own seed, whatever --seed says), scored greedily; the
 training streams redraw any prompt that is in it, so that the held-out accuracy measures prompts the
@@ -17,6 +23,8 @@ policy never trained on.
 
 Shapes: P_i prompt length (k + 2), n_i response length.
 """
+import math
+
 import numpy as np
 import torch
 
@@ -30,7 +38,25 @@ EVAL_SEED = 20261129  # the held-out prompts' own stream: fixed, whatever --seed
 def make_prompts(rng, n, max_digits, mu=2.0, sigma=0.6):
     """n prompts [BOS, d_1..d_k, "="], k = round(lognormal(mu, sigma)) clipped to [1, max_digits]."""
     ks = np.clip(np.rint(rng.lognormal(mu, sigma, size=n)), 1, max_digits).astype(int)
-    return [torch.tensor([BOS, *(DIGIT0 + rng.integers(0, 10, size=k)), SEP]) for k in ks]  # n x (P_i,)
+    return [prompt_of_length(rng, k) for k in ks]  # n x (P_i,)
+
+
+def prompt_of_length(rng, k):
+    return torch.tensor([BOS, *(DIGIT0 + rng.integers(0, 10, size=k)), SEP])  # (k + 2,)
+
+
+def difficulty(prompt):
+    """The prompt's difficulty key: its digit count minus one, in [0, max_digits)."""
+    return len(prompt) - 3
+
+
+def length_distribution(max_digits, mu=2.0, sigma=0.6):
+    """(max_digits,) the chance of each digit count 1..max_digits under make_prompts: round(lognormal(mu,
+    sigma)) clipped, i.e. the lognormal's mass over [k - 1/2, k + 1/2), the ends taking the tails."""
+    def cdf(x):
+        return 0.0 if x <= 0 else 0.5 * (1 + math.erf((math.log(x) - mu) / (sigma * math.sqrt(2))))
+    edges = [cdf(k + 0.5) for k in range(1, max_digits)]                    # P(X < k + 1/2), k < max_digits
+    return np.diff([0.0, *edges, 1.0])
 
 
 def answer(prompt):
@@ -71,25 +97,25 @@ class PromptStream:
         self.rng.bit_generator.state, self.drawn = state["rng"], state["drawn"]
 
 
-class ReplicaPrompts:
-    """StaleSync's prompt_fn: this replica's slice of each global batch of prompts, one at a time."""
+class SlotPrompts:
+    """The RL prompt of a global batch slot and attempt (StaleSync's prompt_fn, once the caller maps its
+    local slots to global ones): drawn from a generator seeded by (seed, slot, attempt), the digit count
+    k from draw(length_distribution) (the caller's (max_digits,) distribution made from the task's own;
+    None: the task's own), redrawn while it is a held-out prompt. The same slot gives the same prompt on
+    every rank, in every deployment, as long as draw() agrees; it holds no state of its own."""
 
-    def __init__(self, stream, per_step, replica, replicas):
-        self.stream, self.per_step = stream, per_step
-        self.first, self.n = replica * per_step // replicas, per_step // replicas
-        self.buffer = []
+    def __init__(self, seed, max_digits, exclude=frozenset(), draw=None):
+        self.seed, self.exclude, self.draw = seed, exclude, draw
+        self.lengths = length_distribution(max_digits)                            # (max_digits,)
 
-    def __call__(self):
-        if not self.buffer:
-            self.buffer = self.stream.next(self.per_step)[self.first:self.first + self.n]
-        return self.buffer.pop(0)
-
-    def state_dict(self):
-        """The prompts drawn and not yet given out (the stream itself is saved on its own)."""
-        return {"buffer": [p.clone() for p in self.buffer]}
-
-    def load_state_dict(self, state):
-        self.buffer = list(state["buffer"])
+    def __call__(self, slot, attempt):
+        rng = np.random.default_rng([self.seed, slot, attempt])
+        p = self.lengths if self.draw is None else self.draw(self.lengths)
+        for _ in range(1000):
+            prompt = prompt_of_length(rng, 1 + int(rng.choice(len(p), p=p / p.sum())))
+            if tuple(prompt.tolist()) not in self.exclude:
+                return prompt
+        raise RuntimeError(f"slot {slot}, attempt {attempt}: 1000 draws gave only held-out prompts")
 
 
 def held_out(max_digits, n_eval):
@@ -103,8 +129,9 @@ def n_possible_prompts(max_digits):
     return sum(10 ** k for k in range(1, max_digits + 1))
 
 
-def prompt_streams(seed, max_digits, n_eval):
-    """(held-out prompts, warm-up stream, RL stream): the training streams never give a held-out prompt."""
+def prompt_streams(seed, max_digits, n_eval, draw=None):
+    """(held-out prompts, warm-up stream, RL prompts by slot): the training prompts are never held-out ones."""
     eval_prompts, exclude = held_out(max_digits, n_eval)
     warm, rl = np.random.SeedSequence(seed).spawn(2)
-    return eval_prompts, PromptStream(warm, max_digits, exclude), PromptStream(rl, max_digits, exclude)
+    rl_seed = int(rl.generate_state(1)[0])
+    return eval_prompts, PromptStream(warm, max_digits, exclude), SlotPrompts(rl_seed, max_digits, exclude, draw)

@@ -10,7 +10,7 @@ in its folder one spans_rank<N>.jsonl per rank (every timed phase:
   trace.json     Chrome trace-event format, one track per rank: open it in ui.perfetto.dev or chrome://tracing
   timeline.svg   a Gantt chart of 3 steps, one row per rank, one colour per phase; white gaps are time in
                  which no phase was open, grey hatched bars are waits (queue, idle); hover a bar for its step
-  curves.svg     held-out accuracy and mean reward against wall time, one line per run
+  curves.svg     held-out accuracy, mean reward and the yield of kept groups against wall time, a line per run
 
     python -m timeline runs/RUN                            # the three files, into runs/RUN
     python -m timeline runs/RUN --first-step 10 --steps 2  # the chart shows steps 10 and 11
@@ -391,7 +391,8 @@ def write_timeline_svg(out_dir, spans, first_step=None, n_steps=3, path=None):
 
 # --- curves.svg -------------------------------------------------------------------------------
 
-CURVES = [("eval/accuracy", "held-out accuracy"), ("reward/mean", "mean reward")]
+CURVES = [("eval/accuracy", "held-out accuracy"), ("reward/mean", "mean reward"),
+          ("rollout/yield", "groups kept / generated")]
 
 
 def load_metrics(run_dir):
@@ -471,8 +472,9 @@ def _panel(box, key, title, runs, colours):
 
 
 def write_curves_svg(paths, out_path, labels=None):
-    """Held-out accuracy and mean reward against wall time, two panels side by side, one line per run
-    folder in `paths` (labelled by `labels`, default the folders' names). Returns out_path."""
+    """Held-out accuracy, mean reward and dynamic sampling's yield against wall time, a panel for each side
+    by side, one line per run folder in `paths` (labelled by `labels`, default the folders' names).
+    Returns out_path."""
     labels = list(labels) if labels else [os.path.basename(os.path.normpath(p)) for p in paths]
     if len(labels) != len(paths):
         raise ValueError(f"{len(labels)} labels for {len(paths)} runs")
@@ -488,8 +490,9 @@ def write_curves_svg(paths, out_path, labels=None):
         body.append(_line(x, y, x + 22, y, stroke=colour, width=3))
         body.append(_text(x + 28, y + 4, label, cls="legend"))
         x += item_w
+    panel_w = (WIDTH - 80) / len(CURVES) - 60                # a gap of 60 for each panel's y labels
     for i, (key, name) in enumerate(CURVES):
-        body += _panel((60 + i * 480, y + 45, 420, 260), key, name, runs, colours)
+        body += _panel((60 + i * (panel_w + 60), y + 45, panel_w, 260), key, name, runs, colours)
     return _write(out_path, _svg(WIDTH, int(y + 355), body))
 
 

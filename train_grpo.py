@@ -5,7 +5,10 @@
     python train_grpo.py --help                                # every flag, grouped
 
 One RL step, numbered as in the README's diagram:
-  1. generate    G responses per prompt; stalesync.py schedules the round (S = 0: wait for every one)
+  1. generate    G responses per prompt; stalesync.py schedules the round (S = 0: wait for every one);
+                 each group's prompt is drawn for its slot of the global batch, its length where groups
+                 have been informative (curriculum.py); a group whose rewards are all equal is dropped
+                 and its slot drawn again (dynamic sampling)
   2. score       the task's rule (task.score), on the rank that generated the group
   3. advantages  group-normalised (grpo.group_advantages); the rows go into distqueue.py
   4. reference   a trainer reads a token-balanced, packed share of the batch; the frozen initial
@@ -25,22 +28,26 @@ short supervised warm-up comes first; its held-out accuracy is the "before" figu
 Departures from the source system, on purpose:
 1. Scoring is a rule on the generating rank, so reward and advantage travel through the queue with
    the sample; the reference runs on the trainer that reads the sample, where it lives.
-2. Sampling randomness is counter-based per sample (model.py): every deployment and world size
-   generates the same responses from the same weights, so every mode trains to the same parameters.
+2. Sampling randomness is counter-based per sample (model.py), and a group's prompt and seeds are
+   functions of its global slot and attempt: every deployment and world size generates, keeps and
+   replaces the same groups from the same weights, so every mode trains to the same parameters.
 What a run prints and writes in --out: runlog.py. Checkpoints (--save-every, --resume): checkpoint.py.
 """
 import datetime
 import functools
 import gc
+import json
 import os
 import time
 import uuid
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 import checkpoint
+import curriculum
 import distqueue
 import fusion
 import grpo
@@ -74,11 +81,19 @@ def train(cfg, out_dir=None):
         loop(run)
     except Exception as e:
         where, args = run.spans.failed_in or ("the loop", run.spans.args)
-        raise RuntimeError(f"rank {run.rank} stopped in {where} ({args}): {type(e).__name__}: {e}") from e
+        raise RuntimeError(f"rank {run.rank} stopped in {where} ({args}): {type(e).__name__}: {e}{hint(cfg, e)}") from e
     finally:
         if freeze:
             gc.unfreeze()
     return run.log.close(), run.model
+
+
+def hint(cfg, e):
+    """What a brake's error means in this script's flags."""
+    if isinstance(e, stalesync.FilterLimitError):
+        return (f" (--filter-groups 1: dynamic sampling; --filter-limit {cfg.filter_limit} groups dropped per prompt "
+                "trained stops the run; --filter-groups 0 turns it off)")
+    return ""
 
 
 def colocated_loop(run):
@@ -93,7 +108,6 @@ def colocated_loop(run):
             actor.to_rollout()
         # 1. generate: one StaleSync round (S > 0: it ends once every rank has its batch; the tail goes on)
         batch = sched.rollout(spans, run.all_ready)
-        run.sampler.reset()  # the KV cache is rollout memory
         # 6. switch back to TRAIN (scoring needs no engine, so its memory is freed first)
         with spans("switch_to_train"):
             actor.to_train()
@@ -108,10 +122,11 @@ def colocated_loop(run):
             sums = grpo.grpo_update(run.model, run.optimizer, samples, run.algo, run.device,
                                     run.train_group, ref_logprobs, run.clip_grads)
         sched.update()  # the sampler now has the weights of version `step`
+        learn_curriculum(run)  # the next prompts are drawn where this round's groups were informative
         last = out_of_time(run, step, mark)
         record = run.log.figures(step, mark, sums | figures, actor.metrics())
         if is_eval_step(cfg, step) or last:  # after the step's figures: the evaluation's switch is not the step's
-            record["eval/accuracy"] = evaluate_colocated(run)
+            record.update(evaluate_colocated(run))
         run.log.write(record)
         checkpoint.save(run, step)  # every --save-every steps: the whole run at version `step`
         if last:
@@ -122,7 +137,8 @@ def evaluate_colocated(run):
     """Held-out greedy accuracy of the current weights, each rollout replica scoring its slice."""
     with run.spans("eval"), fusion.rollout(run.actor):
         correct = held_out_correct(run)
-    return all_sum({"correct": correct}, run.device)["correct"] / len(run.eval_prompts)
+    shares = {str(k + 1): round(float(v), 3) for k, v in enumerate(run.curriculum.informative())}  # by digits
+    return eval_figures(run, all_sum(correct, run.device)) | {"curriculum/informative_by_digits": shares}
 
 
 def trainer_loop(run):
@@ -145,7 +161,7 @@ def trainer_loop(run):
         push_weights(run, step, last)
         record = run.log.figures(step, mark, sums | figures, {})
         if is_eval_step(cfg, step) or last:  # the generators score version `step` and post it to the store
-            record["eval/accuracy"] = collect_eval(run, step)
+            record.update(collect_eval(run, step))
         run.log.write(record)
         checkpoint.save(run, step)  # the generators save theirs as they receive version `step`
         if last:
@@ -215,6 +231,7 @@ def read_share(run, step):
     stale = dict(zip(STALE_FACTS, table.unbind(1)))                                         # name -> (B,)
     ages = (step - 1) - stale["start_version"]                                              # (B,)
     figures = {"reward": float(rows.stack("reward").sum()), "rows": len(rows.ids),
+               "prompt_digits": float(sum(len(p) - 2 for p in rows.cols["prompt"])),
                "response_tokens": float(sum(len(r) for r in rows.cols["response"])),
                "age_sum": float(ages.sum()), "age_max": float(ages.max()) if len(ages) else 0.0,
                "partial_continued": float((stale["versions"] > 1).sum()),
@@ -234,14 +251,25 @@ def reference_logprobs(run, samples):
 
 
 def held_out_correct(run):
-    """Greedy decoding of this replica's slice of the held-out set: how many it answers exactly (only the
-    writer of each TP group counts, so that a sum over ranks counts each prompt once)."""
+    """Greedy decoding of this replica's slice of the held-out set: {digits: how many of those prompts it answers
+    exactly} (only the writer of each TP group counts, so that a sum over ranks counts each prompt once)."""
     i, n = run.roles.replica(run.rank), run.roles.replicas  # replica i of n
     mine = run.eval_prompts[i * len(run.eval_prompts) // n:(i + 1) * len(run.eval_prompts) // n]
     gen = generate(run.engine, mine, torch.zeros(len(mine), dtype=torch.long), run.cfg.max_new_tokens,
                    task.EOS, task.PAD, temperature=0)
-    correct = sum(task.score(p, r) for p, r in zip(mine, gen.tokens))
-    return correct if run.rank in run.roles.writers() else 0.0
+    correct = dict.fromkeys(range(1, run.cfg.max_digits + 1), 0.0)
+    for p, r in zip(mine, gen.tokens):
+        correct[len(p) - 2] += task.score(p, r) if run.rank in run.roles.writers() else 0.0
+    return correct
+
+
+def eval_figures(run, correct):
+    """The held-out accuracy, overall and by digit count, from {digits: correct answers} of every replica."""
+    asked = dict.fromkeys(correct, 0)
+    for p in run.eval_prompts:
+        asked[len(p) - 2] += 1
+    return {"eval/accuracy": sum(correct.values()) / len(run.eval_prompts),
+            "eval/accuracy_by_digits": {str(k): correct[k] / asked[k] for k in correct if asked[k]}}
 
 
 def is_eval_step(cfg, step):
@@ -291,21 +319,23 @@ def receive_weights(run, version, evaluate=True):
     with run.spans("recv"):
         fusion.push_weights(None, run.engine, 0, run.push_group, run.cfg.bucket_kb * 1024)
     run.store.set(f"{weights_key(run, version)}/got/{run.roles.replica(run.rank)}", "1")
+    learn_curriculum(run)  # the prompts drawn from here on follow the groups scored so far
     run.sched.update(version)
     if evaluate and (is_eval_step(run.cfg, version) or version == final_version(run)):
         with run.spans("eval"):
             correct = held_out_correct(run)
-        run.store.set(f"{weights_key(run, version)}/eval/{run.roles.replica(run.rank)}", str(correct))
+        run.store.set(f"{weights_key(run, version)}/eval/{run.roles.replica(run.rank)}", json.dumps(correct))
 
 
 def collect_eval(run, version):
     """Trainer 0: the held-out accuracy of `version`, summed over the generators' posts."""
     if run.rank != 0:
-        return None
+        return {"eval/accuracy": None}
     keys = [f"{weights_key(run, version)}/eval/{i}" for i in range(run.roles.replicas)]
     with run.spans("idle"):
         wait_for(run, keys, f"held-out accuracy of version {version}")
-    return sum(float(run.store.get(k)) for k in keys) / len(run.eval_prompts)
+    posts = [{int(k): v for k, v in json.loads(run.store.get(key)).items()} for key in keys]
+    return eval_figures(run, {k: sum(post[k] for post in posts) for k in posts[0]})
 
 
 def wait_for(run, keys, what, moving=None):
@@ -363,7 +393,8 @@ class Run:
     queue: distqueue.DistQueue    # rollout -> training, packed
     eval_prompts: list            # the held-out set, never trained on
     warm_stream: task.PromptStream
-    rl_stream: task.PromptStream
+    rl_prompts: task.SlotPrompts  # the RL prompt of a global batch slot and attempt
+    curriculum: curriculum.Curriculum  # per prompt length, from every scored group: the RL prompts' weights
     train_group: object = None    # the trainers' group (FSDP's ranks)
     model: torch.nn.Module = None  # the trained policy, FSDP2 over the trainers
     optimizer: torch.optim.Optimizer = None
@@ -377,6 +408,7 @@ class Run:
     actor: fusion.FusedActor = None  # colocated: the actor's phase switch (its movers: the EP re-shard)
     all_ready: stalesync.AllReady = None  # colocated: the ranks' "batch ready" flags combined
     push_group: object = None     # separated: trainer 0 and the generators
+    rollout_group: object = None  # the generators' group (the curriculum's sum over replicas)
     log: "RunLog" = None
 
 
@@ -394,9 +426,11 @@ def build(cfg, out_dir=None):
     os.makedirs(out_dir, exist_ok=True)
     roles = Roles(world, cfg.deploy == "separated", cfg.infer_tp)
     store = distqueue.default_store()
-    eval_prompts, warm_stream, rl_stream = task.prompt_streams(cfg.seed, cfg.max_digits, cfg.eval_prompts)
+    learned = curriculum.Curriculum(cfg.max_digits)
+    eval_prompts, warm_stream, rl_prompts = task.prompt_streams(  # --curriculum: RL draws weighted by length
+        cfg.seed, cfg.max_digits, cfg.eval_prompts, learned.draw if cfg.curriculum else None)
     run = Run(cfg, rank, roles, device, out_dir, key, resume_from, timeline.Spans(device=device), store,
-              build_queue(cfg, key, store, rank, world, device), eval_prompts, warm_stream, rl_stream)
+              build_queue(cfg, key, store, rank, world, device), eval_prompts, warm_stream, rl_prompts, learned)
     build_policy(run)
     if rank in roles.generators:
         build_rollout(run)
@@ -441,8 +475,9 @@ def build_policy(run):
         run.train_group = dist.new_group(roles.trainers, timeout=timeout)
         mesh = DeviceMesh.from_group(run.train_group, device.type) if rank in roles.trainers else None
         run.push_group = dist.new_group([0] + roles.generators, timeout=timeout)
+        run.rollout_group = dist.new_group(roles.generators, timeout=timeout)
     else:  # FSDP over every rank; the engine is tensor-parallel over groups of infer_tp ranks
-        run.train_group = dist.group.WORLD
+        run.train_group = run.rollout_group = dist.group.WORLD
         mesh = init_device_mesh(device.type, (roles.world,))
         tp_group = TPLayout(roles.world, cfg.infer_tp, n_heads=cfg.n_heads).new_groups(cfg.pg_timeout_s)[0]
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
@@ -470,26 +505,53 @@ def build_policy(run):
     run.algo = grpo_config(cfg)
 
 
-def sample_seed(seed, per_step, first, n_local, i):
-    """The sampling seed of this replica's sample i: that of its place in the global batch of its step,
-    whatever the world size or deployment, so every mode samples the same responses."""
-    step, j = divmod(i, n_local)
-    return seed * 1_000_003 + (step + 1) * per_step + first + j
+def sample_seed(seed, slot, attempt, member):
+    """The sampling seed of member j of the group in global batch slot `slot`, attempt `attempt`: the same
+    in every deployment and world size, so every mode samples the same responses."""
+    return int(np.random.SeedSequence([seed, slot, attempt, member]).generate_state(1)[0])
+
+
+def global_slot(local, replica, n_prompts, prompts_per_step):
+    """A replica's local StaleSync slot -> its slot in the global batches: replica r makes groups
+    [r * n, (r + 1) * n) of every step's prompts_per_step, n = n_prompts of them."""
+    step, j = divmod(local, n_prompts)
+    return step * prompts_per_step + replica * n_prompts + j
 
 
 def build_rollout(run):
-    """The generator's side: the engine's sampler and StaleSync over this replica's prompts."""
+    """The generator's side: the engine's sampler and StaleSync over this replica's slots of the global batches."""
     cfg, roles = run.cfg, run.roles
-    replica = roles.replica(run.rank)
     n_prompts = cfg.prompts_per_step // roles.replicas
-    n_local, per_step = n_prompts * cfg.group_size, cfg.prompts_per_step * cfg.group_size  # rows a step: mine, all
-    # Decode chunks of a round continue from the engine's KV cache; sched.update() drops it.
+    to_global = functools.partial(global_slot, replica=roles.replica(run.rank), n_prompts=n_prompts,
+                                  prompts_per_step=cfg.prompts_per_step)
+    # Decode chunks of a round continue from the engine's KV cache; StaleSync drops it when it is stale.
     run.sampler = Sampler(run.engine, cfg.max_new_tokens, task.EOS, task.PAD, cfg.temperature, cfg.top_p)
-    prompts = task.ReplicaPrompts(run.rl_stream, cfg.prompts_per_step, replica, roles.replicas)
-    seeds = functools.partial(sample_seed, cfg.seed, per_step, replica * n_local, n_local)
-    stale = stalesync.StaleConfig(cfg.staleness, n_prompts, cfg.group_size, cfg.threshold, cfg.chunk_steps)
-    informative = (lambda p, rs: len({task.score(p, r) for r in rs}) > 1) if cfg.filter_groups else None
-    run.sched = stalesync.StaleSync(stale, run.sampler, prompts, seeds, keep_group=informative)
+    stale = stalesync.StaleConfig(cfg.staleness, n_prompts, cfg.group_size, cfg.threshold, cfg.chunk_steps,
+                                  max_len=cfg.max_new_tokens, max_filtered=cfg.filter_limit * n_prompts)
+    run.sched = stalesync.StaleSync(
+        stale, run.sampler, prompt_fn=lambda slot, attempt: run.rl_prompts(to_global(slot), attempt),
+        seed_fn=lambda slot, attempt, j: sample_seed(cfg.seed, to_global(slot), attempt, j),
+        keep_group=functools.partial(observe_group, run))
+
+
+def observe_group(run, prompt, responses):
+    """StaleSync's keep_group, on every group as it completes: the curriculum counts it for its prompt's length
+    (informative or not, its mean reward); with --filter-groups, a group whose rewards are all equal is dropped."""
+    rewards = [task.score(prompt, r) for r in responses]
+    run.curriculum.observe(task.difficulty(prompt), rewards)
+    return not run.cfg.filter_groups or len(set(rewards)) > 1
+
+
+def learn_curriculum(run):
+    """A step boundary: the curriculum's counts of the groups every replica scored since the last one, summed
+    over the generators (one rank per TP group counts its replica's), join the decayed old ones. Collective."""
+    mine = 1.0 if run.rank in run.roles.writers() else 0.0
+
+    def reduce(new):
+        t = torch.tensor(new * mine, dtype=torch.float64, device=run.device)
+        dist.all_reduce(t, group=run.rollout_group)
+        return t.cpu().numpy()
+    run.curriculum.step(reduce)
 
 
 def attach_reference(run):

@@ -143,9 +143,10 @@ def save(args, out, step, rank, model, opt):
     """What checkpoint.save does for a trainer: get_state_dict, then checkpoint.write. Returns the folder."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
     import checkpoint
-    m, o = get_state_dict(model, opt)
+    m, o = get_state_dict(model, opt)  # DCP gets tensors only; the param_groups go to the rank file
     meta = {"world": 2, "config": vars(args)}
-    return checkpoint.write(out, step, rank, own_state(), meta, {"model": m, "optim": o}, dcp_group=None,
+    own = dict(own_state(), optim_groups=o["param_groups"])
+    return checkpoint.write(out, step, rank, own, meta, {"model": m, "optim": {"state": o["state"]}}, dcp_group=None,
                             keep_last=args.keep_last, group=None)
 
 
@@ -154,9 +155,10 @@ def load(path, model, opt):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     import checkpoint
     m, o = get_state_dict(model, opt)
-    state = {"model": m, "optim": o}
+    state = {"model": m, "optim": {"state": o["state"]}}  # this run's param_groups, as checkpoint.resume does
     checkpoint.read_dcp(path, state)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, opt, model_state_dict=state["model"],
+                   optim_state_dict=dict(state["optim"], param_groups=o["param_groups"]))
 
 
 def share(path, rank):

@@ -108,7 +108,8 @@ def grpo_config(args, deploy, out):
                   steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
                   max_new_tokens=args.max_new_tokens, max_digits=args.max_digits, eval_prompts=2,
                   eval_every=10 ** 6, deploy=deploy, bucket_kb=args.bucket_kb, seed=args.seed, out=out,
-                  device="cpu", pg_timeout_s=180, staleness=0, filter_groups=False)  # the same work in each mode
+                  device="cpu", pg_timeout_s=180, staleness=0, filter_groups=False,  # the same work in each mode
+                  curriculum=False)
 
 
 def fresh_group(store, prefix, rank):
@@ -246,10 +247,10 @@ def bound_part(args, rank, part, passes):
     from model import Policy
     from train_grpo import sample_seed
     cfg = grpo_config(args, "colocated", None)
-    B = args.prompts_per_step * args.group_size
-    _, _, stream = task.prompt_streams(args.seed, args.max_digits, 2)
-    prompts = [p for p in stream.next(args.prompts_per_step) for _ in range(args.group_size)]  # B of (P_i,)
-    seeds = torch.tensor([sample_seed(args.seed, B, 0, B, i) for i in range(B)])  # (B,): the runs' first step
+    _, _, slot_prompts = task.prompt_streams(args.seed, args.max_digits, 2)  # the runs' first step's draws
+    prompts = [slot_prompts(g, 0) for g in range(args.prompts_per_step) for _ in range(args.group_size)]  # B of (P_i,)
+    seeds = torch.tensor([sample_seed(args.seed, g, 0, j) for g in range(args.prompts_per_step)
+                          for j in range(args.group_size)])                                        # (B,)
     alone_group = [dist.new_group([r]) for r in range(2)][rank]  # grpo's sums over this rank only
     torch.manual_seed(args.seed)
     model = Policy(model_config(cfg))

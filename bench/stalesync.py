@@ -219,11 +219,12 @@ def build(rank, args, S, deploy, length_of):
     decoder = ForcedLengths(model, length_of)
     W = dist.get_world_size() if deploy == "colocated" else 1  # generating ranks
 
-    def global_id(i):  # this rank's sample i -> its id in the global batch sequence: the same sample (so the
-        g, j = divmod(i, args.group_size)  # same length) in every deployment; regenerated groups take new ids
-        return ((g // gps) * gps * W + rank * gps + g % gps) * args.group_size + j
+    def global_id(slot, attempt, j):  # this rank's slot -> its place in the global batches: the same sample (so the
+        g = (slot // gps) * gps * W + rank * gps + slot % gps  # same length) in every deployment; a regenerated
+        return (g * args.group_size + j) + attempt * 10**9      # group (attempt > 0) draws new lengths
 
-    sched = StaleSync(cfg, decoder, lambda: torch.as_tensor(rng.integers(4, 14, args.prompt_len)), seed_fn=global_id)
+    prompt_fn = lambda slot, attempt: torch.as_tensor(rng.integers(4, 14, args.prompt_len))  # noqa: E731
+    sched = StaleSync(cfg, decoder, prompt_fn, seed_fn=global_id)
     return model, opt, decoder, sched, gps
 
 

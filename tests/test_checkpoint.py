@@ -102,7 +102,7 @@ def _loaded_state(rank, world_size, out_dir, overrides):
     T.attach_reference(run)
     checkpoint.resume(run)
     model, optim = get_state_dict(run.model, run.optimizer, options=StateDictOptions(full_state_dict=True))
-    return model, optim["state"], run.log.regenerated, run.sched.prompt_fn.buffer
+    return model, optim["state"], run.log.regenerated, (run.sched.slots_opened, run.curriculum.counts)
 
 
 def _saved_state(rank, world_size, out_dir, overrides):
@@ -112,27 +112,27 @@ def _saved_state(rank, world_size, out_dir, overrides):
 
 def test_a_checkpoint_saved_at_two_ranks_resumes_at_one(tmp_path):
     """Model and optimizer reshard on load (FSDP shards of 2 ranks -> 1); the groups in flight on the two
-    saved replicas are dealt to the one replica now, first in its prompts, and counted as regenerated."""
+    saved replicas are counted as regenerated, and the one replica now starts at the checkpoint's slots,
+    drawing their prompts with the curriculum's saved counts."""
     mode = dict(CKPT, steps=3, staleness=2, chunk_steps=1)
     (model2, optim2, _, _), _ = run_distributed(_saved_state, world_size=2, args=(str(tmp_path), mode))
-    [(model1, optim1, regenerated, buffer)] = run_distributed(
+    [(model1, optim1, regenerated, (slots, counts))] = run_distributed(
         _loaded_state, world_size=1, args=(str(tmp_path), dict(mode, resume="auto", steps=4)))
     assert model1.keys() == model2.keys() and all(torch.equal(model1[k], model2[k]) for k in model2)
     assert optim1.keys() == optim2.keys()
     assert all(torch.equal(optim1[k][s], optim2[k][s]) for k in optim2 for s in optim2[k])
     saved = [torch.load(os.path.join(checkpoint.folder(str(tmp_path), 3), f"rank_{r}.pt"), weights_only=True)
              for r in range(2)]
-    in_flight = [g["prompt"] for o in saved for g in o["sched"]["pool"]]
-    pending = in_flight + [p for o in saved for p in o["prompts"]["buffer"]]
-    assert regenerated == len(in_flight) > 0 and len(buffer) == len(pending)
-    assert all(torch.equal(a, b) for a, b in zip(buffer, pending))
+    in_flight = sum(len(o["sched"]["pool"]) for o in saved)
+    assert regenerated == in_flight > 0 and slots == 3 * TINY["prompts_per_step"]
+    assert saved[0]["curriculum"] == saved[1]["curriculum"] and counts.tolist() == saved[0]["curriculum"]["counts"]
 
 
 def test_a_separated_checkpoint_resumes_colocated_at_one_rank_and_trains_on(tmp_path):
     """Separated S = 1 at 2 ranks, saved with rows of the next batch queued and groups in flight; resumed
     colocated at 1 rank: both kinds of groups are regenerated (counted) and the run trains to the end."""
-    mode = dict(CKPT, deploy="separated", staleness=1, chunk_steps=1)
-    run_distributed(_train_tiny, world_size=2, args=(str(tmp_path), mode))  # 6 steps: at step 3 it runs ahead
+    mode = dict(CKPT, deploy="separated", staleness=1, chunk_steps=1, filter_groups=False)  # no refills: it runs
+    run_distributed(_train_tiny, world_size=2, args=(str(tmp_path), mode))  # ahead (6 steps: rows queued at step 3)
     step_3 = checkpoint.folder(str(tmp_path), 3)
     own = torch.load(os.path.join(step_3, "rank_1.pt"), weights_only=True)
     queued = len(own["queue"]["cells"]) // 6 // TINY["group_size"]  # 6 columns a row, group_size rows a group

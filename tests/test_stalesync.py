@@ -43,10 +43,10 @@ def _lengths(rng):
     return lambda seed: int(np.clip(np.random.default_rng([salt, seed]).lognormal(mu, sigma), 1, 200))
 
 
-def _check_batch(b, S, cfg, length_of=None, seed_of=lambda i: i):
+def _check_batch(b, S, cfg, length_of=None):
     assert len(b.ids) == cfg.groups_per_step * cfg.group_size and len(set(b.ids)) == len(b.ids)
     if length_of is not None:  # every response complete
-        assert [len(r) for r in b.responses] == [length_of(seed_of(i)) for i in b.ids]
+        assert [len(r) for r in b.responses] == [length_of(s) for s in b.seeds]
     for sv, v in zip(b.start_versions, b.token_versions):
         assert 0 <= b.version - sv <= S, f"age {b.version - sv} > S={S}"
         assert len(v) and int(v[0]) == sv and bool((v[1:] >= v[:-1]).all()) and int(v[-1]) <= b.version
@@ -66,13 +66,13 @@ def _simulate(S, seed, separated, steps=12, cfg=None, keep_group=None):
                 first[s] = sched.version
         return sampler(contexts, seeds, n_done, max_steps)
 
-    sched = StaleSync(cfg, step_fn, prompt_fn=lambda: torch.tensor([2, 5, 3]), seed_fn=lambda i: 7000 + i,
+    sched = StaleSync(cfg, step_fn, prompt_fn=lambda slot, attempt: torch.tensor([2, 5, 3]),
                       keep_group=keep_group)
     trained = []
 
     def check(b):
-        _check_batch(b, S, cfg, sampler.length_of, lambda i: 7000 + i)
-        assert all(b.version - first[7000 + i] <= S for i in b.ids), "a sample older than S was trained"
+        _check_batch(b, S, cfg, sampler.length_of)
+        assert all(b.version - first[s] <= S for s in b.seeds), "a sample older than S was trained"
     if not separated:  # colocated: rollout, train, update
         for _ in range(steps):
             b = sched.rollout()
@@ -90,7 +90,7 @@ def _simulate(S, seed, separated, steps=12, cfg=None, keep_group=None):
             sched.update(max(sched.version, v))
         arrivals = [a for a in arrivals if a[0] > t]
         sched.admit()
-        assert sched.groups_started - sched.filtered <= (S + sched.version + 1) * cfg.groups_per_step
+        assert sched.slots_opened <= (S + sched.version + 1) * cfg.groups_per_step
         if rng.random() < gen_speed:
             sched.decode()
         while sched.ready():
@@ -119,7 +119,7 @@ def test_bound_and_nothing_lost(S):
                     or acc["regenerated"] & acc["in_flight"])
         everything = acc["trained"] | acc["regenerated"] | acc["in_flight"]
         assert everything == set(range(sched.next_id)), "a sample id was lost"
-        assert {s - 7000 for s in sampler.seen} <= everything
+        assert sampler.seen <= everything  # seeds are the sample ids
         if S == 0:
             assert not acc["regenerated"] and not acc["in_flight"]
         if S <= 1:  # the cut rule makes regeneration impossible: at most groups_per_step groups fall due
@@ -158,19 +158,22 @@ def test_dynamic_sampling_trains_only_kept_groups_and_loses_nothing(S):
         assert acc["trained"] | acc["regenerated"] | acc["filtered"] | acc["in_flight"] == set(range(sched.next_id))
         assert len(acc["filtered"]) == cfg.group_size * sched.filtered
         for g in range(0, len(trained), cfg.group_size):  # every trained group passes the filter
-            assert same(None, [torch.zeros(sampler.length_of(7000 + i)) for i in trained[g:g + cfg.group_size]])
+            assert same(None, [torch.zeros(sampler.length_of(i)) for i in trained[g:g + cfg.group_size]])
         dropped += sched.filtered
     assert dropped > 0, "no group was filtered: the test does not exercise dynamic sampling"
 
 
 def test_admission_inequality_is_strict_before_a_start():
-    """groups_started < (S + v + 1) * gps to start one more, so groups_started <= capacity after it."""
+    """slots_opened < (S + v + 1) * gps to open one more, so slots_opened <= capacity after it."""
     cfg = StaleConfig(staleness=1, groups_per_step=2, group_size=1, threshold=0.25, chunk_steps=1)
-    sched = StaleSync(cfg, ScriptedSampler(lambda s: 50), prompt_fn=lambda: torch.tensor([2]))
-    assert sched.admit() == 4 and sched.groups_started == 4 == sched.capacity()
+    sched = StaleSync(cfg, ScriptedSampler(lambda s: 50), prompt_fn=lambda slot, attempt: torch.tensor([2]))
+    assert sched.admit() == 4 and sched.slots_opened == 4 == sched.capacity()
     assert sched.admit() == 0
+    while not sched.ready():
+        sched.decode()
+    sched.take()  # batch 0, then the optimizer step that makes version 1
     sched.update()
-    assert sched.admit() == 2 and sched.groups_started == 6
+    assert sched.admit() == 2 and sched.slots_opened == 6
 
 
 def test_too_old_groups_are_regenerated_not_trained():
@@ -178,7 +181,8 @@ def test_too_old_groups_are_regenerated_not_trained():
     would be 3 versions old at the next batch, so it is restarted (new ids) and counted."""
     long_seeds = {0, 1}  # groups 0 and 1 (group size 1): 30 tokens; everything else: 1 token
     cfg = StaleConfig(staleness=2, groups_per_step=1, group_size=1, threshold=1 / 3, chunk_steps=4)
-    sched = StaleSync(cfg, ScriptedSampler(lambda s: 30 if s in long_seeds else 1), lambda: torch.tensor([2]))
+    sched = StaleSync(cfg, ScriptedSampler(lambda s: 30 if s in long_seeds else 1),
+                      lambda slot, attempt: torch.tensor([2]))
     batches = []
     for _ in range(4):
         batches.append(sched.rollout())
@@ -226,7 +230,7 @@ def test_s0_equals_the_synchronous_path():
     opt = torch.optim.AdamW(stale.parameters(), lr=1e-2)
     stream = iter(prompts_all)
     sched = StaleSync(StaleConfig(staleness=0, groups_per_step=gps, group_size=G, threshold=0.5, chunk_steps=2),
-                      _sampler(stale, max_new), prompt_fn=lambda: next(stream))
+                      _sampler(stale, max_new), prompt_fn=lambda slot, attempt: next(stream))
     for k in range(steps):
         b = sched.rollout()
         assert b.metrics["stale/age_max"] == 0 and b.metrics["stale/partial_continued"] == 0
@@ -248,7 +252,7 @@ def test_partial_rollout_continues_under_new_weights(cached):
     rng = np.random.default_rng(1)
     cfg = StaleConfig(staleness=1, groups_per_step=2, group_size=G, threshold=0.5, chunk_steps=3)
     sampler = Sampler(model, max_new, EOS, PAD) if cached else _sampler(model, max_new)
-    sched = StaleSync(cfg, sampler, prompt_fn=lambda: make_prompts(rng, 1, max_digits=6)[0])
+    sched = StaleSync(cfg, sampler, prompt_fn=lambda slot, attempt: make_prompts(rng, 1, max_digits=6)[0])
     g = torch.Generator().manual_seed(0)
     continued = []
     for v in range(4):
@@ -265,7 +269,7 @@ def test_partial_rollout_continues_under_new_weights(cached):
     ref = _tiny_policy()
     for b, i in continued:
         prompt, resp, lp, tv = b.prompts[i], b.responses[i], b.logprobs[i], b.token_versions[i]
-        seed = b.ids[i]
+        seed = b.seeds[i]
         # complete and valid: EOS only last, or the whole budget
         assert len(resp) == max_new or int(resp[-1]) == EOS
         assert int((resp[:-1] == EOS).sum()) == 0 and bool(((resp >= 0) & (resp < VOCAB)).all())
@@ -291,23 +295,18 @@ def test_state_dict_resumes_bit_exactly():
     lengths = _lengths(np.random.default_rng(5))
     cfg = StaleConfig(staleness=2, groups_per_step=2, group_size=3, threshold=0.5, chunk_steps=5)
 
-    def make():
-        counter = {"n": 0}
-        def prompt_fn():
-            counter["n"] += 1
-            return torch.tensor([2, counter["n"] % 10 + 4, 3])
-        return StaleSync(cfg, ScriptedSampler(lengths), prompt_fn), counter
+    def make():  # a prompt that is a function of its slot and attempt: nothing of it to save
+        return StaleSync(cfg, ScriptedSampler(lengths), lambda slot, attempt: torch.tensor([2, slot % 10 + 4, 3]))
 
-    a, ca = make()
+    a = make()
     for _ in range(3):
         a.rollout(), a.update()
     a.admit(), a.decode()  # mid-round: samples in flight, some partial
     buf = io.BytesIO()
     torch.save(a.state_dict(), buf)
-    b, cb = make()
+    b = make()
     buf.seek(0)
     b.load_state_dict(torch.load(buf, weights_only=True))
-    cb["n"] = ca["n"]
     assert b.accounting() == a.accounting() and any(s["tokens"] for g in b.pool for s in g["samples"])
     assert b.max_admitted_over == a.max_admitted_over > -10**9  # the admission record survives a resume
     for _ in range(4):
@@ -328,7 +327,8 @@ def test_state_dict_with_a_cached_sampler_resumes_bit_exactly():
 
     def make():
         rng = np.random.default_rng(3)
-        return StaleSync(cfg, Sampler(model, 30, EOS, PAD), lambda: make_prompts(rng, 1, max_digits=8)[0]), rng
+        prompt_fn = lambda slot, attempt: make_prompts(rng, 1, max_digits=8)[0]
+        return StaleSync(cfg, Sampler(model, 30, EOS, PAD), prompt_fn), rng
 
     (a, ra), (b, rb) = make(), make()
     for _ in range(2):
@@ -381,35 +381,35 @@ class Counting:
 def test_the_sampler_contract_bound_methods_lists_and_stalls():
     cfg = StaleConfig(staleness=1, groups_per_step=1, group_size=2, threshold=0.5, chunk_steps=2)
     sampler = Counting()
-    sched = StaleSync(cfg, sampler.step, prompt_fn=lambda: torch.tensor([2, 3]))  # a bound method
+    sched = StaleSync(cfg, sampler.step, prompt_fn=lambda slot, attempt: torch.tensor([2, 3]))  # a bound method
     for _ in range(3):
         sched.rollout()
         sched.update()
     assert sampler.resets == 3 and sched.state_dict()["sampler"] == {"resets": 3}  # found on its owner
     model_sampler = torch.nn.Linear(2, 2)  # an nn.Module as step_fn: its weights stay out of the checkpoint
     model_sampler.forward = ScriptedSampler(lambda s: 3)
-    sched = StaleSync(cfg, model_sampler, prompt_fn=lambda: torch.tensor([2, 3]))
+    sched = StaleSync(cfg, model_sampler, prompt_fn=lambda slot, attempt: torch.tensor([2, 3]))
     sched.rollout()
     assert sched.state_dict()["sampler"] is None
     as_lists = lambda c, seeds, n, m: ([[5] * 2 for _ in c], [[-0.5] * 2 for _ in c], [True] * len(c))
-    batch = StaleSync(cfg, as_lists, prompt_fn=lambda: torch.tensor([2, 3])).rollout()  # plain lists are fine
+    batch = StaleSync(cfg, as_lists, prompt_fn=lambda slot, attempt: torch.tensor([2, 3])).rollout()  # lists are fine
     assert [r.tolist() for r in batch.responses] == [[5, 5]] * 2 and batch.logprobs[0].dtype == torch.float32
     stalled = lambda c, seeds, n, m: ([[] for _ in c], [[] for _ in c], [False] * len(c))
     with pytest.raises(RuntimeError, match="the sampler made no token and ended no row of the 4 in flight"):
-        StaleSync(cfg, stalled, prompt_fn=lambda: torch.tensor([2, 3])).rollout()
+        StaleSync(cfg, stalled, prompt_fn=lambda slot, attempt: torch.tensor([2, 3])).rollout()
     short = lambda c, seeds, n, m: ([[5]], [[-0.5]], [True])
     with pytest.raises(ValueError, match="1 token rows, 1 log-prob rows and 1 done flags for 4 rows"):
-        StaleSync(cfg, short, prompt_fn=lambda: torch.tensor([2, 3])).rollout()
-    batch = StaleSync(cfg, as_lists, prompt_fn=lambda: [2, 3]).rollout()  # a prompt as a list of ints
+        StaleSync(cfg, short, prompt_fn=lambda slot, attempt: torch.tensor([2, 3])).rollout()
+    batch = StaleSync(cfg, as_lists, prompt_fn=lambda slot, attempt: [2, 3]).rollout()  # a prompt as a list of ints
     assert batch.prompts[0].tolist() == [2, 3] and batch.prompts[0].dtype == torch.long
     for bad in (torch.tensor([[2, 3]]), torch.tensor([2.0, 3.0]), torch.tensor([], dtype=torch.long), "23"):
         with pytest.raises(ValueError, match="prompt_fn\\(\\) returned .* a 1-D integer tensor of token ids"):
-            StaleSync(cfg, as_lists, prompt_fn=lambda: bad).rollout()
+            StaleSync(cfg, as_lists, prompt_fn=lambda slot, attempt: bad).rollout()
 
 
 def test_update_refuses_a_version_it_cannot_have():
     sched = StaleSync(StaleConfig(staleness=1, groups_per_step=1, group_size=1), ScriptedSampler(lambda s: 3),
-                      prompt_fn=lambda: torch.tensor([2, 3]))
+                      prompt_fn=lambda slot, attempt: torch.tensor([2, 3]))
     sched.update(sched.rollout().version + 1)  # weights trained on batch 0: version 1
     for bad in (0, 2, "1", 1.0):  # older than the sampler's; trained on a batch not emitted yet; not an int
         with pytest.raises(ValueError, match=f"update\\(version={bad!r}\\)"):
@@ -425,8 +425,8 @@ def test_ready_rank_keeps_decoding_until_all_ranks_are_ready(S):
     length_of = lambda seed: 20 if seed % 7 == 0 else 2 + seed % 3  # a long tail in every few groups
     cfg = StaleConfig(staleness=S, groups_per_step=2, group_size=3, threshold=0.5, chunk_steps=3)
     plain_sampler, waiting_sampler = ScriptedSampler(length_of), ScriptedSampler(length_of)
-    plain = StaleSync(cfg, plain_sampler, prompt_fn=lambda: torch.tensor([2, 5]), seed_fn=lambda i: 7000 + i)
-    waiting = StaleSync(cfg, waiting_sampler, prompt_fn=lambda: torch.tensor([2, 5]), seed_fn=lambda i: 7000 + i)
+    plain = StaleSync(cfg, plain_sampler, prompt_fn=lambda slot, attempt: torch.tensor([2, 5]))
+    waiting = StaleSync(cfg, waiting_sampler, prompt_fn=lambda slot, attempt: torch.tensor([2, 5]))
     calls = []
     while_ready = [0, 0]  # tokens decoded while this rank was ready and waited; sampler count at the last turn
 
@@ -440,7 +440,7 @@ def test_ready_rank_keeps_decoding_until_all_ranks_are_ready(S):
     for _ in range(6):
         a, b = plain.rollout(), waiting.rollout(all_ready=all_ready)
         calls.clear()
-        _check_batch(b, S, cfg, length_of, lambda i: 7000 + i)
+        _check_batch(b, S, cfg, length_of)
         if S == 0:
             assert a.ids == b.ids and all(torch.equal(x, y) for x, y in zip(a.responses, b.responses))
         plain.update(), waiting.update()
@@ -450,3 +450,80 @@ def test_ready_rank_keeps_decoding_until_all_ranks_are_ready(S):
         assert while_ready[0] > 0
     else:      # nothing is ever in flight once the batch is complete
         assert while_ready[0] == 0
+
+
+def test_update_twice_is_refused_at_once():
+    cfg = StaleConfig(staleness=1, groups_per_step=1, group_size=2, threshold=0.5, chunk_steps=2)
+    sched = StaleSync(cfg, ScriptedSampler(lambda s: 3), prompt_fn=lambda slot, attempt: torch.tensor([2, 3]))
+    sched.rollout()
+    sched.update()
+    with pytest.raises(RuntimeError, match="update\\(\\) at version 1 with 1 batches out"):
+        sched.update()  # a second step's update without a second batch
+
+
+def test_the_brakes_a_sampler_that_never_ends_and_a_filter_that_refuses_everything():
+    """Neither rule spins: a row past the response budget, or more groups dropped than the limit, raises."""
+    cfg = StaleConfig(staleness=1, groups_per_step=2, group_size=2, threshold=0.5, chunk_steps=4, max_len=10)
+    never_done = lambda c, seeds, n, m: ([[5] * m for _ in c], [[-0.5] * m for _ in c], [False] * len(c))
+    with pytest.raises(RuntimeError, match="the sampler .*<lambda> returned samples .* with 10 or more tokens and not "
+                                           "done: .* by max_len 10"):
+        StaleSync(cfg, never_done, prompt_fn=lambda slot, attempt: torch.tensor([2, 3])).rollout()
+    limited = StaleConfig(staleness=0, groups_per_step=2, group_size=2, max_filtered=5)
+    sched = StaleSync(limited, ScriptedSampler(lambda s: 3), prompt_fn=lambda slot, attempt: torch.tensor([2, 3]),
+                      keep_group=lambda prompt, responses: False)  # every group's rewards equal
+    with pytest.raises(RuntimeError, match="dynamic sampling dropped 6 groups while making batch 0, past the limit "
+                                           "of 5"):
+        sched.rollout()
+    for bad in (dict(max_len=0), dict(max_filtered=-1), dict(max_len=2.5)):
+        with pytest.raises(ValueError, match="must be an integer >= 1"):
+            StaleConfig(**bad)
+
+
+def test_padded_or_float_tokens_are_refused():
+    cfg = StaleConfig(staleness=0, groups_per_step=1, group_size=2)
+    padded = lambda c, seeds, n, m: (torch.tensor([[5, 1, 0], [5, 5, 1]]), [[-0.5] * 3] * 2, [True, True])
+    with pytest.raises(ValueError, match="tokens as one \\(2, 3\\) tensor: return one 1-D sequence per row"):
+        StaleSync(cfg, padded, prompt_fn=lambda slot, attempt: [2, 3]).rollout()
+    floats = lambda c, seeds, n, m: ([[5.7, 1.0]] * 2, [[-0.5] * 2] * 2, [True, True])
+    with pytest.raises(ValueError, match="row 0: the sampler returned tokens of dtype torch.float32"):
+        StaleSync(cfg, floats, prompt_fn=lambda slot, attempt: [2, 3]).rollout()
+
+
+@pytest.mark.parametrize("S", [0, 1])
+def test_a_slot_gets_the_same_prompt_and_samples_however_the_batch_is_split(S):
+    """Dynamic sampling on: one scheduler making global batches of 4 groups, against two replicas making 2
+    each, with prompts and seeds drawn by global (slot, attempt). At S = 0 every step trains the same
+    groups, slot for slot (which groups are kept, and what replaces a dropped one, follows the slot, not
+    the replica); at S > 0 every trained group is still its slot's draw."""
+    length_of = lambda seed: 2 + (seed // 10 % 3 == 0) * (seed % 2)  # some attempts have mixed lengths
+    keep = lambda prompt, responses: len({len(r) for r in responses}) > 1   # a stand-in for equal rewards
+    draw = lambda g, attempt: torch.tensor([2, 4 + (7 * g + 3 * attempt) % 10, 3])
+    seed = lambda g, attempt, j: 1000 * g + 10 * attempt + j
+
+    def replica(r, n_replicas, gps=4):
+        n = gps // n_replicas
+        to_global = lambda slot: slot // n * gps + r * n + slot % n        # local slot -> global batch slot
+        cfg = StaleConfig(staleness=S, groups_per_step=n, group_size=3, threshold=0.5, chunk_steps=2)
+        return StaleSync(cfg, ScriptedSampler(length_of), lambda slot, a: draw(to_global(slot), a),
+                         lambda slot, a, j: seed(to_global(slot), a, j), keep_group=keep), to_global
+
+    one, halves = [replica(0, 1)], [replica(r, 2) for r in range(2)]
+    for step in range(5):
+        by_slot = []
+        for scheds in (one, halves):
+            got = {}
+            for sched, to_global in scheds:
+                b = sched.rollout()
+                sched.update()
+                for i, slot in enumerate(b.slots):
+                    row = (b.prompts[i].tolist(), b.seeds[i], b.responses[i].tolist())
+                    got.setdefault(to_global(slot), []).append(row)
+            by_slot.append(got)
+        if S == 0:
+            assert by_slot[0] == by_slot[1] and sorted(by_slot[0]) == list(range(4 * step, 4 * step + 4))
+        for got in by_slot:  # every trained group: its slot's draw at some attempt, its seeds that attempt's
+            for g, rows in got.items():
+                attempt = (rows[0][1] - 1000 * g) // 10
+                assert rows[0][0] == draw(g, attempt).tolist()
+                assert [r[1] for r in rows] == [seed(g, attempt, j) for j in range(3)]
+    assert sum(s.filtered for s, _ in one) > 0, "no group was dropped: the test does not exercise the refill"

@@ -166,7 +166,8 @@ def test_curves_one_line_per_run_and_panel(tmp_path):
                                                          {"step": 1, "reward/mean": 0.4, "time/step_s": 0.3}])
     root = svg_root(T.write_curves_svg([a, b], str(tmp_path / "c.svg"), labels=["first", "second"]))
     lines = polylines(root)
-    assert len(lines) == 4 and sorted(e.get("data-key") for e in lines) == ["eval/accuracy"] * 2 + ["reward/mean"] * 2
+    assert sorted(e.get("data-key") for e in lines) == ["eval/accuracy"] * 2 + ["reward/mean"] * 2 + \
+        ["rollout/yield"] * 2
     legend = {e.text for e in root.iter(NS + "text") if e.get("class") == "legend"}
     assert legend == {"first", "second"}
     acc_a = lines[0].get("points").split()
@@ -199,7 +200,7 @@ def test_command_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "timeline", a, b, "--out", out, "--labels", "x,y"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert len(polylines(svg_root(out))) == 4 and "curves.svg" not in os.listdir(b)
+    assert len(polylines(svg_root(out))) == 2 * len(T.CURVES) and "curves.svg" not in os.listdir(b)
     r = subprocess.run([sys.executable, "timeline.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "RUN_DIR" in r.stdout
 

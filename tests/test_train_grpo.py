@@ -1,6 +1,7 @@
 """train_grpo.py end to end: its arguments, and every deployment against a world of one."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -90,7 +91,7 @@ def test_import_starts_no_training(tmp_path):
 TINY = dict(max_digits=2, max_new_tokens=4, eval_prompts=8, d_model=32, d_expert=32, warmup_steps=30,
             warmup_batch=8, steps=3, prompts_per_step=4, group_size=4, eval_every=2, updates_per_batch=1,
             kl_coef=0.05, lr=3e-3, device="cpu",  # gloo ranks on CPU, even where a GPU is present
-            staleness=0, threshold=0.5, filter_groups=False)  # synchronous, all groups: every world the same
+            staleness=0, threshold=0.5)  # synchronous: every world the same (dynamic sampling and curriculum on)
 
 
 def _train_tiny(rank, world_size, out_dir, overrides=None):
@@ -125,6 +126,7 @@ def test_two_ranks_train_to_identical_parameters(tmp_path):
         for key in ("loss", "clip_frac", "ratio_mean", "k3_mean"):  # means over the whole batch, whatever
             assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(b[key])), (key, a[key], b[key])  # the split
     assert any(0 < l["reward/mean"] < 1 and abs(l["loss"]) > 1e-4 for l in lines[1:])  # real RL updates
+    assert sum(l["rollout/filtered_groups"] for l in lines[1:]) > 0  # the refill by slot is exercised
     for key in ["reward/mean", "perf/tokens_per_s", "time/rollout_s", "time/train_s", "time/switch_s",
                 "mem/train_bytes", "mem/rollout_bytes", "time/to_rollout_s", "queue/bytes_sent"]:
         assert all(key in l for l in lines[1:]), key
@@ -159,6 +161,7 @@ def test_two_ranks_train_to_identical_parameters(tmp_path):
     assert ep["mem/rollout_optim_bytes"] == 0 and ep["mem/rollout_params_bytes"] > ep["mem/train_params_bytes"]
 
 
+@pytest.mark.slow
 def test_expert_parallel_over_part_of_the_world_with_a_reference_trains_as_one(tmp_path):
     """World 4 with EP 2 in training (two EP groups of 2, each expert on 2 replicas), the KL term on, 3 RL
     steps: a world of one's parameters. In this draw every group is all-wrong, so the policy-gradient
@@ -166,7 +169,7 @@ def test_expert_parallel_over_part_of_the_world_with_a_reference_trains_as_one(t
     policy computes (k3 and its gradient exactly 0), or Adam turns a float-level difference into an
     lr-sized step on nearly every weight. (The reference once ran the dense MoE kernels and the policy
     the EP ones: 2e-3 apart after 2 steps.)"""
-    mode = {"prompts_per_step": 8, "max_digits": 3, "max_new_tokens": 5}
+    mode = {"prompts_per_step": 8, "max_digits": 3, "max_new_tokens": 5, "filter_groups": False}  # all-wrong kept
     [(_, p_one)] = run_distributed(_train_tiny, world_size=1, args=(str(tmp_path / "w1"), mode))
     out = run_distributed(_train_tiny, world_size=4, timeout_s=240,
                           args=(str(tmp_path / "w4"), dict(mode, train_ep=2, infer_ep=1)))
@@ -177,13 +180,41 @@ def test_expert_parallel_over_part_of_the_world_with_a_reference_trains_as_one(t
     assert_same_training(out[0][1], p_one, "world 4, EP 2, KL")
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.slow
+def test_world_4_tensor_parallel_and_separated_with_dynamic_sampling_train_as_one(tmp_path):
+    """World 4, S = 0, dynamic sampling and the curriculum on: two TP-2 replicas (colocated), and two trainers
+    with two generators (separated), train to a world of one's parameters: a dropped group's slot is refilled
+    with the same prompt and samples, and the pass rates are summed to the same counts, however the batch is
+    split over replicas."""
+    mode = {"prompts_per_step": 8}
+    [(s_one, p_one)] = run_distributed(_train_tiny, world_size=1, args=(str(tmp_path / "w1"), mode))
+    for name, deploy in (("tp2", {"infer_tp": 2}), ("separated", {"deploy": "separated"})):
+        out = run_distributed(_train_tiny, world_size=4, timeout_s=300,
+                              args=(str(tmp_path / name), dict(mode, **deploy)))
+        lines = [json.loads(l) for l in open(tmp_path / name / "metrics.jsonl")][1:]
+        assert sum(l["rollout/filtered_groups"] for l in lines) > 0, "no group was dropped: nothing refilled"
+        assert_same_training(out[0][1], p_one, name)
+        assert out[0][0]["eval_accuracy_after"] == s_one["eval_accuracy_after"]
+
+
+@pytest.mark.parametrize("deploy", ["colocated", "separated"])
+def test_dynamic_sampling_that_keeps_nothing_stops_the_run_naming_the_flags(tmp_path, deploy):
+    """A policy that solves nothing (no warm-up): every group's rewards are equal, every group is dropped.
+    The run stops at the brake, with the count and the flags, never spins (the generator's error, separated)."""
+    mode = {"deploy": deploy, "warmup_steps": 0, "filter_limit": 2, "staleness": 1}
+    with pytest.raises(RuntimeError) as e:
+        run_distributed(_train_tiny, world_size=2, args=(str(tmp_path), mode), timeout_s=120)
+    assert re.search("dynamic sampling dropped [0-9]+ groups while making batch 0, past the limit of [48]:", str(e.value))
+    assert "--filter-limit 2 groups dropped per prompt" in str(e.value) and "--filter-groups 0" in str(e.value)
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_separated_generators_run_ahead_within_s(tmp_path, world):
     """--deploy separated --staleness 1: the generators decode on while the trainers train, take new
     weights between decode chunks, and no trained sample is more than 1 version old (world 4: two
     generator replicas, one of which may run ahead of the other; step k still trains batch k - 1 of each)."""
     mode = {"deploy": "separated", "staleness": 1, "threshold": 0.5, "chunk_steps": 1, "steps": 6,
-            "eval_every": 3, "max_digits": 4, "max_new_tokens": 6}
+            "eval_every": 3, "max_digits": 4, "max_new_tokens": 6, "filter_groups": False}  # few groups mixed
     out = run_distributed(_train_tiny, world_size=world, args=(str(tmp_path), mode), timeout_s=240)
     (s, p), gens = out[0], out[world // 2:]
     assert all(q is None for _, q in gens) and torch.isfinite(p).all()  # generator ranks hold no model
