@@ -11,12 +11,12 @@ One checkpoint is one folder, which exists only once complete:
                                     the optimizer's state, each trainer its own FSDP shards (a load at
                                     another world size reshards them) and EP experts (a load at another EP
                                     degree finds them by name), and the reference model, written once
-        rank_<r>.pt                 each rank's own state: RNG, prompt streams, the queue's rows not yet
-                                    read, StaleSync's groups in flight (partial rollouts with their versions
-                                    and behaviour log-probs; the sampler's KV cache is empty at the cut, the
-                                    new weights reset it), the optimizer's param_groups (a record); plain
-                                    data (tensors, numbers, strings, lists and dicts), loaded with
-                                    torch.load(weights_only=True)
+        rank_<r>.pt                 each rank's own state: RNG, the warm-up's prompt stream, the curriculum's
+                                    counts, the queue's rows not yet read, StaleSync's groups in flight
+                                    (partial rollouts with their versions and behaviour log-probs; the
+                                    sampler's KV cache is empty at the cut, the new weights reset it), the
+                                    optimizer's param_groups (a record); plain data (tensors, numbers,
+                                    strings, lists and dicts), loaded with torch.load(weights_only=True)
         meta.json                   the step, the world size, the config, the log's figures so far, whether
                                     a reference model is saved, and the name and size of every file above
 
@@ -52,9 +52,9 @@ unless --trust-checkpoint-perms 1; `write` leaves its files writable by their ow
   never stopped (CPU, fixed seed, a fixed --steps: --rl-seconds ends on the clock), as long as the new
   weights reach the samplers at fixed points (colocated; separated with S = 0; tested: colocated S = 0 and
   S = 2, separated S = 0). At another world size or deployment the model and optimizer reshard; the groups
-  that were in flight or queued are dropped, counted in stale/regenerated, and the new replicas start their
-  slots again: a slot's prompt is a function of the slot (task.SlotPrompts) and of the curriculum's counts,
-  which every rank saves alike, so the same prompts are drawn again.
+  that were in flight or queued are dropped, counted in stale/regenerated, and the new replicas start the
+  checkpoint's slots again, at their first attempts, drawn with the saved curriculum's counts (a slot's
+  prompt is a function of the slot and of those counts: task.SlotPrompts).
 
 Shapes: none; one dict per rank.
 """
@@ -427,9 +427,8 @@ def _load_own(run, own):
 def _regenerate(run, path, meta):
     """Another world size or deployment: the saved replicas' groups (queued, or in flight) have no replica
     to continue on. They are dropped and counted in stale/regenerated; this run's replicas start at the
-    checkpoint's step, their first slots again. A slot's prompt is drawn from the slot itself and the
-    curriculum's counts (the same on every saved rank), so those slots get the prompts the saved run
-    would have drawn for them (their first attempts)."""
+    checkpoint's step, their first slots again, at their first attempts, drawn with the counts of the
+    curriculum a saved generator held (the same on every generator; a separated trainer's are empty)."""
     from config import Roles
     cfg, step, saved = run.cfg, meta["step"], meta["config"]
     old = Roles(meta["world"], saved["deploy"] == "separated", saved["infer_tp"])

@@ -59,8 +59,9 @@ class Config:
     kl_coef: float = flag(0.0, "k3 KL penalty weight (0: no reference model)")
     filter_groups: bool = flag(True, "1: dynamic sampling, drop groups whose rewards are all equal and generate "
                                       "more, so every step trains on prompts_per_step informative groups")
-    filter_limit: int = flag(128, "dynamic sampling's brake: the run stops once a step has dropped more than this "
-                                  "many groups per prompt it trains (a policy that solves, or fails, everything)")
+    filter_limit: int = flag(128, "dynamic sampling's brake: the run stops once a replica has dropped more than this "
+                                  "many groups per prompt of its share while making one batch (a policy that "
+                                  "solves, or fails, everything)")
     curriculum: bool = flag(True, "1: draw the RL prompts' lengths where groups are informative (pass rates per "
                                   "length, learned from every scored group: curriculum.py); 0: the task's own draw")
     mask_truncated: bool = flag(False, "1: responses cut by the token budget contribute no loss")
@@ -338,7 +339,8 @@ def local_gpu(env, n_gpus):
     if "LOCAL_RANK" not in env:
         if int(env.get("WORLD_SIZE", "1")) > 1:
             raise ValueError(f"RANK {env.get('RANK')} of WORLD_SIZE {env['WORLD_SIZE']} and no LOCAL_RANK: set "
-                             "LOCAL_RANK to this process's index on its node (torchrun does), or every rank takes GPU 0")
+                             "LOCAL_RANK to this process's index on its node (torchrun does), or every rank takes "
+                             "GPU 0")
         return 0
     index = int(env["LOCAL_RANK"])
     if not 0 <= index < n_gpus:

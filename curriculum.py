@@ -28,7 +28,20 @@ any rank resumes them exactly.
 Peers: DAPO (dynamic sampling, a cap on generation batches), GRESO (skip prompts whose history predicts
 zero variance), curriculum samplers that draw where pass rates are neither 0 nor 1.
 
-Using this file elsewhere: numpy only. Keys are integers in [0, n_keys); rewards are numbers.
+Using this file elsewhere: numpy only. Keys are integers in [0, n_keys); rewards are numbers. Example
+(tests/test_copy_alone.py runs it in a folder that holds only this file):
+
+    import numpy as np
+    from curriculum import Curriculum
+
+    c = Curriculum(n_keys=3)
+    for _ in range(20):  # one step's groups: key 0 always solved, key 1 half the time, key 2 never
+        c.observe(0, [1] * 8), c.observe(1, [1, 0] * 4), c.observe(2, [0] * 8)
+    c.step()  # a step boundary (with replicas: c.step(reduce=their all-reduce))
+    draw = c.draw(base=np.array([0.6, 0.3, 0.1]))  # the task's own draw over the keys
+    print("draw over the keys:", draw.round(3))     # key 1, the informative one, takes most of it
+    assert draw.argmax() == 1
+
 Shapes: K difficulty keys, G group size.
 """
 import numpy as np
@@ -61,8 +74,8 @@ class Curriculum:
         self.new = np.zeros_like(self.new)
 
     def informative(self):
-        """(K,) each key's share of informative groups, with one group at the share over every key added: a key
-        seen rarely (or long ago) is taken to be as informative as the others are, not more."""
+        """(K,) each key's share of informative groups, with `prior` groups at the share over every key added: a
+        key seen rarely (or long ago) is taken to be as informative as the others are, not more."""
         return self._shrunk(INFORMATIVE)
 
     def pass_rate(self):

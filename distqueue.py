@@ -15,7 +15,7 @@ Public API (everything else is private):
     ids = q.put({"prompt": [t...], "response": [t...], "reward": [0.5, ...]})  # new rows -> row ids
     q.row_id(j, rank)                               # the id of a rank's j-th row, known in advance
     q.put({"old_logprobs": [t...]}, ids=ids)        # write more columns of existing rows
-    b = q.get("train", n, dp_group=None, group=None, min_rows=None)  # -> Rows
+    b = q.get("train", n, dp_group=None, group=None, min_rows=None, only=None)  # -> Rows
     b.ids, b.cols["response"] (list of 1-D), b.stack("reward") (B,), b.packed("response") (flat, lens)
     q.drain(); q.metrics()  # the whole queue's traffic, whichever rank asks
     q.reads("train"); q.state_dict(); q.load_state_dict(sd)
@@ -506,8 +506,8 @@ class DistQueue:
                 self._wait(lambda: self.store.check([self._k("state", tag)]), deadline,
                            lambda: self._silent(stage, o, owners[o]))
                 del tags[o]  # answered: received next, or a broken transfer (an error, never retried)
+                received.append(tag)  # acknowledged, kept or dropped, whatever _recv finds
                 got.update(self._recv(o, tag, owners[o], rows))
-                received.append(tag)
         except Exception:
             for o, tag in tags.items():  # not answered yet: cancelled, unless the owner answers first
                 if self.store.compare_set(self._k("state", tag), "", "cancelled") == b"sent":
@@ -534,14 +534,14 @@ class DistQueue:
             raise RuntimeError(f"rank {o}, asked by rank {self.rank} for cells it does not hold, answered {answer}")
         header = torch.empty(len(keys), dtype=torch.int64)  # (K,) lengths header first
         dist.recv(header, o, group=self.pg, tag=2 * tag)
-        expect = [rows[r][c][1] for r, c in keys]
-        if header.tolist() != expect:
-            raise RuntimeError(f"header {header.tolist()} from rank {o} != published lengths {expect}")
         dtypes = [DTYPES[self.spec.columns[c]] for _, c in keys]
-        nbytes = sum(int(n) * torch.empty(0, dtype=d).element_size() for n, d in zip(expect, dtypes))
-        payload = torch.empty(nbytes, dtype=torch.uint8)  # (bytes,) then one payload
+        nbytes = sum(int(n) * torch.empty(0, dtype=d).element_size() for n, d in zip(header.tolist(), dtypes))
+        payload = torch.empty(nbytes, dtype=torch.uint8)  # (bytes,) then one payload, as the owner sent it
         if nbytes:
             dist.recv(payload, o, group=self.pg, tag=2 * tag + 1)
+        expect = [rows[r][c][1] for r, c in keys]
+        if header.tolist() != expect:  # received whole first: the owner's sends complete either way
+            raise RuntimeError(f"header {header.tolist()} from rank {o} != published lengths {expect}")
         return dict(zip(keys, unpack_cells(header, payload, dtypes)))
 
     def _ack(self, tags, keep):

@@ -379,12 +379,13 @@ class FusedActor:
     @torch.no_grad()
     def to_rollout(self):
         """TRAIN -> ROLLOUT: grads and optimizer states to host, the engine's weights built bucket by bucket,
-        the movers. Returns the engine. If it raises, this actor's state is back in TRAIN as it was (a mover
-        that raises leaves its own as it was); an error inside the gather raises on every rank (the ok flag)."""
+        the movers. Returns the engine. If it raises, this actor's state is back in TRAIN as it was (the movers
+        already switched too; one that raises leaves its own as it was); an error inside the gather raises on
+        every rank (the ok flag), one elsewhere on its own rank."""
         self._expect(TRAIN, "to_rollout() called")
         t0 = time.perf_counter()
         reshard_all(self.model)
-        params, eng = dict(self.model.named_parameters()), self._engine_weights()
+        params, eng, switched = dict(self.model.named_parameters()), self._engine_weights(), []
         try:
             with self._timed("offload"):  # 1. grads and optimizer states to host, in a fixed order (buffers reused)
                 grads = [p.grad for p in params.values() if p.grad is not None]
@@ -402,7 +403,10 @@ class FusedActor:
                 self._param_hosts, self._param_off = offload(off, self._param_hosts), off
             for m in self.movers:  # 4. whatever else changes layout (the experts' EP re-shard)
                 m.to_rollout()
+                switched.append(m)
         except BaseException:  # back to TRAIN as it was: no engine weights, the train-only state on the device
+            for m in reversed(switched):
+                m.to_train()
             self._free_engine()
             reload(self._param_off, self._param_hosts)
             reload(self._off, self._hosts)

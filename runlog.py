@@ -128,7 +128,8 @@ class RunLog:
         self.tokens, self.seconds = self.tokens + s["response_tokens"], self.seconds + step_s
         self.regenerated += s["regenerated"]
         self.extra_groups += s["regenerated"] + s["filtered"]
-        kept, self.last_step = run.cfg.prompts_per_step, step
+        kept = run.cfg.prompts_per_step
+        self.last_step = step
         self.skipped += s["skipped_max"]
         return {"step": step, "reward/mean": s["reward"] / rows, **grpo.batch_means(s),
                 "rollout/response_tokens": s["response_tokens"], "perf/tokens_per_s": s["response_tokens"] / step_s,

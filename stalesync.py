@@ -10,8 +10,9 @@ response, tokens from more than one policy version).
 
 Contents, naive first:
   sync_rollout      the naive round: one sampler call that waits for its longest sample
-  StaleConfig       validated knobs: S, groups per step, group size, threshold, decode chunk
-  StaleSync         the scheduler: admission, decode chunks, cut at threshold, age bound, accounting
+  StaleConfig       validated knobs: S, groups per step, group size, threshold, decode chunk, the brakes
+  StaleSync         the scheduler: slots, admission, decode chunks, cut at threshold, age bound, accounting
+  FilterLimitError  the brake on dynamic sampling
   AllReady          colocated: the ranks' "my batch is ready" flags combined, one all-reduce per chunk
 
 The rules (v = policy version = optimizer steps taken; k = index of the next batch, trained at version k):
@@ -38,8 +39,9 @@ The rules (v = policy version = optimizer steps taken; k = index of the next bat
              max_filtered groups dropped while one batch is made means the filter refuses nearly every group
              (a policy that solves, or fails, everything): each raises, naming the count, never spins;
   S = 0      capacity admits exactly one batch per version and the cut waits for all of it; the sampler
-             is then called once per round with no cut (max_steps=None): the very call sync_rollout
-             makes, so the samples, updates and parameters are those of the synchronous path, bit for bit.
+             is then called with no cut (max_steps=None), once per round (and once per refill of dropped
+             groups): the very call sync_rollout makes, so the samples, updates and parameters are those
+             of the synchronous path, bit for bit.
 
 Public relatives: AReaL (admission capacity (S + v + 1) * B, decoupled PPO objective), MindSpeed-RL /
 Kimi k1.5 (partial rollout, per-sample age cap), Pangu Embedded (stale-synchronous stages, S = 4).
@@ -53,9 +55,9 @@ Departures from the source system (Huawei's RL post-training on CloudMatrix 384)
    of samples and weights is the caller's (a queue, p2p). The one collective here is AllReady's flag.
 3. The sampler is a callable step_fn(contexts, seeds, n_done, max_steps) -> (tokens, logprobs, done),
    called once per decode chunk on every in-flight row; a stateless sampler re-prefills the prefix each
-   chunk, a cached one keeps its KV cache between chunks. Its reset() is called once the cached prefixes
-   are stale: at the end of a colocated round (the next one runs under new weights, and the cache is
-   rollout memory) and when update(version) brings weights mid-round (separated).
+   chunk, a cached one keeps its KV cache between chunks. Its reset() is called whenever new weights
+   arrive (update(): every cached prefix is stale) and at the end of a colocated round (the cache is
+   rollout memory, freed before training).
 4. Ages are counted in optimizer steps of the trainer (batch index), not wall time.
 
     python -m pytest tests/test_stalesync.py
@@ -399,8 +401,8 @@ class StaleSync:
 
     def update(self, version=None):
         """New weights reached the sampler: version + 1 (colocated, after the optimizer step on the batch
-        rollout() returned), or the version received (separated: mid-round, so a sampler that keeps a KV
-        cache between calls drops it here, see `reset`; every in-flight prefix is read again)."""
+        rollout() returned), or the version received (separated). A sampler that keeps a KV cache between
+        calls drops it here (see `reset`): every in-flight prefix is read again under the new weights."""
         if version is None and self.version >= self.batches_out:
             raise RuntimeError(f"update() at version {self.version} with {self.batches_out} batches out: weights of "
                                "version v + 1 are trained on batch v, so call update() once per batch that "
@@ -410,7 +412,7 @@ class StaleSync:
                              f"v must be an integer in [{self.version}, {self.batches_out}] (the sampler's version "
                              "up to the batches emitted)")
         self.version = self.version + 1 if version is None else int(version)
-        if version is not None and self.reset_fn is not None:
+        if self.reset_fn is not None:
             self.reset_fn()
 
     def start_at(self, version):
@@ -450,8 +452,10 @@ class StaleSync:
                     sampler=self.sampler_state.state_dict() if self.sampler_state is not None else None)
 
     def load_state_dict(self, sd):
-        if sd["cfg"] != vars(self.cfg):
-            raise ValueError(f"checkpoint config {sd['cfg']} differs from this scheduler's {vars(self.cfg)}")
+        brakes = ("max_len", "max_filtered")  # they bound a run, they do not shape its state: free to change
+        saved, mine = ({k: v for k, v in c.items() if k not in brakes} for c in (sd["cfg"], vars(self.cfg)))
+        if saved != mine:
+            raise ValueError(f"checkpoint config {saved} differs from this scheduler's {mine}")
         for key in self.COUNTERS:
             setattr(self, key, sd[key])
         if sd["sampler"] is not None:  # the held rows' KV cache too, if the sampler saves it: bit-exact

@@ -33,9 +33,10 @@ PAD, EOS, BOS, SEP, DIGIT0 = 0, 1, 2, 3, 4
 VOCAB = DIGIT0 + 10
 
 EVAL_SEED = 20261129  # the held-out prompts' own stream: fixed, whatever --seed says
+MU, SIGMA = 2.0, 0.6  # a prompt's digit count: round(lognormal(MU, SIGMA)), clipped to [1, max_digits]
 
 
-def make_prompts(rng, n, max_digits, mu=2.0, sigma=0.6):
+def make_prompts(rng, n, max_digits, mu=MU, sigma=SIGMA):
     """n prompts [BOS, d_1..d_k, "="], k = round(lognormal(mu, sigma)) clipped to [1, max_digits]."""
     ks = np.clip(np.rint(rng.lognormal(mu, sigma, size=n)), 1, max_digits).astype(int)
     return [prompt_of_length(rng, k) for k in ks]  # n x (P_i,)
@@ -50,7 +51,7 @@ def difficulty(prompt):
     return len(prompt) - 3
 
 
-def length_distribution(max_digits, mu=2.0, sigma=0.6):
+def length_distribution(max_digits, mu=MU, sigma=SIGMA):
     """(max_digits,) the chance of each digit count 1..max_digits under make_prompts: round(lognormal(mu,
     sigma)) clipped, i.e. the lognormal's mass over [k - 1/2, k + 1/2), the ends taking the tails."""
     def cdf(x):
@@ -77,10 +78,8 @@ class PromptStream:
         self.rng = np.random.default_rng(seed)
         self.max_digits = max_digits
         self.exclude = exclude
-        self.drawn = 0  # prompts given so far: how far along the stream is (a resume at another world size)
 
     def next(self, n):
-        self.drawn += n
         out, tries = [], 0
         while len(out) < n:
             tries += n - len(out)
@@ -91,10 +90,10 @@ class PromptStream:
         return out
 
     def state_dict(self):
-        return {"rng": self.rng.bit_generator.state, "drawn": self.drawn}
+        return {"rng": self.rng.bit_generator.state}
 
     def load_state_dict(self, state):
-        self.rng.bit_generator.state, self.drawn = state["rng"], state["drawn"]
+        self.rng.bit_generator.state = state["rng"]
 
 
 class SlotPrompts:

@@ -82,6 +82,8 @@ class Spans:
             if self.clock is not None:
                 self.pending.append((len(self.spans), start, self.clock.mark()))
             self.spans.append((name, t0, time.perf_counter(), args))
+            if len(self.pending) > 1024:  # a loop that never reads its spans still waits once in a while
+                self.settle()
 
     def settle(self):
         """Each pending span's start and end: the later of the host's time and the device's (one wait)."""

@@ -137,8 +137,14 @@ def evaluate_colocated(run):
     """Held-out greedy accuracy of the current weights, each rollout replica scoring its slice."""
     with run.spans("eval"), fusion.rollout(run.actor):
         correct = held_out_correct(run)
-    shares = {str(k + 1): round(float(v), 3) for k, v in enumerate(run.curriculum.informative())}  # by digits
-    return eval_figures(run, all_sum(correct, run.device)) | {"curriculum/informative_by_digits": shares}
+    learned = {"curriculum/informative_by_digits": by_digits(run.curriculum.informative()),
+               "curriculum/pass_rate_by_digits": by_digits(run.curriculum.pass_rate())}
+    return eval_figures(run, all_sum(correct, run.device)) | learned
+
+
+def by_digits(values):
+    """A per-key array (key k: k + 1 digits) as {digits: value}, for metrics.jsonl."""
+    return {str(k + 1): round(float(v), 3) for k, v in enumerate(values)}
 
 
 def trainer_loop(run):
@@ -176,9 +182,10 @@ def generator_loop(run):
     receive_weights(run, run.log.start - 1, evaluate=run.resume_from is None)
     while sched.version < final_version(run):
         spans.args = {"step": sched.batches_out + 1, "version": sched.version}
-        # 6. new weights: version + 1 arrives between two decode chunks
+        # 6. new weights: version + 1 arrives between two decode chunks; the next prompts follow what was scored
         if run.store.check([weights_key(run, sched.version + 1)]):
             receive_weights(run, sched.version + 1)
+            learn_curriculum(run)
             checkpoint.save(run, sched.version)  # before serving any read of the batches made ahead
             continue
         # 1. generate: admit groups within the staleness bound, decode one chunk
@@ -319,7 +326,6 @@ def receive_weights(run, version, evaluate=True):
     with run.spans("recv"):
         fusion.push_weights(None, run.engine, 0, run.push_group, run.cfg.bucket_kb * 1024)
     run.store.set(f"{weights_key(run, version)}/got/{run.roles.replica(run.rank)}", "1")
-    learn_curriculum(run)  # the prompts drawn from here on follow the groups scored so far
     run.sched.update(version)
     if evaluate and (is_eval_step(run.cfg, version) or version == final_version(run)):
         with run.spans("eval"):

@@ -312,8 +312,10 @@ def run_trainer(args, model, opt, gps, spans):
             dist.recv(payload, 0, tag=2 * v)
             dist.recv(lps, 0, tag=2 * v)
         seqs, lp = payload.split(head.sum(1).tolist()), lps.split(head[:, 1].tolist())
-        b = Batch(v, list(range(B)), [s[:p] for s, (p, _) in zip(seqs, head.tolist())],
-                  [s[p:] for s, (p, _) in zip(seqs, head.tolist())], list(lp), [], [], [], {})
+        b = Batch(version=v, ids=list(range(B)), slots=[], seeds=[],
+                  prompts=[s[:p] for s, (p, _) in zip(seqs, head.tolist())],
+                  responses=[s[p:] for s, (p, _) in zip(seqs, head.tolist())], logprobs=list(lp),
+                  token_versions=[], start_versions=[], done=[], metrics={})
         with spans("train"):
             train_step(model, opt, b, None, args.micro, args.pack)
         tokens += int(head[:, 1].sum())

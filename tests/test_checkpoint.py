@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -93,6 +94,19 @@ def test_separated_with_staleness_resumes_with_every_sample_trained_once(tmp_pat
     assert sum(map(len, fates)) == len(set().union(*fates)) == issued  # a partition of every id issued
     assert all(l["stale/age_max"] <= 1 for l in _lines(tmp_path)[1:])
     assert ahead > 0, "nothing was ahead of the trainers at the checkpoint: the test proves less than it says"
+
+
+def test_a_separated_run_resumes_its_curriculum_exactly(tmp_path):
+    """Separated, S = 0: a generator saves its curriculum right after it learned from the groups of the version it
+    received; resumed from step 3, it must not learn again at start (a second decay would change every draw):
+    its counts at the end, and the parameters, are those of the run that never stopped."""
+    from tests.test_train_grpo import _train_learning
+    mode = dict(CKPT, deploy="separated", staleness=0)
+    straight = run_distributed(_train_learning, world_size=2, args=(str(tmp_path), mode))
+    resumed = run_distributed(_train_learning, world_size=2,
+                              args=(str(tmp_path), dict(mode, resume=checkpoint.folder(str(tmp_path), 3))))
+    assert straight[1][2].any() and np.array_equal(straight[1][2], resumed[1][2])  # the generator's counts
+    assert torch.equal(straight[0][1], resumed[0][1])
 
 
 def _loaded_state(rank, world_size, out_dir, overrides):

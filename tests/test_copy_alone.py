@@ -10,7 +10,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MECHANISMS = ["fusion.py", "stalesync.py", "distqueue.py", "moe_switch.py"]
+MECHANISMS = ["fusion.py", "stalesync.py", "distqueue.py", "moe_switch.py", "curriculum.py"]
 STANDALONE = MECHANISMS + ["grpo.py", "task.py", "timeline.py", "shm_transport.py"]
 PROJECT = {os.path.splitext(f)[0] for f in os.listdir(ROOT) if f.endswith(".py")}
 

@@ -384,17 +384,27 @@ def test_a_switch_that_fails_in_its_offload_or_a_mover_leaves_train_intact(monke
     assert actor.phase == TRAIN and held_bytes(actor.engine.parameters()) == 0
     assert all(torch.equal(a, b) for a, b in zip(now(), before))
 
-    class Failing:
+    class Mover:
         names, stats = (), {}
 
+        def __init__(self, fails):
+            self.fails, self.calls = fails, []
+
         def to_rollout(self):
-            raise RuntimeError("mover failed")
-    actor.movers.append(Failing())
+            self.calls.append("to_rollout")
+            if self.fails:
+                raise RuntimeError("mover failed")
+
+        def to_train(self):
+            self.calls.append("to_train")
+    first, second = Mover(fails=False), Mover(fails=True)
+    actor.movers += [first, second]
     with pytest.raises(RuntimeError, match="mover failed"):
         actor.to_rollout()
     assert actor.phase == TRAIN and held_bytes(actor.engine.parameters()) == 0
     assert all(torch.equal(a, b) for a, b in zip(now(), before))
-    actor.movers.pop()
+    assert first.calls == ["to_rollout", "to_train"] and second.calls == ["to_rollout"]  # the switched one back
+    del actor.movers[-2:]
     with rollout(actor):
         pass
     assert all(torch.equal(a, b) for a, b in zip(now(), before))

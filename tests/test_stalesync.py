@@ -385,7 +385,8 @@ def test_the_sampler_contract_bound_methods_lists_and_stalls():
     for _ in range(3):
         sched.rollout()
         sched.update()
-    assert sampler.resets == 3 and sched.state_dict()["sampler"] == {"resets": 3}  # found on its owner
+    # found on its owner; reset at each round's end (rollout memory) and each update (new weights)
+    assert sampler.resets == 6 and sched.state_dict()["sampler"] == {"resets": 6}
     model_sampler = torch.nn.Linear(2, 2)  # an nn.Module as step_fn: its weights stay out of the checkpoint
     model_sampler.forward = ScriptedSampler(lambda s: 3)
     sched = StaleSync(cfg, model_sampler, prompt_fn=lambda slot, attempt: torch.tensor([2, 3]))

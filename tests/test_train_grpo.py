@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -102,6 +103,15 @@ def _train_tiny(rank, world_size, out_dir, overrides=None):
     return summary, torch.cat([v.flatten() for v in full.values()])
 
 
+def _train_learning(rank, world_size, out_dir, overrides=None):
+    """_train_tiny, also returning the curriculum's counts this rank ends with (a generator's: the counts every
+    rollout replica sums; a separated trainer's stay empty)."""
+    runs, build = [], T.build
+    T.build = lambda *a, **k: runs.append(build(*a, **k)) or runs[-1]  # this rank's process only
+    summary, params = _train_tiny(rank, world_size, out_dir, overrides)
+    return summary, params, runs[0].curriculum.counts
+
+
 def assert_same_training(p, ref, what):
     """Equal up to float reduction order. Adam divides each gradient by its own scale, so a float-level
     difference in a near-zero gradient can move a weight by a fraction of lr: allow that on a handful of
@@ -187,14 +197,15 @@ def test_world_4_tensor_parallel_and_separated_with_dynamic_sampling_train_as_on
     with the same prompt and samples, and the pass rates are summed to the same counts, however the batch is
     split over replicas."""
     mode = {"prompts_per_step": 8}
-    [(s_one, p_one)] = run_distributed(_train_tiny, world_size=1, args=(str(tmp_path / "w1"), mode))
+    [(s_one, p_one, counts)] = run_distributed(_train_learning, world_size=1, args=(str(tmp_path / "w1"), mode))
     for name, deploy in (("tp2", {"infer_tp": 2}), ("separated", {"deploy": "separated"})):
-        out = run_distributed(_train_tiny, world_size=4, timeout_s=300,
+        out = run_distributed(_train_learning, world_size=4, timeout_s=300,
                               args=(str(tmp_path / name), dict(mode, **deploy)))
         lines = [json.loads(l) for l in open(tmp_path / name / "metrics.jsonl")][1:]
         assert sum(l["rollout/filtered_groups"] for l in lines) > 0, "no group was dropped: nothing refilled"
         assert_same_training(out[0][1], p_one, name)
         assert out[0][0]["eval_accuracy_after"] == s_one["eval_accuracy_after"]
+        assert all(np.array_equal(c, counts) for _, _, c in out[-2:]), name  # the generators' curriculum
 
 
 @pytest.mark.parametrize("deploy", ["colocated", "separated"])
@@ -204,7 +215,8 @@ def test_dynamic_sampling_that_keeps_nothing_stops_the_run_naming_the_flags(tmp_
     mode = {"deploy": deploy, "warmup_steps": 0, "filter_limit": 2, "staleness": 1}
     with pytest.raises(RuntimeError) as e:
         run_distributed(_train_tiny, world_size=2, args=(str(tmp_path), mode), timeout_s=120)
-    assert re.search("dynamic sampling dropped [0-9]+ groups while making batch 0, past the limit of [48]:", str(e.value))
+    said = str(e.value)
+    assert re.search("dynamic sampling dropped [0-9]+ groups while making batch 0, past the limit of [48]:", said)
     assert "--filter-limit 2 groups dropped per prompt" in str(e.value) and "--filter-groups 0" in str(e.value)
 
 
