@@ -175,7 +175,7 @@ def gather_into(p, out, works):
     """Fill out (rows, ...), a contiguous full-size tensor, with the full weight of p: FSDP2 shards (Shard(0),
     c = ceil(rows / W) rows each, the last shorter or empty) or a plain tensor. Each rank copies its own rows
     into place; W in-place broadcasts, one per owner, appended to works (async), fill the rest. Not one
-    all-gather: gloo's runs well below its broadcast's bandwidth on CPU (bench/RESULTS.md)."""
+    all-gather: gloo's ran well below its broadcast's bandwidth on CPU (git log -p bench/RESULTS.md)."""
     if not isinstance(p, DTensor):
         out.copy_(p.detach())
         return

@@ -501,7 +501,7 @@ def build_policy(run):
     # One FSDP unit: sharded at rest, gathered whole by an update's first forward until the reduce-scatter after its
     # last backward (ZeRO-2's traffic: one gather, one reduce-scatter per optimizer step). A model too big to gather
     # takes a unit per block (fully_shard(block) first): a gather and hooks per block and micro-batch, overlapping
-    # the previous block's compute on CUDA, not on CPU with gloo (bench/RESULTS.md).
+    # the previous block's compute on CUDA, not on CPU with gloo (as measured: git log -p bench/RESULTS.md).
     fully_shard(model, mesh=mesh, ignored_params=ignored, reshard_after_forward=False)
     run.model = model
     # foreach: each stage of Adam is one multi-tensor op over every shard, not one op per parameter, each of which

@@ -32,9 +32,10 @@ throughput on 2 cores). Three measurements, in the same run:
    rank at once; colocated-all. On a shared host the speed drifts over seconds: a ratio of neighbours
    feels little of it, and bracketing the mode cancels a drift that is steady over its run. One warm-up
    round before them is not counted (--warmup-rounds): a process's first runs are slower, the bound's
-   first whole batch most of all (bench/RESULTS.md). The medians over the rounds are reported, and each round's
-   colocated / separated over that round's own bound (colocated_over_separated_over_bound: their
-   median) says how close the system comes to what the machine allows.
+   first whole batch most of all (git log -p bench/RESULTS.md). The medians over the rounds are
+   reported, and each round's colocated / separated over that round's own bound
+   (colocated_over_separated_over_bound: their median) says how close the system comes to what the
+   machine allows.
 
 3. The switch. FusedActor.to_rollout() + to_train() on a model big enough that bytes, not latency,
    dominate (--switch-d-model): FSDP2, the engine and the actor built as train_grpo.build does, one

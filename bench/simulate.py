@@ -89,7 +89,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 # ----------------------------------------------------------------------------- measured figures
-# MEASURED: each figure as bench/RESULTS.md reports it, with the benchmark that measures it.
+# MEASURED: each figure as bench/RESULTS.md reported it at d87c140, with the benchmark that measures it.
 # bench/stalesync.py --lengths lognormal:2.5,1.2 --repeats 3, tokens per second
 STALESYNC_TPS = {("colocated", 0): 1132, ("colocated", 1): 1769, ("colocated", 2): 2267, ("colocated", 4): 2847,
                  ("separated", 0): 1163, ("separated", 1): 1750, ("separated", 2): 2207, ("separated", 4): 2605}
@@ -576,7 +576,7 @@ def decomposition(c, args, lengths, runs):
 # ----------------------------------------------------------------------------- report
 def print_check(rows, tol):
     """The N = 1 check, one line per figure; returns whether every predicted figure is within tol."""
-    print("N = 1 check against bench/RESULTS.md (2 ranks; bench/stalesync.py's regime, then bench/fusion.py's):")
+    print("N = 1 check against MEASURED (d87c140's bench/RESULTS.md; bench/stalesync.py's regime, then fusion's):")
     for r in rows:
         r["predicted"], r["measured"] = float(r["predicted"]), float(r["measured"])
         r["rel_err"] = r["predicted"] / r["measured"] - 1
