@@ -240,6 +240,13 @@ def test_separated_generators_run_ahead_within_s(tmp_path, world):
     assert all(l["stale/partial_continued"] >= 0 and l["stale/regenerated"] >= 0 for l in steps)
     assert [l["step"] for l in steps if "eval/accuracy" in l] == [1, 3, 6]
     assert s["eval_accuracy_after"] == steps[-1]["eval/accuracy"]
+    # trainer 0's push of each version ends once the generators have it: after their receipt, on one time axis
+    spans = {r: [json.loads(l) for l in open(tmp_path / f"spans_rank{r}.jsonl")] for r in range(world)}
+    pushes = [x for x in spans[0] if x["name"] == "push"]
+    for g in range(world // 2, world):
+        recvs = [x for x in spans[g] if x["name"] == "recv"]
+        assert len(recvs) == len(pushes) == 7  # versions 0 to 6
+        assert all(push["end"] >= recv["end"] - 0.005 for push, recv in zip(pushes, recvs))  # 5 ms: the clocks
 
 
 def test_separated_generators_wait_out_a_warm_up_longer_than_the_timeout(tmp_path):
