@@ -8,7 +8,7 @@ to_rollout() copies the grads and AdamW states into the actor's host buffers and
 storages (offload: the tensors stay in the optimizer, their storages resized to 0), then builds the
 engine's weights from the shards bucket by bucket, holding at most one bucket more. to_train() frees
 them and copies the host buffers back into the same storages (reload), bit for bit. State that changes
-layout too (moe_switch.py's experts) rides along as a "mover".
+layout too (the experts of expert_parallel.py, re-sharded by moe_switch.py) rides along as a "mover".
 
 A switch's path is two choices; FusedActor.path names it, and train_grpo.py prints it once at start.
   The engine's weights (inplace=; FusedActor._fill)

@@ -9,14 +9,16 @@ source slice is freed as soon as it has been sent.
 
 Contents, primitives first:
   moe_reference      the single-process MoE (router, top-k, experts): the math the EP layer must match
-  DenseMoE           the dense layout converted from; DenseMoE.from_linear takes per-expert nn.Linear layers
+  DenseMoE           the dense layout converted from, stacks in x @ w orientation (orientation= says so);
+                     DenseMoE.from_linear takes per-expert nn.Linear layers (no biases: this MoE has none)
   all_to_all_rows    all_to_all_single with uneven splits; backward is the reverse all_to_all
   EPLayout           validated layout: EP degree, world size, which experts each rank owns; new_groups()
   reshard_naive      naive switch: materialise every expert on every rank, keep what the target needs
   reshard            the switch: move only changed-owner slices, bucket by bucket, free each once sent
-  EPMoE              EP layer: route, dispatch (counts, then packed tokens), local experts, combine; switch()
-  ExpertParallel     a whole model's MoE layers made EP: the phase-change mover (to_rollout / to_train),
-                     the expert grads synced over replicas and clipped with the rest, dense_state_dict
+  EPMoE              EP layer: route, dispatch (counts, then packed tokens), local experts, combine; switch(),
+                     collective over the layout's ranks: they first agree on the target (agree_on_switch)
+A whole model's MoE layers made EP (the phase-change mover, grads, dense_state_dict) is expert_parallel.py,
+which imports this file; this file needs nothing else.
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
   1. Each expert slice (name, e) is its own tensor, not a view of a stacked (E, D, H) parameter (the
@@ -43,11 +45,14 @@ Run: python -m pytest tests/test_moe_switch.py   (exactness, round trips, traini
 
 Using this file elsewhere: torch (tested with 2.13; gloo on CPU, nccl on CUDA; all_to_all_single with uneven splits and
 batched isend/irecv). The dense MoE it converts from, by attributes: router (an nn.Linear, weight
-(E, D)), w_gate and w_up (E, D, H), w_down (E, H, D): SwiGLU experts y = (silu(x W_gate) * x W_up) W_down,
-combined by the softmax top_k gates renormalised over the chosen k. Per-expert nn.Linear layers (Llama,
-Qwen, Mixtral style: gate_proj/up_proj/down_proj or w1/w3/w2, weights (H, D), (H, D), (D, H)) convert
-with DenseMoE.from_linear. A layout spans ranks 0..W-1 of the job, or any list of them (ranks=), a
-subgroup of a larger job; every rank of the job calls new_groups. Example, on 2 gloo processes
+(E, D)), w_gate and w_up (E, D, H), w_down (E, H, D), in x @ w orientation (nn.Linear's transposed):
+SwiGLU experts y = (silu(x @ w_gate) * (x @ w_up)) @ w_down, no biases, combined by the softmax top_k
+gates renormalised over the chosen k. Per-expert nn.Linear layers (Llama, Qwen, Mixtral style:
+gate_proj/up_proj/down_proj or w1/w3/w2, weights (H, D), (H, D), (D, H)) convert with DenseMoE.from_linear;
+stacks of their weights, (E, H, D), (E, H, D), (E, D, H), with DenseMoE(..., orientation="nn.Linear").
+A layout spans ranks 0..W-1 of the job, or any list of them (ranks=), a subgroup of a larger job; every
+rank of the job calls new_groups, and every rank of a layout calls switch() together, with the same
+target (a rank left out would hang the next forward: the others raise instead). Example, on 2 gloo processes
 (tests/test_copy_alone.py runs it in a folder that holds only this file):
 
     import datetime, os, socket
@@ -87,7 +92,6 @@ Shapes: N tokens, D model width, H expert hidden width, E experts, k experts per
 W world size, L = E / P local experts, M tokens received by this rank, B bucket bytes.
 """
 import datetime
-import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -130,16 +134,29 @@ def check_dense(router_weight, w_gate, w_up, w_down, top_k):
     got = {"router.weight": router_weight, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
     bad = {n: tuple(t.shape) for n, t in got.items() if tuple(t.shape) != want[n]}
     if bad or E == 0 or not 1 <= top_k <= E:
-        raise ValueError(f"a dense MoE needs router.weight (E, D), w_gate and w_up (E, D, H), w_down (E, H, D) "
-                         f"and 1 <= top_k <= E (E, D, H = {E}, {D}, {H} from w_gate); got shapes {bad or None}, "
-                         f"top_k {top_k} (per-expert nn.Linear layers: DenseMoE.from_linear)")
+        raise ValueError(f"a dense MoE needs, in x @ w orientation, router.weight (E, D), w_gate and w_up "
+                         f"(E, D, H), w_down (E, H, D) and 1 <= top_k <= E (E, D, H = {E}, {D}, {H} from w_gate); "
+                         f"got shapes {bad or None}, top_k {top_k} (per-expert nn.Linear layers: "
+                         f"DenseMoE.from_linear; stacks of nn.Linear weights: DenseMoE(..., orientation='nn.Linear'))")
+
+
+ORIENTATIONS = ("x @ w", "nn.Linear")  # w_gate (E, D, H) used as x @ w; or nn.Linear's (E, H, D), x @ w.T
 
 
 class DenseMoE(nn.Module):
-    """The dense layout this file converts from (see 'Using this file elsewhere'), as a module."""
+    """The dense layout this file converts from (see 'Using this file elsewhere'), as a module: router
+    (E, D), w_gate and w_up (E, D, H), w_down (E, H, D), in x @ w orientation. No biases."""
 
-    def __init__(self, router_weight, w_gate, w_up, w_down, top_k):
+    def __init__(self, router_weight, w_gate, w_up, w_down, top_k, *, orientation):
+        """orientation, required: "x @ w" takes the stacks as they are, (E, D, H), (E, D, H), (E, H, D);
+        "nn.Linear" takes stacks of nn.Linear weights, (out, in): (E, H, D), (E, H, D), (E, D, H), and
+        transposes them (a copy). A square stack (H == D) fits both, so no default could catch the wrong one."""
         super().__init__()
+        if orientation not in ORIENTATIONS:
+            raise ValueError(f"orientation {orientation!r} must be one of {ORIENTATIONS}: 'x @ w' for w_gate, w_up "
+                             "(E, D, H) and w_down (E, H, D); 'nn.Linear' for stacks of nn.Linear weights (out, in)")
+        if orientation == "nn.Linear":  # (E, out, in) -> (E, in, out)
+            w_gate, w_up, w_down = (w.transpose(1, 2).contiguous() for w in (w_gate, w_up, w_down))
         check_dense(router_weight, w_gate, w_up, w_down, top_k)
         E, D = router_weight.shape
         self.router = nn.Linear(D, E, bias=False)
@@ -150,9 +167,16 @@ class DenseMoE(nn.Module):
     @classmethod
     def from_linear(cls, router, experts, top_k, names=("gate_proj", "up_proj", "down_proj")):
         """router: nn.Linear(D, E); experts: E modules holding nn.Linear gate (D -> H), up (D -> H) and
-        down (H -> D) under `names` (Mixtral: ("w1", "w3", "w2")). Copies: (E, D, H) x2, (E, H, D)."""
-        gate, up, down = ([getattr(m, n).weight.detach().T for m in experts] for n in names)  # E x (D, H), (H, D)
-        return cls(router.weight.detach().clone(), torch.stack(gate), torch.stack(up), torch.stack(down), top_k)
+        down (H -> D) under `names` (Mixtral: ("w1", "w3", "w2")), all without bias: this MoE has none, so a
+        bias is refused (ValueError naming it) rather than dropped. Copies: (E, D, H) x2, (E, H, D)."""
+        biased = [f"experts[{e}].{n}" for e, m in enumerate(experts) for n in names if getattr(m, n).bias is not None]
+        biased = ["router"] * (getattr(router, "bias", None) is not None) + biased
+        if biased:
+            raise ValueError(f"{biased[0]} has a bias; this file's MoE has no biases, it would drop them and compute "
+                             f"something else ({len(biased)} biased Linear layers in all): build them with "
+                             "bias=False, or keep this MoE out of a model that has them")
+        gate, up, down = (torch.stack([getattr(m, n).weight.detach() for m in experts]) for n in names)  # (E, out, in)
+        return cls(router.weight.detach().clone(), gate, up, down, top_k, orientation="nn.Linear")
 
     def forward(self, x):
         experts = {n: getattr(self, n) for n in EXPERT_NAMES}
@@ -419,6 +443,28 @@ def reshard(experts, src, dst, bucket_bytes, group=None):
     return new, stats
 
 
+def agree_on_switch(src, dst, group=None, device="cpu"):
+    """Every rank of the layout says which switch it makes, (source EP, target EP), in one all_gather over
+    `group` (the layout's ranks; None: the default group). Ranks that disagree all raise a ValueError naming
+    every rank's; a rank that never calls makes the others raise at the group's timeout, not return alone
+    (on nesting layouts a rank may move no bytes, and would otherwise leave the rest hanging)."""
+    if not dist.is_initialized() or src.world_size == 1:
+        return
+    mine = torch.tensor([src.ep, dst.ep], device=device)                      # (2,)
+    every = [torch.empty_like(mine) for _ in range(src.world_size)]           # W x (2,)
+    try:
+        dist.all_gather(every, mine, group=group)
+    except RuntimeError as err:  # gloo and nccl report a timeout as a RuntimeError (DistBackendError)
+        raise RuntimeError(f"EP switch {src.ep} -> {dst.ep}: the ranks' agreement collective failed; every rank "
+                           f"of the layout (ranks {[src.global_rank(r) for r in range(src.world_size)]}) must call "
+                           f"switch() together, with the same target layout ({err})") from err
+    asked = [tuple(t.tolist()) for t in every]  # .tolist(): a device-to-host sync, once per switch
+    if len(set(asked)) > 1:
+        said = ", ".join(f"rank {src.global_rank(r)}: EP {a} -> {b}" for r, (a, b) in enumerate(asked))
+        raise ValueError(f"the ranks of the layout disagree on the switch ({said}); every rank of the layout must "
+                         "call switch() together, with the same target layout")
+
+
 # ----------------------------------------------------------------------------- the EP layer
 class EPMoE(nn.Module):
     """The MoE with its experts split over an EP group; a drop-in for a dense MoE with router (E, D) and
@@ -443,8 +489,11 @@ class EPMoE(nn.Module):
 
     @classmethod
     def from_dense(cls, moe, layout, group=None):
-        """Copy a dense MoE (attributes router, w_gate, w_up, w_down, top_k) into an EP layer."""
+        """Copy a dense MoE (attributes router, w_gate, w_up, w_down, top_k; x @ w orientation) into an EP layer."""
         check_dense(moe.router.weight, moe.w_gate, moe.w_up, moe.w_down, moe.top_k)
+        if getattr(moe.router, "bias", None) is not None:
+            raise ValueError("router has a bias; this file's MoE has no biases: it would drop it and compute "
+                             "something else")
         E, D, H = moe.w_gate.shape
         ep = cls(D, H, E, moe.top_k, layout, group).to(moe.w_gate.device, moe.w_gate.dtype)
         ep.load_dense(moe.router.weight, {n: getattr(moe, n) for n in EXPERT_NAMES})
@@ -486,20 +535,28 @@ class EPMoE(nn.Module):
         return (y * gates.unsqueeze(-1).to(x.dtype)).sum(1).reshape(shape)
 
     def switch(self, layout, group, bucket_bytes, world_group=None):
-        """Re-shard the experts in place to `layout` (EP group `group`). Grads must be None."""
+        """Re-shard the experts in place to `layout` (EP group `group`). Grads must be None.
+        Collective: every rank of the layout calls it together, with the same target. world_group is the
+        group of exactly the layout's ranks (None: the default group, for a layout over the whole job).
+        1. local checks (groups, grads, layouts, bucket): a ValueError before any collective, nothing moved;
+        2. agree_on_switch: one all_gather of (source EP, target EP); ranks that disagree all raise, naming
+           both, and a rank that does not call makes the others raise at the timeout;
+        3. reshard."""
         _check_ep_group(layout, group, self.rank)
         own = self.layout.owned(self.rank)
         if any(getattr(self, n)[e].grad is not None for n in EXPERT_NAMES for e in own):
             raise ValueError("expert grads are set: clear or offload them before a switch")
-        taken = {n: {e: getattr(self, n)[e].data for e in own} for n in EXPERT_NAMES}
+        if world_group is None and self.layout.ranks is not None and dist.is_initialized():
+            raise ValueError(f"a layout over ranks {list(self.layout.ranks)} needs world_group, the group of those "
+                             "ranks: the switch's agreement collective runs over it")
+        taken = self.local_experts()  # name -> {e: tensor}, the Parameters' data
+        _check(taken, self.layout, layout, _rank(world_group, self.layout), world_group)
+        plan_reshard(self.layout, layout, {n: s[own[0]].nbytes for n, s in taken.items()}, bucket_bytes)
+        agree_on_switch(self.layout, layout, world_group, self.router.weight.device)
         for n in EXPERT_NAMES:  # the switch must own the only reference, or nothing could be freed
             for e in own:
                 getattr(self, n)[e].data = taken[n][e].new_empty(0)
-        try:
-            new, stats = reshard(taken, self.layout, layout, bucket_bytes, world_group)
-        except ValueError:  # raised before any collective: put the slices back untouched
-            self._put(taken)
-            raise
+        new, stats = reshard(taken, self.layout, layout, bucket_bytes, world_group)
         self._put(new)
         self.layout, self.group = layout, group
         return stats
@@ -508,160 +565,3 @@ class EPMoE(nn.Module):
         for n, slices in experts.items():
             for e, t in slices.items():
                 getattr(self, n)[e].data = t
-
-
-# ----------------------------------------------------------------------------- a whole model
-def is_dense_moe(m):
-    """The dense MoE this file converts from: router (E, D), stacked w_gate/w_up (E, D, H), w_down (E, H, D)."""
-    return all(hasattr(m, a) for a in ("router", "top_k", *EXPERT_NAMES)) and not isinstance(m, EPMoE)
-
-
-def swap_layers(module, make):
-    """Replace every dense MoE submodule m of module by make(m). Returns the new layers, in order."""
-    layers = []
-    for name, child in list(module.named_modules()):
-        if is_dense_moe(child):
-            parent, _, attr = name.rpartition(".")
-            layers.append(make(child))
-            setattr(module.get_submodule(parent), attr, layers[-1])
-    return layers
-
-
-class ExpertParallel:
-    """Every MoE layer of a model expert-parallel, with one EP degree in training and another in rollout.
-
-    apply(model, engine): the model's dense MoE layers become EPMoE layers under the training layout (they
-    keep their weights; the caller leaves them out of FSDP), the engine's become empty EPMoE layers under
-    the inference layout. to_rollout() re-shards the model's experts to the inference layout, bucket by
-    bucket, and the engine's experts alias the moved tensors (no copy); to_train() moves them back, bit
-    for bit. Call them after the experts' grads and optimizer states have left the device: as a mover of
-    fusion.FusedActor, inside its switch. clip_grads(model, max_norm) is the clip of the training step.
-    shard(module) gives another copy of the model (the frozen reference) the same training layout."""
-
-    def __init__(self, train_ep, infer_ep, world_size, n_experts, bucket_bytes, timeout_s=300.0, ranks=None):
-        self.train_layout = EPLayout(train_ep, world_size, n_experts, ranks)
-        self.infer_layout = EPLayout(infer_ep, world_size, n_experts, ranks)
-        self.train_groups = new_groups(self.train_layout, timeout_s)  # (EP, DP); collective
-        self.infer_groups = new_groups(self.infer_layout, timeout_s)
-        self.group = None  # the layout's ranks, when they are part of the job: for the norm's all-reduce
-        if ranks is not None and dist.is_initialized():
-            self.group = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s))
-        self.bucket_bytes, self.world, self.stats = bucket_bytes, world_size, {}
-        self.model_layers, self.engine_layers, self.names = [], [], set()
-
-    def apply(self, model, engine=None):
-        self.model_layers = self.shard(model)
-        if not self.model_layers:
-            raise ValueError("the model has no dense MoE layer (a module with router, top_k, w_gate, w_up and "
-                             "w_down; see 'Using this file elsewhere') to make expert-parallel")
-        self.names = {n for n, _ in model.named_parameters() if n.split(".")[-2] in EXPERT_NAMES}
-        if engine is not None:
-            self.engine_layers = swap_layers(engine, self._empty_like)
-
-    def shard(self, module):
-        """module's dense MoE layers -> EPMoE layers of the training layout, keeping their weights (this
-        rank's share). Also for a frozen copy of the model (the reference): it then runs the policy's own
-        EP forward, the same kernels on the same rows, so it computes what the policy computes, bit for
-        bit (a dense forward rounds differently, and Adam magnifies a near-zero KL gradient)."""
-        return swap_layers(module, lambda m: EPMoE.from_dense(m, self.train_layout, self.train_groups[0]))
-
-    def _empty_like(self, moe):
-        E, D, H = moe.w_gate.shape
-        ep = EPMoE(D, H, E, moe.top_k, self.infer_layout, self.infer_groups[0])
-        ep.to(moe.router.weight.device).requires_grad_(False)
-        _untie(ep)
-        return ep
-
-    def params(self, model):
-        """The model's expert parameters (one per global expert; empty where this rank owns none)."""
-        return [p for n, p in model.named_parameters() if n in self.names]
-
-    @torch.no_grad()
-    def to_rollout(self):
-        t0, moved = time.perf_counter(), []
-        for m, e in zip(self.model_layers, self.engine_layers):
-            moved.append(m.switch(self.infer_layout, self.infer_groups[0], self.bucket_bytes))
-            for n in EXPERT_NAMES:
-                for pm, pe in zip(getattr(m, n), getattr(e, n)):
-                    pe.data = pm.data  # the engine's experts are the moved tensors themselves
-        self._record("to_rollout", t0, moved)
-
-    @torch.no_grad()
-    def to_train(self):
-        t0, moved = time.perf_counter(), []
-        for m, e in zip(self.model_layers, self.engine_layers):
-            _untie(e)  # the switch must hold the only reference, or nothing could be freed
-            moved.append(m.switch(self.train_layout, self.train_groups[0], self.bucket_bytes))
-        self._record("to_train", t0, moved)
-
-    def _record(self, key, t0, moved):
-        self.stats.update({f"time/ep_{key}_s": time.perf_counter() - t0,
-                           f"ep/{key}_bytes_moved": sum(s["bytes_moved"] for s in moved),
-                           f"ep/{key}_bytes_min": sum(s["bytes_min"] for s in moved),
-                           f"ep/{key}_peak_extra_bytes": max(s["peak_extra_bytes"] for s in moved),
-                           f"ep/{key}_layer_peak_switch_bytes": max(s["peak_switch_bytes"] for s in moved),
-                           f"ep/{key}_layer_target_bytes": moved[0]["to_bytes"]})  # one layer at a time
-
-    def sync_grads(self, model):
-        """After backward: an owned expert's grad sums its EP group's tokens; summed over the replicas and
-        divided by the world, it is the mean over all ranks (what FSDP gives the dense weights)."""
-        grads = [p.grad for p in self.params(model) if p.numel()]
-        flat = torch.cat([g.flatten() for g in grads]) / self.world
-        if self.train_layout.dp > 1:
-            dist.all_reduce(flat, group=self.train_groups[1])
-        for g, f in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(f.view_as(g))
-
-    def clip_grads(self, model, max_norm):
-        """sync_grads, then clip_grad_norm_ over the FSDP shards and the owned experts together."""
-        self.sync_grads(model)
-        experts = set(map(id, self.params(model)))
-        dense = [p.grad for p in model.parameters() if id(p) not in experts and p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(dense)
-        sq = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).double() ** 2
-        own = sum(p.grad.double().pow(2).sum() for p in self.params(model) if p.numel()).reshape(1)
-        dist.all_reduce(own, group=self.group)  # every expert counted once per replica
-        total = (sq + own[0] / self.train_layout.dp).sqrt()
-        coef = min(1.0, max_norm / (float(total) + 1e-6))
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(coef)
-        return total
-
-
-def optimizer_groups(model):
-    """The parameters in two groups: FSDP2 shards (DTensors) and plain tensors (the EP experts, outside
-    FSDP); a multi-tensor (foreach) optimizer step, CUDA's default, refuses to mix the two kinds."""
-    from torch.distributed.tensor import DTensor
-    params = list(model.parameters())
-    groups = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
-    return [{"params": g} for g in groups if g]
-
-
-def _untie(moe):
-    for n in EXPERT_NAMES:
-        for p in getattr(moe, n):
-            p.data = p.data.new_empty(0)
-
-
-def dense_state_dict(model, group=None):
-    """The whole model on every rank (collective over `group`: the ranks of the EP layout, default all),
-    in the dense model's names and order: FSDP2 shards gathered; EP experts (one tensor per expert, on
-    their owners) broadcast by their first holder and stacked (E, ...). What a checkpoint or a dense
-    reference model loads."""
-    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
-    ep = {name: m for name, m in model.named_modules() if isinstance(m, EPMoE)}
-    out = {}
-    for k, v in full.items():
-        name = k.rsplit(".", 2)[0]
-        if name in ep and f"{name}.w_gate" not in out:  # the dense MoE's order: its own parameters
-            m = ep[name]                                    # (w_gate, w_up, w_down) before router.weight
-            for n in EXPERT_NAMES:
-                like = getattr(m, n)[m.layout.owned(m.rank)[0]]
-                experts = [p.detach().clone() if p.numel() else torch.empty_like(like) for p in getattr(m, n)]
-                for e, t in enumerate(experts):
-                    dist.broadcast(t, src=m.layout.global_rank(m.layout.holders(e)[0]), group=group)
-                out[f"{name}.{n}"] = torch.stack(experts)                                 # (E, ...)
-        if name not in ep or k.endswith(".router.weight"):
-            out[k] = v
-    return out

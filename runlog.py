@@ -15,8 +15,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import checkpoint
+import expert_parallel
 import grpo
-import moe_switch
 import timeline
 
 # time/<key>_s in metrics.jsonl: the seconds a step spent in spans of these names
@@ -179,7 +179,7 @@ class RunLog:
         collective over the trainers), to compare runs by; wall_s: this run's seconds, plus, after a resume,
         those up to the checkpoint."""
         run = self.run
-        full = moe_switch.dense_state_dict(run.model) if run.model is not None else None
+        full = expert_parallel.dense_state_dict(run.model) if run.model is not None else None
         params_sha256 = checkpoint.params_sha256(full) if full is not None else None
         q = run.queue.metrics()
         kept = self.last_step * run.cfg.prompts_per_step  # the groups trained, in every step so far

@@ -51,7 +51,7 @@ import curriculum
 import distqueue
 import fusion
 import grpo
-import moe_switch
+import expert_parallel
 import shm_transport
 import stalesync
 import task
@@ -368,7 +368,7 @@ def warm_up(run):
     heartbeat, done = f"w:{run.key}/warmup_steps", f"w:{run.key}/warmup_done"
     if run.rank not in roles.trainers:
         return wait_for(run, [done], "end of trainer 0's warm-up", moving=heartbeat)
-    optimizer = torch.optim.AdamW(moe_switch.optimizer_groups(run.model), lr=cfg.warmup_lr, betas=(0.9, 0.98),
+    optimizer = torch.optim.AdamW(expert_parallel.optimizer_groups(run.model), lr=cfg.warmup_lr, betas=(0.9, 0.98),
                                   weight_decay=0.0, foreach=True)
     me = roles.trainers.index(run.rank)
     n = cfg.warmup_batch // len(roles.trainers)
@@ -406,7 +406,7 @@ class Run:
     optimizer: torch.optim.Optimizer = None
     algo: grpo.GRPOConfig = None
     clip_grads: object = None     # grpo_update's clip: the experts' own under EP, else None (plain)
-    experts: moe_switch.ExpertParallel = None  # --train-ep: the experts' layouts, grads and re-shard
+    experts: expert_parallel.ExpertParallel = None  # --train-ep: the experts' layouts, grads and re-shard
     reference: fusion.HostOffloaded = None  # the frozen initial policy (kl_coef > 0 or colocated-all)
     engine: Policy = None         # the rollout engine (generators)
     sampler: Sampler = None       # the engine's sampler; keeps its KV cache between decode chunks
@@ -491,8 +491,8 @@ def build_policy(run):
     if rank in roles.generators:
         run.engine = Policy(model_config(cfg), tp_group).to(device).eval().requires_grad_(False)
     if cfg.train_ep:  # the experts leave FSDP: EP shards them, moe_switch.py re-shards them
-        run.experts = moe_switch.ExpertParallel(cfg.train_ep, cfg.infer_ep, roles.world, cfg.n_experts,
-                                                cfg.bucket_kb * 1024, cfg.pg_timeout_s)
+        run.experts = expert_parallel.ExpertParallel(cfg.train_ep, cfg.infer_ep, roles.world, cfg.n_experts,
+                                                     cfg.bucket_kb * 1024, cfg.pg_timeout_s)
         run.experts.apply(model, run.engine)
         run.clip_grads = run.experts.clip_grads
     if rank not in roles.trainers:
@@ -506,7 +506,7 @@ def build_policy(run):
     run.model = model
     # foreach: each stage of Adam is one multi-tensor op over every shard, not one op per parameter, each of which
     # DTensor dispatches apart (CPU's default is per parameter; the results are the same, bit for bit)
-    run.optimizer = torch.optim.AdamW(moe_switch.optimizer_groups(model), lr=cfg.lr, betas=(0.9, 0.98),
+    run.optimizer = torch.optim.AdamW(expert_parallel.optimizer_groups(model), lr=cfg.lr, betas=(0.9, 0.98),
                                       weight_decay=0.0, foreach=True)
     run.algo = grpo_config(cfg)
 
@@ -566,7 +566,7 @@ def attach_reference(run):
     if run.model is None or not (run.cfg.kl_coef > 0 or run.cfg.deploy == "colocated-all"):
         return
     ref = Policy(model_config(run.cfg)).to(run.device).eval()
-    ref.load_state_dict(moe_switch.dense_state_dict(run.model))
+    ref.load_state_dict(expert_parallel.dense_state_dict(run.model))
     if run.experts:  # the policy's own EP layout and forward: the same log-probs, bit for bit, at step 1
         run.experts.shard(ref)
     ref.requires_grad_(False)

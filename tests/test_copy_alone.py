@@ -1,6 +1,8 @@
 """Copy one file and it works: each mechanism file, copied alone into an empty folder, runs the usage
 example its docstring gives (real code, on 1 or 2 gloo processes), so the example cannot drift from
-the code. Also: the files import nothing of this project."""
+the code. Also: the files import nothing of this project. A file meant to be copied with another
+(expert_parallel.py with moe_switch.py, which it imports) runs its example in a folder holding only
+the two, and imports nothing else of the project."""
 import ast
 import os
 import shutil
@@ -12,6 +14,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MECHANISMS = ["fusion.py", "stalesync.py", "distqueue.py", "moe_switch.py", "curriculum.py"]
 STANDALONE = MECHANISMS + ["grpo.py", "task.py", "timeline.py", "shm_transport.py"]
+TOGETHER = {"expert_parallel.py": ["moe_switch.py"]}  # a file -> the files copied with it (it imports them)
 PROJECT = {os.path.splitext(f)[0] for f in os.listdir(ROOT) if f.endswith(".py")}
 
 
@@ -29,25 +32,28 @@ def docstring_example(path):
     return "\n".join(block).strip() + "\n"
 
 
-@pytest.mark.parametrize("name", MECHANISMS)
+@pytest.mark.parametrize("name", MECHANISMS + list(TOGETHER))
 def test_a_copied_file_runs_its_docstring_example(tmp_path, name):
-    shutil.copy(os.path.join(ROOT, name), tmp_path / name)
+    files = [name] + TOGETHER.get(name, [])
+    for f in files:
+        shutil.copy(os.path.join(ROOT, f), tmp_path / f)
     (tmp_path / "example.py").write_text(docstring_example(os.path.join(ROOT, name)))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE", "MASTER_ADDR",
                                                            "MASTER_PORT", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"  # 2 processes on 2 cores
     r = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=180)
-    assert r.returncode == 0, f"{name}'s example failed in a folder holding only it:\n{r.stdout}\n{r.stderr}"
-    assert set(os.listdir(tmp_path)) - {"__pycache__"} == {"example.py", name}  # nothing else was needed
+    assert r.returncode == 0, f"{name}'s example failed in a folder holding only {files}:\n{r.stdout}\n{r.stderr}"
+    assert set(os.listdir(tmp_path)) - {"__pycache__"} == {"example.py", *files}  # nothing else was needed
     assert r.stdout.strip(), "the example printed nothing"
 
 
-@pytest.mark.parametrize("name", STANDALONE)
+@pytest.mark.parametrize("name", STANDALONE + list(TOGETHER))
 def test_a_standalone_file_imports_nothing_of_the_project(name):
     tree = ast.parse(open(os.path.join(ROOT, name)).read())
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    imported -= {os.path.splitext(f)[0] for f in TOGETHER.get(name, [])}  # its companions, copied with it
     assert not imported & (PROJECT - {os.path.splitext(name)[0]}), f"{name} imports {imported & PROJECT}"
     assert imported <= {"torch", "numpy"} | sys.stdlib_module_names, imported - sys.stdlib_module_names
     first = open(os.path.join(ROOT, name)).readline()

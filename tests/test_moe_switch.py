@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_switch import (DenseMoE, EPLayout, EPMoE, ExpertParallel, dense_state_dict, moe_reference, new_groups,
-                        reshard, reshard_naive, shard_experts)
+from expert_parallel import ExpertParallel, dense_state_dict
+from moe_switch import DenseMoE, EPLayout, EPMoE, moe_reference, new_groups, reshard, reshard_naive, shard_experts
 from tests.distributed import run_distributed
 
 E, D, H, K, W = 8, 16, 24, 2, 4
@@ -152,7 +152,7 @@ def _check_a_layout_over_part_of_the_job(rank):
     ranks 0 and 2 take no part beyond creating the groups (new_group is collective)."""
     router, full = _dense(3)
     two, one = EPLayout(2, 2, E, ranks=(1, 3)), EPLayout(1, 2, E, ranks=(1, 3))
-    g2, g1 = new_groups(two, timeout_s=60)[0], new_groups(one, timeout_s=60)[0]
+    g2, (g1, both) = new_groups(two, timeout_s=60)[0], new_groups(one, timeout_s=60)  # EP 1's DP group: [1, 3]
     if rank not in (1, 3):
         assert g2 is None and g1 is None
         return
@@ -162,7 +162,12 @@ def _check_a_layout_over_part_of_the_job(rank):
     x, _ = _tokens(rank)
     want = moe_reference(x, router, full, K)
     torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
-    layer.switch(one, g1, BUCKET)
+    try:  # the agreement collective needs the group of the layout's ranks: refused before any collective
+        layer.switch(one, g1, BUCKET)
+        raise AssertionError("a switch over part of the job without world_group was accepted")
+    except ValueError as e:
+        assert "needs world_group" in str(e) and layer.layout.ep == 2
+    layer.switch(one, g1, BUCKET, world_group=both)
     torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
     assert all(torch.equal(layer.w_up[e], full["w_up"][e]) for e in range(E))  # every expert, moved exactly
 
@@ -203,32 +208,131 @@ def test_ep_exact_round_trips_and_training_with_switches():
     assert per_pair[(2, 1)] == W * 4 * 3 * SLICE and per_pair[(4, 2)] == W * 2 * 3 * SLICE
 
 
-def test_per_expert_linear_layers_convert_to_the_dense_layout():
-    """DenseMoE.from_linear: the common per-expert format (nn.Linear gate/up/down, weights (H, D), (H, D),
-    (D, H)) gives the stacked layout, and the same outputs as a loop over the Linear experts."""
-    from moe_switch import DenseMoE
+class _Expert(torch.nn.Module):
+    """The common per-expert format, Mixtral's names: w1 gate (D -> H), w3 up (D -> H), w2 down (H -> D)."""
 
-    class Expert(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w1, self.w3, self.w2 = torch.nn.Linear(D, H, bias=False), torch.nn.Linear(D, H, bias=False), \
-                torch.nn.Linear(H, D, bias=False)
+    def __init__(self, d, h, bias=False):
+        super().__init__()
+        self.w1, self.w3, self.w2 = torch.nn.Linear(d, h, bias=bias), torch.nn.Linear(d, h, bias=bias), \
+            torch.nn.Linear(h, d, bias=bias)
 
-    torch.manual_seed(0)
-    router, experts = torch.nn.Linear(D, E, bias=False), [Expert() for _ in range(E)]
-    dense = DenseMoE.from_linear(router, experts, top_k=K, names=("w1", "w3", "w2"))  # Mixtral's names
-    assert tuple(dense.w_gate.shape) == (E, D, H) and tuple(dense.w_down.shape) == (E, H, D)
-    x = torch.randn(7, D)
+
+def _per_expert_loop(router, experts, x):
+    """The MoE computed token by token through the Linear layers themselves (biases included)."""
     probs = torch.softmax(router(x), -1)
     top_p, top_e = probs.topk(K, -1)
     want = torch.zeros_like(x)
-    for n in range(7):  # the per-expert loop, token by token
+    for n in range(len(x)):
         for p, e in zip(top_p[n] / top_p[n].sum(), top_e[n].tolist()):
             ex = experts[e]
             want[n] += p * ex.w2(torch.nn.functional.silu(ex.w1(x[n])) * ex.w3(x[n]))
+    return want
+
+
+def test_per_expert_linear_layers_convert_to_the_dense_layout():
+    """DenseMoE.from_linear: the common per-expert format (nn.Linear gate/up/down, weights (H, D), (H, D),
+    (D, H)) gives the stacked layout, and the same outputs as a loop over the Linear experts."""
+    torch.manual_seed(0)
+    router, experts = torch.nn.Linear(D, E, bias=False), [_Expert(D, H) for _ in range(E)]
+    dense = DenseMoE.from_linear(router, experts, top_k=K, names=("w1", "w3", "w2"))  # Mixtral's names
+    assert tuple(dense.w_gate.shape) == (E, D, H) and tuple(dense.w_down.shape) == (E, H, D)
+    x = torch.randn(7, D)
+    want = _per_expert_loop(router, experts, x)
     torch.testing.assert_close(dense(x), want, atol=1e-5, rtol=1e-5)
     layer = EPMoE.from_dense(dense, EPLayout(1, 1, E))
     torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_bias_is_refused_by_name_not_dropped():
+    """This MoE has no biases: from_linear refuses a biased router or expert Linear, naming it, before
+    building anything (it used to drop them, and the outputs were off)."""
+    names = ("w1", "w3", "w2")
+    experts = [_Expert(D, H) for _ in range(E)]
+    experts[2].w1 = torch.nn.Linear(D, H)
+    with pytest.raises(ValueError, match=r"^experts\[2\]\.w1 has a bias; .*\(1 biased"):
+        DenseMoE.from_linear(torch.nn.Linear(D, E, bias=False), experts, top_k=K, names=names)
+    with pytest.raises(ValueError, match=r"^router has a bias; .*\(4 biased"):  # the router, expert 5's three
+        DenseMoE.from_linear(torch.nn.Linear(D, E), [_Expert(D, H, bias=i == 5) for i in range(E)], K, names)
+    router = torch.nn.Linear(D, E)
+    dense = DenseMoE.from_linear(torch.nn.Linear(D, E, bias=False), [_Expert(D, H) for _ in range(E)], K, names)
+    dense.router = router  # a biased router put in by hand: from_dense refuses it too
+    with pytest.raises(ValueError, match="^router has a bias"):
+        EPMoE.from_dense(dense, EPLayout(1, 1, E))
+
+
+def test_a_square_stack_must_name_its_orientation():
+    """H == D: a stack of nn.Linear weights, (E, out, in), has the shape of an x @ w stack, (E, in, out), so
+    no shape check can tell them apart. DenseMoE requires orientation= (no default to be silently wrong):
+    without it a TypeError; "nn.Linear" transposes, and both orientations match the per-expert loop."""
+    torch.manual_seed(0)
+    router, experts = torch.nn.Linear(D, E, bias=False), [_Expert(D, D) for _ in range(E)]
+    linear = [torch.stack([getattr(m, n).weight.detach() for m in experts]) for n in ("w1", "w3", "w2")]  # (E, D, D)
+    x = torch.randn(7, D)
+    want = _per_expert_loop(router, experts, x)
+    with pytest.raises(TypeError, match="orientation"):
+        DenseMoE(router.weight.detach(), *linear, top_k=K)
+    with pytest.raises(ValueError, match=r"orientation 'linear' must be one of \('x @ w', 'nn.Linear'\)"):
+        DenseMoE(router.weight.detach(), *linear, top_k=K, orientation="linear")
+    got = DenseMoE(router.weight.detach(), *linear, top_k=K, orientation="nn.Linear")
+    torch.testing.assert_close(got(x), want, atol=1e-5, rtol=1e-5)
+    x_at_w = [t.transpose(1, 2) for t in linear]
+    torch.testing.assert_close(DenseMoE(router.weight.detach(), *x_at_w, top_k=K, orientation="x @ w")(x), want,
+                               atol=1e-5, rtol=1e-5)
+    wrong = DenseMoE(router.weight.detach(), *linear, top_k=K, orientation="x @ w")  # only by saying so
+    assert not torch.allclose(wrong(x), want, atol=1e-3)
+
+
+def test_an_engine_made_expert_parallel_keeps_its_routers():
+    """ExpertParallel.apply alone, with no fusion.py to load the engine's weights: the engine's EP layers
+    take the routers of the dense layers they replace (they used to be left uninitialised), so after
+    to_rollout the engine computes what the dense model does."""
+    import copy
+    layers = (DenseMoE(r, *f.values(), top_k=K, orientation="x @ w") for r, f in (_dense(1), _dense(2)))
+    dense = torch.nn.Sequential(*layers)
+    model, engine = copy.deepcopy(dense), copy.deepcopy(dense).requires_grad_(False)
+    routers = [m.router.weight for m in engine]
+    ep = ExpertParallel(1, 1, 1, E, bucket_bytes=1 << 20)
+    ep.apply(model, engine)
+    assert all(isinstance(m, EPMoE) and m.router.weight is r for m, r in zip(engine, routers))
+    x, _ = _tokens(0)
+    with torch.no_grad():
+        ep.to_rollout()
+        torch.testing.assert_close(engine(x), dense(x), atol=1e-5, rtol=1e-5)
+        ep.to_train()
+        torch.testing.assert_close(model(x), dense(x), atol=1e-5, rtol=1e-5)
+
+
+def _disagree_then_leave(rank, world_size):
+    """Rank 0 asks EP 2 -> 1, rank 1 EP 2 -> 2: both raise, nothing moved, the next forward runs. Then rank 1
+    leaves and rank 0 alone switches a layer EP 1 -> 2 (which moves no bytes): it raises, not returns."""
+    router, full = _dense(4)
+    groups = {P: new_groups(EPLayout(P, 2, E), timeout_s=5) for P in (1, 2)}
+    moe = types.SimpleNamespace(router=types.SimpleNamespace(weight=router), top_k=K, **full)
+    layer = EPMoE.from_dense(moe, EPLayout(2, 2, E), groups[2][0])
+    P = (1, 2)[rank]
+    try:
+        layer.switch(EPLayout(P, 2, E), groups[P][0], BUCKET)
+        raise AssertionError("ranks asking for different targets were let through")
+    except ValueError as e:
+        disagreement = str(e)
+    assert layer.layout.ep == 2 and all(torch.equal(layer.w_up[e], full["w_up"][e]) for e in layer.layout.owned(rank))
+    x, _ = _tokens(rank)
+    torch.testing.assert_close(layer(x), moe_reference(x, router, full, K), atol=1e-5, rtol=1e-5)
+    if rank == 1:
+        return disagreement, None  # never calls the next switch
+    alone = EPMoE.from_dense(moe, EPLayout(1, 2, E), groups[1][0])
+    try:
+        alone.switch(EPLayout(2, 2, E), groups[2][0], BUCKET)
+        raise AssertionError("a switch called on one rank of two returned")
+    except RuntimeError as e:
+        return disagreement, str(e)
+
+
+def test_ranks_that_disagree_on_the_target_raise_and_a_rank_left_out_makes_the_other_raise():
+    (said0, left_out), (said1, _) = run_distributed(_disagree_then_leave, world_size=2, timeout_s=90, pg_timeout_s=5)
+    for said in (said0, said1):
+        assert "disagree on the switch (rank 0: EP 2 -> 1, rank 1: EP 2 -> 2)" in said, said
+    assert "every rank of the layout (ranks [0, 1]) must call switch() together" in left_out, left_out
 
 
 def test_single_process_world_of_one_matches_reference():
@@ -268,7 +372,7 @@ def test_a_dense_moe_not_in_this_layout_is_refused_by_name():
                          EPLayout(1, 1, E))
     assert "from_linear" in str(err.value)
     with pytest.raises(ValueError, match="top_k 9"):
-        DenseMoE(router, *full.values(), top_k=9)
+        DenseMoE(router, *full.values(), top_k=9, orientation="x @ w")
     with pytest.raises(ValueError, match="no dense MoE layer"):
         ExpertParallel(1, 1, 1, E, 1 << 20).apply(torch.nn.Linear(2, 2))
 

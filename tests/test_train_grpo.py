@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-import moe_switch
+import expert_parallel
 import train_grpo as T
 from config import Config, parse_args, validate
 from tests.distributed import run_distributed
@@ -99,7 +99,7 @@ def _train_tiny(rank, world_size, out_dir, overrides=None):
     summary, model = T.train(Config(**dict(TINY, **(overrides or {})), out=out_dir), out_dir=out_dir)
     if model is None:  # a generator rank of the separated deployment holds no training model
         return summary, None
-    full = moe_switch.dense_state_dict(model)
+    full = expert_parallel.dense_state_dict(model)
     return summary, torch.cat([v.flatten() for v in full.values()])
 
 
