@@ -67,6 +67,9 @@ class Config:
     mask_truncated: bool = flag(False, "1: responses cut by the token budget contribute no loss")
     tis_cap: float = flag(None, "truncated importance sampling: weight each token by min(pi_train / pi_rollout, "
                                 "C), pi_train recomputed before the update (the decoupled objective, capped)")
+    routing_replay: bool = flag(False, "1: each response token's MoE layers use, in training, the experts the rollout "
+                                       "chose for it (recorded as it was generated, gated by the trained router): "
+                                       "Rollout Routing Replay; moe/routing_mismatch is logged either way")
     updates_per_batch: int = flag(1, "optimizer steps per rollout batch")
     micro_batches: int = flag(4, "length-sorted chunks per mini-batch (less padding), gradients accumulated")
     grad_clip: float = flag(1.0, "gradient norm clip")
@@ -88,7 +91,8 @@ class Config:
     bucket_kb: int = flag(256, "bucket size in KiB for building and pushing inference weights")
     train_ep: int = flag(0, "expert-parallel degree in training, re-sharded at each phase change "
                             "(moe_switch.py); 0: the experts are FSDP-sharded like every weight")
-    infer_ep: int = flag(0, "expert-parallel degree of the rollout engine (with --train-ep)")
+    infer_ep: int = flag(0, "expert-parallel degree of the rollout engine (with --train-ep); above 1 its ranks decode "
+                            "in lock-step (model.LockStep)")
     # run
     seed: int = flag(0, "seed of prompts, init and sampling")
     eval_every: int = flag(20, "steps between held-out evaluations (also the first and the last)")
@@ -150,7 +154,7 @@ def grpo_config(cfg):
                            loss_agg=agg, norm_len=cfg.max_new_tokens, temperature=cfg.temperature,
                            updates_per_batch=cfg.updates_per_batch, micro_batches=cfg.micro_batches,
                            grad_clip=cfg.grad_clip, decoupled=cfg.decoupled, tis_cap=cfg.tis_cap,
-                           mask_truncated=cfg.mask_truncated)
+                           mask_truncated=cfg.mask_truncated, routing_replay=cfg.routing_replay)
 
 
 def model_config(cfg):
@@ -220,10 +224,13 @@ def layout_errors(cfg, world):
                 errors.append(f"{name} {ep}: {e}")
         if separated or cfg.infer_tp != 1:
             errors.append(f"--train-ep needs a colocated deployment with --infer-tp 1 (got --deploy {cfg.deploy}, "
-                          f"--infer-tp {cfg.infer_tp})")
-        if cfg.infer_ep != 1:
-            errors.append(f"--infer-ep {cfg.infer_ep}: an engine with experts spread over ranks needs every rank "
-                          "to decode in lock-step, which this script's sampler does not do; use --infer-ep 1")
+                          f"--infer-tp {cfg.infer_tp}): the experts switch layouts on the ranks that hold them, "
+                          "and the engine cuts them by expert, not by hidden unit")
+        low, high = sorted((cfg.train_ep, cfg.infer_ep))
+        if high % low:  # layouts that nest switch at target + one bucket (moe_switch.py, note 2)
+            errors.append(f"--train-ep {cfg.train_ep} and --infer-ep {cfg.infer_ep}: one must divide the other, so "
+                          "that the two expert layouts nest and the switch holds no more than its target and one "
+                          "bucket")
     roles = Roles(world, separated, cfg.infer_tp)
     trainers = max(1, len(roles.trainers))
     if cfg.prompts_per_step < 1 or cfg.prompts_per_step % max(roles.replicas, 1):

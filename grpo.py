@@ -32,6 +32,7 @@ Departures from the GRPO paper, on purpose:
 
 Shapes: N samples, G group size, B rows on this rank, T padded tokens, n_i response tokens of row i.
 """
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -174,6 +175,7 @@ class Samples:
     old_logprobs: list       # (B,) of (n_i,) float32, the behaviour log-probs
     advantages: torch.Tensor  # (B,)
     truncated: list = None   # (B,) bool: cut by the token budget, not ended by the model (mask_truncated)
+    routes: list = None      # (B,) of (n_i, L, K): each response token's experts as the rollout chose them
 
     def lengths(self):
         return [len(p) + len(r) for p, r in zip(self.prompts, self.responses)]
@@ -193,6 +195,7 @@ class GRPOConfig:
     decoupled: bool = False        # clip around recomputed proximal log-probs (off_policy_logprobs)
     tis_cap: float = None          # decoupled, with pi_prox / pi_behaviour capped at this (truncated IS)
     mask_truncated: bool = False   # responses cut by the budget contribute no loss (DAPO's overlong filter)
+    routing_replay: bool = False   # response tokens use the experts the rollout chose (Samples.routes)
 
     def __post_init__(self):
         if self.loss_agg not in LOSS_AGGS:
@@ -268,12 +271,17 @@ def _reshard(model):
 
 # ----------------------------------------------------------------------------- the update
 @torch.no_grad()
-def chunk_logprobs(model, samples, cfg, device):
-    """Log-probs of every response token under `model`, in the update's length chunks: (B,) of (n_i,)."""
+def chunk_logprobs(model, samples, cfg, device, replay=False):
+    """Log-probs of every response token under `model`, in the update's length chunks: (B,) of (n_i,).
+    replay: the response tokens take the rollout's experts (the policy's proximal log-probs under routing replay;
+    the frozen reference routes freely)."""
     out = [None] * len(samples.prompts)
     for rows, _ in length_chunks(range(len(out)), samples.lengths(), cfg.micro_batches):
         tokens, mask, _ = pad_responses([samples.prompts[i] for i in rows], [samples.responses[i] for i in rows])
-        lp = sequence_logprobs(model, tokens.to(device), cfg.temperature)           # (b, T-1)
+        routes = None if samples.routes is None or not replay else pad_routes(
+            [samples.prompts[i] for i in rows], [samples.routes[i] for i in rows], tokens.shape[1]).to(device)
+        with routed(model, routes, replay=True):
+            lp = sequence_logprobs(model, tokens.to(device), cfg.temperature)       # (b, T-1)
         for j, i in enumerate(rows):
             out[i] = lp[j][mask[j].to(device)].cpu()                                 # (n_i,)
     _reshard(model)
@@ -289,9 +297,10 @@ def grpo_update(model, optimizer, samples, cfg, device, group=None, ref_logprobs
     divided (`batch_means`)."""
     if cfg.kl_coef > 0 and ref_logprobs is None:
         raise ValueError(f"kl_coef={cfg.kl_coef} needs ref_logprobs")
-    prox_logprobs = chunk_logprobs(model, samples, cfg, device) if cfg.recompute else None
+    prox_logprobs = chunk_logprobs(model, samples, cfg, device, cfg.routing_replay) if cfg.recompute else None
     sums = dict.fromkeys(("loss", "clip_frac", "ratio_mean", "k3_mean", "entropy", "items", "tokens",
-                          "gap", "gap_tokens", "gap_max", "skipped_max"), 0.0)
+                          "gap", "gap_tokens", "gap_max", "skipped_max", "route_tokens", "route_mismatch",
+                          "route_free_mismatch"), 0.0)
     for i, mini in enumerate(np.array_split(np.arange(len(samples.prompts)), cfg.updates_per_batch)):
         _accumulate(model, samples, mini, cfg, device, group, ref_logprobs, prox_logprobs, sums, first=i == 0)
         if clip_grads is None:
@@ -345,7 +354,11 @@ def _accumulate(model, samples, mini, cfg, device, group, ref_lp, prox_lp, sums,
         fields = {name: f.to(device) for name, f in fields.items()}                  # (b, T-1) each
         behaviour, ref = fields["behaviour"], fields.get("reference")
         old, weights = off_policy_logprobs(behaviour, fields.get("proximal"), cfg.recompute, cfg.tis_cap)
-        lp, entropy = logprobs_and_entropy(model, tokens, cfg.temperature)          # (b, T-1) each
+        routes = fields.get("routes")                                                # (b, T-1, L, K)
+        with routed(model, routes, cfg.routing_replay) as hooks:
+            lp, entropy = logprobs_and_entropy(model, tokens, cfg.temperature)      # (b, T-1) each
+        if first and hooks and not stand_in:
+            _routing_figures(sums, hooks, routes, mask)
         loss, m = grpo_loss(lp, old, ref, samples.advantages[rows].to(device), mask, cfg.clip_eps,
                             cfg.kl_coef, cfg.loss_agg, weights, cfg.clip_eps_high, cfg.norm_len)
         n_items = _items(mask, cfg)
@@ -358,12 +371,78 @@ def _accumulate(model, samples, mini, cfg, device, group, ref_lp, prox_lp, sums,
 
 def _padded(samples, rows, cfg, ref_lp, prox_lp):
     """Tokens (b, T), the loss mask (b, T-1) and the per-token fields by name: behaviour, and reference
-    and proximal when given, each (b, T-1)."""
+    and proximal when given, each (b, T-1); and the rollout's routes, (b, T-1, L, K), if the samples have them."""
     given = {"behaviour": samples.old_logprobs, "reference": ref_lp, "proximal": prox_lp}
     given = {name: f for name, f in given.items() if f is not None}
     tokens, mask, per_token = pad_responses([samples.prompts[i] for i in rows], [samples.responses[i] for i in rows],
                                             *[[f[i] for i in rows] for f in given.values()])
-    return tokens, loss_mask(samples, rows, mask, cfg), dict(zip(given, per_token))
+    fields = dict(zip(given, per_token))
+    if samples.routes is not None:
+        fields["routes"] = pad_routes([samples.prompts[i] for i in rows], [samples.routes[i] for i in rows],
+                                      tokens.shape[1])
+    return tokens, loss_mask(samples, rows, mask, cfg), fields
+
+
+def pad_routes(prompts, routes, T):
+    """(b, T-1, L, K): at each position of a forward over tokens[:, :-1], the experts the rollout chose for the
+    token read there: response token j (0-based) sits at P_i + j; -1 elsewhere (prompt tokens route freely)."""
+    L, K = routes[0].shape[1:] if routes else (0, 0)
+    out = torch.full((len(prompts), T - 1, L, K), -1, dtype=torch.long)
+    for b, (p, r) in enumerate(zip(prompts, routes)):
+        n = min(len(r), T - 1 - len(p))  # the last response token is read by no forward that is trained
+        out[b, len(p):len(p) + n] = r[:n]
+    return out
+
+
+class ReplayRoutes:
+    """A MoE layer's routing hook for a training forward. recorded (N, K): the experts the engine chose for each
+    token, -1 for a token it did not record (a prompt token routes freely). The router's own choice is compared
+    with the record (mismatch (N,): the top-k sets differ); with replay=True (Rollout Routing Replay) a recorded
+    token uses its recorded experts, gated by this router's probabilities of them, and `mismatch` (the experts
+    used against the record) is 0 by construction; `free_mismatch` is the router's own choice against it."""
+
+    def __init__(self, recorded, replay):
+        self.recorded, self.replay, self.mismatch, self.free_mismatch = recorded, replay, None, None
+
+    def __call__(self, top_e):
+        has = self.recorded[:, 0] >= 0                                            # (N,)
+        used = torch.where(has[:, None], self.recorded, top_e) if self.replay else top_e
+        self.free_mismatch = has & _differ(top_e, self.recorded)                  # (N,) the router's own choice
+        self.mismatch = has & _differ(used, self.recorded)                        # (N,) what the forward used
+        return used
+
+
+def _differ(a, b):
+    """(N,): rows of two (N, K) expert choices that are different sets."""
+    return (a.sort(-1).values != b.sort(-1).values).any(-1)
+
+
+@contextmanager
+def routed(model, routes, replay):
+    """The training forward's routing: a ReplayRoutes hook on each MoE layer (a module with a `routing` attribute,
+    model.py's and moe_switch.py's), comparing with the rollout's experts and, with replay, taking them for the
+    response tokens. routes (b, T-1, L, K), or None: free routing, no hook. Yields the hooks."""
+    layers = [m for m in model.modules() if hasattr(m, "routing")] if routes is not None else []
+    if routes is not None and len(layers) != routes.shape[2]:
+        raise ValueError(f"routes hold {routes.shape[2]} MoE layers, the model has {len(layers)}")
+    flat = None if routes is None else routes.flatten(0, 1)                         # (b * (T-1), L, K)
+    hooks = [ReplayRoutes(flat[:, i], replay) for i in range(len(layers))]
+    for layer, hook in zip(layers, hooks):
+        layer.routing = hook
+    try:
+        yield hooks
+    finally:
+        for layer in layers:
+            layer.routing = None
+
+
+def _routing_figures(sums, hooks, routes, mask):
+    """Response tokens with a recorded route, and those whose experts differ from it in some layer (used; free)."""
+    has = (routes[..., 0, 0] >= 0) & mask                                        # (b, T-1)
+    for key, attr in (("route_mismatch", "mismatch"), ("route_free_mismatch", "free_mismatch")):
+        differ = torch.stack([getattr(h, attr) for h in hooks]).any(0).view_as(has)
+        sums[key] += float((differ & has).sum())
+    sums["route_tokens"] += float(has.sum())
 
 
 def _add_figures(sums, loss, m, mask, entropy, gap, n_items):
@@ -387,7 +466,11 @@ def batch_means(sums):
     return {"loss": sums["loss"] / items, "clip_frac": sums["clip_frac"] / tokens,
             "ratio_mean": sums["ratio_mean"] / tokens, "k3_mean": sums["k3_mean"] / tokens,
             "entropy": sums["entropy"] / tokens, "rollout/logprob_gap_mean": sums["gap"] / max(sums["gap_tokens"], 1.0),
-            "rollout/logprob_gap_max": sums["gap_max"], "train/skipped_updates": sums["skipped_max"]}
+            "rollout/logprob_gap_max": sums["gap_max"], "train/skipped_updates": sums["skipped_max"],
+            # response tokens whose experts differ, in some layer, from the rollout's: those the training forward
+            # used (0 under routing replay), and its router's own choice (what replay overrides)
+            "moe/routing_mismatch": sums["route_mismatch"] / max(sums["route_tokens"], 1.0),
+            "moe/router_mismatch_free": sums["route_free_mismatch"] / max(sums["route_tokens"], 1.0)}
 
 
 def supervised_step(model, optimizer, prompts, targets, device, grad_clip, group=None, clip_grads=None):

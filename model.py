@@ -39,7 +39,8 @@ V vocabulary, L layers.
     python -m pytest tests/test_model.py
 """
 import datetime
-from dataclasses import dataclass
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -171,6 +172,7 @@ class MoE(nn.Module):
         Fl = Fx // tp_rank_size(tp_group)[1]                                     # F/t hidden units here
         self.top_k, self.tp_group = cfg.top_k, tp_group
         self.dense_below = DENSE_MOE_WORK / (D * Fl)  # tokens; F/t hidden units here under TP
+        self.routing = None  # optional hook: experts chosen (N, K) -> experts used (RecordRoutes, grpo.ReplayRoutes)
         self.router = nn.Linear(D, E, bias=False)
         self.w_gate = nn.Parameter(torch.randn(E, D, Fl) * D ** -0.5)
         self.w_up = nn.Parameter(torch.randn(E, D, Fl) * D ** -0.5)
@@ -180,6 +182,9 @@ class MoE(nn.Module):
         """x (N, D) -> dense gates (N, E): the renormalised top-k probabilities, zero elsewhere."""
         probs = F.softmax(self.router(x).float(), dim=-1)                         # (N, E)
         top_p, top_i = probs.topk(self.top_k, dim=-1)                             # (N, K)
+        if self.routing is not None:  # recorded, or replaced by a recorded choice (the gates stay this router's)
+            top_i = self.routing(top_i)
+            top_p = probs.gather(-1, top_i)                                       # (N, K)
         top_p = top_p / top_p.sum(-1, keepdim=True)
         return torch.zeros_like(probs).scatter(-1, top_i, top_p).to(x.dtype)      # (N, E)
 
@@ -273,6 +278,38 @@ class Policy(nn.Module):
 # Sampling with a KV cache
 # ---------------------------------------------------------------------------------------------
 
+# ----------------------------------------------------------------------------- routing, recorded and replayed
+class RecordRoutes:
+    """A MoE layer's routing hook that keeps the experts each token chose, (N, K), and uses them: the engine
+    records, per response token and layer, the choice made as it generated (Sampler(routes=True))."""
+
+    def __init__(self):
+        self.chosen = None
+
+    def __call__(self, top_e):
+        self.chosen = top_e
+        return top_e
+
+
+def moe_layers(model):
+    """The modules that take a routing hook (a `routing` attribute: this file's MoE, moe_switch's EPMoE), in order.
+    The training forward's hook, which compares with the record or replays it, is grpo.ReplayRoutes."""
+    return [m for m in model.modules() if hasattr(m, "routing")]
+
+
+@contextmanager
+def routing(model, hooks):
+    """Each MoE layer's routing hook set to hooks[layer] for the duration (None: free routing)."""
+    layers = moe_layers(model)
+    for layer, hook in zip(layers, hooks):
+        layer.routing = hook
+    try:
+        yield hooks
+    finally:
+        for layer in layers:
+            layer.routing = None
+
+
 class KVCache:
     """Preallocated keys and values, (L, B, H, Tmax, hd). Every row fills the same columns (rows
     are left-padded), so one write index serves the batch."""
@@ -349,6 +386,8 @@ class Generation:
     tokens: list       # per row: the new response tokens, (n_i,) int64
     logprobs: list     # per row: their behaviour log-probs, (n_i,) float32
     done: list         # per row: True if it hit EOS or its budget, False if cut by max_steps
+    per_token: dict = field(default_factory=dict)  # Sampler(routes=True): "routes", per row (n_i, L, K) experts,
+                                                   # -1 for a token not yet read by a forward (a row's last)
 
 
 # What one more prefill forward costs, in tokens of work: its fixed cost plus the batching a split loses.
@@ -414,21 +453,58 @@ def _left_pad(x, t, dim):
     return torch.cat([x.new_zeros(shape), x], dim)
 
 
+class LockStep:
+    """Decoding in lock-step over a group of ranks whose forwards meet in collectives: an expert-parallel
+    engine's MoE layers send each rank's tokens to the experts' owners and back (all-to-alls), every layer,
+    every forward. A rank that stopped calling forward would leave its peers waiting for its experts, so
+    every rank runs the same number of forwards. Each Sampler call agrees once on its number of prefill
+    forwards (one per length bucket: data-dependent), and its decode agrees every `every` forwards whether
+    any rank still has rows; meanwhile a rank with none runs "dummy" forwards of zero rows of its own, which
+    still compute its experts on its peers' tokens (vLLM's data-parallel dummy batch, SGLang's idle batch).
+    Each agreement is one all-reduce of one integer: per decode chunk, never per token. A rank with nothing
+    to decode calls Sampler.idle() (StaleSync does, as does any caller that skips a call its peers make)."""
+
+    def __init__(self, group, device, every=8):
+        if every < 1:
+            raise ValueError(f"every={every} must be >= 1 (decode forwards between agreements)")
+        self.group, self.device, self.every = group, torch.device(device), every
+        self.agreements = self.dummy_forwards = 0  # counted, for the run's figures
+
+    def most(self, n):
+        """The largest n over the group: one all-reduce MAX."""
+        t = torch.tensor([n], dtype=torch.long, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        self.agreements += 1
+        return int(t.item())
+
+    def dummy(self, model):
+        """One forward of zero rows through every layer: its MoE layers join their all-to-alls."""
+        model(torch.zeros(0, 1, dtype=torch.long, device=model.head.weight.device))
+        self.dummy_forwards += 1
+
+
 class Sampler:
     """generate() as an object that may keep its KV cache between calls: the step_fn of a scheduler that
     decodes in chunks (stalesync.py). With keep=True a row cut by max_steps leaves its keys, values and
     next-token logits behind, keyed by its seed; a later call naming that seed continues from them instead
     of re-reading the prefix, and rows new to the call are prefilled and merged in. The tokens are those
     of a fresh call (tests/test_model.py). reset() drops the cache: call it when the weights change (the
-    prefix must be read again under the new weights) and when the rollout phase ends (it is engine memory)."""
+    prefix must be read again under the new weights) and when the rollout phase ends (it is engine memory).
+    lockstep (a LockStep): the engine's ranks run the same forwards (expert parallelism), each call agreeing
+    with its peers'; call idle() where a peer calls the sampler and this rank has no rows. routes=True: each
+    generated token's experts, per MoE layer, as the decode forward that reads it chose them (Generation's
+    per_token["routes"]; what a training forward replays, grpo.ReplayRoutes)."""
 
-    def __init__(self, model, max_new_tokens, eos_id, pad_id=0, temperature=1.0, top_p=1.0, keep=True):
+    def __init__(self, model, max_new_tokens, eos_id, pad_id=0, temperature=1.0, top_p=1.0, keep=True,
+                 lockstep=None, routes=False):
         if not (float(temperature) >= 0 and float(temperature) < float("inf")) or not 0 < top_p <= 1:
             raise ValueError(f"temperature={temperature!r} must be finite and >= 0 (0: greedy) and top_p={top_p!r} "
                              "in (0, 1]")
         self.model, self.max_new_tokens, self.eos_id, self.pad_id = model, max_new_tokens, eos_id, pad_id
-        self.temperature, self.top_p, self.keep = temperature, top_p, keep
+        self.temperature, self.top_p, self.keep, self.lockstep = temperature, top_p, keep, lockstep
         self.state, self.steps = None, 0  # steps: decode forwards run, each over every live row
+        self._prefills = 0  # lock-step: the peers' prefill forwards this call runs with zero rows
+        self.routes = routes  # record each response token's experts as a decode forward reads it
 
     def reset(self):
         self.state = None
@@ -491,6 +567,8 @@ class Sampler:
     @torch.no_grad()
     def __call__(self, contexts, seeds, n_done=None, max_steps=None):
         model, B, dev = self.model, len(contexts), self.model.head.weight.device
+        if B == 0:  # nothing to decode here; in lock-step, this rank's share of its peers' forwards
+            return self.idle()
         n_done = torch.zeros(B, dtype=torch.long) if n_done is None else torch.as_tensor(n_done)
         seeds = torch.as_tensor(seeds, dtype=torch.long, device=dev)
         budget = self.budget(seeds, n_done).to(dev)                                # (B,) tokens left
@@ -499,18 +577,21 @@ class Sampler:
         self._check(contexts, budget, steps, call)
         kept = set() if self.state is None else set(self.state["seeds"])
         held = [(i, s) for i, s in enumerate(call) if s in kept]
+        new = [i for i, s in enumerate(call) if s not in kept]
+        self._agree_prefill([len(contexts[i]) for i in new])
         if held:  # cache row r is call row order[r]: the held rows first, then the new ones
-            new = [i for i, s in enumerate(call) if s not in kept]
             order = torch.tensor([i for i, _ in held] + new, device=dev)
             cache, logits, valid, next_pos = self._resume(contexts, held, new, steps)
         else:     # a fresh call: the naive path, one prefill of every context
             order = torch.arange(B, device=dev)
             cache, logits, valid, next_pos = _prefill(model, contexts, self.pad_id, steps)
-        out_tok, out_lp = [[] for _ in range(B)], [[] for _ in range(B)]
+        self._join_prefill()
+        out_tok, out_lp, routes = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]
         done = (budget == 0).tolist()
         live = cache.compact(budget[order] == 0)                                   # (B',) cache rows
         rows = order[live]                                                         # (B',) their call rows
         logits, valid, next_pos, left = logits[live], valid[live], next_pos[live], budget[rows]
+        forwards = 0  # decode forwards run in this call
         for step in range(steps):
             if len(rows) == 0:
                 break
@@ -527,10 +608,13 @@ class Sampler:
                 rows, tok, next_pos, valid, left = rows[keep], tok[keep], next_pos[keep], valid[keep], left[keep]
             if len(rows) == 0 or (step == steps - 1 and not self.keep):  # kept rows need their next logits
                 break
+            self._agree_decode(forwards, live=True)
             valid = torch.cat([valid, valid.new_ones(len(rows), 1)], 1)            # (B', t)
-            logits = model(tok[:, None], next_pos[:, None], valid[:, None, None, :], cache)[:, -1]
+            logits = self._decode_forward(tok, next_pos, valid, cache, rows, routes)
             next_pos = next_pos + 1
             self.steps += 1
+            forwards += 1
+        self._join_decode(forwards)
         # Held: copies of the live rows' keys and values (the batch is a view of the whole cache), and each held
         # row's context, checked when it resumes.
         self.state = None if not (self.keep and len(rows)) else dict(
@@ -540,16 +624,71 @@ class Sampler:
         return Generation(
             tokens=[torch.tensor(t, dtype=torch.long) for t in out_tok],
             logprobs=[torch.tensor(lp, dtype=torch.float32) for lp in out_lp],
-            done=done)
+            done=done, per_token=self._routes_out(routes, out_tok))
+
+    def _decode_forward(self, tok, pos, valid, cache, rows, routes):
+        """One decode forward of the live rows' new tokens -> next logits (B', V); with routes=True, each token's
+        experts per layer appended to its row's routes."""
+        hooks = [RecordRoutes() for _ in moe_layers(self.model)] if self.routes else []
+        with routing(self.model, hooks):
+            logits = self.model(tok[:, None], pos[:, None], valid[:, None, None, :], cache)[:, -1]
+        if hooks:
+            chosen = torch.stack([h.chosen for h in hooks], 1).cpu()              # (B', L, K)
+            for b, c in zip(rows.tolist(), chosen):
+                routes[b].append(c)
+        return logits
+
+    def _routes_out(self, routes, out_tok):
+        """Per row (n_i, L, K): the experts of each token made in this call, -1 where no forward read it."""
+        if not self.routes:
+            return {}
+        L, K = len(moe_layers(self.model)), self.model.cfg.top_k
+        out = [torch.full((len(t), L, K), -1, dtype=torch.long) for t in out_tok]
+        for o, r in zip(out, routes):
+            if r:
+                o[:len(r)] = torch.stack(r)
+        return {"routes": out}
+
+    # --- lock-step: the same number of forwards on every rank of the group (LockStep); no-ops without one
+    def idle(self):
+        """A call with no rows (StaleSync calls it when this rank has nothing in flight): in lock-step, this
+        rank runs its peers' prefill and decode forwards with zero rows of its own; alone, nothing."""
+        self._agree_prefill([])
+        self._join_prefill()
+        self._join_decode(0)
+        return Generation(tokens=[], logprobs=[], done=[], per_token={"routes": []} if self.routes else {})
+
+    def _agree_prefill(self, lens):
+        """Before any forward: the group's most prefill forwards (this rank's: one per length bucket)."""
+        self._prefills = 0
+        if self.lockstep is not None:
+            mine = len(_length_buckets(lens)) if lens else 0
+            self._prefills = self.lockstep.most(mine) - mine
+
+    def _join_prefill(self):
+        for _ in range(self._prefills):  # the peers' extra prefill forwards, with zero rows here
+            self.lockstep.dummy(self.model)
+
+    def _agree_decode(self, forward, live):
+        """Before decode forward number `forward`, every `every` forwards: does any rank still decode?"""
+        if self.lockstep is None or forward % self.lockstep.every:
+            return True
+        return bool(self.lockstep.most(int(live)))
+
+    def _join_decode(self, forward):
+        """This rank's rows are done: dummy forwards until the group agrees that every rank's are."""
+        while self.lockstep is not None and self._agree_decode(forward, live=False):
+            self.lockstep.dummy(self.model)
+            forward += 1
 
 
 def generate(model, contexts, seeds, max_new_tokens, eos_id, pad_id=0, temperature=1.0,
-             top_p=1.0, n_done=None, max_steps=None):
+             top_p=1.0, n_done=None, max_steps=None, lockstep=None):
     """Sample responses for a batch of contexts (prompt + any partial response) of mixed lengths.
 
     contexts: list of (T_i,) int64; seeds: (B,) int64, one per sample; n_done: response tokens each
     context already holds (they count toward max_new_tokens); max_steps: cut the round after this
     many decode steps (rows not done are returned with done=False, ready to be continued).
-    eos_id None: rows stop at their budget only."""
-    return Sampler(model, max_new_tokens, eos_id, pad_id, temperature, top_p, keep=False)(
+    eos_id None: rows stop at their budget only. lockstep: see LockStep."""
+    return Sampler(model, max_new_tokens, eos_id, pad_id, temperature, top_p, keep=False, lockstep=lockstep)(
         contexts, seeds, n_done, max_steps)

@@ -104,10 +104,15 @@ EXPERT_NAMES = ("w_gate", "w_up", "w_down")  # (E, D, H), (E, D, H), (E, H, D) i
 
 
 # ----------------------------------------------------------------------------- the MoE math
-def route(x, router_weight, top_k):
-    """Softmax router and top-k: (N, D) -> gates (N, k) renormalised over the k chosen, experts (N, k)."""
+def route(x, router_weight, top_k, routing=None):
+    """Softmax router and top-k: (N, D) -> gates (N, k) renormalised over the k chosen, experts (N, k).
+    routing, optional: a hook experts (N, k) -> experts (N, k) that may record the choice or replace it (routing
+    replay: the experts an earlier forward chose); the gates are then this router's probabilities of those."""
     probs = F.linear(x, router_weight).float().softmax(-1)                    # (N, E)
     top_p, top_e = probs.topk(top_k, dim=-1)                                  # (N, k), (N, k)
+    if routing is not None:
+        top_e = routing(top_e)
+        top_p = probs.gather(-1, top_e)                                       # (N, k)
     return top_p / top_p.sum(-1, keepdim=True), top_e
 
 
@@ -479,6 +484,7 @@ class EPMoE(nn.Module):
         so that every layout starts from the same weights."""
         super().__init__()
         self.top_k, self.layout, self.group, self.rank = top_k, layout, group, _rank(None, layout)
+        self.routing = None  # optional hook on the experts chosen (route()): record them, or replay recorded ones
         _check_ep_group(layout, group, self.rank)
         self.router = nn.utils.skip_init(nn.Linear, d_model, n_experts, bias=False)  # (E, D), replicated
         shapes = dict(w_gate=(d_model, d_hidden), w_up=(d_model, d_hidden), w_down=(d_hidden, d_model))
@@ -513,7 +519,7 @@ class EPMoE(nn.Module):
     def forward(self, x):
         shape, (P, E), k = x.shape, (self.layout.ep, self.layout.n_experts), self.top_k
         L, x = E // P, x.reshape(-1, shape[-1])                                # (N, D)
-        gates, top_e = route(x, self.router.weight, k)                        # (N, k)
+        gates, top_e = route(x, self.router.weight, k, self.routing)          # (N, k)
         flat_e = top_e.reshape(-1)                                            # (N*k,) expert per assignment
         order = flat_e.argsort(stable=True)                                   # (N*k,) grouped by expert = by EP rank
         x_sorted = x[order // k]                                              # (N*k, D)

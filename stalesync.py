@@ -80,6 +80,11 @@ The callables StaleSync takes, checked at each call with an error that names the
       state_dict()/load_state_dict() saved in the scheduler's checkpoint. Default: step_fn's, or its
       owner's when step_fn is a bound method: reset() if it has one; itself as the state if it has
       state_dict() and is not an nn.Module (a model's weights do not belong in this checkpoint).
+      Optional: out.per_token, name -> R sequences of one entry per new token (say each token's experts,
+      (n, L, K)), kept with the sample like its log-probs and handed on in Batch.per_token.
+  idle (optional): called by decode() in place of step_fn when no row is in flight. A sampler whose ranks
+      decode in lock-step (an expert-parallel engine: every forward meets the peers' in all-to-alls) joins
+      its peers' call there with no rows of its own. Default: step_fn's (or its owner's) idle() if it has one.
   What state_dict() does not hold: prompt_fn's and seed_fn's own state. Functions of (slot, attempt) alone,
       or of state the caller restores with its own checkpoint, resume exactly; a prompt_fn that reads an
       unsaved stream serves its prompts again after a resume.
@@ -150,6 +155,20 @@ def _unpack(out, rows):
     return tokens, logprobs, [bool(d) for d in done]
 
 
+def _per_token(out, tokens):
+    """The sampler's optional per-token fields (out.per_token: name -> one sequence per row, an entry per new
+    token, e.g. (n, L, K) experts), as tensors; refuses a row whose length is not its tokens'."""
+    fields = getattr(out, "per_token", None) or {}
+    fields = {name: [torch.as_tensor(v) for v in rows] for name, rows in fields.items()}
+    for name, rows in fields.items():
+        bad = [i for i, (v, t) in enumerate(zip(rows, tokens)) if len(v) != len(t)]
+        bad = bad if len(rows) == len(tokens) else [-1]
+        if bad:
+            raise ValueError(f"per_token[{name!r}]: rows {bad[:8]} do not hold one entry per new token "
+                             f"({len(rows)} rows for {len(tokens)})")
+    return fields
+
+
 # ----------------------------------------------------------------------------- the naive round
 def sync_rollout(step_fn, prompts, group_size, seeds):
     """Naive synchronous round: G responses per prompt in one sampler call that waits for the longest.
@@ -200,6 +219,7 @@ class Batch:
     start_versions: list  # (B,) version of each sample's first token
     done: list            # (B,) always True
     metrics: dict         # stale/* counters of this batch
+    per_token: dict = None  # name -> (B,) of (n_i, ...): the sampler's per-token fields, if it gives any
 
 
 class StaleSync:
@@ -210,11 +230,13 @@ class StaleSync:
     completes; a group it refuses (say, every reward equal: no advantage) is dropped, counted
     (stale/filtered), and its slot reopens for a new prompt."""
 
-    def __init__(self, cfg: StaleConfig, step_fn, prompt_fn, seed_fn=None, keep_group=None, reset=None, state=None):
+    def __init__(self, cfg: StaleConfig, step_fn, prompt_fn, seed_fn=None, keep_group=None, reset=None, state=None,
+                 idle=None):
         self.cfg, self.step_fn, self.prompt_fn, self.seed_fn = cfg, step_fn, prompt_fn, seed_fn
         self.keep_group = keep_group
-        owner = getattr(step_fn, "__self__", step_fn)  # a bound method's object: where reset and state are
+        owner = getattr(step_fn, "__self__", step_fn)  # a bound method's object: where reset, idle and state are
         self.reset_fn = reset if reset is not None else getattr(owner, "reset", None)
+        self.idle_fn = idle if idle is not None else getattr(owner, "idle", None)
         plain = hasattr(owner, "state_dict") and hasattr(owner, "load_state_dict") and \
             not isinstance(owner, torch.nn.Module)
         self.sampler_state = state if state is not None else (owner if plain else None)
@@ -240,7 +262,8 @@ class StaleSync:
         self.next_id += self.cfg.group_size
         seeds = list(ids) if self.seed_fn is None else [int(self.seed_fn(g["slot"], g["attempt"], j))
                                                         for j in range(self.cfg.group_size)]
-        g.update(start_version=None, samples=[dict(id=i, seed=seed, tokens=[], logprobs=[], versions=[], done=False)
+        g.update(start_version=None, samples=[dict(id=i, seed=seed, tokens=[], logprobs=[], versions=[], per_token={},
+                                                   done=False)
                                               for i, seed in zip(ids, seeds)])
 
     def admit(self):
@@ -269,7 +292,9 @@ class StaleSync:
         """One sampler call on every in-flight row (a chunk of chunk_steps decode steps; S = 0: to the
         end). Appends tokens, behaviour log-probs and the current version. Returns tokens generated."""
         rows = [(g, s) for g in self.pool for s in g["samples"] if not s["done"]]
-        if not rows:
+        if not rows:  # a lock-step engine's rank still takes its part in its peers' call
+            if self.idle_fn is not None:
+                self.idle_fn()
             return 0
         for g, _ in rows:
             if g["start_version"] is None:  # first token of the group: its age starts now
@@ -278,12 +303,16 @@ class StaleSync:
         seeds = torch.tensor([s["seed"] for _, s in rows], dtype=torch.long)                    # (R,)
         n_done = torch.tensor([len(s["tokens"]) for _, s in rows], dtype=torch.long)            # (R,)
         max_steps = None if self.cfg.staleness == 0 else self.cfg.chunk_steps
-        tokens, logprobs, done = _unpack(self.step_fn(contexts, seeds, n_done, max_steps), len(rows))
+        out = self.step_fn(contexts, seeds, n_done, max_steps)
+        tokens, logprobs, done = _unpack(out, len(rows))
+        extra = _per_token(out, tokens)
         if not any(len(t) for t in tokens) and not any(done):
             raise RuntimeError(f"the sampler made no token and ended no row of the {len(rows)} in flight "
                                f"(max_steps={max_steps}): every call must make a token or end each row")
         n = 0
-        for (_, s), t, lp, d in zip(rows, tokens, logprobs, done):
+        for r, ((_, s), t, lp, d) in enumerate(zip(rows, tokens, logprobs, done)):
+            for name, values in extra.items():
+                s["per_token"].setdefault(name, []).append(values[r])
             s["tokens"] += t.tolist()
             s["logprobs"] += lp.float().tolist()  # float32 values, exact in a Python float
             s["versions"] += [self.version] * len(t)
@@ -361,7 +390,8 @@ class StaleSync:
                      logprobs=[torch.tensor(s["logprobs"], dtype=torch.float32) for _, s in samples],
                      token_versions=[torch.tensor(s["versions"], dtype=torch.long) for _, s in samples],
                      start_versions=[g["start_version"] for g, _ in samples], done=[True] * len(samples),
-                     metrics=metrics)
+                     metrics=metrics, per_token={name: [_joined(s, name) for _, s in samples]
+                                                 for name in (samples[0][1]["per_token"] if samples else {})})
 
     def _metrics(self, k, samples, regenerated_at_cut):
         """stale/* figures of batch k (samples: its (group, sample) pairs)."""
@@ -445,7 +475,8 @@ class StaleSync:
                      samples=[dict(id=s["id"], seed=s["seed"], done=s["done"],
                                    tokens=torch.tensor(s["tokens"], dtype=torch.long),
                                    logprobs=torch.tensor(s["logprobs"], dtype=torch.float32),
-                                   versions=torch.tensor(s["versions"], dtype=torch.long))
+                                   versions=torch.tensor(s["versions"], dtype=torch.long),
+                                   per_token={n: _joined(s, n) for n in s["per_token"]})
                               for s in g["samples"]]) for g in self.pool]
         return dict(cfg=vars(self.cfg).copy(), **{k: getattr(self, k) for k in self.COUNTERS},
                     reopen=[list(r) for r in self.reopen], fate=dict(self.fate), pool=pool,
@@ -467,7 +498,8 @@ class StaleSync:
         self.pool = [dict(slot=g["slot"], attempt=g["attempt"], prompt=g["prompt"].clone(),
                           start_version=g["start_version"],
                           samples=[dict(id=s["id"], seed=s["seed"], done=s["done"], tokens=s["tokens"].tolist(),
-                                        logprobs=s["logprobs"].tolist(), versions=s["versions"].tolist())
+                                        logprobs=s["logprobs"].tolist(), versions=s["versions"].tolist(),
+                                        per_token={n: [v] for n, v in s.get("per_token", {}).items()})
                                    for s in g["samples"]]) for g in sd["pool"]]
 
 
@@ -497,6 +529,11 @@ class AllReady:
                 work.wait()
         self.posted.clear()
         return bool(flag.item())
+
+
+def _joined(s, name):
+    """A sample's per-token field `name`, its calls' pieces joined: (n_i, ...)."""
+    return torch.cat(s["per_token"][name])
 
 
 def _is_int(x):

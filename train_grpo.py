@@ -49,15 +49,15 @@ import torch.distributed as dist
 import checkpoint
 import curriculum
 import distqueue
+import expert_parallel
 import fusion
 import grpo
-import expert_parallel
 import shm_transport
 import stalesync
 import task
 import timeline
 from config import Config, Roles, grpo_config, model_config, parse_args, setup_distributed, validate
-from model import Policy, Sampler, TPLayout, generate
+from model import LockStep, Policy, Sampler, TPLayout, generate
 from runlog import RunLog, all_sum
 
 
@@ -221,8 +221,9 @@ def score_and_enqueue(run, batch):
     at_cut = [batch.metrics["stale/regenerated_at_cut"], batch.metrics["stale/filtered_at_cut"]]  # on row 0 only
     stale = [torch.tensor([i, start, len(set(v.tolist())), *(at_cut if j == 0 else [0, 0])])  # (5,): STALE_FACTS
              for j, (i, start, v) in enumerate(zip(batch.ids, batch.start_versions, batch.token_versions))]
+    routes = [r.flatten().int() for r in batch.per_token["routes"]]  # (n_i, L, K) -> packed
     run.queue.put({"prompt": batch.prompts, "response": batch.responses, "old_logprobs": batch.logprobs,
-                   "reward": rewards.tolist(), "advantage": advantages.tolist(), "stale": stale})
+                   "reward": rewards.tolist(), "advantage": advantages.tolist(), "stale": stale, "routes": routes})
 
 
 def read_share(run, step):
@@ -244,8 +245,10 @@ def read_share(run, step):
                "partial_continued": float((stale["versions"] > 1).sum()),
                "regenerated": float(stale["regenerated"].sum()), "filtered": float(stale["filtered"].sum())}
     advantages = grpo.finish_advantages(rows.stack("advantage"), cfg.adv_estimator, run.device, run.train_group)
+    routes = [r.long().view(len(t), cfg.n_layers, cfg.top_k)                                # (n_i, L, K) each
+              for r, t in zip(rows.cols["routes"], rows.cols["response"])]
     samples = grpo.Samples(rows.cols["prompt"], rows.cols["response"], rows.cols["old_logprobs"], advantages,
-                           truncated=[bool(r[-1] != task.EOS) for r in rows.cols["response"]])
+                           truncated=[bool(r[-1] != task.EOS) for r in rows.cols["response"]], routes=routes)
     return samples, figures
 
 
@@ -263,7 +266,7 @@ def held_out_correct(run):
     i, n = run.roles.replica(run.rank), run.roles.replicas  # replica i of n
     mine = run.eval_prompts[i * len(run.eval_prompts) // n:(i + 1) * len(run.eval_prompts) // n]
     gen = generate(run.engine, mine, torch.zeros(len(mine), dtype=torch.long), run.cfg.max_new_tokens,
-                   task.EOS, task.PAD, temperature=0)
+                   task.EOS, task.PAD, temperature=0, lockstep=run.sampler.lockstep)
     correct = dict.fromkeys(range(1, run.cfg.max_digits + 1), 0.0)
     for p, r in zip(mine, gen.tokens):
         correct[len(p) - 2] += task.score(p, r) if run.rank in run.roles.writers() else 0.0
@@ -461,7 +464,7 @@ def build_queue(cfg, key, store, rank, world, device):
     rollout), and on a batch's first row the groups regenerated and filtered for it, so that the trainers
     can log (and count) what they train."""
     columns = {"prompt": "int64", "response": "int64", "old_logprobs": "float32", "reward": "float32",
-               "advantage": "float32", "stale": "int64"}
+               "advantage": "float32", "stale": "int64", "routes": "int32"}  # routes: (n_i * L * K,) experts
     spec = distqueue.QueueSpec(columns=columns, scalars=("reward", "advantage"), stages={"train": tuple(columns)},
                                timeout_s=cfg.pg_timeout_s, name=f"dq:{key}")
     pg = None if device.type == "cpu" else dist.new_group(  # the queue moves host tensors: gloo
@@ -531,7 +534,11 @@ def build_rollout(run):
     to_global = functools.partial(global_slot, replica=roles.replica(run.rank), n_prompts=n_prompts,
                                   prompts_per_step=cfg.prompts_per_step)
     # Decode chunks of a round continue from the engine's KV cache; StaleSync drops it when it is stale.
-    run.sampler = Sampler(run.engine, cfg.max_new_tokens, task.EOS, task.PAD, cfg.temperature, cfg.top_p)
+    lockstep = None  # --infer-ep > 1: every forward meets the EP group's, so its ranks decode in lock-step
+    if cfg.infer_ep > 1:
+        lockstep = LockStep(run.experts.infer_groups[0], run.device, every=cfg.chunk_steps)
+    run.sampler = Sampler(run.engine, cfg.max_new_tokens, task.EOS, task.PAD, cfg.temperature, cfg.top_p,
+                          lockstep=lockstep, routes=True)  # each token's experts: what training compares, or replays
     stale = stalesync.StaleConfig(cfg.staleness, n_prompts, cfg.group_size, cfg.threshold, cfg.chunk_steps,
                                   max_len=cfg.max_new_tokens, max_filtered=cfg.filter_limit * n_prompts)
     run.sched = stalesync.StaleSync(

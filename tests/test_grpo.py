@@ -298,3 +298,43 @@ def test_every_rank_skips_when_one_rank_sees_a_non_finite_gradient():
     """A plain model (no FSDP): only rank 1's gradient is bad, and still both ranks skip the same step."""
     from tests.distributed import run_distributed
     assert run_distributed(_nan_on_rank_1, world_size=2) == [(1, True), (1, True)]
+
+
+def _rollout_with_routes(seed=0):
+    """A small MoE policy's own samples, with the experts its engine chose for each response token."""
+    from model import ModelConfig, Policy, Sampler
+    torch.manual_seed(seed)
+    model = Policy(ModelConfig(vocab_size=14, d_model=32, d_expert=32, max_seq_len=40)).eval()
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(4, 14, (int(n),), generator=g) for n in torch.randint(2, 9, (8,), generator=g)]
+    out = Sampler(model, 12, task.EOS, temperature=1.0, routes=True)(prompts, torch.arange(8))
+    samples = grpo.Samples(prompts, out.tokens, out.logprobs, torch.randn(8, generator=g),
+                           routes=out.per_token["routes"])
+    return model, samples
+
+
+def test_the_engine_records_each_response_tokens_experts_and_training_replays_them():
+    """Sampler(routes=True) records, per response token and layer, the experts the decode forward that read it
+    chose (the last token, read by no forward, -1). The training forward finds the same choice (mismatch 0, the
+    two phases' kernels agreeing here); routes that differ everywhere are measured as such, and under routing
+    replay the forward uses them (the mismatch of what it used is 0 by construction, the log-probs change)."""
+    import copy
+    model, s = _rollout_with_routes()
+    L, K, E = model.cfg.n_layers, model.cfg.top_k, model.cfg.n_experts
+    for r, t in zip(s.routes, s.responses):
+        assert r.shape == (len(t), L, K) and (r[-1] == -1).all() and (r[:-1] >= 0).all() and (r < E).all()
+    run = lambda samples, replay: grpo.batch_means(grpo.grpo_update(  # noqa: E731
+        copy.deepcopy(model), torch.optim.SGD(model.parameters(), lr=0.0), samples,
+        grpo.GRPOConfig(routing_replay=replay, micro_batches=2), "cpu"))
+    same = run(s, replay=False)
+    assert same["moe/routing_mismatch"] == 0.0 and same["moe/router_mismatch_free"] == 0.0
+    shifted = grpo.Samples(s.prompts, s.responses, s.old_logprobs, s.advantages,
+                           routes=[torch.where(r >= 0, (r + 1) % E, r) for r in s.routes])  # another set, always
+    free, replayed = run(shifted, replay=False), run(shifted, replay=True)
+    assert free["moe/routing_mismatch"] == 1.0 and free["moe/router_mismatch_free"] == 1.0
+    assert replayed["moe/routing_mismatch"] == 0.0 and replayed["moe/router_mismatch_free"] == 1.0
+    assert free["rollout/logprob_gap_mean"] == same["rollout/logprob_gap_mean"]  # free routing ignores the record
+    assert replayed["rollout/logprob_gap_mean"] > 10 * same["rollout/logprob_gap_mean"] + 1e-4
+    lp_own = grpo.chunk_logprobs(model, s, grpo.GRPOConfig(), "cpu", replay=True)  # replaying its own choice
+    lp_free = grpo.chunk_logprobs(model, s, grpo.GRPOConfig(), "cpu")
+    assert all(torch.equal(a, b) for a, b in zip(lp_own, lp_free))

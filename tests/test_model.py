@@ -267,3 +267,48 @@ def test_greedy_is_argmax():
     for c, toks in zip(ctxs, gen.tokens):
         seq = torch.cat([c, toks])[None, :]
         assert torch.equal(model(seq)[0, len(c) - 1:-1].argmax(-1), toks)
+
+
+def _lockstep_rank(rank, world_size):
+    """Rank 0 decodes four rows of very different lengths, rank 1 one short row, in chunks; their engine holds
+    half the experts each (EP 2), so every forward sends tokens across. Rank 1 finishes first and then only
+    idles. Returns each rank's tokens and log-probs next to a dense world-of-one engine's on the same rows."""
+    import torch.distributed as dist
+    from model import LockStep
+    from moe_switch import EPLayout, EPMoE, new_groups
+    model = _model()
+    ctxs, seeds = _contexts([3, 20, 5, 30, 4]), [11, 12, 13, 14, 15]
+    mine = [0, 1, 2, 3] if rank == 0 else [4]
+    whole = generate(model, ctxs, torch.tensor(seeds), max_new_tokens=30, eos_id=EOS, temperature=1.2)
+    layout = EPLayout(2, world_size, model.cfg.n_experts)
+    group = new_groups(layout)[0]
+    for block in model.blocks:
+        block.moe = EPMoE.from_dense(block.moe, layout, group)
+    lockstep = LockStep(group, "cpu", every=2)
+    sampler, got, live = Sampler(model, 30, EOS, temperature=1.2, lockstep=lockstep), {i: [] for i in mine}, mine
+    while True:  # one call per turn on every rank, until every rank is done (AllReady's role in a run)
+        contexts = [torch.cat([ctxs[i], torch.tensor(got[i], dtype=torch.long)]) for i in live]
+        out = sampler(contexts, torch.tensor([seeds[i] for i in live]), [len(got[i]) for i in live], max_steps=3)
+        for i, t in zip(live, out.tokens):
+            got[i] += t.tolist()
+        live = [i for i, d in zip(live, out.done) if not d]
+        busy = torch.tensor([len(live)])
+        dist.all_reduce(busy)
+        if not busy.item():
+            break
+    greedy = generate(model, [ctxs[i] for i in mine] if rank == 0 else [], torch.zeros(len(mine) * (rank == 0)),
+                      max_new_tokens=30, eos_id=EOS, temperature=0, lockstep=lockstep)  # rank 1: no rows at all
+    want_greedy = generate(_model(), [ctxs[i] for i in mine], torch.zeros(len(mine)), 30, EOS, temperature=0)
+    return ([got[i] for i in mine], [whole.tokens[i].tolist() for i in mine], lockstep.dummy_forwards,
+            [t.tolist() for t in greedy.tokens], [t.tolist() for t in want_greedy.tokens] if rank == 0 else [])
+
+
+def test_expert_parallel_engine_decodes_in_lock_step_as_one_process_does():
+    """EP 2 over 2 ranks with unequal work: a rank with no rows left (or none at all) runs dummy forwards of zero
+    rows, so its experts still serve its peer's tokens; the tokens are those of a dense engine in one process."""
+    from tests.distributed import run_distributed
+    out = run_distributed(_lockstep_rank, world_size=2, timeout_s=120)
+    for rank, (got, want, dummies, greedy, want_greedy) in enumerate(out):
+        assert got == want, rank
+        assert greedy == want_greedy, rank
+    assert out[1][2] > 0  # rank 1 finished first and idled through rank 0's forwards

@@ -528,3 +528,45 @@ def test_a_slot_gets_the_same_prompt_and_samples_however_the_batch_is_split(S):
                 assert rows[0][0] == draw(g, attempt).tolist()
                 assert [r[1] for r in rows] == [seed(g, attempt, j) for j in range(3)]
     assert sum(s.filtered for s, _ in one) > 0, "no group was dropped: the test does not exercise the refill"
+
+
+class TaggingSampler(ScriptedSampler):
+    """ScriptedSampler that also gives, per new token, a (2,) field: its seed and its position."""
+
+    def __call__(self, contexts, seeds, n_done, max_steps):
+        toks, lps, done = super().__call__(contexts, seeds, n_done, max_steps)
+        tags = [torch.stack([torch.full((len(t),), s), torch.arange(n0, n0 + len(t))], 1)
+                for t, s, n0 in zip(toks, seeds.tolist(), n_done.tolist())]
+        return type("Out", (), dict(tokens=toks, logprobs=lps, done=done, per_token={"tag": tags}))()
+
+
+def test_per_token_fields_follow_their_samples_across_chunks_and_a_resume():
+    """A sampler's per-token fields (the engine's experts per token, say) are joined over the chunks of a partial
+    rollout, saved with the samples in flight, and handed on with each trained sample: one entry per token."""
+    lengths = _lengths(np.random.default_rng(7))
+    cfg = StaleConfig(staleness=1, groups_per_step=2, group_size=3, threshold=0.5, chunk_steps=4)
+
+    def make():
+        return StaleSync(cfg, TaggingSampler(lengths), lambda slot, attempt: torch.tensor([2, slot % 10 + 4, 3]))
+
+    a = make()
+    a.rollout(), a.update()
+    a.admit(), a.decode()  # mid-round: partial samples hold a piece of their field
+    b = make()
+    b.load_state_dict(torch.load(io.BytesIO(_saved(a.state_dict())), weights_only=True))
+    for _ in range(3):
+        x, y = a.rollout(), b.rollout()
+        a.update(), b.update()
+        for seed, r, tag, tag_b in zip(x.seeds, x.responses, x.per_token["tag"], y.per_token["tag"]):
+            assert torch.equal(tag, torch.stack([torch.full((len(r),), seed), torch.arange(len(r))], 1))
+            assert torch.equal(tag, tag_b)
+    one_row = type("Out", (), dict(tokens=[[5]], logprobs=[[-0.1]], done=[True], per_token={"tag": [[1, 2]]}))()
+    bad = StaleSync(StaleConfig(groups_per_step=1, group_size=1), lambda *a: one_row, lambda s, a: [2, 3])
+    with pytest.raises(ValueError, match=r"per_token\['tag'\]: rows \[0\] do not hold one entry per new token"):
+        bad.admit(), bad.decode()
+
+
+def _saved(sd):
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    return buf.getvalue()

@@ -50,7 +50,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["--n-heads", "3"], "--d-model 64 must split into --n-heads 3 heads"),
     (["--train-ep", "2"], "--train-ep 2 and --infer-ep 0: set both"),
     (["--train-ep", "3", "--infer-ep", "1"], "--train-ep 3: EP degree 3 does not divide n_experts 4 or world size 2"),
-    (["--train-ep", "2", "--infer-ep", "2"], "--infer-ep 2: an engine with experts spread over ranks"),
+    (["--train-ep", "2", "--infer-ep", "2", "--infer-tp", "2"], "--train-ep needs a colocated deployment with "
+                                                                 "--infer-tp 1"),
     (["--train-ep", "2", "--infer-ep", "1", "--deploy", "separated"], "--train-ep needs a colocated deployment"),
 ])
 def test_bad_arguments_are_named(flags, text):
@@ -58,6 +59,12 @@ def test_bad_arguments_are_named(flags, text):
     with pytest.raises(ValueError) as e:
         validate(cfg, world_size=2)
     assert text in str(e.value)
+
+
+def test_expert_layouts_that_do_not_nest_are_refused():
+    _, cfg = parse_args(["--n-experts", "6", "--train-ep", "2", "--infer-ep", "3"])
+    with pytest.raises(ValueError, match="--train-ep 2 and --infer-ep 3: one must divide the other"):
+        validate(cfg, world_size=6)
 
 
 def test_cli_rejects_bad_arguments_before_starting(capsys):
@@ -158,8 +165,10 @@ def test_two_ranks_train_to_identical_parameters(tmp_path):
     # Every deployment runs the same algorithm on the same samples: the same parameters come out.
     # (EP 2 in training, 1 in rollout: the experts leave FSDP, tokens cross ranks by all_to_all, the
     # expert weights are re-sharded at every phase change; the math is the dense model's.)
+    # (EP 2 in rollout too: the engine's ranks decode in lock-step, a rank with no rows left joining the
+    # other's forwards with zero rows.)
     for mode in [{"deploy": "separated"}, {"deploy": "colocated-all"}, {"infer_tp": 2},
-                 {"train_ep": 2, "infer_ep": 1}]:
+                 {"train_ep": 2, "infer_ep": 2}, {"train_ep": 2, "infer_ep": 1}]:
         (s, p), (_, p1) = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / str(mode)), mode))
         assert_same_training(p, p_one, str(mode))
         assert s["eval_accuracy_after"] == s_one["eval_accuracy_after"]
@@ -188,6 +197,32 @@ def test_expert_parallel_over_part_of_the_world_with_a_reference_trains_as_one(t
     assert all(torch.equal(p, out[0][1]) for _, p in out[1:])  # every rank holds the same model
     assert all(l["k3_mean"] == 0.0 for l in lines)  # the reference computes what the policy does, bit for bit
     assert_same_training(out[0][1], p_one, "world 4, EP 2, KL")
+
+
+@pytest.mark.slow
+def test_world_4_expert_parallel_rollout_trains_as_one(tmp_path):
+    """World 4, colocated, the experts re-sharded from their training EP degree to the engine's at every
+    switch, both ways, the engine decoding in lock-step (dynamic sampling on: a replica whose batch is
+    complete idles through the others' refills). S = 0: a world of one's parameters. S = 1, where the cut
+    depends on the replicas: EP 4 in rollout trains to the parameters of EP 1 at the same world."""
+    [(s_one, p_one)] = run_distributed(_train_tiny, world_size=1, args=(str(tmp_path / "w1"),))
+    for train_ep, infer_ep in ((2, 4), (4, 2), (2, 2)):
+        name = f"ep{train_ep}to{infer_ep}"
+        out = run_distributed(_train_tiny, world_size=4, timeout_s=240,
+                              args=(str(tmp_path / name), dict(train_ep=train_ep, infer_ep=infer_ep)))
+        assert all(torch.equal(p, out[0][1]) for _, p in out[1:])
+        assert_same_training(out[0][1], p_one, name)
+        lines = [json.loads(l) for l in open(tmp_path / name / "metrics.jsonl")][1:]
+        assert sum(l["rollout/filtered_groups"] for l in lines) > 0, "no refill: no rank idled"
+        assert lines[0]["ep/to_rollout_bytes_moved"] == lines[0]["ep/to_rollout_bytes_min"]
+    stale = dict(train_ep=2, staleness=1, chunk_steps=2, steps=4)
+    (_, p_ep1), *_ = run_distributed(_train_tiny, world_size=4, timeout_s=240,
+                                     args=(str(tmp_path / "s1ep1"), dict(stale, infer_ep=1)))
+    (_, p_ep4), *_ = run_distributed(_train_tiny, world_size=4, timeout_s=240,
+                                     args=(str(tmp_path / "s1ep4"), dict(stale, infer_ep=4)))
+    lines = [json.loads(l) for l in open(tmp_path / "s1ep4" / "metrics.jsonl")][1:]
+    assert max(l["stale/age_max"] for l in lines) == 1  # samples that started a version earlier were trained
+    assert_same_training(p_ep4, p_ep1, "S = 1, EP 4 against EP 1 in rollout")
 
 
 @pytest.mark.slow
