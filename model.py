@@ -586,7 +586,7 @@ class Sampler:
             order = torch.arange(B, device=dev)
             cache, logits, valid, next_pos = _prefill(model, contexts, self.pad_id, steps)
         self._join_prefill()
-        out_tok, out_lp, routes = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]
+        out_tok, out_lp, routes = [[] for _ in range(B)], [[] for _ in range(B)], []
         done = (budget == 0).tolist()
         live = cache.compact(budget[order] == 0)                                   # (B',) cache rows
         rows = order[live]                                                         # (B',) their call rows
@@ -632,21 +632,24 @@ class Sampler:
         hooks = [RecordRoutes() for _ in moe_layers(self.model)] if self.routes else []
         with routing(self.model, hooks):
             logits = self.model(tok[:, None], pos[:, None], valid[:, None, None, :], cache)[:, -1]
-        if hooks:
-            chosen = torch.stack([h.chosen for h in hooks], 1).cpu()              # (B', L, K)
-            for b, c in zip(rows.tolist(), chosen):
-                routes[b].append(c)
+        if hooks:  # (B',) call rows, (B', L, K) their tokens' experts; sorted out per row once, at the end
+            routes.append((rows, torch.stack([h.chosen for h in hooks], 1)))
         return logits
 
     def _routes_out(self, routes, out_tok):
-        """Per row (n_i, L, K): the experts of each token made in this call, -1 where no forward read it."""
+        """Per row (n_i, L, K): the experts of each token made in this call, -1 where no forward read it (a
+        finished row's last token). routes: per decode forward, (rows (B',), experts (B', L, K))."""
         if not self.routes:
             return {}
         L, K = len(moe_layers(self.model)), self.model.cfg.top_k
         out = [torch.full((len(t), L, K), -1, dtype=torch.long) for t in out_tok]
-        for o, r in zip(out, routes):
-            if r:
-                o[:len(r)] = torch.stack(r)
+        if routes:
+            rows = torch.cat([r for r, _ in routes]).cpu()                         # (M,) a row per token read
+            chosen = torch.cat([c for _, c in routes]).cpu()                       # (M, L, K)
+            order = rows.argsort(stable=True)                                      # by row, then by step
+            counts = torch.bincount(rows, minlength=len(out)).tolist()
+            for o, c in zip(out, chosen[order].split(counts)):
+                o[:len(c)] = c
         return {"routes": out}
 
     # --- lock-step: the same number of forwards on every rank of the group (LockStep); no-ops without one

@@ -1,7 +1,9 @@
-"""Benchmark the EP switch of moe_switch.py: bytes moved vs the minimum, peak memory, time vs a plain send.
+"""Benchmark the EP switch of moe_switch.py: bytes moved vs the minimum, peak memory, time vs a plain send;
+and the rollout engine's decode at each inference EP degree.
 
     python bench/moe_switch.py            # 2 gloo processes, EP 2 -> 1 (rollout wants all experts local)
     python bench/moe_switch.py --pairs    # 4 gloo processes, every switch between EP 1, 2 and 4 (about 20 s)
+    python bench/moe_switch.py --decode   # 4 gloo processes, the same rollout at EP 1, 2 and 4 (about 10 s)
 
 Default mode: 8 experts of 3 x 1024 x 1024 fp32, 16 MiB buckets. Each rank starts with its train-layout slices,
 then `reshard` moves them to the inference layout. Timed from a barrier to the last rank done; the median of
@@ -38,13 +40,41 @@ the larger of its two layouts: going up, the source on entry (the first step fre
 going down, the target, as the receives land in their final storage and no sent slice waits to be freed. So
 the peak extra should be 0 for all six pairs, within the one bucket that reshard allows.
 
+Decode mode (--decode, world 4 unless --world says otherwise, 1 thread per process): the rollout engine,
+model.Policy at train_grpo.py's default sizes (vocab 14, D 64, 2 layers, 4 heads, E 4, top-2, expert width 128,
+96 positions), built from one seed on every rank, samples the same work under each expert layout: 64 prompts
+(task.make_prompts(np.random.default_rng(0), 64, 32), 16 per rank), prompt i with counter seed 1000 + i,
+temperature 1, at most 40 new tokens, stopping at task.EOS; one Sampler(keep=False) call per rank. Engines: the
+dense model.MoE (the baseline), and moe_switch.EPMoE (EPMoE.from_dense under EPLayout(P, W, E), EP group from
+new_groups) at P = 1 (routed, no all-to-all), 2 and 4; above 1 the EP group's ranks decode in lock-step
+(model.LockStep(group, "cpu", every=8)). Per engine:
+  - wall time of the call, prefill + decode, barrier to the slowest rank, median of --repeats (3), the engines
+    interleaved; response tokens (all ranks) and tokens per second;
+  - per rank: decode forwards (Sampler.steps), dummy forwards of zero rows and agreements (LockStep's counts);
+  - the tokens against the dense engine's: the rows that differ (the math is the same, but the dense engine runs
+    every expert on every token and EPMoE routes, so rounding differs and could flip a rare sample) and the
+    largest log-prob difference on the rows that agree; and whether every timed call repeated its tokens;
+  - all_to_all_single bytes per decode forward of a rank (dummies included), from a first, untimed call that
+    wraps dist.all_to_all_single (as pairs mode wraps batch_isend_irecv): what each rank sends to OTHER ranks,
+    the counts exchange (int64) apart from the payload (rows), against the minimum counted from the routing:
+    each (token, expert) assignment whose expert another rank owns, its row there and back (and, for scale,
+    one row per (token, other rank), which a dispatch that summed a token's experts at their owner would send);
+  - each rank's expert bytes during rollout, against EP 1's.
+Decode at EP > 1 is slower here, by design of the setting: every MoE layer of every forward runs three
+all-to-alls (counts, rows out, rows back) of a few KiB between processes that share 2 cores, and a rank out of
+rows still runs dummy forwards until the next agreement. What EP buys is memory (each rank holds E / P experts),
+not speed on 2 cores. The last line printed is one JSON object: one entry per engine ("dense", "ep1", "ep2",
+"ep4"), "tokens_match" and "settings".
+
 Shapes: W ranks, P EP degree, E experts, D d_model, H d_hidden; expert slices (D, H), (D, H), (H, D).
 """
 import argparse
 import contextlib
+import copy
 import datetime
 import itertools
 import json
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -55,14 +85,24 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere: moe_switch is one level up
-from moe_switch import EPLayout, reshard, reshard_naive, shard_experts  # noqa: E402
+import task  # noqa: E402
+from model import LockStep, ModelConfig, Policy, Sampler  # noqa: E402
+from moe_switch import (EXPERT_NAMES, EPLayout, EPMoE, new_groups, reshard, reshard_naive, route,  # noqa: E402
+                        shard_experts)
 
 MIB = 2 ** 20
 PG_TIMEOUT = datetime.timedelta(seconds=120)  # every process group's: a hung rank fails the run, not the machine
+# decode mode: train_grpo.py's default model and task sizes (max_seq_len = 32 digits + 2 + 40 new tokens)
+DECODE_MODEL = dict(vocab_size=task.VOCAB, d_model=64, n_layers=2, n_heads=4, n_experts=4, top_k=2, d_expert=128,
+                    max_seq_len=96)
+DECODE_MAX_DIGITS = 32
+LOCKSTEP_EVERY = 8  # decode forwards between a lock-step group's agreements (train_grpo.py's --chunk-steps)
+SEED0 = 1000  # prompt i samples with counter seed SEED0 + i, whichever rank and engine decode it
 
 
 def free_port():
@@ -263,6 +303,203 @@ def pairs_worker(rank, args, port, results):
         dist.destroy_process_group()
 
 
+# ----------------------------------------------------------------------------- decode mode: primitives
+class A2ARecorder:
+    """What an engine's forwards send, on this rank. While installed: each all_to_all_single's bytes to OTHER
+    ranks of its group (int64 rows: the counts exchange; float rows: the payload, there and back), and per EP
+    layer forward the (token, expert) assignments whose expert another rank owns: the minimum, as only those
+    rows must cross, there and back. Keys are namespaced by the Policy forward under way, "decode/..." (one
+    token per row, or a dummy forward of zero rows) or "prefill/..."; a peer's extra prefill bucket, run here
+    as a dummy (0, 1) forward, counts as decode (the default work has none: each rank's 16 prompts make one
+    length bucket, prefill_forwards in the JSON)."""
+
+    def __init__(self):
+        self.tally, self.phase = Counter(), "prefill"
+
+    def on_forward(self, policy, args):  # Policy forward pre-hook: tokens (B, T)
+        self.phase = "decode" if args[0].shape[1] == 1 else "prefill"
+        self.tally[f"{self.phase}/forwards"] += 1
+
+    def on_moe(self, moe, args):  # EPMoE forward pre-hook: x (B, T, D); the router again, a tiny (N, E) matmul
+        x, L = args[0].reshape(-1, args[0].shape[-1]), moe.layout.n_experts // moe.layout.ep  # (N, D)
+        _, top_e = route(x, moe.router.weight, moe.top_k)                    # (N, k) as the layer will choose
+        block, mine = top_e // L, moe.layout.owned(moe.rank)[0] // L        # (N, k) owner's block; this rank's
+        remote = int((block != mine).sum())                                   # assignments another rank serves
+        hit = torch.zeros(len(x), moe.layout.ep, dtype=torch.bool).scatter_(1, block, True)  # (N, P) blocks used
+        hit[:, mine] = False
+        row = x.shape[1] * x.element_size()
+        self.tally[f"{self.phase}/remote_assignments"] += remote
+        # this rank's rows go out, its owners send them back: summed over ranks, every crossing both ways
+        self.tally[f"{self.phase}/min_payload_bytes"] += 2 * remote * row
+        # for scale: one row per (token, other rank), its experts' outputs summed there (not what EPMoE does)
+        self.tally[f"{self.phase}/dedup_payload_bytes"] += 2 * int(hit.sum()) * row
+
+    def spy(self, real):
+        def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                              async_op=False):
+            me, n = dist.get_rank(group), dist.get_world_size(group)
+            splits = input_split_sizes or [input.shape[0] // n] * n
+            row = input.element_size() * math.prod(input.shape[1:])  # bytes of one row (one count: 8)
+            kind = "payload" if input.is_floating_point() else "counts"
+            self.tally[f"{self.phase}/{kind}_bytes"] += row * sum(s for j, s in enumerate(splits) if j != me)
+            self.tally[f"{self.phase}/{kind}_calls"] += 1
+            return real(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+        return all_to_all_single
+
+    @contextlib.contextmanager
+    def installed(self, engine):
+        """moe_switch calls it as dist.all_to_all_single, so the spy sees the EP layers' all-to-alls as made."""
+        real, hooks = dist.all_to_all_single, [engine.register_forward_pre_hook(self.on_forward)]
+        hooks += [m.register_forward_pre_hook(self.on_moe) for m in engine.modules() if isinstance(m, EPMoE)]
+        dist.all_to_all_single = self.spy(real)
+        try:
+            yield self.tally
+        finally:
+            dist.all_to_all_single = real
+            for h in hooks:
+                h.remove()
+
+
+def expert_bytes(engine):
+    """Bytes of the expert weights this rank holds: a dense MoE's stacks, or an EPMoE's owned slices."""
+    names = {f"moe.{x}" for x in EXPERT_NAMES}  # blocks.<i>.moe.w_gate (dense), blocks.<i>.moe.w_gate.<e> (EP)
+    return sum(p.nbytes for n, p in engine.named_parameters() if ".".join(n.split(".")[2:4]) in names)
+
+
+def decode_engines(args):
+    """name -> (engine, EP degree, lock-step group or None): the dense engine (model.MoE), then EPMoE at each
+    degree that divides the world and E. Every rank builds them from the same seed, in the same order
+    (new_groups is collective). A group of one needs no lock-step: nothing waits on a peer."""
+    torch.manual_seed(0)  # the same weights on every rank
+    dense = Policy(ModelConfig(**DECODE_MODEL)).eval().requires_grad_(False)
+    engines, E = {"dense": (dense, 1, None)}, DECODE_MODEL["n_experts"]
+    for P in (p for p in range(1, args.world + 1) if args.world % p == 0 and E % p == 0):
+        layout = EPLayout(P, args.world, E)
+        group = new_groups(layout, PG_TIMEOUT.total_seconds())[0]
+        engine = copy.deepcopy(dense)
+        for block in engine.blocks:
+            block.moe = EPMoE.from_dense(block.moe, layout, group)            # this rank's E / P experts
+        engines[f"ep{P}"] = (engine.requires_grad_(False), P, group if P > 1 else None)
+    return engines
+
+
+def decode_runs(engines, contexts, seeds, args):
+    """Each engine samples this rank's prompts 1 + --repeats times, the engines interleaved so that the machine's
+    noise hits them alike. The first call warms up and is recorded (A2ARecorder); the timed ones run without
+    hooks. Collective. Returns name -> this rank's record."""
+    recs = {}
+    for rep in range(1 + args.repeats):
+        for name, (engine, P, group) in engines.items():
+            lockstep = None if group is None else LockStep(group, "cpu", every=LOCKSTEP_EVERY)
+            sampler = Sampler(engine, args.max_new_tokens, task.EOS, task.PAD, temperature=1.0, keep=False,
+                              lockstep=lockstep)
+            recorder = A2ARecorder()
+            with recorder.installed(engine) if rep == 0 else contextlib.nullcontext():
+                dt, out = timed(lambda: sampler(contexts, seeds))  # prefill + decode, barrier to slowest rank
+            tokens = [t.tolist() for t in out.tokens]
+            if rep == 0:
+                recs[name] = dict(
+                    ep=P, tokens=tokens, logprobs=[lp.tolist() for lp in out.logprobs], wall_s=[],
+                    steps=sampler.steps, dummy_forwards=lockstep.dummy_forwards if lockstep else 0,
+                    agreements=lockstep.agreements if lockstep else 0, tally=dict(recorder.tally),
+                    expert_bytes=expert_bytes(engine), same_tokens_each_run=True)
+            else:
+                recs[name]["wall_s"].append(dt)
+                recs[name]["same_tokens_each_run"] &= tokens == recs[name]["tokens"]
+    return recs
+
+
+def decode_worker(rank, args, port, results):
+    """Decode mode: the same prompts and seeds, decoded by the dense engine and at each EP degree."""
+    torch.set_num_threads(1)  # processes x threads <= cores
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=args.world, timeout=PG_TIMEOUT)
+    try:
+        if args.prompts % args.world:
+            raise ValueError(f"--prompts {args.prompts} must split evenly over --world {args.world}")
+        engines = decode_engines(args)
+        prompts = task.make_prompts(np.random.default_rng(0), args.prompts, DECODE_MAX_DIGITS)  # n x (P_i,)
+        share = args.prompts // args.world
+        mine = range(rank * share, (rank + 1) * share)
+        seeds = torch.tensor([SEED0 + i for i in mine])  # counter seeds: sample i's draws hash (SEED0 + i, position)
+        recs = decode_runs(engines, [prompts[i] for i in mine], seeds, args)
+        every = [None] * args.world
+        dist.all_gather_object(every, recs)  # per rank, name -> record
+        if rank == 0:
+            rows = {name: decode_row(name, [r[name] for r in every], [r["dense"] for r in every]) for name in recs}
+            settings = dict(world=args.world, prompts=args.prompts, prompts_per_rank=share,
+                            max_digits=DECODE_MAX_DIGITS, max_new_tokens=args.max_new_tokens, temperature=1.0,
+                            lockstep_every=LOCKSTEP_EVERY, repeats=args.repeats, model=DECODE_MODEL, baseline="dense",
+                            dtype="float32")
+            results.put(dict(rows, tokens_match=all(r["rows_differ_vs_dense"] == 0 for r in rows.values()),
+                             settings=settings))
+    finally:
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- decode mode: the figures
+def a2a_figures(tally, forwards):
+    """The summed tally -> per decode forward of one rank (bytes to other ranks), and the prefill's totals."""
+    per = {k: round(tally[f"decode/{k}"] / max(forwards, 1), 1) for k in
+           ("counts_bytes", "payload_bytes", "min_payload_bytes", "dedup_payload_bytes", "counts_calls",
+            "payload_calls")}
+    return dict(**{f"a2a_{k}_per_decode_fwd": v for k, v in per.items()},
+                payload_is_min=tally["decode/payload_bytes"] == tally["decode/min_payload_bytes"]
+                and tally["prefill/payload_bytes"] == tally["prefill/min_payload_bytes"],
+                decode_remote_assignments=tally["decode/remote_assignments"],
+                prefill_counts_bytes=tally["prefill/counts_bytes"],
+                prefill_payload_bytes=tally["prefill/payload_bytes"],
+                prefill_min_payload_bytes=tally["prefill/min_payload_bytes"])
+
+
+def decode_row(name, recs, base):
+    """One engine's row from every rank's record (recs, rank order) against the dense engine's (base)."""
+    tokens, want = [t for r in recs for t in r["tokens"]], [t for r in base for t in r["tokens"]]  # prompt order
+    lps, want_lps = [x for r in recs for x in r["logprobs"]], [x for r in base for x in r["logprobs"]]
+    same = [a == b for a, b in zip(tokens, want)]
+    lp_diff = max((abs(x - y) for a, b, s in zip(lps, want_lps, same) if s for x, y in zip(a, b)), default=0.0)
+    tally = sum((Counter(r["tally"]) for r in recs), Counter())  # over ranks
+    forwards = [r["tally"].get("decode/forwards", 0) for r in recs]  # decode forwards run, dummies included
+    wall, n_tok = statistics.median(recs[0]["wall_s"]), sum(map(len, tokens))
+    return dict(
+        ep=recs[0]["ep"], engine="model.MoE (dense, baseline)" if name == "dense" else "moe_switch.EPMoE",
+        wall_s=round(wall, 4), wall_s_repeats=[round(w, 4) for w in recs[0]["wall_s"]], response_tokens=n_tok,
+        tokens_per_s=round(n_tok / wall, 1), decode_forwards=[r["steps"] for r in recs],
+        dummy_forwards=[r["dummy_forwards"] for r in recs], agreements=[r["agreements"] for r in recs],
+        lockstep_forwards=forwards, prefill_forwards=[r["tally"].get("prefill/forwards", 0) for r in recs],
+        **a2a_figures(tally, sum(forwards)),
+        expert_bytes_per_rank=[r["expert_bytes"] for r in recs],
+        expert_bytes_vs_ep1=round(max(r["expert_bytes"] for r in recs) / base[0]["expert_bytes"], 3),
+        rows_differ_vs_dense=same.count(False), max_logprob_diff_same_rows=lp_diff,
+        same_tokens_each_run=all(r["same_tokens_each_run"] for r in recs))
+
+
+def print_decode(res):
+    st, rows = res["settings"], {k: v for k, v in res.items() if isinstance(v, dict) and "ep" in v}
+    print(f"decode at world {st['world']} (gloo, 1 thread each): {st['prompts']} prompts ({st['prompts_per_rank']} "
+          f"per rank), temperature 1, counter seeds, <= {st['max_new_tokens']} new tokens, median of "
+          f"{st['repeats']} repeats; baseline: the dense engine (model.MoE)")
+    print(f"{'engine':<7}{'EP':>3}{'wall s':>8}{'tokens':>7}{'tok/s':>8}  {'decode fwd per rank':<20}"
+          f"{'dummies':<13}{'agreements':<13}{'rows differ':>11}{'max dlogp':>10}")
+    for k, r in rows.items():
+        print(f"{k:<7}{r['ep']:>3}{r['wall_s']:>8.3f}{r['response_tokens']:>7}{r['tokens_per_s']:>8.0f}  "
+              f"{'/'.join(map(str, r['decode_forwards'])):<20}{'/'.join(map(str, r['dummy_forwards'])):<13}"
+              f"{'/'.join(map(str, r['agreements'])):<13}{r['rows_differ_vs_dense']:>11}"
+              f"{r['max_logprob_diff_same_rows']:>10.1e}")
+    print("all_to_all bytes a rank sends to other ranks per decode forward (dummies included; min: the remote "
+          "(token, expert) rows there and back; dedup: one row per (token, rank)), and expert weights")
+    print(f"{'engine':<7}{'EP':>3}{'counts B':>10}{'payload B':>11}{'min B':>9}{'= min':>7}{'dedup B':>9}"
+          f"{'a2a calls':>10}{'expert KiB/rank':>17}{'vs EP 1':>9}")
+    for k, r in rows.items():
+        calls = r["a2a_counts_calls_per_decode_fwd"] + r["a2a_payload_calls_per_decode_fwd"]
+        print(f"{k:<7}{r['ep']:>3}{r['a2a_counts_bytes_per_decode_fwd']:>10.1f}"
+              f"{r['a2a_payload_bytes_per_decode_fwd']:>11.1f}{r['a2a_min_payload_bytes_per_decode_fwd']:>9.1f}"
+              f"{str(r['payload_is_min']):>7}{r['a2a_dedup_payload_bytes_per_decode_fwd']:>9.1f}{calls:>10.1f}"
+              f"{max(r['expert_bytes_per_rank']) / 1024:>17.0f}"
+              f"{r['expert_bytes_vs_ep1']:>9.2f}")
+    print(f"tokens the same at every EP degree as the dense engine's: {res['tokens_match']}")
+
+
 # ----------------------------------------------------------------------------- launch and report
 def spawn(target, args):
     """target(rank, args, port, results) on args.world processes; rank 0's result. A failed rank ends the run."""
@@ -326,26 +563,39 @@ def print_pairs(res):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # mode
-    p.add_argument("--pairs", action="store_true", help="every ordered pair of EP degrees (default world 4)")
+    modes = p.add_mutually_exclusive_group()
+    modes.add_argument("--pairs", action="store_true", help="every ordered pair of EP degrees (default world 4)")
+    modes.add_argument("--decode", action="store_true", help="the rollout engine's decode at every EP degree "
+                       "(default world 4; train_grpo.py's model, not --experts/--d-model/--d-hidden)")
     # model: the expert tensors that move
     p.add_argument("--experts", type=int, default=8, help="number of experts E")
     p.add_argument("--d-model", type=int, default=None, help="model width D (default 1024; 512 with --pairs)")
     p.add_argument("--d-hidden", type=int, default=None, help="expert hidden width H (default 1024; 512 with --pairs)")
     # switch
-    p.add_argument("--world", type=int, default=None, help="gloo processes (default 2; 4 with --pairs)")
+    p.add_argument("--world", type=int, default=None, help="gloo processes (default 2; 4 with --pairs, --decode)")
     p.add_argument("--from-ep", type=int, default=2, help="EP degree before the switch (training; not --pairs)")
     p.add_argument("--to-ep", type=int, default=1, help="EP degree after the switch (rollout; not --pairs)")
     p.add_argument("--bucket-mb", type=float, default=None, help="bucket size in MiB (default 16; 4 with --pairs)")
-    p.add_argument("--repeats", type=int, default=7, help="timed repeats, median reported")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats, median reported (default 7; 3 "
+                   "with --decode)")
+    # decode
+    p.add_argument("--prompts", type=int, default=64, help="--decode: prompts, split evenly over the ranks")
+    p.add_argument("--max-new-tokens", type=int, default=40, help="--decode: response budget in tokens")
     args = p.parse_args()
-    mode = dict(world=4, d_model=512, d_hidden=512, bucket_mb=4) if args.pairs else \
-        dict(world=2, d_model=1024, d_hidden=1024, bucket_mb=16)
+    if args.decode:
+        mode = dict(world=4, repeats=3)
+    elif args.pairs:
+        mode = dict(world=4, d_model=512, d_hidden=512, bucket_mb=4, repeats=7)
+    else:
+        mode = dict(world=2, d_model=1024, d_hidden=1024, bucket_mb=16, repeats=7)
     for k, v in mode.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
 
-    res = spawn(pairs_worker if args.pairs else worker, args)
-    (print_pairs if args.pairs else print_one)(res)
+    target, report = (decode_worker, print_decode) if args.decode else (pairs_worker, print_pairs) if args.pairs \
+        else (worker, print_one)
+    res = spawn(target, args)
+    report(res)
     print(json.dumps(res))
 
 
