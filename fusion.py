@@ -24,7 +24,7 @@ A switch's path is two choices; FusedActor.path names it, and train_grpo.py prin
   cannot connect); on GPUs, one node or several, Broadcasts over nccl (not yet run with over one rank).
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
-  1. FSDP (ZeRO-3) to train, TP to generate (every rank gathers every weight); EP in moe_switch.py; no PP.
+  1. FSDP (ZeRO-3) to train, TP to generate (every rank gathers every weight); EP in expert_parallel.py; no PP.
   2. The training shards stay on the device in ROLLOUT (1/W of the model); offload_params=True moves them.
   3. The actor frees the engine's weights in TRAIN (vLLM's sleep mode would); the KV cache is the engine's.
 The calls that would read a freed storage, and crash the process, raise instead, naming the phase: the

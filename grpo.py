@@ -15,6 +15,8 @@ then the update, which any data-parallel model (FSDP2 or plain) can use:
   length_chunks        rows split into k micro-batches of similar length (less padding)
   chunk_logprobs       a model's log-probs of every response token, chunk by chunk, no grad (the frozen
                        reference's, or the current weights' for the decoupled objective)
+  ReplayRoutes, routed the training forward's routing hook on each MoE layer: the rollout's experts per
+                       response token compared (moe/routing_mismatch) or, with routing_replay, used
   grpo_update          optimizer steps on a batch: micro-batches accumulated, the mean over the global
                        batch whatever each rank holds, then clip and step
   supervised_step      one cross-entropy step on reference answers (the warm-up)

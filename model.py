@@ -16,7 +16,13 @@ Sampling (`generate`) is batched over prompts of different lengths, left-padded,
 - the prefill reads the contexts in length buckets, one forward each: a partial rollout's long held
   rows do not pad every short new prompt to their length (`_length_buckets`);
 - `Sampler(keep=True)` is the same sampler as an object that keeps the cut rows' KV cache for its next
-  call, so that a scheduler decoding in chunks (stalesync.py) reads each prefix once per weight version.
+  call, so that a scheduler decoding in chunks (stalesync.py) reads each prefix once per weight version;
+- with its experts spread over ranks (moe_switch.py's EPMoE in the engine), every forward meets the peers'
+  in all-to-alls, so the ranks decode in lock-step (`LockStep`): the same number of forwards on each, a
+  rank with no rows running forwards of zero rows; one agreement per prefill and per decode chunk;
+- `Sampler(routes=True)` records, per response token and MoE layer, the experts chosen as the decode forward
+  that read it ran (a routing hook on each MoE layer); the training forward compares with them, or replays
+  them (grpo.py's ReplayRoutes).
 
 Departures from a production sampler, on purpose:
 1. Randomness is counter-based: the uniform that picks a token is a hash of (the sample's seed, the

@@ -166,12 +166,16 @@ def test_two_ranks_train_to_identical_parameters(tmp_path):
     # (EP 2 in training, 1 in rollout: the experts leave FSDP, tokens cross ranks by all_to_all, the
     # expert weights are re-sharded at every phase change; the math is the dense model's.)
     # (EP 2 in rollout too: the engine's ranks decode in lock-step, a rank with no rows left joining the
-    # other's forwards with zero rows.)
-    for mode in [{"deploy": "separated"}, {"deploy": "colocated-all"}, {"infer_tp": 2},
-                 {"train_ep": 2, "infer_ep": 2}, {"train_ep": 2, "infer_ep": 1}]:
+    # other's forwards with zero rows; the response tokens replay the experts the rollout chose, which are the
+    # ones the training forward would choose anyway: the same parameters.)
+    replay = {"train_ep": 2, "infer_ep": 2, "routing_replay": True}
+    for mode in [{"deploy": "separated"}, {"deploy": "colocated-all"}, {"infer_tp": 2}, replay,
+                 {"train_ep": 2, "infer_ep": 1}]:
         (s, p), (_, p1) = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / str(mode)), mode))
         assert_same_training(p, p_one, str(mode))
         assert s["eval_accuracy_after"] == s_one["eval_accuracy_after"]
+        lines = [json.loads(l) for l in open(tmp_path / str(mode) / "metrics.jsonl")][1:]
+        assert all(l["moe/routing_mismatch"] == 0 for l in lines), mode
     assert torch.equal(p, p1)  # under EP too, both ranks end with the same model
     ep = [json.loads(l) for l in open(tmp_path / str(mode) / "metrics.jsonl")][1]
     half = ep["ep/to_rollout_bytes_min"]  # each rank lacks the other half of the experts
