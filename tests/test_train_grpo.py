@@ -208,12 +208,13 @@ def test_world_4_expert_parallel_rollout_trains_as_one(tmp_path):
     """World 4, colocated, the experts re-sharded from their training EP degree to the engine's at every
     switch, both ways, the engine decoding in lock-step (dynamic sampling on: a replica whose batch is
     complete idles through the others' refills). S = 0: a world of one's parameters. S = 1, where the cut
-    depends on the replicas: EP 4 in rollout trains to the parameters of EP 1 at the same world."""
+    depends on the replicas: EP 4 in rollout trains to the parameters of EP 1 at the same world. (2/2 replays
+    the rollout's routes: the ones the training forward picks anyway, so the parameters stay the same.)"""
     [(s_one, p_one)] = run_distributed(_train_tiny, world_size=1, args=(str(tmp_path / "w1"),))
-    for train_ep, infer_ep in ((2, 4), (4, 2), (2, 2)):
+    for train_ep, infer_ep, replay in ((2, 4, False), (4, 2, False), (2, 2, True)):
         name = f"ep{train_ep}to{infer_ep}"
-        out = run_distributed(_train_tiny, world_size=4, timeout_s=240,
-                              args=(str(tmp_path / name), dict(train_ep=train_ep, infer_ep=infer_ep)))
+        out = run_distributed(_train_tiny, world_size=4, timeout_s=240, args=(str(tmp_path / name), dict(
+            train_ep=train_ep, infer_ep=infer_ep, routing_replay=replay)))
         assert all(torch.equal(p, out[0][1]) for _, p in out[1:])
         assert_same_training(out[0][1], p_one, name)
         lines = [json.loads(l) for l in open(tmp_path / name / "metrics.jsonl")][1:]
