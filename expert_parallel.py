@@ -111,8 +111,9 @@ class ExpertParallel:
     inference layout, with no experts yet and the router of the dense engine layer each replaces.
     to_rollout() re-shards the model's experts to the inference layout, bucket by bucket, and the engine's
     experts alias the moved tensors (no copy); to_train() moves them back, bit for bit. Every rank of the
-    layouts calls them together. Call them after the experts' grads and optimizer states have left the
-    device: as a mover of fusion.FusedActor, inside its switch.
+    layouts calls them together: each layer's switch first agrees on the target (moe_switch.agree_on_switch,
+    one small all_gather per layer, L of them for L MoE layers). Call them after the experts' grads and
+    optimizer states have left the device: as a mover of fusion.FusedActor, inside its switch.
     to_rollout moves only the experts: the engine's other weights, routers included, are the caller's to
     load after each training phase (fusion.py does it in this repo; `names` lists the expert parameters
     it must skip). clip_grads(model, max_norm) is the clip of the training step. shard(module) gives

@@ -401,7 +401,9 @@ class ReplayRoutes:
     token, -1 for a token it did not record (a prompt token routes freely). The router's own choice is compared
     with the record (mismatch (N,): the top-k sets differ); with replay=True (Rollout Routing Replay) a recorded
     token uses its recorded experts, gated by this router's probabilities of them, and `mismatch` (the experts
-    used against the record) is 0 by construction; `free_mismatch` is the router's own choice against it."""
+    used against the record) is 0 by construction; `free_mismatch` is the router's own choice against it. Like
+    the log-prob gap, the figures come from the batch's first mini-batch only, before any optimizer step on it
+    (later mini-batches' routers have moved)."""
 
     def __init__(self, recorded, replay):
         self.recorded, self.replay, self.mismatch, self.free_mismatch = recorded, replay, None, None
@@ -439,7 +441,8 @@ def routed(model, routes, replay):
 
 
 def _routing_figures(sums, hooks, routes, mask):
-    """Response tokens with a recorded route, and those whose experts differ from it in some layer (used; free)."""
+    """Response tokens with a recorded route, and those whose experts differ from it in some layer (used; free).
+    Called on the first mini-batch only, before any optimizer step, as the log-prob gap is measured."""
     has = (routes[..., 0, 0] >= 0) & mask                                        # (b, T-1)
     for key, attr in (("route_mismatch", "mismatch"), ("route_free_mismatch", "free_mismatch")):
         differ = torch.stack([getattr(h, attr) for h in hooks]).any(0).view_as(has)
@@ -470,9 +473,12 @@ def batch_means(sums):
             "entropy": sums["entropy"] / tokens, "rollout/logprob_gap_mean": sums["gap"] / max(sums["gap_tokens"], 1.0),
             "rollout/logprob_gap_max": sums["gap_max"], "train/skipped_updates": sums["skipped_max"],
             # response tokens whose experts differ, in some layer, from the rollout's: those the training forward
-            # used (0 under routing replay), and its router's own choice (what replay overrides)
+            # used (0 under routing replay), and its router's own choice (what replay overrides); over the
+            # response tokens with a recorded route (routed_tokens), in the first mini-batch only (before any
+            # optimizer step), as the log-prob gap
             "moe/routing_mismatch": sums["route_mismatch"] / max(sums["route_tokens"], 1.0),
-            "moe/router_mismatch_free": sums["route_free_mismatch"] / max(sums["route_tokens"], 1.0)}
+            "moe/router_mismatch_free": sums["route_free_mismatch"] / max(sums["route_tokens"], 1.0),
+            "moe/routed_tokens": sums["route_tokens"]}
 
 
 def supervised_step(model, optimizer, prompts, targets, device, grad_clip, group=None, clip_grads=None):

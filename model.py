@@ -22,7 +22,9 @@ Sampling (`generate`) is batched over prompts of different lengths, left-padded,
   rank with no rows running forwards of zero rows; one agreement per prefill and per decode chunk;
 - `Sampler(routes=True)` records, per response token and MoE layer, the experts chosen as the decode forward
   that read it ran (a routing hook on each MoE layer); the training forward compares with them, or replays
-  them (grpo.py's ReplayRoutes).
+  them (grpo.py's ReplayRoutes). The record is kept per seed until the row is done, and a prefix read again
+  under new weights (a cut row's prefill after reset()) routes its response tokens with it (ReplayRecorded):
+  what training replays is what the behaviour computed with.
 
 Departures from a production sampler, on purpose:
 1. Randomness is counter-based: the uniform that picks a token is a hash of (the sample's seed, the
@@ -297,6 +299,21 @@ class RecordRoutes:
         return top_e
 
 
+class ReplayRecorded:
+    """A MoE layer's routing hook for the engine's prefill: a token with recorded experts, recorded (N, K) >= 0,
+    uses them (gated by this router's probabilities of them), so that a prefix read again under new weights keeps
+    the choice made when its tokens were generated; a token with -1 (a prompt token, a pad, a token no forward
+    has read yet) routes freely. Keeps the experts each token used, (N, K): the free choices fill the record."""
+
+    def __init__(self, recorded):
+        self.recorded, self.chosen = recorded, None
+
+    def __call__(self, top_e):
+        has = self.recorded[:, 0] >= 0                                            # (N,)
+        self.chosen = torch.where(has[:, None], self.recorded, top_e)             # (N, K)
+        return self.chosen
+
+
 def moe_layers(model):
     """The modules that take a routing hook (a `routing` attribute: this file's MoE, moe_switch's EPMoE), in order.
     The training forward's hook, which compares with the record or replays it, is grpo.ReplayRoutes."""
@@ -393,7 +410,7 @@ class Generation:
     logprobs: list     # per row: their behaviour log-probs, (n_i,) float32
     done: list         # per row: True if it hit EOS or its budget, False if cut by max_steps
     per_token: dict = field(default_factory=dict)  # Sampler(routes=True): "routes", per row (n_i, L, K) experts,
-                                                   # -1 for a token not yet read by a forward (a row's last)
+                                                   # -1 for a token no forward of this call read (see Sampler)
 
 
 # What one more prefill forward costs, in tokens of work: its fixed cost plus the batching a split loses.
@@ -419,11 +436,13 @@ def _length_buckets(lens, forward_cost=FORWARD_COST_TOKENS):
     return buckets[::-1]
 
 
-def _prefill(model, contexts, pad_id, extra, forward_cost=FORWARD_COST_TOKENS):
+def _prefill(model, contexts, pad_id, extra, forward_cost=FORWARD_COST_TOKENS, routes=None):
     """Left-pad contexts (list of (T_i,)) into (B, P) and read them into a fresh cache with room for
     `extra` more tokens, one forward per length bucket: a bucket padded to Pb fills the cache's last Pb
     columns, and the columns before them stay zero and invalid. Returns the cache, next-token logits
-    (B, V) float32, validity (B, P) and lengths (B,)."""
+    (B, V) float32, validity (B, P) and lengths (B,). routes, optional (Sampler(routes=True)): per context,
+    (T_i, L, K) the experts each token must use, -1 where it routes freely; each is overwritten with the
+    experts its tokens used (the free choices filled in)."""
     B, dev, dtype = len(contexts), model.head.weight.device, model.head.weight.dtype
     n = [len(c) for c in contexts]
     P = max(n)
@@ -442,7 +461,15 @@ def _prefill(model, contexts, pad_id, extra, forward_cost=FORWARD_COST_TOKENS):
         # A pad query attends to itself only, so that its softmax is never over an empty set.
         mask = (causal & valid[:, None, :]) | torch.eye(Pb, dtype=torch.bool, device=dev)  # (b, Pb, Pb)
         part = cache if len(buckets) == 1 else KVCache(model.cfg, len(rows), Pb, dev, dtype, cache.k.shape[2])
-        logits[rows] = model(tokens, positions, mask.unsqueeze(1), part)[:, -1]      # (b, V)
+        recorded = None if routes is None else _bucket_routes(routes, rows, n, Pb).to(dev)  # (b, Pb, L, K)
+        hooks = [] if routes is None else [ReplayRecorded(recorded[:, :, i].flatten(0, 1))
+                                           for i in range(recorded.shape[2])]
+        with routing(model, hooks) if hooks else nullcontext():
+            logits[rows] = model(tokens, positions, mask.unsqueeze(1), part)[:, -1]  # (b, V)
+        if hooks:  # what each token used, back into its context's routes
+            used = torch.stack([h.chosen for h in hooks], 1).view(recorded.shape).cpu()  # (b, Pb, L, K)
+            for b, i in enumerate(rows):
+                routes[i].copy_(used[b, Pb - n[i]:])
         if part is not cache:  # into the cache's last Pb columns
             idx = torch.tensor(rows, device=dev)
             cache.k[:, idx, :, P - Pb:P], cache.v[:, idx, :, P - Pb:P] = part.k, part.v
@@ -450,6 +477,15 @@ def _prefill(model, contexts, pad_id, extra, forward_cost=FORWARD_COST_TOKENS):
     lens = torch.tensor(n, device=dev)                                        # (B,)
     valid = torch.arange(P, device=dev)[None, :] >= (P - lens)[:, None]        # (B, P)
     return cache, logits, valid, lens
+
+
+def _bucket_routes(routes, rows, n, Pb):
+    """A bucket's rows' routes (T_i, L, K) left-padded as their tokens are, -1 at the pads: (b, Pb, L, K)."""
+    L, K = routes[rows[0]].shape[1:]
+    out = torch.full((len(rows), Pb, L, K), -1, dtype=torch.long)
+    for b, i in enumerate(rows):
+        out[b, Pb - n[i]:] = routes[i]
+    return out
 
 
 def _left_pad(x, t, dim):
@@ -499,7 +535,18 @@ class Sampler:
     lockstep (a LockStep): the engine's ranks run the same forwards (expert parallelism), each call agreeing
     with its peers'; call idle() where a peer calls the sampler and this rank has no rows. routes=True: each
     generated token's experts, per MoE layer, as the decode forward that reads it chose them (Generation's
-    per_token["routes"]; what a training forward replays, grpo.ReplayRoutes)."""
+    per_token["routes"]; what a training forward replays, grpo.ReplayRoutes). The sampler keeps them per seed
+    (`recorded`) until the row is done: they do not depend on the weights, so reset() keeps them, and the
+    prefill that reads a continued row's context again (new weights) routes its response tokens, the last
+    n_done, with them (prompt tokens and pads route freely): the behaviour then computes with the experts that
+    training replays. A row starting afresh (n_done 0) drops its seed's record; a record that is not the
+    row's response is refused. -1, no experts, marks a token that no forward of the call that made it read:
+    - a finished row's last token (EOS or budget): nothing reads it, and training never reads it either;
+    - keep=False with max_steps, a cut row's last token (the call ends before the forward that would read
+      it). The prefill of the next call, which first reads it, records its choice in `recorded` (later
+      re-reads replay it), but the routes that call returned keep -1 there: training routes that token
+      freely. keep=True reads it in the chunk's last decode forward: never -1 there.
+    A row abandoned part-way (its seed never called again) leaves its record behind: a few bytes a token."""
 
     def __init__(self, model, max_new_tokens, eos_id, pad_id=0, temperature=1.0, top_p=1.0, keep=True,
                  lockstep=None, routes=False):
@@ -511,27 +558,34 @@ class Sampler:
         self.state, self.steps = None, 0  # steps: decode forwards run, each over every live row
         self._prefills = 0  # lock-step: the peers' prefill forwards this call runs with zero rows
         self.routes = routes  # record each response token's experts as a decode forward reads it
+        self.recorded = {}  # routes=True: seed -> (its response so far (n,), their experts (n, L, K), -1: unread)
 
     def reset(self):
+        """Drop the KV cache (new weights, or the end of a rollout phase); the recorded routes stay."""
         self.state = None
 
     def state_dict(self):
-        """The held rows' cache (seeds, keys, values, validity, positions, next logits) and the step count:
-        with it a resumed scheduler continues bit-exactly; without it (reset()) the prefixes are read again,
-        the same tokens up to rounding of the log-probs. An engine that cannot export its cache resets."""
+        """The held rows' cache (seeds, keys, values, validity, positions, next logits), the step count and
+        the recorded routes: with it a resumed scheduler continues bit-exactly; without it (reset()) the
+        prefixes are read again, the same tokens up to rounding of the log-probs. An engine that cannot export
+        its cache resets."""
         st = None if self.state is None else {k: (v.clone() if torch.is_tensor(v) else list(v))
                                               for k, v in self.state.items()}
-        return dict(state=st, steps=self.steps)
+        recorded = {s: (t.clone(), r.clone()) for s, (t, r) in self.recorded.items()}
+        return dict(state=st, steps=self.steps, recorded=recorded)
 
     def load_state_dict(self, sd):
         self.state, self.steps = sd["state"], sd["steps"]
+        # A checkpoint from before the record holds none: its prefixes route freely when read again.
+        self.recorded = {int(s): (t, r) for s, (t, r) in sd.get("recorded", {}).items()}
 
     def budget(self, seeds, n_done):
         """Tokens each row may still make, (B,). Override for per-row budgets (bench/stalesync.py)."""
         return (self.max_new_tokens - n_done).clamp(min=0)
 
-    def _resume(self, contexts, held, new, extra):
-        """The cache for held rows (from self.state) then new rows (prefilled), with room for `extra`."""
+    def _resume(self, contexts, held, new, extra, routes):
+        """The cache for held rows (from self.state) then new rows (prefilled, `routes` replayed), with room for
+        `extra`."""
         st, model, dev = self.state, self.model, self.model.head.weight.device
         where = {s: i for i, s in enumerate(st["seeds"])}
         idx = torch.tensor([where[s] for _, s in held], device=dev)
@@ -541,7 +595,8 @@ class Sampler:
             raise RuntimeError("Sampler: a held row's context is not the one it was cut with (its prefix and the "
                                "tokens it made); reset() after new weights or to start a seed afresh")
         if new:
-            c, lg, vd, ln = _prefill(model, [contexts[i] for i in new], self.pad_id, 0)
+            c, lg, vd, ln = _prefill(model, [contexts[i] for i in new], self.pad_id, 0,
+                                     routes=None if routes is None else [routes[i] for i in new])
             t = max(valid.shape[1], vd.shape[1])
             k = torch.cat([_left_pad(k, t, 3), _left_pad(c.k, t, 3)], 1)
             v = torch.cat([_left_pad(v, t, 3), _left_pad(c.v, t, 3)], 1)
@@ -581,16 +636,17 @@ class Sampler:
         steps = int(budget.max()) if max_steps is None else min(max_steps, int(budget.max()))
         call = seeds.tolist()
         self._check(contexts, budget, steps, call)
+        prior = self._recorded_routes(contexts, call, n_done)  # per row (T_i, L, K), or None: routes=False
         kept = set() if self.state is None else set(self.state["seeds"])
         held = [(i, s) for i, s in enumerate(call) if s in kept]
         new = [i for i, s in enumerate(call) if s not in kept]
         self._agree_prefill([len(contexts[i]) for i in new])
         if held:  # cache row r is call row order[r]: the held rows first, then the new ones
             order = torch.tensor([i for i, _ in held] + new, device=dev)
-            cache, logits, valid, next_pos = self._resume(contexts, held, new, steps)
+            cache, logits, valid, next_pos = self._resume(contexts, held, new, steps, prior)
         else:     # a fresh call: the naive path, one prefill of every context
             order = torch.arange(B, device=dev)
-            cache, logits, valid, next_pos = _prefill(model, contexts, self.pad_id, steps)
+            cache, logits, valid, next_pos = _prefill(model, contexts, self.pad_id, steps, routes=prior)
         self._join_prefill()
         out_tok, out_lp, routes = [[] for _ in range(B)], [[] for _ in range(B)], []
         done = (budget == 0).tolist()
@@ -621,30 +677,68 @@ class Sampler:
             self.steps += 1
             forwards += 1
         self._join_decode(forwards)
-        # Held: copies of the live rows' keys and values (the batch is a view of the whole cache), and each held
-        # row's context, checked when it resumes.
+        # Held: copies of the live rows' keys and values (the batch views the whole cache), and contexts to check.
         self.state = None if not (self.keep and len(rows)) else dict(
             seeds=seeds[rows].tolist(), valid=valid, pos=next_pos, logits=logits,
             k=cache.k[:, :, :, :cache.length].clone(), v=cache.v[:, :, :, :cache.length].clone(),
             ctx=[torch.cat([contexts[b].cpu(), torch.tensor(out_tok[b], dtype=torch.long)]) for b in rows.tolist()])
-        return Generation(
-            tokens=[torch.tensor(t, dtype=torch.long) for t in out_tok],
-            logprobs=[torch.tensor(lp, dtype=torch.float32) for lp in out_lp],
-            done=done, per_token=self._routes_out(routes, out_tok))
+        per_token = self._routes_out(routes, out_tok)
+        self._record(contexts, call, n_done, prior, out_tok, per_token, done)
+        return Generation([torch.tensor(t, dtype=torch.long) for t in out_tok],
+                          [torch.tensor(lp, dtype=torch.float32) for lp in out_lp], done, per_token)
 
     def _decode_forward(self, tok, pos, valid, cache, rows, routes):
         """One decode forward of the live rows' new tokens -> next logits (B', V); with routes=True, each token's
         experts per layer appended to its row's routes."""
         hooks = [RecordRoutes() for _ in moe_layers(self.model)] if self.routes else []
-        with routing(self.model, hooks):
+        with routing(self.model, hooks) if hooks else nullcontext():
             logits = self.model(tok[:, None], pos[:, None], valid[:, None, None, :], cache)[:, -1]
         if hooks:  # (B',) call rows, (B', L, K) their tokens' experts; sorted out per row once, at the end
             routes.append((rows, torch.stack([h.chosen for h in hooks], 1)))
         return logits
 
+    def _recorded_routes(self, contexts, call, n_done):
+        """routes=True: per row, (T_i, L, K) the experts its context's tokens must use if a prefill reads them: its
+        seed's record at its response tokens (the last n_done), -1 elsewhere (prompt tokens route freely, as does a
+        token without a record). A row starting afresh (n_done 0) drops its seed's old record; a record that is
+        not the row's response (other tokens) is refused. None without routes=True."""
+        if not self.routes:
+            return None
+        L, K = len(moe_layers(self.model)), self.model.cfg.top_k
+        out = []
+        for c, s, n in zip(contexts, call, n_done.tolist()):
+            r = torch.full((len(c), L, K), -1, dtype=torch.long)
+            if n == 0:
+                self.recorded.pop(s, None)
+            elif s in self.recorded:
+                tokens, experts = self.recorded[s]
+                if not torch.equal(tokens, c[len(c) - n:].cpu()):
+                    raise RuntimeError(f"Sampler: seed {s}'s recorded routes are for a response of {len(tokens)} "
+                                       f"tokens that is not this row's (its last n_done={n} tokens); a seed names one "
+                                       "row from its first token to its last")
+                r[len(c) - n:] = experts
+            out.append(r)
+        return out
+
+    def _record(self, contexts, call, n_done, prior, out_tok, per_token, done):
+        """routes=True: each row's record becomes its response so far and its tokens' experts (those a prefill of
+        this call first read filled in); a finished row's is dropped."""
+        if prior is None:
+            return
+        for i, s in enumerate(call):
+            n = int(n_done[i])
+            if done[i]:
+                self.recorded.pop(s, None)
+            else:
+                made = torch.tensor(out_tok[i], dtype=torch.long)                          # (n_new,)
+                tokens = torch.cat([contexts[i][len(contexts[i]) - n:].cpu(), made])          # (n + n_new,)
+                experts = torch.cat([prior[i][len(prior[i]) - n:], per_token["routes"][i]])  # (n + n_new, L, K)
+                self.recorded[s] = (tokens, experts)
+
     def _routes_out(self, routes, out_tok):
-        """Per row (n_i, L, K): the experts of each token made in this call, -1 where no forward read it (a
-        finished row's last token). routes: per decode forward, (rows (B',), experts (B', L, K))."""
+        """Per row (n_i, L, K): the experts of each token made in this call, -1 where no forward of it read the
+        token (a finished row's last; keep=False, a cut row's last: see the class docstring). routes: per decode
+        forward, (rows (B',), experts (B', L, K))."""
         if not self.routes:
             return {}
         L, K = len(moe_layers(self.model)), self.model.cfg.top_k

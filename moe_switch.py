@@ -16,7 +16,8 @@ Contents, primitives first:
   reshard_naive      naive switch: materialise every expert on every rank, keep what the target needs
   reshard            the switch: move only changed-owner slices, bucket by bucket, free each once sent
   EPMoE              EP layer: route, dispatch (counts, then packed tokens), local experts, combine; switch(),
-                     collective over the layout's ranks: they first agree on the target (agree_on_switch)
+                     collective over the layout's ranks: they first agree on the target (agree_on_switch, once
+                     per layer: a model of L MoE layers agrees L times at each phase change)
 A whole model's MoE layers made EP (the phase-change mover, grads, dense_state_dict) is expert_parallel.py,
 which imports this file; this file needs nothing else.
 
@@ -452,7 +453,8 @@ def agree_on_switch(src, dst, group=None, device="cpu"):
     """Every rank of the layout says which switch it makes, (source EP, target EP), in one all_gather over
     `group` (the layout's ranks; None: the default group). Ranks that disagree all raise a ValueError naming
     every rank's; a rank that never calls makes the others raise at the group's timeout, not return alone
-    (on nesting layouts a rank may move no bytes, and would otherwise leave the rest hanging)."""
+    (on nesting layouts a rank may move no bytes, and would otherwise leave the rest hanging). EPMoE.switch calls
+    it for its own layer: once per layer at each phase change, not once per switch of the model."""
     if not dist.is_initialized() or src.world_size == 1:
         return
     mine = torch.tensor([src.ep, dst.ep], device=device)                      # (2,)
@@ -463,7 +465,7 @@ def agree_on_switch(src, dst, group=None, device="cpu"):
         raise RuntimeError(f"EP switch {src.ep} -> {dst.ep}: the ranks' agreement collective failed; every rank "
                            f"of the layout (ranks {[src.global_rank(r) for r in range(src.world_size)]}) must call "
                            f"switch() together, with the same target layout ({err})") from err
-    asked = [tuple(t.tolist()) for t in every]  # .tolist(): a device-to-host sync, once per switch
+    asked = [tuple(t.tolist()) for t in every]  # .tolist(): a device-to-host sync, once per layer's switch
     if len(set(asked)) > 1:
         said = ", ".join(f"rank {src.global_rank(r)}: EP {a} -> {b}" for r, (a, b) in enumerate(asked))
         raise ValueError(f"the ranks of the layout disagree on the switch ({said}); every rank of the layout must "
@@ -545,8 +547,9 @@ class EPMoE(nn.Module):
         Collective: every rank of the layout calls it together, with the same target. world_group is the
         group of exactly the layout's ranks (None: the default group, for a layout over the whole job).
         1. local checks (groups, grads, layouts, bucket): a ValueError before any collective, nothing moved;
-        2. agree_on_switch: one all_gather of (source EP, target EP); ranks that disagree all raise, naming
-           both, and a rank that does not call makes the others raise at the timeout;
+        2. agree_on_switch: one all_gather of this layer's (source EP, target EP), so one per layer at each
+           phase change; ranks that disagree all raise, naming both, and a rank that does not call makes
+           the others raise at the timeout;
         3. reshard."""
         _check_ep_group(layout, group, self.rank)
         own = self.layout.owned(self.rank)

@@ -53,7 +53,8 @@ Departures from the source system (Huawei's RL post-training on CloudMatrix 384)
    all_ready combining the ranks' ready flags so that a rank ready first keeps decoding its tail;
    separated: `admit/decode/ready/take` on the generator and `update(v)` when weights arrive); transport
    of samples and weights is the caller's (a queue, p2p). The one collective here is AllReady's flag.
-3. The sampler is a callable step_fn(contexts, seeds, n_done, max_steps) -> (tokens, logprobs, done),
+3. The sampler is a callable step_fn(contexts, seeds, n_done, max_steps) -> (tokens, logprobs, done), and
+   optionally per-token fields (out.per_token, see the contract below: each token's experts, say),
    called once per decode chunk on every in-flight row; a stateless sampler re-prefills the prefix each
    chunk, a cached one keeps its KV cache between chunks. Its reset() is called whenever new weights
    arrive (update(): every cached prefix is stale) and at the end of a colocated round (the cache is
@@ -70,7 +71,10 @@ The callables StaleSync takes, checked at each call with an error that names the
       one per sample and the same at every call on it; n_done (R,) int64, response tokens each row
       already has; max_steps, at most this many new tokens per row (None: to the end). Out: tokens and
       logprobs, R sequences (tensors or lists, possibly empty) of the new tokens and their log-probs;
-      done, R bools, True once a row has ended. Every call makes a token or ends each row.
+      done, R bools, True once a row has ended; optionally out.per_token, name -> R sequences of one entry
+      per new token (say each token's experts, (n, L, K)), kept with the sample like its log-probs and handed
+      on in Batch.per_token: a field must come with every call (a sample whose field does not cover each of
+      its tokens is refused at take() and state_dict(), naming it). Every call makes a token or ends each row.
       Every row must be done by max_len tokens (StaleConfig.max_len, the response budget, if given).
       Tokens are integers; a padded (R, T) tensor is refused (its pads would become response tokens).
   prompt_fn(slot, attempt) -> the prompt of a group, an int64 tensor (P,) or a list of ints.
@@ -80,8 +84,6 @@ The callables StaleSync takes, checked at each call with an error that names the
       state_dict()/load_state_dict() saved in the scheduler's checkpoint. Default: step_fn's, or its
       owner's when step_fn is a bound method: reset() if it has one; itself as the state if it has
       state_dict() and is not an nn.Module (a model's weights do not belong in this checkpoint).
-      Optional: out.per_token, name -> R sequences of one entry per new token (say each token's experts,
-      (n, L, K)), kept with the sample like its log-probs and handed on in Batch.per_token.
   idle (optional): called by decode() in place of step_fn when no row is in flight. A sampler whose ranks
       decode in lock-step (an expert-parallel engine: every forward meets the peers' in all-to-alls) joins
       its peers' call there with no rows of its own. Default: step_fn's (or its owner's) idle() if it has one.
@@ -112,7 +114,7 @@ v policy version, k batch index, R rows in flight.
 import math
 import numbers
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -219,7 +221,7 @@ class Batch:
     start_versions: list  # (B,) version of each sample's first token
     done: list            # (B,) always True
     metrics: dict         # stale/* counters of this batch
-    per_token: dict = None  # name -> (B,) of (n_i, ...): the sampler's per-token fields, if it gives any
+    per_token: dict = field(default_factory=dict)  # name -> (B,) of (n_i, ...): the sampler's per-token fields
 
 
 class StaleSync:
@@ -369,6 +371,7 @@ class StaleSync:
         due = [g for g in self._due()[:gps] if _complete(g)]  # all of them, as ready() checked
         rest = [g for g in self.pool if _complete(g) and all(g is not d for d in due)]
         chosen = sorted(due + rest[:gps - len(due)], key=lambda g: g["slot"])
+        fields = _per_token_names([s for g in chosen for s in g["samples"]])  # each covers its tokens, or raises
         chosen_ids = {id(g) for g in chosen}
         self.pool = [g for g in self.pool if id(g) not in chosen_ids]
         self.batches_out += 1
@@ -390,8 +393,7 @@ class StaleSync:
                      logprobs=[torch.tensor(s["logprobs"], dtype=torch.float32) for _, s in samples],
                      token_versions=[torch.tensor(s["versions"], dtype=torch.long) for _, s in samples],
                      start_versions=[g["start_version"] for g, _ in samples], done=[True] * len(samples),
-                     metrics=metrics, per_token={name: [_joined(s, name) for _, s in samples]
-                                                 for name in (samples[0][1]["per_token"] if samples else {})})
+                     metrics=metrics, per_token={name: [_joined(s, name) for _, s in samples] for name in fields})
 
     def _metrics(self, k, samples, regenerated_at_cut):
         """stale/* figures of batch k (samples: its (group, sample) pairs)."""
@@ -471,7 +473,9 @@ class StaleSync:
         """The groups in flight (partial responses, their versions and log-probs), the slots to reopen, the
         counters and sample fates, and the sampler's state if it has one (see the contract above for what
         it does not hold)."""
-        pool = [dict(slot=g["slot"], attempt=g["attempt"], prompt=g["prompt"].clone(), start_version=g["start_version"],
+        _per_token_names([s for g in self.pool for s in g["samples"]])  # each field covers its samples' tokens
+        pool = [dict(slot=g["slot"], attempt=g["attempt"], prompt=g["prompt"].clone(),
+                     start_version=g["start_version"],
                      samples=[dict(id=s["id"], seed=s["seed"], done=s["done"],
                                    tokens=torch.tensor(s["tokens"], dtype=torch.long),
                                    logprobs=torch.tensor(s["logprobs"], dtype=torch.float32),
@@ -487,6 +491,13 @@ class StaleSync:
         saved, mine = ({k: v for k, v in c.items() if k not in brakes} for c in (sd["cfg"], vars(self.cfg)))
         if saved != mine:
             raise ValueError(f"checkpoint config {saved} differs from this scheduler's {mine}")
+        pool = [dict(slot=g["slot"], attempt=g["attempt"], prompt=g["prompt"].clone(),
+                     start_version=g["start_version"],
+                     samples=[dict(id=s["id"], seed=s["seed"], done=s["done"], tokens=s["tokens"].tolist(),
+                                   logprobs=s["logprobs"].tolist(), versions=s["versions"].tolist(),
+                                   per_token={n: [v] for n, v in s.get("per_token", {}).items()})
+                              for s in g["samples"]]) for g in sd["pool"]]
+        _per_token_names([s for g in pool for s in g["samples"]])  # a sample saved without a field its peers hold
         for key in self.COUNTERS:
             setattr(self, key, sd[key])
         if sd["sampler"] is not None:  # the held rows' KV cache too, if the sampler saves it: bit-exact
@@ -495,12 +506,7 @@ class StaleSync:
             self.reset_fn()
         self.reopen = [tuple(r) for r in sd["reopen"]]
         self.fate = dict(sd["fate"])
-        self.pool = [dict(slot=g["slot"], attempt=g["attempt"], prompt=g["prompt"].clone(),
-                          start_version=g["start_version"],
-                          samples=[dict(id=s["id"], seed=s["seed"], done=s["done"], tokens=s["tokens"].tolist(),
-                                        logprobs=s["logprobs"].tolist(), versions=s["versions"].tolist(),
-                                        per_token={n: [v] for n, v in s.get("per_token", {}).items()})
-                                   for s in g["samples"]]) for g in sd["pool"]]
+        self.pool = pool
 
 
 class FilterLimitError(RuntimeError):
@@ -531,9 +537,26 @@ class AllReady:
         return bool(flag.item())
 
 
+def _per_token_names(samples):
+    """The per-token fields these samples hold, in order; refuses, naming the sample and the field, a sample whose
+    field (one that any of them holds) has not one entry per token: a sampler that returned it on some calls only,
+    or a resume from a checkpoint saved without it (a sample not started yet holds none, and needs none)."""
+    names = list(dict.fromkeys(n for s in samples for n in s["per_token"]))
+    for s in samples:
+        for name in names:
+            n = sum(len(piece) for piece in s["per_token"].get(name, []))
+            if n != len(s["tokens"]):
+                raise ValueError(f"sample {s['id']}: per_token[{name!r}] holds {n} entries for its {len(s['tokens'])} "
+                                 "tokens; the sampler must return the field on every call (a checkpoint saved without "
+                                 "it cannot continue samples that need it)")
+    return names
+
+
 def _joined(s, name):
-    """A sample's per-token field `name`, its calls' pieces joined: (n_i, ...)."""
-    return torch.cat(s["per_token"][name])
+    """A sample's per-token field `name`, its calls' pieces joined: (n_i, ...); a sample with no token may hold no
+    piece: (0,)."""
+    pieces = s["per_token"].get(name, [])
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
 
 
 def _is_int(x):

@@ -323,9 +323,10 @@ def test_the_engine_records_each_response_tokens_experts_and_training_replays_th
     L, K, E = model.cfg.n_layers, model.cfg.top_k, model.cfg.n_experts
     for r, t in zip(s.routes, s.responses):
         assert r.shape == (len(t), L, K) and (r[-1] == -1).all() and (r[:-1] >= 0).all() and (r < E).all()
-    run = lambda samples, replay: grpo.batch_means(grpo.grpo_update(  # noqa: E731
-        copy.deepcopy(model), torch.optim.SGD(model.parameters(), lr=0.0), samples,
-        grpo.GRPOConfig(routing_replay=replay, micro_batches=2), "cpu"))
+    def run(samples, replay):  # on a copy, its own optimizer: every run starts from the same weights
+        copied = copy.deepcopy(model)
+        return grpo.batch_means(grpo.grpo_update(copied, torch.optim.SGD(copied.parameters(), lr=0.0), samples,
+                                                 grpo.GRPOConfig(routing_replay=replay, micro_batches=2), "cpu"))
     same = run(s, replay=False)
     assert same["moe/routing_mismatch"] == 0.0 and same["moe/router_mismatch_free"] == 0.0
     shifted = grpo.Samples(s.prompts, s.responses, s.old_logprobs, s.advantages,

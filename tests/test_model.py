@@ -269,46 +269,126 @@ def test_greedy_is_argmax():
         assert torch.equal(model(seq)[0, len(c) - 1:-1].argmax(-1), toks)
 
 
+def _free_routes(model, seq):
+    """The experts each token of seq (T,) picks per MoE layer in a forward that routes freely: (T, L, K), as sets."""
+    from model import RecordRoutes, moe_layers, routing
+    hooks = [RecordRoutes() for _ in moe_layers(model)]
+    with torch.no_grad(), routing(model, hooks):
+        model(seq[None, :])
+    return torch.stack([h.chosen for h in hooks], 1).sort(-1).values
+
+
+def test_a_prefix_read_again_under_new_weights_keeps_its_recorded_routes():
+    """Sampler(routes=True) keeps each row's recorded experts per seed through reset(): under new weights, the
+    prefill that reads a cut row's context again routes its response tokens with them (prompt tokens freely), so the
+    continued tokens' log-probs are those of a training forward that replays the record, not of free routing. The
+    record survives a state_dict round trip (a resumed sampler continues the same) and leaves with a finished row."""
+    import io
+    from grpo import GRPOConfig, Samples, chunk_logprobs
+    model, ctxs, seeds = _model(), _contexts([3, 9, 5]), torch.tensor([4, 5, 6])
+    sampler = Sampler(model, 14, eos_id=None, routes=True)  # no EOS: every row is cut, then runs to its budget
+    first = sampler(ctxs, seeds, max_steps=4)
+    assert not any(first.done) and all((r >= 0).all() for r in first.per_token["routes"])  # keep=True: all read
+    sampler.reset()  # new weights are coming: the cache goes, the record stays
+    buf = io.BytesIO()
+    torch.save(sampler.state_dict(), buf)
+    resumed = Sampler(model, 14, eos_id=None, routes=True)
+    resumed.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+    assert resumed.recorded.keys() == {4, 5, 6} and all(
+        torch.equal(resumed.recorded[s][1], r) for s, r in zip([4, 5, 6], first.per_token["routes"]))
+    with torch.no_grad():  # new weights: every router's preferences reversed
+        for block in model.blocks:
+            block.moe.router.weight.mul_(-1.0)
+    ctxs2 = [torch.cat([c, t]) for c, t in zip(ctxs, first.tokens)]
+    free = [_free_routes(model, c)[len(c) - 4:] for c in ctxs2]  # what a free prefill would pick for the response
+    assert any(not torch.equal(f, r.sort(-1).values) for f, r in zip(free, first.per_token["routes"]))
+    rest, again = sampler(ctxs2, seeds, n_done=[4, 4, 4]), resumed(ctxs2, seeds, n_done=[4, 4, 4])
+    assert all(rest.done) and sampler.recorded == {}  # done: the record is dropped
+    assert all(torch.equal(a, b) for a, b in zip(rest.tokens + rest.logprobs, again.tokens + again.logprobs))
+    samples = Samples(ctxs, [torch.cat([a, b]) for a, b in zip(first.tokens, rest.tokens)], None, None,
+                      routes=[torch.cat([a, b]) for a, b in zip(first.per_token["routes"], rest.per_token["routes"])])
+    cfg = GRPOConfig(micro_batches=1)
+    replayed = chunk_logprobs(model, samples, cfg, "cpu", replay=True)  # the record at every response token
+    freely = chunk_logprobs(model, samples, cfg, "cpu")
+    for lp, rep in zip(rest.logprobs, replayed):
+        torch.testing.assert_close(lp, rep[4:], atol=1e-5, rtol=0)
+    assert any((lp - fr[4:]).abs().max() > 1e-4 for lp, fr in zip(rest.logprobs, freely))  # replay mattered
+
+
+def test_a_token_no_forward_read_is_recorded_by_the_prefill_that_first_reads_it():
+    """keep=False with max_steps: the call ends before any forward reads a cut row's last token (-1 in its routes);
+    the next call's prefill reads it first, records its choice, and replays the recorded ones."""
+    model, ctxs, seeds = _model(), _contexts([3, 9]), torch.tensor([4, 5])
+    sampler = Sampler(model, 14, eos_id=None, keep=False, routes=True)
+    first = sampler(ctxs, seeds, max_steps=3)
+    assert all((r[-1] == -1).all() and (r[:-1] >= 0).all() for r in first.per_token["routes"])
+    ctxs2 = [torch.cat([c, t]) for c, t in zip(ctxs, first.tokens)]
+    second = sampler(ctxs2, seeds, n_done=[3, 3], max_steps=3)
+    for c, s, r, t in zip(ctxs2, [4, 5], first.per_token["routes"], second.tokens):
+        tokens, recorded = sampler.recorded[s]
+        assert torch.equal(tokens[:3], c[-3:]) and torch.equal(tokens[3:], t) and len(recorded) == 6
+        assert torch.equal(recorded[:2], r[:2])  # kept
+        assert torch.equal(recorded[2].sort(-1).values, _free_routes(model, c)[-1])  # the prefill's own choice
+    with pytest.raises(RuntimeError, match="seed 4's recorded routes are for a response of 6 tokens"):
+        sampler([torch.cat([ctxs[0], (first.tokens[0] + 1) % 14])], seeds[:1], n_done=[3])  # another response
+
+
 def _lockstep_rank(rank, world_size):
-    """Rank 0 decodes four rows of very different lengths, rank 1 one short row, in chunks; their engine holds
-    half the experts each (EP 2), so every forward sends tokens across. Rank 1 finishes first and then only
-    idles. Returns each rank's tokens and log-probs next to a dense world-of-one engine's on the same rows."""
+    """Rank 0 decodes rows of very different lengths in chunks of 3 steps: its first call prefills two length buckets
+    (a long continued row among short prompts) where rank 1's prefills one; its second call merges new rows into
+    held ones; one row has no budget left (0 tokens) and one finishes at its first token (budget 1). Rank 1 decodes
+    one short row, finishes first and then only idles. Their engine holds half the experts each (EP 2), so every
+    forward sends tokens across. Returns each rank's tokens next to a dense world-of-one engine's on the same rows,
+    its dummy forwards, the buckets of its first prefill, whether a call mixed held and new rows, and greedy
+    decoding's tokens against the dense engine's."""
     import torch.distributed as dist
     from model import LockStep
     from moe_switch import EPLayout, EPMoE, new_groups
     model = _model()
-    ctxs, seeds = _contexts([3, 20, 5, 30, 4]), [11, 12, 13, 14, 15]
-    mine = [0, 1, 2, 3] if rank == 0 else [4]
-    whole = generate(model, ctxs, torch.tensor(seeds), max_new_tokens=30, eos_id=EOS, temperature=1.2)
+    ctxs, seeds = _contexts([3, 58, 6, 5, 2, 4, 3, 2, 5, 20, 4, 4]), list(range(11, 23))
+    n_done = [0, 27, 30, 29] + [0] * 8  # row 1: a long prefix with 3 tokens left; row 2: none left; row 3: one
+    mine, (live, later) = ([*range(11)], ([*range(9)], [9, 10])) if rank == 0 else ([11], ([11], []))
+    whole = generate(model, ctxs, torch.tensor(seeds), max_new_tokens=30, eos_id=EOS, temperature=1.2, n_done=n_done)
     layout = EPLayout(2, world_size, model.cfg.n_experts)
     group = new_groups(layout)[0]
     for block in model.blocks:
         block.moe = EPMoE.from_dense(block.moe, layout, group)
     lockstep = LockStep(group, "cpu", every=2)
-    sampler, got, live = Sampler(model, 30, EOS, temperature=1.2, lockstep=lockstep), {i: [] for i in mine}, mine
+    sampler, got, mixed = Sampler(model, 30, EOS, temperature=1.2, lockstep=lockstep), {i: [] for i in mine}, False
+    buckets = len(_length_buckets([len(ctxs[i]) for i in live]))
     while True:  # one call per turn on every rank, until every rank is done (AllReady's role in a run)
+        held = set(sampler.state["seeds"]) if sampler.state is not None else set()
+        mixed |= bool(held & {seeds[i] for i in live}) and bool({seeds[i] for i in live} - held)
         contexts = [torch.cat([ctxs[i], torch.tensor(got[i], dtype=torch.long)]) for i in live]
-        out = sampler(contexts, torch.tensor([seeds[i] for i in live]), [len(got[i]) for i in live], max_steps=3)
+        out = sampler(contexts, torch.tensor([seeds[i] for i in live]), [n_done[i] + len(got[i]) for i in live],
+                      max_steps=3)
         for i, t in zip(live, out.tokens):
             got[i] += t.tolist()
-        live = [i for i, d in zip(live, out.done) if not d]
+        live, later = [i for i, d in zip(live, out.done) if not d] + later, []  # new rows join the held ones
         busy = torch.tensor([len(live)])
         dist.all_reduce(busy)
         if not busy.item():
             break
-    greedy = generate(model, [ctxs[i] for i in mine] if rank == 0 else [], torch.zeros(len(mine) * (rank == 0)),
-                      max_new_tokens=30, eos_id=EOS, temperature=0, lockstep=lockstep)  # rank 1: no rows at all
-    want_greedy = generate(_model(), [ctxs[i] for i in mine], torch.zeros(len(mine)), 30, EOS, temperature=0)
-    return ([got[i] for i in mine], [whole.tokens[i].tolist() for i in mine], lockstep.dummy_forwards,
-            [t.tolist() for t in greedy.tokens], [t.tolist() for t in want_greedy.tokens] if rank == 0 else [])
+    rows = mine if rank == 0 else []  # rank 1: no rows at all
+    greedy = generate(model, [ctxs[i] for i in rows], torch.zeros(len(rows)), 30, EOS, temperature=0,
+                      n_done=[n_done[i] for i in rows], lockstep=lockstep)
+    want_greedy = generate(_model(), [ctxs[i] for i in rows], torch.zeros(len(rows)), 30, EOS, temperature=0,
+                           n_done=[n_done[i] for i in rows]) if rows else greedy
+    return ([got[i] for i in mine], [whole.tokens[i].tolist() for i in mine], lockstep.dummy_forwards, buckets,
+            mixed, [t.tolist() for t in greedy.tokens], [t.tolist() for t in want_greedy.tokens])
 
 
 def test_expert_parallel_engine_decodes_in_lock_step_as_one_process_does():
-    """EP 2 over 2 ranks with unequal work: a rank with no rows left (or none at all) runs dummy forwards of zero
-    rows, so its experts still serve its peer's tokens; the tokens are those of a dense engine in one process."""
+    """EP 2 over 2 ranks with unequal work: a rank with fewer prefill buckets, no rows left (or none at all) runs
+    dummy forwards of zero rows, so its experts still serve its peer's tokens; the tokens are those of a dense
+    engine in one process, rows with no budget and rows finishing at their first token included."""
     from tests.distributed import run_distributed
     out = run_distributed(_lockstep_rank, world_size=2, timeout_s=120)
-    for rank, (got, want, dummies, greedy, want_greedy) in enumerate(out):
+    for rank, (got, want, dummies, buckets, mixed, greedy, want_greedy) in enumerate(out):
         assert got == want, rank
         assert greedy == want_greedy, rank
-    assert out[1][2] > 0  # rank 1 finished first and idled through rank 0's forwards
+    (got, _, _, buckets0, mixed0, _, _), (_, _, dummies1, buckets1, _, _, _) = out
+    assert buckets0 >= 2 and buckets1 == 1  # the ranks' first prefills run different numbers of forwards
+    assert mixed0, "the test needs a call that merges new rows into held ones"
+    assert got[2] == [] and len(got[3]) == 1  # budget 0: no token; budget 1: done at step 0
+    assert dummies1 > 0  # rank 1 finished first and idled through rank 0's forwards

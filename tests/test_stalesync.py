@@ -570,3 +570,64 @@ def _saved(sd):
     buf = io.BytesIO()
     torch.save(sd, buf)
     return buf.getvalue()
+
+
+def test_a_per_token_field_that_does_not_cover_its_tokens_is_refused_naming_the_sample():
+    """A field the sampler returns on some calls only, and a checkpoint whose sample lacks a field its peers hold, are
+    refused (take(), state_dict(), load_state_dict()), naming the sample and the field; none: Batch.per_token {}."""
+    cfg = StaleConfig(staleness=1, groups_per_step=1, group_size=2, threshold=1.0, chunk_steps=2)
+    prompt = lambda slot, attempt: torch.tensor([2, 3])  # noqa: E731
+
+    class Sometimes(TaggingSampler):  # the field from the second call on
+        def __call__(self, contexts, seeds, n_done, max_steps):
+            out = super().__call__(contexts, seeds, n_done, max_steps)
+            out.per_token = out.per_token if int(n_done.max()) > 0 else {}
+            return out
+
+    sched = StaleSync(cfg, Sometimes(lambda s: 5), prompt)
+    sched.admit(), sched.decode(), sched.decode()  # 2 tokens without the field, then 2 with it
+    with pytest.raises(ValueError, match=r"sample 0: per_token\['tag'\] holds 2 entries for its 4 tokens"):
+        sched.state_dict()
+    with pytest.raises(ValueError, match=r"sample 0: per_token\['tag'\] holds 3 entries for its 5 tokens"):
+        sched.rollout()
+    good = StaleSync(cfg, TaggingSampler(lambda s: 5), prompt)
+    good.admit(), good.decode()
+    sd = good.state_dict()
+    del sd["pool"][0]["samples"][1]["per_token"]  # as a checkpoint saved before the field existed, for one sample
+    with pytest.raises(ValueError, match=r"sample 1: per_token\['tag'\] holds 0 entries for its 2 tokens"):
+        StaleSync(cfg, TaggingSampler(lambda s: 5), prompt).load_state_dict(sd)
+    assert StaleSync(cfg, ScriptedSampler(lambda s: 2), prompt).rollout().per_token == {}
+
+
+class IdleCounting(ScriptedSampler):
+    """ScriptedSampler that counts its calls and its idle() calls."""
+
+    def __init__(self, length_of):
+        super().__init__(length_of)
+        self.calls = self.idles = 0
+
+    def __call__(self, contexts, seeds, n_done, max_steps):
+        self.calls += 1
+        return super().__call__(contexts, seeds, n_done, max_steps)
+
+    def idle(self):
+        self.idles += 1
+
+
+def test_decode_calls_idle_exactly_when_no_row_is_in_flight():
+    """decode() with no row in flight calls idle() in place of step_fn (a lock-step engine's rank joins its peers'
+    forwards there): the step_fn's own, or its owner's for a bound method, or the idle= given, which wins."""
+    cfg = StaleConfig(staleness=1, groups_per_step=1, group_size=2, threshold=0.5, chunk_steps=2)
+    prompt = lambda slot, attempt: torch.tensor([2, 3])  # noqa: E731
+    for bound in (False, True):
+        sampler = IdleCounting(lambda s: 3)
+        sched = StaleSync(cfg, sampler.__call__ if bound else sampler, prompt)
+        assert sched.decode() == 0 and (sampler.idles, sampler.calls) == (1, 0)  # nothing admitted yet
+        sched.admit()
+        while sched.in_flight():
+            assert sched.decode() > 0 and sampler.idles == 1  # rows in flight: the sampler, never idle()
+        assert sampler.calls == 2 and sched.decode() == 0 and (sampler.idles, sampler.calls) == (2, 2)
+    given = []
+    sched = StaleSync(cfg, sampler, prompt, idle=lambda: given.append(1))
+    assert sched.decode() == 0 and given == [1] and sampler.idles == 2  # the override, not the owner's
+    assert StaleSync(cfg, ScriptedSampler(lambda s: 3), prompt).decode() == 0  # no idle anywhere: nothing to call
