@@ -89,6 +89,8 @@ class Config:
                                     "plus the reference model, kept on host except while it computes")
     infer_tp: int = flag(1, "tensor-parallel degree of the rollout engine: 1, 2 or 4 (colocated modes)")
     bucket_kb: int = flag(256, "bucket size in KiB for building and pushing inference weights")
+    train_pp: int = flag(1, "pipeline stages in training (pipeline.py): each holds n_layers / train_pp blocks on "
+                            "world / train_pp ranks (FSDP2 over them); 1: no pipeline")
     train_ep: int = flag(0, "expert-parallel degree in training, re-sharded at each phase change "
                             "(moe_switch.py); 0: the experts are FSDP-sharded like every weight")
     infer_ep: int = flag(0, "expert-parallel degree of the rollout engine (with --train-ep); above 1 its ranks decode "
@@ -231,6 +233,7 @@ def layout_errors(cfg, world):
             errors.append(f"--train-ep {cfg.train_ep} and --infer-ep {cfg.infer_ep}: one must divide the other, so "
                           "that the two expert layouts nest and the switch holds no more than its target and one "
                           "bucket")
+    errors += pipeline_errors(cfg, world)
     roles = Roles(world, separated, cfg.infer_tp)
     trainers = max(1, len(roles.trainers))
     if cfg.prompts_per_step < 1 or cfg.prompts_per_step % max(roles.replicas, 1):
@@ -250,7 +253,33 @@ def layout_errors(cfg, world):
 # Sizes: every count that a shape, a batch or a loop divides by or runs over, >= 1; counts that may be 0, >= 0.
 POSITIVE = ("max_digits", "eval_prompts", "d_model", "n_layers", "n_heads", "n_experts", "top_k", "d_expert",
             "warmup_batch", "steps", "prompts_per_step", "group_size", "filter_limit", "updates_per_batch",
-            "micro_batches", "chunk_steps", "max_new_tokens", "bucket_kb", "eval_every", "log_every", "pg_timeout_s")
+            "micro_batches", "chunk_steps", "max_new_tokens", "bucket_kb", "eval_every", "log_every", "pg_timeout_s",
+            "train_pp")
+def pipeline_errors(cfg, world):
+    """--train-pp: what pipeline.py supports, checked before any collective."""
+    pp = cfg.train_pp
+    if pp == 1:
+        return []
+    if pp < 1 or world % pp or cfg.n_layers % pp:
+        return [f"--train-pp {pp} must divide the world size {world} and --n-layers {cfg.n_layers}"]
+    errors, dp = [], world // pp
+    unsupported = {"--deploy separated": cfg.deploy == "separated", f"--train-ep {cfg.train_ep}": cfg.train_ep > 0,
+                   "--routing-replay 1": cfg.routing_replay}
+    for what, bad in unsupported.items():
+        if bad:
+            errors.append(f"--train-pp {pp} with {what} is not supported yet (colocated, without EP and without "
+                          "routing replay)")
+    per_pipe, chunks = cfg.prompts_per_step * cfg.group_size // dp, cfg.micro_batches * cfg.updates_per_batch
+    if (cfg.prompts_per_step * cfg.group_size) % dp or per_pipe % chunks:
+        errors.append(f"--train-pp {pp}: each of the {dp} pipelines trains prompts_per_step x group_size / {dp} = "
+                      f"{per_pipe} rows, which must split into --micro-batches x --updates-per-batch = {chunks} "
+                      "micro-batches of one size (a stage's shapes are fixed)")
+    if cfg.warmup_steps and (cfg.warmup_batch % dp or (cfg.warmup_batch // dp) % cfg.micro_batches):
+        errors.append(f"--train-pp {pp}: --warmup-batch {cfg.warmup_batch} must split over {dp} pipelines into "
+                      f"--micro-batches {cfg.micro_batches} micro-batches of one size")
+    return errors
+
+
 NON_NEGATIVE = ("warmup_steps", "train_ep", "infer_ep", "seed", "save_every", "keep_last")
 
 

@@ -1,37 +1,49 @@
 # Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (the LICENSE file).
 """RL Fusion: the actor's training and its rollout share every device, one phase at a time.
 
-  TRAIN    FSDP2 parameter shards over all W ranks, their grads and the AdamW states, on the device.
+  TRAIN    FSDP2 parameter shards over all W ranks (or pipeline stages: below), their grads and the AdamW
+           states, on the device.
   ROLLOUT  the inference layout, TP degree t and W/t replicas: each rank holds its TP piece of every
            weight, built from the shards, and the engine's KV cache; grads and AdamW states wait on host.
 to_rollout() copies the grads and AdamW states into the actor's host buffers and frees their device
 storages (offload: the tensors stay in the optimizer, their storages resized to 0), then builds the
-engine's weights from the shards bucket by bucket, holding at most one bucket more. to_train() frees
-them and copies the host buffers back into the same storages (reload), bit for bit. State that changes
-layout too (the experts of expert_parallel.py, re-sharded by moe_switch.py) rides along as a "mover".
+engine's weights from the training layout bucket by bucket, holding at most one bucket more. to_train()
+frees them and copies the host buffers back into the same storages (reload), bit for bit. State that
+changes layout too (the experts of expert_parallel.py, re-sharded by moe_switch.py) rides along as a "mover".
+
+The training layout may be pipeline stages: stage s's layers on its own ranks (FSDP2 over a 1-D mesh of
+them, or whole on one rank), its module carrying the whole model's names for its parameters. The actor
+learns at construction which ranks hold each weight (union_meta: one all_gather_object; the same list of
+Weights, in the same order, on every rank) and builds every weight on every rank from its owners: they copy
+their rows into place, one broadcast per owner's piece brings them to the others (a non-owner receives
+the whole weight); the engine is the whole model on every rank, TP x DP over all W, as without stages.
 
 A switch's path is two choices; FusedActor.path names it, and train_grpo.py prints it once at start.
   The engine's weights (inplace=; FusedActor._fill)
     in place      TP 1, the engine's parameters are the model's: the gather writes straight into them.
     load_weights  any TP: a bucket of full weights handed to engine.load_weights (vLLM's interface), which
                   cuts its TP piece, fuses, renames and copies.
-  The bytes' way to every rank (transport=; the seam: Broadcasts)
-    Broadcasts    this file, any backend and hosts: for each weight, each rank copies its own rows into place,
-                  then W in-place broadcasts, one per owner, bring the others' (gather_into).
+  The bytes' way to every rank (transport=; the seam: Broadcasts); the training layout may be pipeline stages
+    Broadcasts    this file, any backend and hosts: for each weight, each owner copies its own rows into place,
+                  then one in-place broadcast per owner's piece (W under FSDP2 over all ranks, a stage's ranks
+                  under PP, none for a weight every rank holds whole) brings them to the others (gather_into).
     SharedMemory  shm_transport.py, the ranks of one host on CPU: each copies its peers' rows out of their
                   shared memory, one copy per byte, as verl and NeMo-RL read a GPU node's through CUDA IPC.
+                  Shards over all W ranks only: under pipeline stages its connect() returns None (Broadcasts).
   train_grpo.py: in place at TP 1, else load_weights; on CPU on one host SharedMemory (Broadcasts where it
   cannot connect); on GPUs, one node or several, Broadcasts over nccl (not yet run with over one rank).
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
-  1. FSDP (ZeRO-3) to train, TP to generate (every rank gathers every weight); EP in expert_parallel.py; no PP.
+  1. FSDP (ZeRO-3) to train, or PP stages (each FSDP2 over its ranks, or whole on one); TP to generate (every
+     rank gathers every weight, the engine is not pipelined); EP in expert_parallel.py (not yet under PP).
   2. The training shards stay on the device in ROLLOUT (1/W of the model); offload_params=True moves them.
   3. The actor frees the engine's weights in TRAIN (vLLM's sleep mode would); the KV cache is the engine's.
 The calls that would read a freed storage, and crash the process, raise instead, naming the phase: the
 engine in TRAIN, optimizer.step() or a backward in ROLLOUT, the model in ROLLOUT under offload_params.
 (Other reads of the grads or states in ROLLOUT, zero_grad(set_to_none=False) or clipping, are not guarded.)
 
-Run: python -m pytest tests/test_fusion.py   (exactness W 1/2 x t 1/2, bit-identical training, memory; W 4: -m slow)
+Run: python -m pytest tests/test_fusion.py   (exactness W 1/2 x t 1/2, bit-identical training, memory, PP 2 stages
+     at W 2; W 4, PP 2 x FSDP 2 among them: -m slow)
 
 Using this file elsewhere: torch >= 2.6, gloo or nccl, a model and an engine as FusedActor says. Example, a
 vLLM-shaped engine on 2 gloo processes (tests/test_copy_alone.py runs it in a folder holding only this file):
@@ -77,10 +89,12 @@ vLLM-shaped engine on 2 gloo processes (tests/test_copy_alone.py runs it in a fo
             port = s.getsockname()[1]
         mp.spawn(rank_main, args=(2, port), nprocs=2)
 
-Shapes: W world size, t TP degree, W/t DP replicas, B bucket bytes, c = ceil(rows / W) rows per shard.
+Shapes: W world size, t TP degree, W/t DP replicas, B bucket bytes, d a weight's owners (W under FSDP2 over all
+ranks, a stage's ranks under PP), c = ceil(rows / d) rows per shard.
 """
 import time
 from contextlib import contextmanager, suppress
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -142,16 +156,86 @@ def reshard_all(module):
             m.reshard()
 
 
+class Weight(NamedTuple):
+    """A weight to build, and where the training layout holds it. owners (global ranks) hold Shard(0) pieces of it
+    in that order (sharded: c = ceil(rows / d) rows each over the d owners, the last shorter or empty: FSDP2 over
+    all W ranks, or over a pipeline stage's), or each holds it whole (a plain stage, or a plain model)."""
+    name: str
+    shape: tuple
+    dtype: torch.dtype
+    owners: tuple
+    sharded: bool
+
+
+def _rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _group_ranks(group):
+    """The global ranks of group (None: the default group; a single process without one: [0])."""
+    if group is not None:
+        return dist.get_process_group_ranks(group)
+    return list(range(dist.get_world_size())) if dist.is_initialized() else [0]
+
+
+def _weight(name, p):
+    """p's Weight as this rank sees it: a DTensor's owners are its mesh's global ranks; a plain tensor's, this rank."""
+    if isinstance(p, DTensor):
+        return Weight(name, tuple(p.shape), p.dtype, tuple(p.device_mesh.mesh.flatten().tolist()), True)
+    return Weight(name, tuple(p.shape), p.dtype, (_rank(),), False)
+
+
+def _mine(p):
+    """This rank's rows of parameter p: its Shard(0) piece (<= c, ...), the whole tensor, or None (not held)."""
+    return p._local_tensor if isinstance(p, DTensor) else None if p is None else p.detach()
+
+
 def weight_meta(module):
-    """[(name, full shape, dtype)] of a module's parameters: the same on every rank, without communication."""
-    return [(n, tuple(p.shape), p.dtype) for n, p in module.named_parameters()]
+    """[Weight] of this rank's parameters, in the module's order, without communication (which other ranks
+    hold a plain one too, union_meta finds out)."""
+    return [_weight(n, p) for n, p in module.named_parameters()]
+
+
+def union_meta(mine):
+    """The weights to build: the union over ranks of each rank's weight_meta (one all_gather_object), the same
+    list in the same order on every rank: rank 0's, then the names each next rank adds (pipeline stages on
+    ascending ranks: stage by stage). A weight held whole by several ranks is held by each (a plain model: by
+    every rank, which then copies its own). Raises on every rank, before any gather, where two ranks' reports
+    of a weight disagree."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(mine)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, [tuple(w) for w in mine])  # plain tuples: a receiver needs no class
+    reports = {}  # name -> [(rank, Weight)], in first-seen order
+    for rank, weights in enumerate(everyone):
+        for w in map(Weight._make, weights):
+            reports.setdefault(w.name, []).append((rank, w))
+    return [_agreed(name, said) for name, said in reports.items()]
+
+
+def _held_as(w):
+    return f"{'Shard(0) over' if w.sharded else 'whole on'} ranks {list(w.owners)}, {w.shape} {w.dtype}"
+
+
+def _agreed(name, said):
+    """One Weight from every holder's report of it [(rank, Weight)], or a ValueError naming it where two disagree."""
+    (r0, w0), holders = said[0], tuple(rank for rank, _ in said)
+    for rank, w in said[1:]:
+        if (w.shape, w.dtype, w.sharded) != (w0.shape, w0.dtype, w0.sharded) or (w.sharded and w.owners != w0.owners):
+            raise ValueError(f"{name}: rank {r0} holds it {_held_as(w0)}; rank {rank} {_held_as(w)}: the ranks that "
+                             "hold a weight must agree on its owners, shape and dtype (a pipeline stage's parameters "
+                             "sharded over that stage's one mesh, or whole)")
+    if w0.sharded and set(holders) != set(w0.owners):
+        raise ValueError(f"{name}: {_held_as(w0)}, but ranks {list(holders)} hold it: every rank of its mesh must")
+    return w0 if w0.sharded else w0._replace(owners=holders)
 
 
 def plan_buckets(meta, bucket_bytes):
     """Consecutive weights of one dtype, grouped so that each bucket's gathered bytes <= B; the same plan on
     every rank. The naive switch is a B as large as the model: a whole extra model on every rank."""
     buckets, size = [], 0
-    for name, shape, dtype in meta:
+    for w in meta:  # Weight, or (name, shape, dtype)
+        name, shape, dtype = w[:3]
         nb = torch.Size(shape).numel() * dtype.itemsize
         if nb > bucket_bytes:
             raise ValueError(f"bucket_bytes {bucket_bytes} is smaller than weight {name} {shape} "
@@ -159,36 +243,40 @@ def plan_buckets(meta, bucket_bytes):
         if not buckets or size + nb > bucket_bytes or dtype != buckets[-1][0][2]:
             buckets.append([])
             size = 0
-        buckets[-1].append((name, shape, dtype))
+        buckets[-1].append(w)
         size += nb
     return buckets
 
 
 def bucket_views(bucket, device):
     """One flat buffer for a bucket and, per weight, its full view (rows, ...) into it."""
-    sizes = [torch.Size(shape).numel() for _, shape, _ in bucket]
+    sizes = [torch.Size(w[1]).numel() for w in bucket]
     flat = torch.empty(sum(sizes), dtype=bucket[0][2], device=device)
-    return flat, [(name, v.view(shape)) for (name, shape, _), v in zip(bucket, flat.split(sizes))]
+    return flat, [(w[0], v.view(w[1])) for w, v in zip(bucket, flat.split(sizes))]
 
 
-def gather_into(p, out, works):
-    """Fill out (rows, ...), a contiguous full-size tensor, with the full weight of p: FSDP2 shards (Shard(0),
-    c = ceil(rows / W) rows each, the last shorter or empty) or a plain tensor. Each rank copies its own rows
-    into place; W in-place broadcasts, one per owner, appended to works (async), fill the rest. Not one
-    all-gather: gloo's ran well below its broadcast's bandwidth on CPU (git log -p bench/RESULTS.md)."""
-    if not isinstance(p, DTensor):
-        out.copy_(p.detach())
-        return
-    mesh, local = p.device_mesh, p._local_tensor                          # (<= c, ...) this rank's rows
-    w, rows = mesh.size(), out.shape[0]
-    r, c = mesh.get_local_rank(), -(-rows // w)
-    out[r * c:r * c + local.shape[0]].copy_(local)
-    if w > 1:
-        g = mesh.get_group()
-        for src in range(w):
-            piece = out[src * c:min((src + 1) * c, rows)]                # (<= c, ...) owner src's rows
-            if piece.numel():
-                works.append(dist.broadcast(piece, src=dist.get_global_rank(g, src), group=g, async_op=True))
+def gather_into(out, mine, w, works, group=None):
+    """Fill out (rows, ...), a contiguous full-size tensor, with the weight w (a Weight) from its owners. mine:
+    this rank's rows of it (its Shard(0) piece or the whole), None where it holds none. An owner copies its rows
+    into place; then one in-place broadcast per piece that a rank of group lacks, from its owner, appended to
+    works (async). Every rank of group calls it: the owners and every rank that needs w (a non-owner just
+    receives; so does a whole weight's owner other than the first, where a rank lacks it). Returns the bytes
+    this rank receives. Not one all-gather: gloo's ran well below its broadcast's bandwidth on CPU (git log -p
+    bench/RESULTS.md)."""
+    me, members = _rank(), set(_group_ranks(group))
+    if w.sharded:  # owner i's rows [i * c, (i + 1) * c)
+        c = -(-out.shape[0] // len(w.owners))
+        pieces = [(src, {src}, out[i * c:(i + 1) * c]) for i, src in enumerate(w.owners)]    # (<= c, ...) each
+    else:  # whole on each owner: the first sends it
+        pieces = [(w.owners[0], set(w.owners), out)]
+    received = 0
+    for src, holders, piece in pieces:
+        if me in holders:
+            piece.copy_(mine)                                      # its own rows, into place
+        if piece.numel() and not members <= holders:               # a rank of group lacks them: one broadcast
+            works.append(dist.broadcast(piece, src=src, group=group, async_op=True))
+            received += piece.nbytes if me != src else 0
+    return received
 
 
 # ----------------------------------------------------------------------------- the transport seam
@@ -196,17 +284,25 @@ class Broadcasts:
     """The portable transport (any backend, any hosts): gather_into's broadcasts. The seam, what FusedActor calls
     of a transport (shm_transport.SharedMemory is the other one):
       keeps_shards        True where the shards must stay in their storages: FusedActor refuses offload_params
-      gathering(params)   a context around a switch's whole gather; leaving it, the ranks agree on an ok flag:
+      gathering(params, layout)
+                          a context around a switch's whole gather; leaving it, the ranks agree on an ok flag:
                           where one raised inside, every other raises too, none waiting out a timeout
-      fill(params, outs)  fills each (name, full-size destination) with the full weight of params[name]
-                          (collective: every rank passes the same names, in the same order)
-      close()             releases what the transport holds (here, nothing)"""
+      fill(params, outs, layout)
+                          fills each (name, full-size destination) with the full weight of that name, from its
+                          owners (collective: every rank passes the same names, in the same order); returns the
+                          bytes this rank received
+      close()             releases what the transport holds (here, nothing)
+    layout: {name: Weight}, FusedActor's (the union over ranks: the training layout may be pipeline stages, a
+    rank holding no row of a weight); both run over the default group then, as every rank needs every weight.
+    None (push_weights's trainers): read off params, every rank holds every name, a DTensor gathered over
+    its mesh's group, a plain tensor copied."""
     keeps_shards = False
 
     @contextmanager
-    def gathering(self, params):
-        mesh = next((p.device_mesh for p in params.values() if isinstance(p, DTensor)), None)  # None: a plain model
-        group = mesh.get_group() if mesh is not None else None  # None: the default group, if any
+    def gathering(self, params, layout=None):
+        mesh = None if layout is not None else next((p.device_mesh for p in params.values() if isinstance(p, DTensor)),
+                                                    None)
+        group = mesh.get_group() if mesh is not None else None  # None: the default group (a layout's: every rank)
         ok = torch.ones(1, device=next(iter(params.values())).device)
         agree = dist.is_initialized() and dist.get_world_size(group) > 1
         try:
@@ -221,12 +317,19 @@ class Broadcasts:
         if not ok.item():
             raise RuntimeError("another rank failed in this switch (its error is in its output); back in TRAIN")
 
-    def fill(self, params, outs):
-        works = []  # issued asynchronously, waited for together
+    def fill(self, params, outs, layout=None):
+        works, received = [], 0  # issued asynchronously, waited for together
         for name, out in outs:
-            gather_into(params[name], out, works)
+            p = params.get(name)
+            if layout is not None:  # over the default group
+                received += gather_into(out, _mine(p), layout[name], works)
+            elif isinstance(p, DTensor):
+                received += gather_into(out, _mine(p), _weight(name, p), works, p.device_mesh.get_group())
+            else:  # whole on every rank
+                out.copy_(p.detach())
         for work in works:
             work.wait()
+        return received
 
     def close(self):
         pass
@@ -264,14 +367,14 @@ def push_weights(model, engine, src, group, bucket_bytes):
 
 # ----------------------------------------------------------------------------- the two phases
 def _check(model, optimizer):
-    """Everything FusedActor needs of the model and its optimizer, checked before any collective."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    """Everything FusedActor needs of this rank's model and its optimizer, checked before any collective."""
     if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
         raise ValueError("the model is in FSDP1 (FullyShardedDataParallel): this needs FSDP2's fully_shard(module)")
     for n, p in model.named_parameters():
-        if isinstance(p, DTensor) and (p.device_mesh.shape, tuple(p.placements)) != ((world,), (Shard(0),)):
-            raise ValueError(f"{n}: placements {p.placements} on mesh {p.device_mesh}; expected Shard(0) "
-                             f"over a 1-D mesh of all {world} ranks (fully_shard(module) with the default mesh)")
+        if isinstance(p, DTensor) and (p.device_mesh.ndim, tuple(p.placements)) != (1, (Shard(0),)):
+            raise ValueError(f"{n}: placements {p.placements} on a {p.device_mesh.ndim}-D mesh {p.device_mesh}; "
+                             "expected Shard(0) over a 1-D mesh (fully_shard(module) over all ranks, or over a "
+                             "pipeline stage's ranks)")
     mine = {id(p) for p in model.parameters()}
     foreign = sum(id(p) not in mine for g in optimizer.param_groups for p in g["params"])
     if foreign:  # fully_shard replaces the parameters: an optimizer built before it would move no state
@@ -294,10 +397,13 @@ class _BackwardCheck(torch.autograd.Function):
 
 class FusedActor:
     """The actor in two phases on the same devices; starts in TRAIN.
-      model, optimizer  FSDP2 (not FSDP1) over a 1-D mesh of all W ranks, or plain; the optimizer built after.
+      model, optimizer  this rank's: FSDP2 (not FSDP1) over a 1-D mesh of all W ranks, or plain; or, under pipeline
+                        parallelism, its stage's module (its parameters under the whole model's names), FSDP2 over
+                        a 1-D mesh of the stage's ranks, or plain on one rank. The optimizer built after.
       engine            an nn.Module, its weights freed in TRAIN; load_weights(iterable of (name, full tensor))
                         loads them into its own (cuts its TP piece, fuses, renames, copies: the tensors live for
                         the call only) and returns the names of its parameters it loaded, as vLLM's loaders do.
+                        The engine is the whole model on every rank, whatever the stages.
       inplace           True (TP 1): the gather writes into the engine's parameters, the model's by name and shape.
       offload_params    the training shards go to host memory too in ROLLOUT.
       movers            objects with to_rollout() and to_train(), called last in to_rollout() and first in
@@ -317,10 +423,11 @@ class FusedActor:
         self.device = next(model.parameters()).device
         self.skip = {n for m in self.movers for n in getattr(m, "names", ())}
         self.path = f"{'in place' if inplace else 'load_weights'}, {type(self.transport).__name__}"
-        meta, eng = [m for m in weight_meta(model) if m[0] not in self.skip], self._engine_weights()
-        self.buckets = plan_buckets(meta, bucket_bytes)
-        if inplace and not ({n for n, *_ in meta} == set(eng) and all(
-                tuple(eng[n].shape) == s and eng[n].dtype == d and eng[n].is_contiguous() for n, s, d in meta)):
+        # the weights to build: the union of every rank's (collective), [Weight] the same on every rank
+        meta, eng = union_meta([w for w in weight_meta(model) if w.name not in self.skip]), self._engine_weights()
+        self.layout, self.buckets = {w.name: w for w in meta}, plan_buckets(meta, bucket_bytes)
+        if inplace and not ({w.name for w in meta} == set(eng) and all(
+                tuple(eng[n].shape) == s and eng[n].dtype == d and eng[n].is_contiguous() for n, s, d, *_ in meta)):
             raise ValueError("inplace=True needs engine parameters with the model's names, full shapes and dtypes "
                              "(TP 1), contiguous; use inplace=False (load_weights)")
         self.phase, self.round_trips, self.stats = TRAIN, 0, {}
@@ -369,7 +476,10 @@ class FusedActor:
             torch.cuda.memory_allocated(self.device)
 
     def metrics(self):
-        """Flat dict for metrics.jsonl: mem/*, time/to_rollout_s, time/to_train_s, switch/*, the movers' stats."""
+        """Flat dict for metrics.jsonl: mem/*, time/to_rollout_s, time/to_train_s, switch/*, the movers' stats.
+        switch/gather_bytes: the weights' bytes built on this rank (its own rows' copies included);
+        switch/received_bytes: those it received from other ranks; switch/received_min_bytes: the least it could
+        (the weights' bytes less the rows it holds)."""
         out = dict(self.stats, **{"switch/round_trips": self.round_trips, "switch/bucket_bytes": self.bucket_bytes,
                                   "switch/buckets": len(self.buckets)})
         for m in self.movers:
@@ -396,8 +506,8 @@ class FusedActor:
             with self._timed("alloc"):  # 2. the inference weights: allocated once, gathered into bucket by bucket
                 for p in eng.values():
                     p.untyped_storage().resize_(p.nbytes)
-            with self._timed("gather"), self.transport.gathering(params):
-                extra, gathered = self._fill(params, eng)
+            with self._timed("gather"), self.transport.gathering(params, self.layout):
+                extra, gathered, received, least = self._fill(params, eng)
             if self.offload_params:  # 3. the training shards too (1/W of the model, needed first thing back)
                 off = storages([p for n, p in params.items() if n not in self.skip], self.device)
                 self._param_hosts, self._param_off = offload(off, self._param_hosts), off
@@ -414,20 +524,24 @@ class FusedActor:
             raise
         self._finish(ROLLOUT, t0)
         moved = 2 * self.stats["switch/offload_bytes"] + gathered  # per round trip
-        self.stats.update({"switch/peak_extra_bytes": extra, "switch/gather_bytes": gathered, "switch/bytes": moved})
+        self.stats.update({"switch/peak_extra_bytes": extra, "switch/gather_bytes": gathered, "switch/bytes": moved,
+                           "switch/received_bytes": received, "switch/received_min_bytes": least})
         return self.engine
 
     def _fill(self, params, eng):
         """Every bucket into the engine's weights: in place, or a bucket buffer handed to load_weights, whose error is
-        held while this rank gathers on with its peers. Returns (most bytes held beyond them, bytes gathered)."""
-        extra, gathered, loaded, error = 0, 0, set(), None
+        held while this rank gathers on with its peers. Returns (most bytes held beyond them, bytes gathered, bytes
+        received from other ranks, the least it could receive: the weights' bytes less the rows it holds)."""
+        extra, gathered, received, least, loaded, error = 0, 0, 0, 0, set(), None
         for bucket in self.buckets:
             if self.inplace:  # the engine's weights are the model's, by name and full shape
                 flat, outs = None, [(name, eng[name].detach()) for name, *_ in bucket]
             else:
                 flat, outs = bucket_views(bucket, self.device)
-            self.transport.fill(params, outs)
+            received += self.transport.fill(params, outs, self.layout)
             gathered += sum(t.nbytes for _, t in outs)
+            held = sum(_mine(params[n]).nbytes for n, _ in outs if n in params)  # this rank's own rows
+            least += sum(t.nbytes for _, t in outs) - held
             if self.inplace:
                 loaded |= {name for name, _ in outs}
             elif error is None:
@@ -444,7 +558,7 @@ class FusedActor:
                                "one (or a mover name it) and return the engine parameter names it loaded")
         if error is not None:
             raise error
-        return extra, gathered
+        return extra, gathered, received, least
 
     @torch.no_grad()
     def to_train(self):

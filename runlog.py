@@ -17,6 +17,7 @@ from tqdm import tqdm
 import checkpoint
 import expert_parallel
 import grpo
+import pipeline
 import timeline
 
 # time/<key>_s in metrics.jsonl: the seconds a step spent in spans of these names
@@ -37,6 +38,14 @@ def _step(line):
         return json.loads(line)["step"]
     except (ValueError, KeyError):
         return None
+
+
+def lockstep_counts(run):
+    """The engine's lock-step counts so far, this rank's (rank 0's in metrics.jsonl): forwards of zero rows run for
+    its peers, and agreements (one all-reduce each); 0 without a lock-step engine (--infer-ep 1, a trainer rank)."""
+    lockstep = run.sampler.lockstep if run.sampler is not None else None
+    return {"lockstep/dummy_forwards": lockstep.dummy_forwards if lockstep is not None else 0,
+            "lockstep/agreements": lockstep.agreements if lockstep is not None else 0}
 
 
 class RunLog:
@@ -144,7 +153,7 @@ class RunLog:
                 "rollout/yield": kept / (kept + s["filtered"] + s["regenerated"]),
                 "rollout/prompt_digits_mean": s["prompt_digits"] / rows,
                 "train/skipped_steps": self.skipped,  # optimizer steps skipped for a non-finite gradient, so far
-                **(run.queue.metrics() if self.file else {}), **extra}  # rank 0 writes the record
+                **lockstep_counts(run), **(run.queue.metrics() if self.file else {}), **extra}  # rank 0 writes it
 
     def warmed_up(self, evaluation):
         """Step 0: the held-out accuracy after the warm-up, the "before" figure."""
@@ -179,7 +188,8 @@ class RunLog:
         collective over the trainers), to compare runs by; wall_s: this run's seconds, plus, after a resume,
         those up to the checkpoint."""
         run = self.run
-        full = expert_parallel.dense_state_dict(run.model) if run.model is not None else None
+        gather = pipeline.full_state_dict if run.pipe is not None else expert_parallel.dense_state_dict
+        full = gather(run.model) if run.model is not None else None
         params_sha256 = checkpoint.params_sha256(full) if full is not None else None
         q = run.queue.metrics()
         kept = self.last_step * run.cfg.prompts_per_step  # the groups trained, in every step so far

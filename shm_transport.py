@@ -39,11 +39,17 @@ Safety rules:
   4. Shards stay shared. A storage in shared memory must never be freed and grown back (torch crashes the
      process), so keeps_shards is True: FusedActor refuses offload_params, fusion.offload a shared storage.
   5. Fallbacks. connect() returns None on every rank together where any rank cannot connect (tensors not
-     on CPU, one rank, another node, no /dev/shm, too little room there, too few file descriptors, a peer's
-     file that cannot be opened or is not the one announced); the caller then takes fusion.Broadcasts. A
-     peer missing at a barrier for timeout_s raises TimeoutError; one that exited, RuntimeError at once.
+     on CPU, one rank, shards not over all W ranks (pipeline stages), another node, no /dev/shm, too little
+     room there, too few file descriptors, a peer's file that cannot be opened or is not the one
+     announced); the caller then takes fusion.Broadcasts. A peer missing at a barrier for timeout_s raises
+     TimeoutError; one that exited, RuntimeError at once.
 Costs: /dev/shm holds the whole model (the shards of every rank), and each shard storage keeps a file
 descriptor open, for the life of the process.
+
+Pipeline stages (fusion.py's training layout may be stages, each FSDP2 over its own ranks or whole on one):
+connect() returns None on every rank (rule 5), and fusion.Broadcasts gathers each weight from its owners.
+Reading a stage's rows out of its owners' memory would need every rank's pieces shared with every rank, not
+only with its mesh: not done here.
 
 keep_freed_memory(), the other piece of CPU-host engineering a switch needs, makes the process keep the host
 memory a phase frees for the next phase, as CUDA's caching allocator keeps device memory.
@@ -109,7 +115,8 @@ class SharedMemory:
 
     @classmethod
     def connect(cls, model, timeout_s=300.0):
-        """A SharedMemory for the FSDP2 shards among model's parameters, or None where it cannot work (rule 5).
+        """A SharedMemory for the FSDP2 shards among model's parameters, or None where it cannot work (rule 5),
+        or where they are not over all W ranks (pipeline stages: fusion.Broadcasts gathers from the owners).
         Collective over the shards' group, and every rank gets the same answer, whichever rank fails where.
         Where it fails after the ranks began sharing, their shards stay in shared memory."""
         for m in model.modules():  # the shards, not the full weights FSDP2 leaves after a no-grad forward
@@ -119,6 +126,8 @@ class SharedMemory:
         shard = next((p for p in params.values() if isinstance(p, DTensor)), None)
         group = shard.device_mesh.get_group() if shard is not None else None
         if group is None or dist.get_world_size(group) < 2 or any(p.device.type != "cpu" for p in params.values()):
+            return None
+        if dist.get_world_size(group) != dist.get_world_size():  # pipeline stages: the same answer on every rank
             return None
         if not _one_node(group):  # rule 3, before anything is made
             return None
@@ -160,10 +169,11 @@ class SharedMemory:
         return cls(group, peer_rows, mine[1], readers, writers, timeout_s)
 
     @contextmanager
-    def gathering(self, params):
+    def gathering(self, params, layout=None):
         """Around a switch's gather of params ({name: parameter}): enter when every rank has come, its shards
         still the storages it shared (else ValueError on every rank); leave when every rank has read, where
-        one raised inside, with a RuntimeError on every other."""
+        one raised inside, with a RuntimeError on every other. layout: fusion's, not needed (connect() made
+        sure that every rank holds every weight: Shard(0) over all W ranks, or whole)."""
         moved = self._moved(params)
         if not self.barrier(ok=not moved):
             raise ValueError(f"the shards {moved[:4] or '(of another rank)'} are no longer the storages "
@@ -179,10 +189,12 @@ class SharedMemory:
         if not self.barrier(ok=True):
             raise RuntimeError("another rank failed in this switch (its error is in its output); back in TRAIN")
 
-    def fill(self, params, outs):
+    def fill(self, params, outs, layout=None):
         """Fill each (name, full-size destination (rows, ...)) with the full weight of params[name]: each owner's
         rows of its FSDP2 shard (Shard(0), c = ceil(rows / W) rows each, as fusion.gather_into lays them)
-        copied from its memory, this rank's from its own; a plain tensor copied. Inside gathering()."""
+        copied from its memory, this rank's from its own; a plain tensor copied. Inside gathering(). Returns
+        the bytes read from the peers' memory (layout: as in gathering())."""
+        received = 0
         for name, out in outs:
             p = params[name]
             if not isinstance(p, DTensor):
@@ -195,6 +207,8 @@ class SharedMemory:
                 rows = p._local_tensor if owner == self.rank else self.peer_rows[name][owner]   # (<= c, ...)
                 if rows is not None and rows.numel():
                     out[owner * c:owner * c + rows.shape[0]].copy_(rows)
+                    received += rows.nbytes if owner != self.rank else 0
+        return received
 
     def _moved(self, params):
         """Names of this rank's shards that are no longer the storages it shared."""

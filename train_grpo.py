@@ -52,6 +52,7 @@ import distqueue
 import expert_parallel
 import fusion
 import grpo
+import pipeline
 import shm_transport
 import stalesync
 import task
@@ -119,8 +120,8 @@ def colocated_loop(run):
         ref_logprobs = reference_logprobs(run, samples)
         # 5. GRPO updates over length-sorted micro-batches, data parallel (FSDP2)
         with spans("train"):
-            sums = grpo.grpo_update(run.model, run.optimizer, samples, run.algo, run.device,
-                                    run.train_group, ref_logprobs, run.clip_grads)
+            sums = run.update(run.model, run.optimizer, samples, run.algo, run.device,
+                              run.train_group, ref_logprobs, run.clip_grads)
         sched.update()  # the sampler now has the weights of version `step`
         learn_curriculum(run)  # the next prompts are drawn where this round's groups were informative
         last = out_of_time(run, step, mark)
@@ -160,8 +161,8 @@ def trainer_loop(run):
         ref_logprobs = reference_logprobs(run, samples)
         # 5. GRPO updates over length-sorted micro-batches, data parallel over the trainers (FSDP2)
         with spans("train"):
-            sums = grpo.grpo_update(run.model, run.optimizer, samples, run.algo, run.device,
-                                    run.train_group, ref_logprobs, run.clip_grads)
+            sums = run.update(run.model, run.optimizer, samples, run.algo, run.device,
+                              run.train_group, ref_logprobs, run.clip_grads)
         last = out_of_time(run, step, mark)
         # 6. push version `step` to the generators: they take it at their next decode-chunk boundary
         push_weights(run, step, last)
@@ -234,7 +235,11 @@ def read_share(run, step):
     n_local = per_step // roles.replicas
     ids = {run.queue.row_id(j, w) for w in roles.writers() for j in range((step - 1) * n_local, step * n_local)}
     with run.spans("queue"):
-        rows = run.queue.get("train", per_step, dp_group=run.train_group, only=ids)
+        if run.pipe is None:  # a token-balanced share of the batch
+            rows = run.queue.get("train", per_step, dp_group=run.train_group, only=ids)
+        else:  # PP: an equal count (fixed micro-batch shapes), read once per pipeline and broadcast to its stages
+            mine = set(sorted(ids)[run.data_index::run.data_size])
+            rows = run.queue.get("train", len(mine), group=run.pipe_group, only=mine)
     table = torch.stack(rows.cols["stale"]) if rows.ids else torch.zeros(0, len(STALE_FACTS), dtype=torch.long)
     stale = dict(zip(STALE_FACTS, table.unbind(1)))                                         # name -> (B,)
     ages = (step - 1) - stale["start_version"]                                              # (B,)
@@ -244,6 +249,7 @@ def read_share(run, step):
                "age_sum": float(ages.sum()), "age_max": float(ages.max()) if len(ages) else 0.0,
                "partial_continued": float((stale["versions"] > 1).sum()),
                "regenerated": float(stale["regenerated"].sum()), "filtered": float(stale["filtered"].sum())}
+    figures = {k: v if run.counts_rows else 0.0 for k, v in figures.items()}  # PP: a pipeline's rows counted once
     advantages = grpo.finish_advantages(rows.stack("advantage"), cfg.adv_estimator, run.device, run.train_group)
     routes = [r.long().view(len(t), cfg.n_layers, cfg.top_k)                                # (n_i, L, K) each
               for r, t in zip(rows.cols["routes"], rows.cols["response"])]
@@ -257,6 +263,8 @@ def reference_logprobs(run, samples):
     if run.reference is None:
         return None
     with run.spans("reference"), run.reference.on_device() as ref:
+        if run.pipe is not None:  # its own stages, through its own schedule (a Pipeline of the frozen stage)
+            return pipeline.logprobs(run.ref_pipe, samples, run.algo)
         return grpo.chunk_logprobs(ref, samples, run.algo, run.device)
 
 
@@ -373,15 +381,14 @@ def warm_up(run):
         return wait_for(run, [done], "end of trainer 0's warm-up", moving=heartbeat)
     optimizer = torch.optim.AdamW(expert_parallel.optimizer_groups(run.model), lr=cfg.warmup_lr, betas=(0.9, 0.98),
                                   weight_decay=0.0, foreach=True)
-    me = roles.trainers.index(run.rank)
-    n = cfg.warmup_batch // len(roles.trainers)
+    me, n = run.data_index, cfg.warmup_batch // run.data_size  # this rank's slice (its pipeline's, under PP)
     with run.spans("warmup"):
         for i in range(cfg.warmup_steps):
             if run.rank == 0:
                 run.store.set(heartbeat, str(i))
             prompts = run.warm_stream.next(cfg.warmup_batch)[me * n:(me + 1) * n]
-            grpo.supervised_step(run.model, optimizer, prompts, [task.answer(p) for p in prompts], run.device,
-                                 cfg.grad_clip, run.train_group, run.clip_grads)
+            run.supervised(run.model, optimizer, prompts, [task.answer(p) for p in prompts], run.device,
+                           cfg.grad_clip, run.train_group, run.clip_grads)
     if run.rank == 0:
         run.store.set(done, "1")
 
@@ -408,7 +415,15 @@ class Run:
     model: torch.nn.Module = None  # the trained policy, FSDP2 over the trainers
     optimizer: torch.optim.Optimizer = None
     algo: grpo.GRPOConfig = None
-    clip_grads: object = None     # grpo_update's clip: the experts' own under EP, else None (plain)
+    clip_grads: object = None     # grpo_update's clip: the experts' own under EP, the stages' under PP, else None
+    update: object = grpo.grpo_update  # a batch's GRPO updates; pipeline.grpo_update's partial under PP
+    supervised: object = grpo.supervised_step  # a warm-up step; pipeline.supervised_step's partial under PP
+    pipe: pipeline.Pipeline = None  # --train-pp: this rank's stage of the pipeline and its schedules
+    data_index: int = 0           # this rank's slice of a global batch (its pipeline's under PP), of data_size
+    data_size: int = 1
+    pipe_group: object = None     # --train-pp: this rank's pipeline (one rank per stage): it reads rows once
+    ref_pipe: pipeline.Pipeline = None  # --train-pp with a reference: its stage's pipeline
+    counts_rows: bool = True      # this rank's rows count in the step's figures (under PP: the last stage's)
     experts: expert_parallel.ExpertParallel = None  # --train-ep: the experts' layouts, grads and re-shard
     reference: fusion.HostOffloaded = None  # the frozen initial policy (kl_coef > 0 or colocated-all)
     engine: Policy = None         # the rollout engine (generators)
@@ -500,6 +515,9 @@ def build_policy(run):
         run.clip_grads = run.experts.clip_grads
     if rank not in roles.trainers:
         return
+    run.data_index, run.data_size = roles.trainers.index(rank), len(roles.trainers)
+    if cfg.train_pp > 1:  # this rank keeps its stage's blocks only, FSDP2 over the stage's ranks
+        model, mesh = apply_pipeline_parallel(run, model)
     ignored = set(run.experts.params(model)) if run.experts else None
     # One FSDP unit: sharded at rest, gathered whole by an update's first forward until the reduce-scatter after its
     # last backward (ZeRO-2's traffic: one gather, one reduce-scatter per optimizer step). A model too big to gather
@@ -512,6 +530,33 @@ def build_policy(run):
     run.optimizer = torch.optim.AdamW(expert_parallel.optimizer_groups(model), lr=cfg.lr, betas=(0.9, 0.98),
                                       weight_decay=0.0, foreach=True)
     run.algo = grpo_config(cfg)
+
+
+def apply_pipeline_parallel(run, model):
+    """--train-pp: the policy cut into stages (pipeline.py); this rank's Stage, the mesh of its stage's ranks (FSDP2's),
+    the pipeline's schedules, and the PP update, warm-up step, gradient clip and batch slice. Collective."""
+    from torch.distributed.device_mesh import DeviceMesh
+    cfg, rank = run.cfg, run.rank
+    layout = pipeline.PPLayout(cfg.train_pp, run.roles.world, cfg.n_layers)
+    stage_group, pipe_group = pipeline.new_groups(layout, cfg.pg_timeout_s)
+    run.pipe_group = pipe_group if run.device.type == "cpu" else pipeline.new_groups(  # the queue's: gloo
+        layout, cfg.pg_timeout_s, backend="gloo")[1]
+    stage = pipeline.split(model, layout, rank)
+    length = cfg.max_digits + 2 + cfg.max_new_tokens  # every row padded to the longest prompt + the budget
+    run.pipe = pipeline.Pipeline(stage, layout, rank, pipe_group, cfg.micro_batches, length, run.device)
+    run.update = functools.partial(pipeline.grpo_update, run.pipe)
+    run.supervised = functools.partial(pipeline.supervised_step, run.pipe)
+    run.clip_grads = functools.partial(pipeline.clip_grads, group=pipe_group)
+    run.data_index, run.data_size, run.counts_rows = rank % layout.dp, layout.dp, run.pipe.last
+    return stage, DeviceMesh.from_group(stage_group, run.device.type)
+
+
+def full_state_dict(model):
+    """The whole trained policy on every rank, in the dense model's names and order (collective): its stages
+    gathered under PP, its FSDP shards and EP experts otherwise. What a checkpoint's hash and the tests compare."""
+    if isinstance(model, pipeline.Stage):
+        return pipeline.full_state_dict(model)
+    return expert_parallel.dense_state_dict(model)
 
 
 def sample_seed(seed, slot, attempt, member):
@@ -573,7 +618,14 @@ def attach_reference(run):
     if run.model is None or not (run.cfg.kl_coef > 0 or run.cfg.deploy == "colocated-all"):
         return
     ref = Policy(model_config(run.cfg)).to(run.device).eval()
-    ref.load_state_dict(expert_parallel.dense_state_dict(run.model))
+    if run.pipe is not None:  # PP: the reference is stages too, each the copy of its policy stage
+        ref = pipeline.split(ref, run.pipe.layout, run.rank)
+        ref.load_state_dict({k: v.full_tensor() if hasattr(v, "full_tensor") else v
+                             for k, v in run.model.state_dict().items()})
+        run.ref_pipe = pipeline.Pipeline(ref, run.pipe.layout, run.rank, run.pipe.group, run.cfg.micro_batches,
+                                         run.pipe.length, run.device)
+    else:
+        ref.load_state_dict(expert_parallel.dense_state_dict(run.model))
     if run.experts:  # the policy's own EP layout and forward: the same log-probs, bit for bit, at step 1
         run.experts.shard(ref)
     ref.requires_grad_(False)

@@ -48,10 +48,18 @@ throughput on 2 cores). Three measurements, in the same run:
    memory. Through shared memory (shm_transport.py) a rank copies each gathered byte once, from its own
    shard or a peer's.
 
+   The PP -> TP switch (pp_*), interleaved with them: the same model cut by hand into 2 pipeline stages,
+   stage r (half the blocks; embed on stage 0, norm and head on stage 1) on rank r, plain, one AdamW step;
+   the same engine, the whole model on each rank. SharedMemory.connect() declines stages, so the actor
+   gathers by broadcasts from each weight's owner: each rank receives exactly the other stage's bytes
+   (pp_switch_received_bytes, against pp_switch_received_min_bytes, per rank). pp_switch_round_trip_s
+   against pp_memcpy_bound_s, a plain copy of each rank's pp_switch_bytes (both ranks at once); its gather
+   against pp_send_bound_s, one message each way at once carrying the bytes each rank receives.
+
 Targets on 2 CPU cores: colocated_over_separated_over_bound >= 0.95 and switch_round_trip_s <= 1.5 *
-memcpy_bound_s (targets_met). The last line printed is one JSON object. cores_used is the ranks'
-CPU-seconds per wall second in each mode: colocation needs both cores at once (ideal near 2.0,
-separated near 1.0), so a neighbour process on the cores shows up there.
+memcpy_bound_s (targets_met); the PP switch has none yet. The last line printed is one JSON object.
+cores_used is the ranks' CPU-seconds per wall second in each mode: colocation needs both cores at once
+(ideal near 2.0, separated near 1.0), so a neighbour process on the cores shows up there.
 
 Shapes: W = 2 ranks, B = prompts_per_step x group_size sequences per step, D d_model, F d_expert.
 """
@@ -77,6 +85,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 
 MODES = ("separated", "colocated", "colocated-all")
 BOUND_SIDE = {"separated": "alone", "colocated": "both"}  # bound_part's side that bounds each mode
+PARTS = ("offload", "alloc", "gather", "free", "reload")  # a switch's parts, from the actor's own clock
 
 
 def free_port():
@@ -178,9 +187,54 @@ def bound_side(args, rank, store, part, when, passes):
     return bound_part(args, rank, part, passes)
 
 
+def per_rank(x):
+    """[x of rank 0, x of rank 1]."""
+    import torch.distributed as dist
+    out = [None, None]
+    dist.all_gather_object(out, x)
+    return out
+
+
+def pipeline_stage(model, stage):
+    """Cut a Policy by hand, in place, into pipeline stage 0 (embed, the first half of the blocks) or 1 (the
+    other half, norm, head): the other stage's blocks become Identity, its other modules None, so that every
+    parameter left keeps the whole model's name."""
+    import torch
+    half = len(model.blocks) // 2
+    for i in range(half, len(model.blocks)) if stage == 0 else range(half):
+        model.blocks[i] = torch.nn.Identity()
+    if stage == 0:
+        model.norm = model.head = None
+    else:
+        model.embed = None
+    return model
+
+
+def pp_actor(engine, opt, bucket_bytes, inplace, rank):
+    """The PP -> TP switch's actor: this rank's stage of a Policy like the engine (plain, one rank per stage),
+    an AdamW like opt after one step (the Adam state exists), a fresh whole-model engine of the same
+    kind. The transport as train_grpo.build picks it: SharedMemory declines stages, so Broadcasts."""
+    import torch
+    import fusion
+    import shm_transport
+    from model import Policy
+    torch.manual_seed(rank)
+    stage = pipeline_stage(Policy(engine.cfg), rank)
+    stage_opt = torch.optim.AdamW(stage.parameters(), **{k: opt.defaults[k] for k in ("lr", "betas", "eps",
+                                                                                       "weight_decay", "foreach")})
+    sum(p.square().sum() for p in stage.parameters()).backward()
+    stage_opt.step()
+    stage_opt.zero_grad(set_to_none=True)
+    pp_engine = Policy(engine.cfg, engine.tp_group).eval().requires_grad_(False)
+    transport = shm_transport.SharedMemory.connect(stage) or fusion.Broadcasts()
+    return fusion.FusedActor(stage, stage_opt, pp_engine, bucket_bytes=bucket_bytes, inplace=inplace,
+                             transport=transport)
+
+
 def bench_switch(args, rank, tmp):
     """Median FusedActor round trip, part by part, against a memcpy of the same bytes and against the same
-    switch gathering by broadcasts (transport=fusion.Broadcasts()), interleaved. Returns a dict."""
+    switch gathering by broadcasts (transport=fusion.Broadcasts()); the PP -> TP switch against a memcpy of
+    its bytes and one send each way of what each rank receives; interleaved. Returns a dict."""
     import torch
     import torch.distributed as dist
     import fusion
@@ -199,36 +253,68 @@ def bench_switch(args, rank, tmp):
     model(tokens).logsumexp(-1).mean().backward()  # one step: the Adam state (exp_avg, exp_avg_sq) exists
     opt.step()
     opt.zero_grad(set_to_none=True)
-    for a in (actor, by_broadcast):  # warm: host buffers allocated once, reused after
-        a.to_rollout()
-        a.to_train()
+    pp = pp_actor(engine, opt, actor.bucket_bytes, actor.inplace, rank)
+    for a in (actor, by_broadcast, pp):  # warm: host buffers allocated once, reused after
+        round_trip(a)
     nbytes, off = actor.stats["switch/bytes"], actor.stats["switch/offload_bytes"]
     src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
     dst.copy_(src)
-    parts = ("offload", "alloc", "gather", "free", "reload")
-    laps = {k: [] for k in ("trip", "memcpy", "broadcast") + parts}
+    pp_src, pp_dst = (torch.ones(pp.stats["switch/bytes"], dtype=torch.uint8) for _ in range(2))
+    sends = per_rank(pp.stats["switch/received_bytes"])  # what each rank receives, from the other
+    outbox, inbox = torch.ones(sends[1 - rank], dtype=torch.uint8), torch.empty(sends[rank], dtype=torch.uint8)
 
-    def round_trip(a):
-        a.to_rollout()
-        a.to_train()
+    def exchange():  # one message each way, at once
+        for work in (dist.isend(outbox, 1 - rank), dist.irecv(inbox, 1 - rank)):
+            work.wait()
 
     timed = {"trip": lambda: round_trip(actor), "memcpy": lambda: dst.copy_(src),
-             "broadcast": lambda: round_trip(by_broadcast)}
-    for _ in range(args.switch_reps):  # interleaved: round trip, memcpy, round trip by broadcasts, ...
+             "broadcast": lambda: round_trip(by_broadcast), "pp_trip": lambda: round_trip(pp),
+             "pp_memcpy": lambda: pp_dst.copy_(pp_src), "pp_send": exchange}
+    med = interleaved(timed, {"": actor, "pp_": pp}, args.switch_reps)
+    shared = isinstance(actor.transport, shm_transport.SharedMemory)
+    return {"switch_round_trip_s": med["trip"], "switch_bytes": nbytes, "memcpy_bound_s": med["memcpy"],
+            "switch_broadcast_round_trip_s": med["broadcast"], "switch_host_exchange": shared,
+            **{f"switch_{k}_s": med[k] for k in PARTS},
+            "switch_offload_bytes": off, "switch_gather_bytes": actor.stats["switch/gather_bytes"],
+            "switch_model_params": sum(p.numel() for p in engine.parameters()), "switch_buckets": len(actor.buckets),
+            **pp_results(pp, med, sends)}
+
+
+def round_trip(actor):
+    actor.to_rollout()
+    actor.to_train()
+
+
+def interleaved(timed, actors, reps):
+    """Medians over reps rounds of the slower rank's seconds: each round runs every timed call in turn, each
+    after a barrier (round trip, memcpy, round trip by broadcasts, PP's, ...); and the parts of each actor's
+    last round trip, keyed prefix + part ({prefix: actor})."""
+    import torch.distributed as dist
+    laps = {k: [] for k in timed} | {pre + part: [] for pre in actors for part in PARTS}
+    for _ in range(reps):
         for key, run_it in timed.items():
             dist.barrier()
             t0 = time.perf_counter()
             run_it()
             laps[key].append(slowest(time.perf_counter() - t0))
-        for part in parts:
-            laps[part].append(slowest(actor.stats[f"switch/{part}_s"]))
-    med = {k: statistics.median(v) for k, v in laps.items()}
-    shared = isinstance(actor.transport, shm_transport.SharedMemory)
-    return {"switch_round_trip_s": med["trip"], "switch_bytes": nbytes, "memcpy_bound_s": med["memcpy"],
-            "switch_broadcast_round_trip_s": med["broadcast"], "switch_host_exchange": shared,
-            **{f"switch_{k}_s": med[k] for k in parts},
-            "switch_offload_bytes": off, "switch_gather_bytes": actor.stats["switch/gather_bytes"],
-            "switch_model_params": sum(p.numel() for p in engine.parameters()), "switch_buckets": len(actor.buckets)}
+        for pre, actor in actors.items():
+            for part in PARTS:
+                laps[pre + part].append(slowest(actor.stats[f"switch/{part}_s"]))
+    return {k: statistics.median(v) for k, v in laps.items()}
+
+
+def pp_results(pp, med, sends):
+    """The PP -> TP switch's figures: medians of the slower rank; bytes per rank ([rank 0, rank 1])."""
+    import shm_transport
+    return {"pp_switch_round_trip_s": med["pp_trip"], "pp_memcpy_bound_s": med["pp_memcpy"],
+            "pp_send_bound_s": med["pp_send"], **{f"pp_switch_{k}_s": med[f"pp_{k}"] for k in PARTS},
+            "pp_switch_bytes": per_rank(pp.stats["switch/bytes"]),
+            "pp_switch_offload_bytes": per_rank(pp.stats["switch/offload_bytes"]),
+            "pp_switch_gather_bytes": per_rank(pp.stats["switch/gather_bytes"]),
+            "pp_switch_received_bytes": sends,
+            "pp_switch_received_min_bytes": per_rank(pp.stats["switch/received_min_bytes"]),
+            "pp_switch_host_exchange": isinstance(pp.transport, shm_transport.SharedMemory),
+            "pp_switch_path": pp.path, "pp_switch_buckets": len(pp.buckets)}
 
 
 def bound_part(args, rank, part, passes):
@@ -334,11 +420,13 @@ def switch_ratios(switch):
     trip = switch["switch_round_trip_s"]
     return {"round_trip_over_memcpy": round(trip / switch["memcpy_bound_s"], 2),
             "broadcast_round_trip_over_memcpy": round(switch["switch_broadcast_round_trip_s"]
-                                                      / switch["memcpy_bound_s"], 2)}
+                                                      / switch["memcpy_bound_s"], 2),
+            "pp_round_trip_over_memcpy": round(switch["pp_switch_round_trip_s"] / switch["pp_memcpy_bound_s"], 2),
+            "pp_gather_over_send": round(switch["pp_switch_gather_s"] / switch["pp_send_bound_s"], 2)}
 
 
 def print_switch(switch):
-    ms = {k: switch[f"switch_{k}_s"] * 1e3 for k in ("offload", "alloc", "gather", "free", "reload")}
+    ms = {k: switch[f"switch_{k}_s"] * 1e3 for k in PARTS}
     ratios = switch_ratios(switch)
     how = "through shared memory" if switch["switch_host_exchange"] else "by broadcasts"
     print(f"switch: round trip {switch['switch_round_trip_s'] * 1e3:.1f} ms for {switch['switch_bytes'] / 2 ** 20:.1f} "
@@ -347,6 +435,16 @@ def print_switch(switch):
           f"{switch['memcpy_bound_s'] * 1e3:.1f} ms (x{ratios['round_trip_over_memcpy']:.2f}) | the same switch "
           f"gathering by broadcasts {switch['switch_broadcast_round_trip_s'] * 1e3:.1f} ms "
           f"(x{ratios['broadcast_round_trip_over_memcpy']:.2f})", flush=True)
+    ms = {k: switch[f"pp_switch_{k}_s"] * 1e3 for k in PARTS}
+    mib = {k: "/".join(f"{b / 2 ** 20:.1f}" for b in switch[f"pp_switch_{k}"])
+           for k in ("bytes", "received_bytes", "received_min_bytes")}
+    print(f"switch PP (2 stages, a rank each) -> TP: round trip {switch['pp_switch_round_trip_s'] * 1e3:.1f} ms for "
+          f"{mib['bytes']} MiB (rank 0/1), {switch['pp_switch_path']} = to_rollout (offload {ms['offload']:.1f} + "
+          f"alloc {ms['alloc']:.1f} + gather {ms['gather']:.1f} ms) + to_train (free {ms['free']:.1f} + reload "
+          f"{ms['reload']:.1f} ms) | memcpy {switch['pp_memcpy_bound_s'] * 1e3:.1f} ms "
+          f"(x{ratios['pp_round_trip_over_memcpy']:.2f}) | received {mib['received_bytes']} MiB, the least "
+          f"{mib['received_min_bytes']}: one send each way {switch['pp_send_bound_s'] * 1e3:.1f} ms, the gather "
+          f"x{ratios['pp_gather_over_send']:.2f} it", flush=True)
 
 
 def summarise(args, switch, bounds, runs):

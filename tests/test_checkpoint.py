@@ -142,6 +142,22 @@ def test_a_checkpoint_saved_at_two_ranks_resumes_at_one(tmp_path):
     assert saved[0]["curriculum"] == saved[1]["curriculum"] and counts.tolist() == saved[0]["curriculum"]["counts"]
 
 
+@pytest.mark.parametrize("saved_pp, resumed_pp", [(2, 1), (1, 2)])
+def test_a_pipeline_checkpoint_resumes_without_the_pipeline_and_back(tmp_path, saved_pp, resumed_pp):
+    """A checkpoint holds every weight and optimizer state under the whole model's names, whatever the stages:
+    saved at --train-pp 2 it resumes at 1 (and back), the reference too, and trains on to the parameters of a run
+    that never stopped, up to the float summation order the two layouts differ by (tests/test_train_grpo.py)."""
+    from tests.test_train_grpo import assert_same_training
+    mode = dict(CKPT, staleness=0)
+    straight = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "a"), dict(mode, train_pp=saved_pp)))
+    step_3 = checkpoint.folder(str(tmp_path / "a"), 3)
+    resumed = run_distributed(_train_tiny, world_size=2, timeout_s=180, args=(
+        str(tmp_path / "a"), dict(mode, train_pp=resumed_pp, resume=step_3)))
+    assert resumed[0][0]["resumed_at_step"] == 3 and torch.equal(resumed[0][1], resumed[1][1])
+    assert_same_training(resumed[0][1], straight[0][1], f"PP {saved_pp} -> {resumed_pp}")
+    assert any(abs(l["loss"]) > 1e-4 for l in _lines(tmp_path / "a")[4:])
+
+
 def test_a_separated_checkpoint_resumes_colocated_at_one_rank_and_trains_on(tmp_path):
     """Separated S = 1 at 2 ranks, saved with rows of the next batch queued and groups in flight; resumed
     colocated at 1 rank: both kinds of groups are regenerated (counted) and the run trains to the end."""

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-import expert_parallel
 import train_grpo as T
 from config import Config, parse_args, validate
 from tests.distributed import run_distributed
@@ -53,6 +52,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["--train-ep", "2", "--infer-ep", "2", "--infer-tp", "2"], "--train-ep needs a colocated deployment with "
                                                                  "--infer-tp 1"),
     (["--train-ep", "2", "--infer-ep", "1", "--deploy", "separated"], "--train-ep needs a colocated deployment"),
+    (["--train-pp", "2", "--n-layers", "3"], "--train-pp 2 must divide the world size 2 and --n-layers 3"),
+    (["--train-pp", "2", "--train-ep", "2", "--infer-ep", "1"], "--train-pp 2 with --train-ep 2 is not supported"),
+    (["--train-pp", "2", "--deploy", "separated"], "--train-pp 2 with --deploy separated is not supported"),
+    (["--train-pp", "2", "--micro-batches", "3"], "must split into --micro-batches x --updates-per-batch = 3"),
+    (["--train-pp", "0"], "--train-pp 0 must be >= 1"),
 ])
 def test_bad_arguments_are_named(flags, text):
     _, cfg = parse_args(flags)
@@ -106,7 +110,7 @@ def _train_tiny(rank, world_size, out_dir, overrides=None):
     summary, model = T.train(Config(**dict(TINY, **(overrides or {})), out=out_dir), out_dir=out_dir)
     if model is None:  # a generator rank of the separated deployment holds no training model
         return summary, None
-    full = expert_parallel.dense_state_dict(model)
+    full = T.full_state_dict(model)  # every stage's (PP), shards and experts gathered
     return summary, torch.cat([v.flatten() for v in full.values()])
 
 
@@ -175,7 +179,12 @@ def test_two_ranks_train_to_identical_parameters(tmp_path):
         assert_same_training(p, p_one, str(mode))
         assert s["eval_accuracy_after"] == s_one["eval_accuracy_after"]
         lines = [json.loads(l) for l in open(tmp_path / str(mode) / "metrics.jsonl")][1:]
-        assert all(l["moe/routing_mismatch"] == 0 for l in lines), mode
+        assert all(l["moe/routed_tokens"] > 0 for l in lines), mode  # the rollout's routes reached the trainers
+        if mode is replay:  # the record used: 0 by construction; the router's own choice agrees (the same weights)
+            assert all(l["moe/routing_mismatch"] == 0 and l["moe/router_mismatch_free"] == 0 for l in lines)
+            assert lines[-1]["lockstep/dummy_forwards"] > 0  # EP 2 in rollout: rank 0 idled through rank 1's forwards
+        else:  # the training forward's own choice: a near-tied top-k could flip on another CPU or BLAS
+            assert all(l["moe/routing_mismatch"] <= 1e-3 for l in lines), mode
     assert torch.equal(p, p1)  # under EP too, both ranks end with the same model
     ep = [json.loads(l) for l in open(tmp_path / str(mode) / "metrics.jsonl")][1]
     half = ep["ep/to_rollout_bytes_min"]  # each rank lacks the other half of the experts
@@ -220,6 +229,11 @@ def test_world_4_expert_parallel_rollout_trains_as_one(tmp_path):
         lines = [json.loads(l) for l in open(tmp_path / name / "metrics.jsonl")][1:]
         assert sum(l["rollout/filtered_groups"] for l in lines) > 0, "no refill: no rank idled"
         assert lines[0]["ep/to_rollout_bytes_moved"] == lines[0]["ep/to_rollout_bytes_min"]
+        assert all(l["moe/routed_tokens"] > 0 for l in lines), name
+        # rank 0 ran forwards of zero rows for its peers (a decode's rows end before its first agreement, 8 forwards)
+        assert lines[-1]["lockstep/dummy_forwards"] > 0, name
+        if replay:
+            assert all(l["moe/routing_mismatch"] == 0 and l["moe/router_mismatch_free"] == 0 for l in lines), name
     stale = dict(train_ep=2, staleness=1, chunk_steps=2, steps=4)
     (_, p_ep1), *_ = run_distributed(_train_tiny, world_size=4, timeout_s=240,
                                      args=(str(tmp_path / "s1ep1"), dict(stale, infer_ep=1)))
@@ -227,6 +241,7 @@ def test_world_4_expert_parallel_rollout_trains_as_one(tmp_path):
                                      args=(str(tmp_path / "s1ep4"), dict(stale, infer_ep=4)))
     lines = [json.loads(l) for l in open(tmp_path / "s1ep4" / "metrics.jsonl")][1:]
     assert max(l["stale/age_max"] for l in lines) == 1  # samples that started a version earlier were trained
+    assert all(l["moe/routed_tokens"] > 0 for l in lines) and lines[-1]["lockstep/agreements"] > 0
     assert_same_training(p_ep4, p_ep1, "S = 1, EP 4 against EP 1 in rollout")
 
 
@@ -323,3 +338,24 @@ def test_rl_seconds_stops_every_rank_after_the_same_step_and_evaluates_it(tmp_pa
     lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
     assert [l["step"] for l in lines] == [0, 1] and "eval/accuracy" in lines[-1]
     assert out[0][0]["eval_accuracy_after"] == lines[-1]["eval/accuracy"]
+
+
+def test_pipeline_parallel_training_trains_as_one(tmp_path):
+    """--train-pp 2 at world 2 (a stage per rank), with the KL term's reference as stages too: a world of one's
+    parameters, up to float summation order (micro-batches padded to one length), and the same held-out answers."""
+    [(s_one, p_one)] = run_distributed(_train_tiny, world_size=1, args=(str(tmp_path / "w1"),))
+    out = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "pp2"), {"train_pp": 2}), timeout_s=180)
+    assert torch.equal(out[0][1], out[1][1])
+    assert_same_training(out[0][1], p_one, "PP 2")
+    assert out[0][0]["eval_accuracy_after"] == s_one["eval_accuracy_after"]
+    lines = [json.loads(l) for l in open(tmp_path / "pp2" / "metrics.jsonl")][1:]
+    assert any(abs(l["loss"]) > 1e-4 for l in lines) and all(l["k3_mean"] >= 0 for l in lines)
+
+
+@pytest.mark.slow
+def test_world_4_pipeline_by_fsdp_trains_as_one(tmp_path):
+    """--train-pp 2 at world 4: two pipelines of two stages, each stage FSDP2 over its 2 ranks."""
+    [(s_one, p_one)] = run_distributed(_train_tiny, world_size=1, args=(str(tmp_path / "w1"),))
+    out = run_distributed(_train_tiny, world_size=4, args=(str(tmp_path / "pp2x2"), {"train_pp": 2}), timeout_s=240)
+    assert all(torch.equal(p, out[0][1]) for _, p in out[1:])
+    assert_same_training(out[0][1], p_one, "PP 2 x FSDP 2")
