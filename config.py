@@ -250,11 +250,6 @@ def layout_errors(cfg, world):
     return errors
 
 
-# Sizes: every count that a shape, a batch or a loop divides by or runs over, >= 1; counts that may be 0, >= 0.
-POSITIVE = ("max_digits", "eval_prompts", "d_model", "n_layers", "n_heads", "n_experts", "top_k", "d_expert",
-            "warmup_batch", "steps", "prompts_per_step", "group_size", "filter_limit", "updates_per_batch",
-            "micro_batches", "chunk_steps", "max_new_tokens", "bucket_kb", "eval_every", "log_every", "pg_timeout_s",
-            "train_pp")
 def pipeline_errors(cfg, world):
     """--train-pp: what pipeline.py supports, checked before any collective."""
     pp = cfg.train_pp
@@ -262,6 +257,8 @@ def pipeline_errors(cfg, world):
         return []
     if pp < 1 or world % pp or cfg.n_layers % pp:
         return [f"--train-pp {pp} must divide the world size {world} and --n-layers {cfg.n_layers}"]
+    if pp > 2:
+        return [f"--train-pp {pp}: 1 or 2 (a stage in the middle of a pipeline, neither first nor last, is untested)"]
     errors, dp = [], world // pp
     unsupported = {"--deploy separated": cfg.deploy == "separated", f"--train-ep {cfg.train_ep}": cfg.train_ep > 0,
                    "--routing-replay 1": cfg.routing_replay}
@@ -280,6 +277,11 @@ def pipeline_errors(cfg, world):
     return errors
 
 
+# Sizes: every count that a shape, a batch or a loop divides by or runs over, >= 1; counts that may be 0, >= 0.
+POSITIVE = ("max_digits", "eval_prompts", "d_model", "n_layers", "n_heads", "n_experts", "top_k", "d_expert",
+            "warmup_batch", "steps", "prompts_per_step", "group_size", "filter_limit", "updates_per_batch",
+            "micro_batches", "chunk_steps", "max_new_tokens", "bucket_kb", "eval_every", "log_every", "pg_timeout_s",
+            "train_pp")
 NON_NEGATIVE = ("warmup_steps", "train_ep", "infer_ep", "seed", "save_every", "keep_last")
 
 

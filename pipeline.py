@@ -6,17 +6,20 @@ Naive form first: one process runs every block (`pp = 1`, grpo.grpo_update). Wit
 blocks [s L/pp, (s+1) L/pp) (the first also the embedding, the last the final norm and the head) under the
 whole model's parameter names, so that a checkpoint, a gather or the engine finds each weight by the name it
 has in one process. A batch is cut into micro-batches; stage s computes micro-batch i while stage s + 1
-computes micro-batch i - 1 (GPipe: every forward, then every backward), and the activations and their
-gradients cross ranks point to point. Stages may also be data parallel: FSDP2 over the ranks of a stage.
+computes micro-batch i - 1 (GPipe: every forward, then every backward, so a stage holds every micro-batch's
+activations at once, M times what one process's micro-batch loop holds; Schedule1F1B would hold at most pp), and
+the activations and their gradients cross ranks point to point. Stages may also be data parallel: FSDP2 over the ranks of a stage.
 
 Ranks are laid out stage-outer: stage s is ranks [s D, (s+1) D) (D = W / pp pipelines); pipeline j is ranks
 {j, D + j, ...}. A pipeline reads its rows once (DistQueue's model-parallel group) and every stage of it sees
 the same micro-batches: the first stage needs the tokens, the last the tokens and every per-token field.
 
 Known limits of the schedule, and what this file does about them:
-  - a stage's shapes are fixed at its first step (a new micro-batch shape fails): every micro-batch is padded
-    to one shape, (rows per micro-batch, the longest prompt + the response budget); a schedule is built per
-    shape (the warm-up's batch and the RL batch), each on the same stage module;
+  - a stage's shapes are fixed at its first step (a new micro-batch shape fails): every micro-batch of a step
+    is padded to one shape, (rows per micro-batch, T), T the step's longest row rounded up to a multiple of
+    SHAPE_STEP; a schedule is built per shape, each on the same stage module, so a run has a few. Against one
+    process's length-sorted micro-batches (each padded to its own longest row) that computes more padding:
+    `python bench/pp_padding.py` measures how much;
   - loss_fn(output, target) takes one target: the GRPO fields are packed along its last dim (FIELDS); each
     micro-batch's loss is already its share of the global mean, so the schedule does not scale it;
   - the log-prob recompute and the frozen reference run through the schedule's eval (forward only).
@@ -35,8 +38,10 @@ from torch.distributed.tensor import DTensor
 
 import grpo
 
+SHAPE_STEP = 16  # rows are padded to a multiple of this many tokens: one schedule per shape, few shapes
+
 # The per-token fields packed into the schedule's one target tensor, (B, T-1, F): position t predicts token t + 1.
-FIELDS = ("next_token", "mask", "behaviour", "advantage", "reference", "proximal", "weight", "scale")
+FIELDS = ("next_token", "mask", "behaviour", "advantage", "reference", "proximal")
 
 
 @dataclass(frozen=True)
@@ -108,7 +113,9 @@ class Stage(nn.Module):
 def split(policy, layout, rank):
     """This rank's Stage of the policy."""
     s = layout.stage(rank)
-    return Stage(policy, layout.blocks(s), first=s == 0, last=s == layout.pp - 1)
+    stage = Stage(policy, layout.blocks(s), first=s == 0, last=s == layout.pp - 1)
+    stage.first_rank = layout.stage_ranks(s)[0]  # the rank of the stage that full_state_dict takes it from
+    return stage
 
 
 class Pipeline:
@@ -118,10 +125,17 @@ class Pipeline:
 
     def __init__(self, module, layout, rank, pipe_group, micro_batches, length, device):
         self.module, self.layout, self.group, self.device = module, layout, pipe_group, torch.device(device)
-        self.length = length  # T: every row padded to it (the longest prompt + the response budget)
+        self.length = length  # the longest a row can be (the longest prompt + the response budget)
         self.stage, self.micro_batches = layout.stage(rank), micro_batches
         self.first, self.last = self.stage == 0, self.stage == layout.pp - 1
         self.schedules, self._loss = {}, None
+
+    def padded_length(self, rows):
+        """T for these rows (each a sequence of tokens): their longest, rounded up to a multiple of SHAPE_STEP and at
+        most `length`: a few shapes, hence a few schedules, and less padding than always padding to `length`. The
+        same on every stage of the pipeline (they hold the same rows)."""
+        longest = max(len(r) for r in rows)
+        return min(self.length, -(-longest // SHAPE_STEP) * SHAPE_STEP)
 
     def _schedule(self, shape, train):
         from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
@@ -138,9 +152,9 @@ class Pipeline:
         self._loss = loss_fn
         schedule = self._schedule(tokens.shape, train=True)
         if self.first:
-            schedule.step(tokens.to(self.device))
+            schedule.step(tokens.to(self.device), return_outputs=False)
         else:
-            schedule.step(target=target.to(self.device), losses=[])
+            schedule.step(target=target.to(self.device), losses=[], return_outputs=False)
 
     @torch.no_grad()
     def logits(self, tokens):
@@ -153,7 +167,8 @@ class Pipeline:
 def full_state_dict(stage):
     """The whole model on every rank, in one process's names and order: each stage's full tensors (its FSDP shards
     gathered), exchanged over the default group. Collective on every rank."""
-    mine = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in stage.state_dict().items()}
+    full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in stage.state_dict().items()}
+    mine = full if dist.get_rank() == stage.first_rank else {}  # one rank of each stage sends it
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     merged = {k: v for d in every for k, v in d.items()}
@@ -206,8 +221,8 @@ def grpo_update(pipe, model, optimizer, samples, cfg, device, group=None, ref_lo
     optimizer steps of `micro_batches` micro-batches each, every one padded to (rows, pipe's T). The loss is the
     global batch's mean, as in one process: each micro-batch's share is n_items x D / n_global (FSDP averages a
     stage's gradients over its D ranks). group: every rank (the counts and the finite check). Returns sums over
-    this rank's rows (the last stage's; zeros on the others)."""
-    if cfg.kl_coef > 0 and ref_logprobs is None and pipe.last:
+    this rank's rows (the last stage's; on the others only skipped_max)."""
+    if cfg.kl_coef > 0 and ref_logprobs is None:  # every stage decides alike: logprobs() gives them all a list
         raise ValueError(f"kl_coef={cfg.kl_coef} needs ref_logprobs")
     prox = logprobs(pipe, samples, cfg) if cfg.recompute else None
     sums = dict.fromkeys(("loss", "clip_frac", "ratio_mean", "k3_mean", "entropy", "items", "tokens", "gap",
@@ -215,7 +230,8 @@ def grpo_update(pipe, model, optimizer, samples, cfg, device, group=None, ref_lo
                           "route_free_mismatch"), 0.0)
     for i, mini in enumerate(torch.arange(len(samples.prompts)).tensor_split(cfg.updates_per_batch)):
         rows = mini.tolist()
-        tokens, target, mask = pack(samples, rows, cfg, pipe.length, ref_logprobs if pipe.last else None,
+        T = pipe.padded_length([samples.prompts[j].tolist() + samples.responses[j].tolist() for j in rows])
+        tokens, target, mask = pack(samples, rows, cfg, T, ref_logprobs if pipe.last else None,
                                     prox if pipe.last else None)
         n_local = grpo._items(mask, cfg) if pipe.last else 0
         n_global, = grpo._all_sum([n_local], device, group)
@@ -227,7 +243,7 @@ def grpo_update(pipe, model, optimizer, samples, cfg, device, group=None, ref_lo
         if grpo.finite_everywhere(norm, device, group):
             optimizer.step()
         else:
-            sums["skipped_max"] = 1.0
+            sums["skipped_max"] += 1.0
         optimizer.zero_grad(set_to_none=True)
     return sums
 
@@ -253,14 +269,15 @@ def _loss_fn(cfg, calls, scale, first):
 
 @torch.no_grad()
 def logprobs(pipe, samples, cfg):
-    """Each row's response log-probs under the pipeline's weights, (B,) of (n_i,), on the last stage (None on the
-    others): the decoupled objective's proximal log-probs, or a frozen reference's."""
+    """Each row's response log-probs under the pipeline's weights, (B,) of (n_i,), on the last stage (B Nones on
+    the others): the decoupled objective's proximal log-probs, or a frozen reference's."""
     rows = list(range(len(samples.prompts)))
-    tokens, target, _ = pack(samples, rows, cfg, pipe.length)
+    T = pipe.padded_length([p.tolist() + r.tolist() for p, r in zip(samples.prompts, samples.responses)])
+    tokens, target, _ = pack(samples, rows, cfg, T)
     logits = pipe.logits(tokens)                                                      # (B, T, V) on the last
     grpo._reshard(pipe.module)
     if logits is None:
-        return None
+        return [None] * len(rows)
     lp, _ = _logprobs_entropy(logits, _fields(target)["next_token"], cfg.temperature)  # (B, T-1)
     return [lp[b, len(p) - 1:len(p) - 1 + len(r)].cpu() for b, (p, r) in enumerate(zip(samples.prompts,
                                                                                         samples.responses))]
@@ -269,8 +286,9 @@ def logprobs(pipe, samples, cfg):
 def supervised_step(pipe, model, optimizer, prompts, targets, device, grad_clip, group=None, clip_grads=None):
     """grpo.supervised_step through the pipeline: cross-entropy on this pipeline's (prompt, target) pairs, the
     mean over every pipeline's tokens."""
-    tokens, mask = padded_rows(prompts, targets, pipe.length)                       # (b, T), (b, T-1)
-    target = torch.zeros(len(prompts), pipe.length - 1, len(FIELDS))
+    T = pipe.padded_length([p.tolist() + t.tolist() for p, t in zip(prompts, targets)])
+    tokens, mask = padded_rows(prompts, targets, T)                                  # (b, T), (b, T-1)
+    target = torch.zeros(len(prompts), T - 1, len(FIELDS))
     target[..., FIELDS.index("next_token")], target[..., FIELDS.index("mask")] = tokens[:, 1:].float(), mask.float()
     n_global, = grpo._all_sum([float(mask.sum()) if pipe.last else 0.0], device, group)
     scale = pipe.layout.dp / max(n_global, 1.0)

@@ -250,7 +250,7 @@ def read_share(run, step):
                "partial_continued": float((stale["versions"] > 1).sum()),
                "regenerated": float(stale["regenerated"].sum()), "filtered": float(stale["filtered"].sum())}
     figures = {k: v if run.counts_rows else 0.0 for k, v in figures.items()}  # PP: a pipeline's rows counted once
-    advantages = grpo.finish_advantages(rows.stack("advantage"), cfg.adv_estimator, run.device, run.train_group)
+    advantages = grpo.finish_advantages(rows.stack("advantage"), cfg.adv_estimator, run.device, run.batch_group)
     routes = [r.long().view(len(t), cfg.n_layers, cfg.top_k)                                # (n_i, L, K) each
               for r, t in zip(rows.cols["routes"], rows.cols["response"])]
     samples = grpo.Samples(rows.cols["prompt"], rows.cols["response"], rows.cols["old_logprobs"], advantages,
@@ -424,6 +424,7 @@ class Run:
     pipe_group: object = None     # --train-pp: this rank's pipeline (one rank per stage): it reads rows once
     ref_pipe: pipeline.Pipeline = None  # --train-pp with a reference: its stage's pipeline
     counts_rows: bool = True      # this rank's rows count in the step's figures (under PP: the last stage's)
+    batch_group: object = None    # ranks that together hold each row of a batch once (the trainers; PP: a stage's)
     experts: expert_parallel.ExpertParallel = None  # --train-ep: the experts' layouts, grads and re-shard
     reference: fusion.HostOffloaded = None  # the frozen initial policy (kl_coef > 0 or colocated-all)
     engine: Policy = None         # the rollout engine (generators)
@@ -515,7 +516,7 @@ def build_policy(run):
         run.clip_grads = run.experts.clip_grads
     if rank not in roles.trainers:
         return
-    run.data_index, run.data_size = roles.trainers.index(rank), len(roles.trainers)
+    run.data_index, run.data_size, run.batch_group = roles.trainers.index(rank), len(roles.trainers), run.train_group
     if cfg.train_pp > 1:  # this rank keeps its stage's blocks only, FSDP2 over the stage's ranks
         model, mesh = apply_pipeline_parallel(run, model)
     ignored = set(run.experts.params(model)) if run.experts else None
@@ -542,12 +543,13 @@ def apply_pipeline_parallel(run, model):
     run.pipe_group = pipe_group if run.device.type == "cpu" else pipeline.new_groups(  # the queue's: gloo
         layout, cfg.pg_timeout_s, backend="gloo")[1]
     stage = pipeline.split(model, layout, rank)
-    length = cfg.max_digits + 2 + cfg.max_new_tokens  # every row padded to the longest prompt + the budget
+    length = model_config(cfg).max_seq_len  # the longest row: the longest prompt + the response budget
     run.pipe = pipeline.Pipeline(stage, layout, rank, pipe_group, cfg.micro_batches, length, run.device)
     run.update = functools.partial(pipeline.grpo_update, run.pipe)
     run.supervised = functools.partial(pipeline.supervised_step, run.pipe)
     run.clip_grads = functools.partial(pipeline.clip_grads, group=pipe_group)
     run.data_index, run.data_size, run.counts_rows = rank % layout.dp, layout.dp, run.pipe.last
+    run.batch_group = stage_group  # one rank per pipeline: reinforce++'s whole-batch statistics count each row once
     return stage, DeviceMesh.from_group(stage_group, run.device.type)
 
 

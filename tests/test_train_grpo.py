@@ -65,10 +65,13 @@ def test_bad_arguments_are_named(flags, text):
     assert text in str(e.value)
 
 
-def test_expert_layouts_that_do_not_nest_are_refused():
+def test_expert_layouts_that_do_not_nest_and_pipelines_over_2_stages_are_refused():
     _, cfg = parse_args(["--n-experts", "6", "--train-ep", "2", "--infer-ep", "3"])
     with pytest.raises(ValueError, match="--train-ep 2 and --infer-ep 3: one must divide the other"):
         validate(cfg, world_size=6)
+    _, cfg = parse_args(["--train-pp", "4", "--n-layers", "4"])
+    with pytest.raises(ValueError, match="--train-pp 4: 1 or 2"):
+        validate(cfg, world_size=4)
 
 
 def test_cli_rejects_bad_arguments_before_starting(capsys):
@@ -340,11 +343,15 @@ def test_rl_seconds_stops_every_rank_after_the_same_step_and_evaluates_it(tmp_pa
     assert out[0][0]["eval_accuracy_after"] == lines[-1]["eval/accuracy"]
 
 
-def test_pipeline_parallel_training_trains_as_one(tmp_path):
+@pytest.mark.parametrize("mode", [{}, {"adv_estimator": "reinforce++", "loss_agg": "seq-mean-token-mean",
+                                         "mask_truncated": True}], ids=["grpo", "reinforce++-seq-mean-masked"])
+def test_pipeline_parallel_training_trains_as_one(tmp_path, mode):
     """--train-pp 2 at world 2 (a stage per rank), with the KL term's reference as stages too: a world of one's
-    parameters, up to float summation order (micro-batches padded to one length), and the same held-out answers."""
-    [(s_one, p_one)] = run_distributed(_train_tiny, world_size=1, args=(str(tmp_path / "w1"),))
-    out = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "pp2"), {"train_pp": 2}), timeout_s=180)
+    parameters, up to float summation order (micro-batches padded to one length), and the same held-out answers.
+    reinforce++ normalises over the whole batch: each row counted once, not once per stage."""
+    [(s_one, p_one)] = run_distributed(_train_tiny, world_size=1, args=(str(tmp_path / "w1"), mode))
+    out = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "pp2"), dict(mode, train_pp=2)),
+                          timeout_s=180)
     assert torch.equal(out[0][1], out[1][1])
     assert_same_training(out[0][1], p_one, "PP 2")
     assert out[0][0]["eval_accuracy_after"] == s_one["eval_accuracy_after"]
