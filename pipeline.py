@@ -6,9 +6,10 @@ Naive form first: one process runs every block (`pp = 1`, grpo.grpo_update). Wit
 blocks [s L/pp, (s+1) L/pp) (the first also the embedding, the last the final norm and the head) under the
 whole model's parameter names, so that a checkpoint, a gather or the engine finds each weight by the name it
 has in one process. A batch is cut into micro-batches; stage s computes micro-batch i while stage s + 1
-computes micro-batch i - 1 (GPipe: every forward, then every backward, so a stage holds every micro-batch's
-activations at once, M times what one process's micro-batch loop holds; Schedule1F1B would hold at most pp), and
-the activations and their gradients cross ranks point to point. Stages may also be data parallel: FSDP2 over the ranks of a stage.
+computes micro-batch i - 1, and the activations and their gradients cross ranks point to point. The schedule is
+1F1B (torch's Schedule1F1B): once the pipeline is full each stage alternates one forward and one backward, so a
+stage holds at most pp micro-batches' activations (GPipe, every forward then every backward, would hold all M).
+Stages may also be data parallel: FSDP2 over the ranks of a stage.
 
 Ranks are laid out stage-outer: stage s is ranks [s D, (s+1) D) (D = W / pp pipelines); pipeline j is ranks
 {j, D + j, ...}. A pipeline reads its rows once (DistQueue's model-parallel group) and every stage of it sees
@@ -120,7 +121,7 @@ def split(policy, layout, rank):
 
 class Pipeline:
     """One stage's side of a pipeline: its module (FSDP2 over the stage's ranks, or plain), the pipe group, and a
-    GPipe schedule per micro-batch shape. train() and logits() are collective over the pipe group; every stage
+    1F1B schedule per micro-batch shape. train() and logits() are collective over the pipe group; every stage
     passes the same (B, T) tokens."""
 
     def __init__(self, module, layout, rank, pipe_group, micro_batches, length, device):
@@ -138,11 +139,11 @@ class Pipeline:
         return min(self.length, -(-longest // SHAPE_STEP) * SHAPE_STEP)
 
     def _schedule(self, shape, train):
-        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
         key = (tuple(shape), train)
         if key not in self.schedules:  # a stage's shapes are fixed at its first step: one schedule per shape
             stage = PipelineStage(self.module, self.stage, self.layout.pp, self.device, group=self.group)
-            self.schedules[key] = ScheduleGPipe(stage, self.micro_batches, scale_grads=False,
+            self.schedules[key] = Schedule1F1B(stage, self.micro_batches, scale_grads=False,
                                                 loss_fn=(lambda out, target: self._loss(out, target)) if train else None)
         return self.schedules[key]
 
