@@ -143,8 +143,8 @@ class Pipeline:
         key = (tuple(shape), train)
         if key not in self.schedules:  # a stage's shapes are fixed at its first step: one schedule per shape
             stage = PipelineStage(self.module, self.stage, self.layout.pp, self.device, group=self.group)
-            self.schedules[key] = Schedule1F1B(stage, self.micro_batches, scale_grads=False,
-                                                loss_fn=(lambda out, target: self._loss(out, target)) if train else None)
+            loss_fn = (lambda out, target: self._loss(out, target)) if train else None  # the step's, set by train()
+            self.schedules[key] = Schedule1F1B(stage, self.micro_batches, loss_fn=loss_fn, scale_grads=False)
         return self.schedules[key]
 
     def train(self, tokens, target, loss_fn):
