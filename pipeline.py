@@ -97,7 +97,6 @@ class Stage(nn.Module):
         self.embed = policy.embed if first else None
         self.blocks = nn.ModuleDict({str(i): policy.blocks[i] for i in blocks})
         self.norm, self.head = (policy.norm, policy.head) if last else (None, None)
-        self.cfg = policy.cfg
         self.register_buffer("rope_cos", policy.rope_cos, persistent=False)
         self.register_buffer("rope_sin", policy.rope_sin, persistent=False)
 
