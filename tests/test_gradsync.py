@@ -1,0 +1,227 @@
+"""gradsync.py: compress="none" gives native 2-D HSDP's parameters bit for bit (world 4 = 2 nodes x 2, world 2 =
+2 nodes x 1; one FSDP unit and one per block; overlap on and off), error feedback loses nothing and the nodes
+stay bit-identical (int8, top-k int8, 2 and 3 nodes), the bytes, bad settings, the state round trips.
+
+The multi-rank checks run in a few gloo spawns: each spawn costs seconds of imports."""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gradsync import (GradSync, NodeLayout, average_payloads, decode, dense_bytes, encode, new_groups,
+                      quantize_int8)
+from tests.distributed import run_distributed
+
+D, STEPS = 12, 3  # model width (12 rows: a head of 5 rows pads to 6 on 2 ranks), AdamW steps
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(D, D) for _ in range(2))
+        self.head = torch.nn.Linear(D, 5)
+
+    def forward(self, x):                      # x (B, D)
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x)                    # (B, 5)
+
+
+def _model(mesh, per_block):
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model = Net()
+    if per_block:
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _train(model, rank, sync=None):
+    """STEPS AdamW steps on this rank's own data; the local shards after them."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        x = torch.randn(4, D, generator=torch.Generator().manual_seed(100 * step + rank))   # (4, D)
+        model(x).square().mean().backward()
+        if sync is not None and sync.overlap:
+            _check_aliasing(model, sync)
+        if sync is not None:
+            sync.wait()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {n: p.to_local().clone() for n, p in model.named_parameters()}
+
+
+def _check_aliasing(model, sync):
+    """After the backward, before wait(): every sharded grad is a view of a buffer whose sync is pending."""
+    pending = {buf.untyped_storage().data_ptr() for _, buf, _, _ in sync.pending}
+    assert len(sync.pending) == len([u for u in sync.params.values() if u])  # one started sync per unit
+    assert all(p.grad.to_local().untyped_storage().data_ptr() in pending for p in model.parameters())
+
+
+def _hsdp_ranks(rank, world, nodes):
+    """This rank's shards after training: native 2-D HSDP, then FSDP within the node + GradSync (each unit
+    layout, overlap off and on), then top-k int8; the residuals' names; the accumulation guard's message."""
+    torch.set_num_threads(1)
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    layout = NodeLayout(world, nodes)
+    node_group, cross_group = new_groups(layout, rank, timeout_s=60)
+    native_mesh = init_device_mesh("cpu", (nodes, layout.node_size), mesh_dim_names=("replicate", "shard"))
+    node_mesh = DeviceMesh.from_group(node_group, "cpu")
+    out = {}
+    for per_block in (False, True):
+        out["native", per_block] = _train(_model(native_mesh, per_block), rank)
+        for overlap in (False, True):
+            sync = GradSync(cross_group, overlap=overlap)
+            out["gradsync", per_block, overlap] = _train(sync.apply(_model(node_mesh, per_block)), rank, sync)
+    sync = GradSync(cross_group, compress="topk-int8", overlap=True)
+    out["topk"] = _train(sync.apply(_model(node_mesh, per_block=True)), rank, sync)
+    out["residuals"] = sorted(sync.state_dict())
+    out["guard"] = _accumulate(node_mesh, GradSync(cross_group, overlap=True))
+    return out
+
+
+def _accumulate(mesh, sync):
+    """overlap=True refuses a backward into grads that exist: FSDP would add the buffer before wait() filled it."""
+    model = sync.apply(_model(mesh, per_block=True))
+    x = torch.ones(2, D)  # (2, D)
+    model(x).sum().backward()
+    sync.wait()
+    try:
+        model(x).sum().backward()  # no zero_grad(set_to_none=True) in between
+    except RuntimeError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("world,nodes", [(4, 2), (2, 2)])
+def test_sync_is_native_hsdp_bit_for_bit_and_nodes_agree(world, nodes):
+    outs = run_distributed(_hsdp_ranks, world_size=world, args=(nodes,))
+    for out in outs:
+        guard, residuals = out.pop("guard"), out.pop("residuals")
+        assert "unit 'blocks.1'" in guard and "zero_grad(set_to_none=True)" in guard
+        assert residuals == ["", "blocks.0", "blocks.1"]  # keyed by unit name, "" the root
+        for key, params in out.items():
+            if key[0] == "gradsync":
+                native = out["native", key[1]]
+                assert all(torch.equal(params[n], native[n]) for n in native), key
+    size = world // nodes
+    for rank in range(size):  # rank j of node 0 against rank j of node 1: the same shard, bit-identical
+        for key in outs[rank]:
+            assert all(torch.equal(outs[rank][key][n], outs[rank + size][key][n]) for n in outs[rank][key])
+
+
+def _grads(rank, step, numel=1280):
+    g = torch.randn(numel, generator=torch.Generator().manual_seed(1000 * rank + step))  # (n,)
+    return g * torch.linspace(0.01, 3.0, numel)  # a range of magnitudes, as real gradients have
+
+
+def _feedback_ranks(rank, world, compress, overlap):
+    torch.set_num_threads(1)
+    sync = GradSync(dist.group.WORLD, compress=compress, overlap=overlap)  # 1 rank a node: WORLD crosses them
+    applied, true = torch.zeros(1280), torch.zeros(1280)
+    for step in range(6):
+        g = _grads(rank, step)
+        true += g
+        buf = g.clone()
+        sync.sync("unit", buf)
+        sync.wait()
+        applied += buf
+    return {"applied": applied, "true": true, "residual": sync.state_dict()["unit"], "stats": dict(sync.stats),
+            "round_trips": _state_round_trips(sync, rank)}
+
+
+def _state_round_trips(sync, rank):
+    """A fresh GradSync loaded from the state syncs the next step exactly as the original; rollout round trip."""
+    other = GradSync(sync.group, compress=sync.compress, overlap=sync.overlap)
+    other.load_state_dict(sync.state_dict())
+    bufs = [_grads(rank, 99) for _ in range(2)]
+    for s, buf in zip((sync, other), bufs):
+        s.sync("unit", buf)
+        s.wait()
+    before = sync.residuals["unit"].clone()
+    sync.to_rollout()
+    freed = sync.residuals["unit"].untyped_storage().nbytes() == 0
+    sync.to_train()
+    return (torch.equal(bufs[0], bufs[1]) and torch.equal(sync.residuals["unit"], other.residuals["unit"])
+            and freed and torch.equal(sync.residuals["unit"], before))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("compress,overlap", [("int8", False), ("topk-int8", True)])
+def test_error_feedback_loses_nothing_and_nodes_agree(world, compress, overlap):
+    outs = run_distributed(_feedback_ranks, world_size=world, args=(compress, overlap))
+    applied = outs[0]["applied"]                                       # (n,) the sum of the applied averages
+    assert all(torch.equal(o["applied"], applied) for o in outs)      # every node applied the same bits
+    mean_true = sum(o["true"] for o in outs) / world                  # (n,)
+    mean_residual = sum(o["residual"] for o in outs) / world          # (n,)
+    assert torch.allclose(applied + mean_residual, mean_true, rtol=0, atol=2e-5)
+    assert not torch.allclose(applied, mean_true, rtol=0, atol=1e-3)  # something was late: the test has teeth
+    assert all(o["round_trips"] for o in outs)  # state_dict and to_rollout/to_train round trips
+    if world == 2:  # bytes: 6 syncs of 1280 fp32 values; a ring all-reduce of 2 nodes sends 5120 bytes each
+        stats = outs[0]["stats"]
+        assert stats["gradsync/dense_bytes"] == 6 * 5120
+        payload = 1280 + 4 * 10 if compress == "int8" else 4 * 1 + 4 * 128 + 128  # values, scales, indices
+        assert stats["gradsync/sent_bytes"] == 6 * payload
+        ratio = stats["gradsync/dense_bytes"] / stats["gradsync/sent_bytes"]
+        assert (3.85 < ratio < 3.9) if compress == "int8" else ratio >= 4  # 3.88x; top-k at 10%: 7.95x
+
+
+def test_codecs_round_trip_and_bound_the_error():
+    g = _grads(0, 0, numel=300)
+    q, scales = quantize_int8(g, 128)
+    assert q.dtype == torch.int8 and scales.shape == (3,)
+    for compress in ("int8", "topk-int8"):
+        payload, sent = encode(g, compress, 0.1, 128)
+        assert torch.equal(decode(payload, 300, compress, 0.1, 128), sent)  # the receiver sees what was sent
+        assert torch.equal(average_payloads([payload, payload], 300, compress, 0.1, 128), sent)
+    kept = sent != 0
+    assert kept.sum() == math.ceil(0.1 * 300) and g.abs()[kept].min() >= g.abs()[~kept].max()  # the largest 30
+    assert torch.allclose(encode(g, "int8", 0.1, 128)[1], g, rtol=0, atol=g.abs().max().item() / 254 + 1e-6)
+    assert dense_bytes(4000, 2) == 4000 and dense_bytes(4000, 4) == 6000
+
+
+def test_bad_settings_name_the_value():
+    with pytest.raises(ValueError, match="nodes=3 does not divide world=4"):
+        NodeLayout(4, 3)
+    with pytest.raises(ValueError, match="nodes=0"):
+        NodeLayout(4, 0)
+    with pytest.raises(ValueError, match="topk=0 "):
+        GradSync(None, compress="topk-int8", topk=0)
+    with pytest.raises(ValueError, match="topk=nan"):
+        GradSync(None, topk=float("nan"))
+    with pytest.raises(ValueError, match="compress='fp8'.*'topk-int8'"):
+        GradSync(None, compress="fp8")
+    with pytest.raises(ValueError, match="chunk=0"):
+        GradSync(None, chunk=0)
+    layout = NodeLayout(8, 2)
+    assert (layout.node_size, layout.node_of(5), layout.node_ranks(1), layout.cross_ranks(2)) == \
+        (4, 1, [4, 5, 6, 7], [2, 6])
+
+
+def _bad_ranks(rank, world):
+    torch.set_num_threads(1)
+    errors = []
+    for args in [(NodeLayout(4, 2), rank, 60), (NodeLayout(2, 2), 1 - rank, 60), (NodeLayout(2, 2), rank, 0)]:
+        try:
+            new_groups(*args)
+        except ValueError as e:
+            errors.append(str(e))
+    sync = GradSync(new_groups(NodeLayout(2, 2), rank, 60)[1], compress="int8")
+    sync.sync("unit", torch.ones(10))  # the groups work: nothing above started a collective
+    for sd in [{"blocks.9": torch.zeros(10)}, {"unit": torch.zeros(3)}]:
+        try:
+            sync.load_state_dict(sd)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_bad_arguments_fail_before_any_collective():
+    errors = run_distributed(_bad_ranks, world_size=2)[0]
+    assert len(errors) == 5
+    assert "layout.world=4" in errors[0] and "world size is 2" in errors[0]
+    assert "rank=1 but this process is rank 0" in errors[1]
+    assert "timeout_s=0" in errors[2]
+    assert "blocks.9" in errors[3]
+    assert "'unit'" in errors[4] and "(3,)" in errors[4] and "(10,)" in errors[4]
