@@ -1,8 +1,8 @@
 # Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (the LICENSE file).
 """RL Fusion: the actor's training and its rollout share every device, one phase at a time.
 
-  TRAIN    FSDP2 parameter shards over all W ranks (or pipeline stages: below), their grads and the AdamW
-           states, on the device.
+  TRAIN    FSDP2 parameter shards over all W ranks (or within each node, whole copies across nodes: HSDP's
+           layout; or pipeline stages: below), their grads and the AdamW states, on the device.
   ROLLOUT  the inference layout, TP degree t and W/t replicas: each rank holds its TP piece of every
            weight, built from the shards, and the engine's KV cache; grads and AdamW states wait on host.
 to_rollout() copies the grads and AdamW states into the actor's host buffers and frees their device
@@ -25,8 +25,9 @@ A switch's path is two choices; FusedActor.path names it, and train_grpo.py prin
                   cuts its TP piece, fuses, renames and copies.
   The bytes' way to every rank (transport=; the seam: Broadcasts); the training layout may be pipeline stages
     Broadcasts    this file, any backend and hosts: for each weight, each owner copies its own rows into place,
-                  then one in-place broadcast per owner's piece (W under FSDP2 over all ranks, a stage's ranks
-                  under PP, none for a weight every rank holds whole) brings them to the others (gather_into).
+                  then one in-place broadcast per owner's piece (W under FSDP2 over all ranks, a node's ranks
+                  within each node, a stage's ranks under PP, none for a weight every rank holds whole) brings
+                  them to the others (gather_into).
     SharedMemory  shm_transport.py, the ranks of one host on CPU: each copies its peers' rows out of their
                   shared memory, one copy per byte, as verl and NeMo-RL read a GPU node's through CUDA IPC.
                   Shards over all W ranks only: under pipeline stages its connect() returns None (Broadcasts).
@@ -121,6 +122,27 @@ def _as_bytes(s):
     return torch.empty(0, dtype=torch.uint8, device=s.device).set_(s)  # (nbytes,) uint8 view of a storage
 
 
+def _synchronize(device):
+    """Wait for the work queued on the device's current stream: an accelerator's, through torch.accelerator (torch
+    >= 2.6, this file's floor); nothing on CPU, whose work is done when its call returns."""
+    if device.type != "cpu":
+        torch.accelerator.current_stream(device).synchronize()
+
+
+def _allocated(device):
+    """Bytes of tensors the device's allocator holds: torch.accelerator.memory_allocated (torch >= 2.8), else the
+    device's own module's (torch 2.6, 2.7: torch.cuda, torch.xpu, a plugin's torch.npu). None on CPU, or where the
+    accelerator keeps no such count (MPS: torch.accelerator's memory calls do not cover it)."""
+    if device.type == "cpu":
+        return None
+    try:
+        if hasattr(torch.accelerator, "memory_allocated"):
+            return torch.accelerator.memory_allocated(device)
+        return getattr(torch, device.type).memory_allocated(device)
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def offload(stores, hosts=()):
     """Copy each device storage into a host buffer, then free it in place (resize to 0): every tensor that
     views it stays a valid object and gets its bytes back from reload(). Host buffers are reused when the
@@ -160,12 +182,15 @@ def reshard_all(module):
 class Weight(NamedTuple):
     """A weight to build, and where the training layout holds it. owners (global ranks) hold Shard(0) pieces of it
     in that order (sharded: c = ceil(rows / d) rows each over the d owners, the last shorter or empty: FSDP2 over
-    all W ranks, or over a pipeline stage's), or each holds it whole (a plain stage, or a plain model)."""
+    all W ranks, or over a pipeline stage's), or each holds it whole (a plain stage, or a plain model).
+    replicas > 1: the weight is sharded so on each of that many disjoint meshes of d ranks (FSDP2 within each node,
+    HSDP's layout: gradsync.py averages across them); owners names the first, and each rank gathers from its own."""
     name: str
     shape: tuple
     dtype: torch.dtype
     owners: tuple
     sharded: bool
+    replicas: int = 1
 
 
 def _rank():
@@ -218,17 +243,32 @@ def _held_as(w):
     return f"{'Shard(0) over' if w.sharded else 'whole on'} ranks {list(w.owners)}, {w.shape} {w.dtype}"
 
 
+def _compatible(w, w0):
+    """Two ranks' reports of one weight agree: shape, dtype and sharded alike; sharded on one mesh, or on disjoint meshes
+    of one size (replicas)."""
+    alike = (w.shape, w.dtype, w.sharded) == (w0.shape, w0.dtype, w0.sharded)
+    if not alike or not w.sharded or w.owners == w0.owners:
+        return alike
+    return not set(w.owners) & set(w0.owners) and len(w.owners) == len(w0.owners)
+
+
 def _agreed(name, said):
     """One Weight from every holder's report of it [(rank, Weight)], or a ValueError naming it where two disagree."""
     (r0, w0), holders = said[0], tuple(rank for rank, _ in said)
     for rank, w in said[1:]:
-        if (w.shape, w.dtype, w.sharded) != (w0.shape, w0.dtype, w0.sharded) or (w.sharded and w.owners != w0.owners):
+        if not _compatible(w, w0):
             raise ValueError(f"{name}: rank {r0} holds it {_held_as(w0)}; rank {rank} {_held_as(w)}: the ranks that "
                              "hold a weight must agree on its owners, shape and dtype (a pipeline stage's parameters "
-                             "sharded over that stage's one mesh, or whole)")
-    if w0.sharded and set(holders) != set(w0.owners):
+                             "sharded over that stage's one mesh, or over disjoint meshes of one size, or whole)")
+    if not w0.sharded:
+        return w0._replace(owners=holders)
+    meshes = list(dict.fromkeys(w.owners for _, w in said))  # one, or one per node: its replicas
+    if set(holders) != {r for owners in meshes for r in owners}:
         raise ValueError(f"{name}: {_held_as(w0)}, but ranks {list(holders)} hold it: every rank of its mesh must")
-    return w0 if w0.sharded else w0._replace(owners=holders)
+    if len(meshes) > 1 and len(holders) != dist.get_world_size():  # each rank gathers from its own replica
+        raise ValueError(f"{name}: sharded on {len(meshes)} meshes {meshes}, but ranks {list(holders)} hold it: a "
+                         "weight sharded in replicas must be held by every rank")
+    return w0._replace(replicas=len(meshes))
 
 
 def plan_buckets(meta, bucket_bytes):
@@ -322,9 +362,9 @@ class Broadcasts:
         works, received = [], 0  # issued asynchronously, waited for together
         for name, out in outs:
             p = params.get(name)
-            if layout is not None:  # over the default group
+            if layout is not None and layout[name].replicas == 1:  # over the default group
                 received += gather_into(out, _mine(p), layout[name], works)
-            elif isinstance(p, DTensor):
+            elif isinstance(p, DTensor):  # no layout, or sharded within each node: from this rank's own mesh
                 received += gather_into(out, _mine(p), _weight(name, p), works, p.device_mesh.get_group())
             else:  # whole on every rank
                 out.copy_(p.detach())
@@ -398,7 +438,8 @@ class _BackwardCheck(torch.autograd.Function):
 
 class FusedActor:
     """The actor in two phases on the same devices; starts in TRAIN.
-      model, optimizer  this rank's: FSDP2 (not FSDP1) over a 1-D mesh of all W ranks, or plain; or, under pipeline
+      model, optimizer  this rank's: FSDP2 (not FSDP1) over a 1-D mesh of all W ranks (or of its node's ranks, each
+                        node holding a copy: every rank gathers from its own node's), or plain; or, under pipeline
                         parallelism, its stage's module (its parameters under the whole model's names), FSDP2 over
                         a 1-D mesh of the stage's ranks, or plain on one rank. The optimizer built after.
       engine            an nn.Module, its weights freed in TRAIN; load_weights(iterable of (name, full tensor))
@@ -466,15 +507,16 @@ class FusedActor:
             s.resize_(0)
 
     def record(self):
-        """The phase's memory figures: the storages this module manages (on CUDA, the total is the allocator's)."""
+        """The phase's memory figures: the storages this module manages (on an accelerator, the total is its
+        allocator's, where it counts: _allocated)."""
         ps, key = list(self.model.parameters()), self.phase.lower()
         held = {"params": ps, "grads": [p.grad for p in ps if p.grad is not None],
                 "optim": [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)],
                 "infer": self._engine_weights().values()}
         held = {cat: held_bytes(ts, self.device) for cat, ts in held.items()}
         self.stats.update({f"mem/{key}_{cat}_bytes": nb for cat, nb in held.items()})
-        self.stats[f"mem/{key}_bytes"] = sum(held.values()) if self.device.type != "cuda" else \
-            torch.cuda.memory_allocated(self.device)
+        allocated = _allocated(self.device)
+        self.stats[f"mem/{key}_bytes"] = sum(held.values()) if allocated is None else allocated
 
     def metrics(self):
         """Flat dict for metrics.jsonl: mem/*, time/to_rollout_s, time/to_train_s, switch/*, the movers' stats.
@@ -579,16 +621,14 @@ class FusedActor:
 
     @contextmanager
     def _timed(self, part):
-        """switch/<part>_s, for the benchmark's breakdown (on CUDA each part waits for its queued work)."""
+        """switch/<part>_s, for the benchmark's breakdown (on an accelerator each part waits for its queued work)."""
         t0 = time.perf_counter()
         yield
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        _synchronize(self.device)
         self.stats[f"switch/{part}_s"] = time.perf_counter() - t0
 
     def _finish(self, phase, t0):
-        if self.device.type == "cuda":  # non-blocking copies must land before the time is taken
-            torch.cuda.current_stream(self.device).synchronize()
+        _synchronize(self.device)  # non-blocking copies must land before the time is taken
         self.phase = phase
         self.stats[f"time/{'to_rollout' if phase == ROLLOUT else 'to_train'}_s"] = time.perf_counter() - t0
         self.record()

@@ -354,19 +354,20 @@ def _check_pp_training(rank, world, fsdp):
 
 def _check_pp_refusals(rank, world):
     """Layouts the ranks disagree on are refused as the actor is built, on every rank, naming the weight, before
-    any gather (the ranks go on together): the whole model FSDP2 on each rank over a mesh of itself alone
-    (owners [0] and [1]); whole on rank 0, Shard(0) on rank 1. The whole model plain on every rank (every rank
-    an owner) is accepted: each rank copies its own, receiving nothing."""
+    any gather (the ranks go on together): FSDP2 over a mesh of rank 0 alone on rank 0 and over both ranks on
+    rank 1 (owners [0] and [0, 1] overlap); whole on rank 0, Shard(0) on rank 1. The whole model plain on every
+    rank (every rank an owner) is accepted: each rank copies its own, receiving nothing."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
     alone = [dist.new_group([r]) for r in range(world)][rank]
-    said = {(0, 1): r"embed.weight: rank 0 holds it Shard\(0\) over ranks \[0\].*; rank 1 Shard\(0\) over ranks \[1\]",
+    both = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    said = {(0, 1): r"embed.weight: rank 0 holds it Shard\(0\) over ranks \[0\].*; rank 1 Shard\(0\) over ranks \[0, 1\]",
             (1,): r"embed.weight: rank 0 holds it whole on ranks \[0\].*; rank 1 Shard\(0\) over ranks \[1\]"}
     for sharded_on, match in said.items():
         torch.manual_seed(0)
         model = Policy(CFG)
         if rank in sharded_on:
-            fully_shard(model, mesh=DeviceMesh.from_group(alone, "cpu"))
+            fully_shard(model, mesh=both if len(sharded_on) == 2 and rank == 1 else DeviceMesh.from_group(alone, "cpu"))
         with pytest.raises(ValueError, match=match):
             FusedActor(model, torch.optim.AdamW(model.parameters()), Policy(CFG), bucket_bytes=BUCKET)
     torch.manual_seed(0)
@@ -394,6 +395,50 @@ def test_fusion_builds_the_engine_from_pipeline_stages(world):
     rank, is built from the stages exactly, with the minimum bytes; training is untouched by the switches."""
     results = run_distributed(_pipeline, world_size=world, timeout_s=120)
     assert all(lacks > 0 for r in results for lacks in r.values())
+
+
+# ----------------------------------------------------------------------------- sharded within each node
+def _nodes(rank, world):
+    """FSDP2 within each node (nodes of W/2 ranks: a rank alone at world 2), every node a copy of the model (HSDP's
+    layout): the layout has 2 replicas; at TP 1 (in place) and TP W (load_weights) the engine is built from this
+    rank's own node, its weights the whole model's bit for bit, each rank receiving exactly what its node's peers
+    hold and nothing across nodes; to_train gives back every shard and optimizer state bit for bit."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    per = world // 2
+    mesh = DeviceMesh.from_group([dist.new_group(list(range(n * per, (n + 1) * per))) for n in range(2)][rank // per],
+                                 "cpu")
+    torch.manual_seed(0)
+    model = Policy(CFG)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _backward(model, rank % per, 0)  # the nodes' copies stay equal (as a cross-node gradient sync keeps them)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    full, before = {n: p.full_tensor() for n, p in model.named_parameters()}, _snapshot(model, opt)
+    lacks = sum(t.nbytes for t in full.values()) - sum(_local(p).nbytes for p in model.parameters())
+    for tp in (1, world):
+        tp_group, _ = TPLayout(world, tp, n_heads=CFG.n_heads).new_groups(timeout_s=60)
+        want = Policy(CFG, tp_group)
+        want.load_weights(full.items())
+        actor = FusedActor(model, opt, Policy(CFG, tp_group), bucket_bytes=BUCKET, inplace=tp == 1)
+        assert all(w.replicas == 2 and len(w.owners) == per for w in actor.layout.values())
+        with rollout(actor) as engine:
+            assert all(torch.equal(p, q) for p, q in zip(engine.parameters(), want.parameters())), tp
+        m = actor.metrics()
+        assert m["switch/received_bytes"] == m["switch/received_min_bytes"] == lacks, (m, lacks)
+        assert all(torch.equal(x, y) for x, y in zip(_snapshot(model, opt), before))
+        actor.close()
+    return lacks
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_fusion_builds_the_engine_from_each_nodes_own_shards(world):
+    """2 nodes: of 1 rank at world 2 (each holds the model whole, receives nothing), of 2 at world 4."""
+    lacks = run_distributed(_nodes, world_size=world, timeout_s=120)
+    assert lacks == [0, 0] if world == 2 else all(x > 0 for x in lacks)
 
 
 # ----------------------------------------------------------------------------- single process, no spawn
