@@ -17,7 +17,7 @@ in its folder one spans_rank<N>.jsonl per rank (every timed phase:
     python -m timeline runs/A runs/B --out curves.svg --labels S0,S1   # one comparison of several runs
     python timeline.py --help
 
-Contents: Spans and CudaClock (recording), load_spans, check_nesting, trace_events / write_trace, pick_window,
+Contents: Spans and DeviceClock (recording), load_spans, check_nesting, trace_events / write_trace, pick_window,
 write_timeline_svg, load_metrics, curve_points, write_curves_svg, write_all, main.
 """
 import argparse
@@ -55,15 +55,15 @@ class Spans:
     """Records every timed phase as (name, start, end, args); spans named in `idle` count as waiting.
     args: a copy of `self.args` when the span began (the caller sets e.g. the step and policy version
     there), so that a timeline can say what each span belonged to.
-    device: on CUDA, work runs behind the host: each span also leaves a mark on the device's stream at
-    its start and end (CudaClock), and settle() moves each bound to when the device reached it, if that
-    was later. settle() waits for the device once for every span since the last one (total() and the
-    run's log call it once per step): spans never serialise the device's work on the host."""
+    device: on an accelerator (CUDA, XPU, ...), work runs behind the host: each span also leaves a mark on
+    the device's stream at its start and end (DeviceClock), and settle() moves each bound to when the device
+    reached it, if that was later. settle() waits for the device once for every span since the last one
+    (total() and the run's log call it once per step): spans never serialise the device's work on the host."""
 
     def __init__(self, idle=("idle",), device=None, clock=None):
         self.spans, self.idle, self.t0, self.args = [], set(idle), time.perf_counter(), {}
-        cuda = device is not None and str(device).startswith("cuda")
-        self.clock = clock if clock is not None else CudaClock(device) if cuda else None  # None: host times only
+        accelerated = device is not None and str(device).split(":")[0] not in ("cpu", "meta")
+        self.clock = clock if clock is not None else DeviceClock(device) if accelerated else None  # None: host only
         self.pending = []  # (index in spans, start mark, end mark): spans whose device times are not read yet
         self.open, self.failed_in = [], None  # the spans running now; where the first error struck
 
@@ -110,18 +110,25 @@ class Spans:
         return {"perf/tokens_per_s": tokens / wall, "perf/idle_frac": idle / wall}
 
 
-class CudaClock:
-    """Marks on a CUDA device's current stream (timing events), read back as host perf_counter seconds:
+class DeviceClock:
+    """Marks on an accelerator's current stream (timing events), read back as host perf_counter seconds:
     times(marks) records one more event, waits for it (the one synchronisation), and counts each mark
-    back from it by the device's own elapsed time."""
+    back from it by the device's own elapsed time. The events: torch.Event on the stream of
+    torch.accelerator.current_stream (torch >= 2.6, any accelerator whose backend times events), else
+    torch.cuda's (older torch: CUDA only); mark() is the one place this file names either."""
 
     def __init__(self, device):
-        import torch  # only on CUDA: this file needs nothing but the standard library otherwise
-        self.torch, self.device = torch, device
+        import torch  # only on an accelerator: this file needs nothing but the standard library otherwise
+        self.torch, self.device = torch, torch.device(device)
 
     def mark(self):
-        event = self.torch.cuda.Event(enable_timing=True)
-        event.record(self.torch.cuda.current_stream(self.device))
+        torch = self.torch
+        if hasattr(torch, "accelerator") and hasattr(torch, "Event"):  # torch >= 2.6
+            event = torch.Event(device=self.device, enable_timing=True)
+            event.record(torch.accelerator.current_stream(self.device))
+        else:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
         return event
 
     def times(self, marks):
