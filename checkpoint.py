@@ -15,6 +15,7 @@ One checkpoint is one folder, which exists only once complete:
                                     counts, the queue's rows not yet read, StaleSync's groups in flight
                                     (partial rollouts with their versions and behaviour log-probs; the
                                     sampler's KV cache is empty at the cut, the new weights reset it), the
+                                    cross-node gradient sync's error-feedback residual (--nodes), the
                                     optimizer's param_groups (a record); plain data (tensors, numbers,
                                     strings, lists and dicts), loaded with torch.load(weights_only=True)
         meta.json                   the step, the world size, the config, the log's figures so far, whether
@@ -329,12 +330,14 @@ def save(run, step):
     with run.spans("checkpoint"):
         own = {"rng": {"torch": torch.get_rng_state()}, "queue": run.queue.state_dict(),
                "warm_stream": run.warm_stream.state_dict(), "curriculum": run.curriculum.state_dict()}
-        if run.device.type == "cuda":
-            own["rng"]["cuda"] = torch.cuda.get_rng_state(run.device)
+        if run.device.type != "cpu":  # the accelerator's own generator, under its type ("cuda", "xpu", ...)
+            own["rng"][run.device.type] = _device_rng(run.device)
         if run.sched is not None:
             own["sched"] = run.sched.state_dict()
         if run.actor is not None:
             own["actor"] = run.actor.state_dict()
+        if run.grad_sync is not None:  # --nodes: the error-feedback residual, this rank's shard of its node's
+            own["grad_sync"] = run.grad_sync.state_dict()
         dcp_state, own["optim_groups"] = _dcp_state(run)
         meta = {"world": run.roles.world, "config": dataclasses.asdict(cfg), "log": run.log.state_dict(),
                 "reference": run.reference is not None}
@@ -392,10 +395,13 @@ def resume(run):
             with run.reference.on_device() as ref:
                 ref.load_state_dict(state["reference"], strict=run.experts is None)
     saved_layout = (meta["world"], *(meta["config"][k] for k in LAYOUT_FIELDS))
+    own = None
     if saved_layout == (run.roles.world, *(getattr(run.cfg, k) for k in LAYOUT_FIELDS)):
-        _load_own(run, read_own(path, run.rank))
+        own = read_own(path, run.rank)
+        _load_own(run, own)
     else:
         _regenerate(run, path, meta)
+    _load_residual(run, own, meta)
     run.log.reopen_metrics()
     if run.rank == 0:
         run.log.say(f"resumed from {path}: step {meta['step']}, held-out accuracy {run.log.accuracy:.3f}")
@@ -411,10 +417,20 @@ def _supersede_later(out_dir, step):
             os.renames(path, aside)
 
 
+def _device_rng(device, state=None):
+    """The RNG state of an accelerator's default generator (CPU's is saved as "torch"), or, given `state`, set it:
+    through the device's own module (torch.cuda, torch.xpu, a plugin's torch.npu), as torch has no
+    device-generic call for it."""
+    module = getattr(torch, device.type)
+    if state is None:
+        return module.get_rng_state(device)
+    module.set_rng_state(state, device)
+
+
 def _load_own(run, own):
     torch.set_rng_state(own["rng"]["torch"])
-    if "cuda" in own["rng"]:
-        torch.cuda.set_rng_state(own["rng"]["cuda"], run.device)
+    if run.device.type != "cpu" and run.device.type in own["rng"]:  # saved on this kind of accelerator
+        _device_rng(run.device, own["rng"][run.device.type])
     run.warm_stream.load_state_dict(own["warm_stream"])
     run.curriculum.load_state_dict(own["curriculum"])
     if run.sched is not None:
@@ -422,6 +438,22 @@ def _load_own(run, own):
     if run.actor is not None:
         run.actor.load_state_dict(own["actor"])
     run.queue.load_state_dict(own["queue"])  # collective: every rank publishes the rows it holds
+
+
+def _load_residual(run, own, meta):
+    """--nodes: the gradient sync's error-feedback residual, where this rank saved it in the same layout of nodes,
+    units and compression; otherwise it starts at zero, said on rank 0 (what it held, at most the gradient that
+    compression had not yet sent, is lost)."""
+    if run.grad_sync is None:
+        return
+    defaults = {"nodes": 1, "grad_compress": "none", "fsdp_units": "model"}
+    same = all(meta["config"].get(k, d) == getattr(run.cfg, k) for k, d in defaults.items())
+    if own is not None and same and "grad_sync" in own:
+        run.grad_sync.load_state_dict(own["grad_sync"])
+    elif run.rank == 0 and run.cfg.grad_compress != "none":
+        print(f"resuming with --nodes {run.cfg.nodes} --grad-compress {run.cfg.grad_compress} from another layout "
+              f"(world {meta['world']}, --nodes {meta['config'].get('nodes', 1)}): the error-feedback residual "
+              "starts at zero", flush=True)
 
 
 def _regenerate(run, path, meta):

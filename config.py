@@ -13,11 +13,13 @@ import dataclasses
 import datetime
 import math
 import os
+import types
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+import gradsync
 import grpo
 import moe_switch
 import stalesync
@@ -95,6 +97,17 @@ class Config:
                             "(moe_switch.py); 0: the experts are FSDP-sharded like every weight")
     infer_ep: int = flag(0, "expert-parallel degree of the rollout engine (with --train-ep); above 1 its ranks decode "
                             "in lock-step (model.LockStep)")
+    # gradient sync (gradsync.py)
+    nodes: int = flag(1, "training's nodes: FSDP2 shards within each of --nodes groups of world / nodes ranks and the "
+                         "gradients are averaged across them (HSDP's layout, gradsync.py); 1: FSDP2 over every rank")
+    grad_compress: str = flag("none", "the cross-node gradient average: none (full precision), int8 (a scale per 128 "
+                                      "values) or topk-int8 (the --grad-topk largest, int8), with error feedback")
+    grad_topk: float = flag(0.1, "share of each gradient shard that topk-int8 sends, in (0, 1]")
+    grad_overlap: bool = flag(False, "1: each FSDP unit's cross-node sync starts as its gradients are reduced and "
+                                     "is waited before the clip (overlaps earlier blocks' backward with "
+                                     "--fsdp-units block)")
+    fsdp_units: str = flag("model", "model: one FSDP2 unit (one gather, one reduce-scatter per step); block: one per "
+                                    "transformer block and one for the rest, with forward and backward prefetch")
     # run
     seed: int = flag(0, "seed of prompts, init and sampling")
     eval_every: int = flag(20, "steps between held-out evaluations (also the first and the last)")
@@ -109,14 +122,17 @@ class Config:
     trust_checkpoint_perms: bool = flag(False, "1: resume from a checkpoint that another user owns or may write "
                                                "(group- or world-writable, e.g. a group-shared disk); loading one "
                                                "runs its pickled code (checkpoint.py)")
-    device: str = flag("auto", "auto, cpu or cuda")
+    device: str = flag("auto", "auto (the accelerator if there is one, else cpu), cpu, or the accelerator's type "
+                               "that torch.accelerator finds (cuda, xpu, npu with its plugin; not mps: gloo only)")
     pg_timeout_s: int = flag(300, "timeout in seconds of every process group")
 
 
 SECTIONS = {"task": "max_digits", "model": "d_model", "supervised warm-up": "warmup_steps", "GRPO": "steps",
-            "staleness": "staleness", "rollout": "temperature", "deployment": "deploy", "run": "seed"}
+            "staleness": "staleness", "rollout": "temperature", "deployment": "deploy", "gradient sync": "nodes",
+            "run": "seed"}
 CHOICES = {"loss_agg": ("auto",) + grpo.LOSS_AGGS, "adv_estimator": grpo.ESTIMATORS,
-           "device": ("auto", "cpu", "cuda"), "deploy": ("colocated", "separated", "colocated-all")}
+           "deploy": ("colocated", "separated", "colocated-all"),
+           "grad_compress": gradsync.COMPRESS, "fsdp_units": ("model", "block")}
 
 
 def parse_args(argv=None, description="GRPO post-training of a tiny MoE policy"):
@@ -233,7 +249,7 @@ def layout_errors(cfg, world):
             errors.append(f"--train-ep {cfg.train_ep} and --infer-ep {cfg.infer_ep}: one must divide the other, so "
                           "that the two expert layouts nest and the switch holds no more than its target and one "
                           "bucket")
-    errors += pipeline_errors(cfg, world)
+    errors += pipeline_errors(cfg, world) + node_errors(cfg, world)
     roles = Roles(world, separated, cfg.infer_tp)
     trainers = max(1, len(roles.trainers))
     if cfg.prompts_per_step < 1 or cfg.prompts_per_step % max(roles.replicas, 1):
@@ -277,11 +293,31 @@ def pipeline_errors(cfg, world):
     return errors
 
 
+def node_errors(cfg, world):
+    """--nodes and the cross-node gradient sync (gradsync.py), checked before any collective."""
+    if cfg.nodes == 1:
+        unused = {"--grad-compress " + cfg.grad_compress: cfg.grad_compress != "none", "--grad-overlap 1": cfg.grad_overlap}
+        return [f"{what} acts on the gradient average across nodes: it needs --nodes > 1" for what, bad in unused.items()
+                if bad]
+    errors = []
+    if cfg.nodes < 1 or world % cfg.nodes:
+        errors.append(f"--nodes {cfg.nodes} must divide the world size {world} (nodes of world / nodes ranks)")
+    unsupported = {"--deploy separated": cfg.deploy == "separated", f"--train-pp {cfg.train_pp}": cfg.train_pp > 1,
+                   f"--train-ep {cfg.train_ep}": cfg.train_ep > 0}
+    for what, bad in unsupported.items():
+        if bad:  # the experts' own gradient sync (expert_parallel.py) does not go through gradsync.py
+            errors.append(f"--nodes {cfg.nodes} with {what} is not supported (colocated, FSDP2 within each node, "
+                          "without PP and without EP)")
+    if not 0 < cfg.grad_topk <= 1:
+        errors.append(f"--grad-topk {cfg.grad_topk} must be in (0, 1]")
+    return errors
+
+
 # Sizes: every count that a shape, a batch or a loop divides by or runs over, >= 1; counts that may be 0, >= 0.
 POSITIVE = ("max_digits", "eval_prompts", "d_model", "n_layers", "n_heads", "n_experts", "top_k", "d_expert",
             "warmup_batch", "steps", "prompts_per_step", "group_size", "filter_limit", "updates_per_batch",
             "micro_batches", "chunk_steps", "max_new_tokens", "bucket_kb", "eval_every", "log_every", "pg_timeout_s",
-            "train_pp")
+            "train_pp", "nodes")
 NON_NEGATIVE = ("warmup_steps", "train_ep", "infer_ep", "seed", "save_every", "keep_last")
 
 
@@ -348,8 +384,7 @@ def value_errors(cfg):
         errors.append(f"--rl-seconds {cfg.rl_seconds} must be >= 0 (0: run --steps)")
     if cfg.resume == "auto" and not cfg.out:
         errors.append(f"--resume auto needs --out (the folder whose checkpoints it looks for; got {cfg.out!r})")
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        errors.append("--device cuda: no CUDA device is available; use --device cpu or auto")
+    errors += device_errors(cfg.device)
     if errors:  # the bucket check builds the model's shapes
         return errors
     return bucket_errors(cfg)
@@ -370,29 +405,103 @@ def bucket_errors(cfg):
     return []
 
 
+def _accelerator_api():
+    """torch.accelerator (torch >= 2.6: CUDA, XPU, MPS, or a plugin's device such as Ascend's NPU), or, in older
+    torch, its calls this file uses taken from torch.cuda (CUDA was the only accelerator): the one place this file
+    names torch.cuda."""
+    api = getattr(torch, "accelerator", None)
+    if api is not None and hasattr(api, "set_device_index"):
+        return api
+    return types.SimpleNamespace(is_available=torch.cuda.is_available, device_count=torch.cuda.device_count,
+                                 current_accelerator=lambda: torch.device("cuda"),
+                                 set_device_index=torch.cuda.set_device)
+
+
+def accelerator():
+    """This machine's accelerator type ("cuda", "xpu", "npu", "mps", ...), or None: a CPU-only build, no driver or no
+    device. Asks is_available() first: current_accelerator() names the build's accelerator, present or not, in torch
+    >= 2.7 (check_available=True aside), and raises where there is none in 2.6."""
+    api = _accelerator_api()
+    return api.current_accelerator().type if api.is_available() else None
+
+
+def device_type(choice):
+    """The device type that --device <choice> runs on: "cpu", or this machine's accelerator where torch has a process
+    group backend of its own for it (nccl, xccl, hccl: backend_for). MPS has only gloo, which moves CPU and CUDA
+    tensors: auto runs on the CPU there, as does a CPU-only machine. Any other choice: a ValueError naming what the
+    machine has."""
+    if choice == "cpu":
+        return "cpu"
+    found = accelerator()
+    backend = _backend_or_none(found) if found is not None else None
+    usable = backend not in (None, "gloo")
+    if (choice == "auto" or choice == found) and usable:
+        return found
+    if choice == "auto":
+        return "cpu"
+    if found is None:
+        raise ValueError(f"--device {choice}: this machine has no accelerator (torch.accelerator found none); use "
+                         "--device cpu or auto")
+    if choice == found:
+        raise ValueError(f"--device {found}: torch has no process group backend for {found} tensors (its default for "
+                         f"{found}: {backend}, which moves CPU and CUDA tensors); use --device cpu or auto")
+    raise ValueError(f"--device {choice}: this machine's accelerator is {found} (torch.accelerator); use --device "
+                     f"{found + ', ' if usable else ''}cpu or auto")
+
+
+def device_errors(choice):
+    """--device: auto and cpu always run; an accelerator's type only on a machine that has it (device_type)."""
+    if choice in ("auto", "cpu"):  # nothing to ask the machine
+        return []
+    try:
+        device_type(choice)
+    except ValueError as e:
+        return [str(e)]
+    return []
+
+
+def backend_for(device):
+    """The process group's backend for a device: torch's default for its type (torch >= 2.6,
+    dist.get_default_backend_for_device: cpu gloo, cuda nccl, xpu xccl, mps gloo, a plugin's device what the
+    plugin registered, e.g. npu hccl), else the table below (older torch: CUDA or the CPU)."""
+    if hasattr(dist, "get_default_backend_for_device"):
+        return dist.get_default_backend_for_device(device)
+    return {"cpu": "gloo", "cuda": "nccl"}[device.type]
+
+
+def _backend_or_none(kind):
+    try:
+        return backend_for(torch.device(kind))
+    except (ValueError, KeyError, RuntimeError):  # no backend registered for that type
+        return None
+
+
 def local_gpu(env, n_gpus):
-    """The GPU of this process: LOCAL_RANK, its index on its node, as torchrun sets it. A launcher that sets
-    RANK for several processes but no LOCAL_RANK would put every one on GPU 0: refused, as is an index
-    the node does not have."""
+    """The accelerator device of this process: LOCAL_RANK, its index on its node, as torchrun sets it (n_gpus: the
+    node's devices, torch.accelerator.device_count()). A launcher that sets RANK for several processes but no
+    LOCAL_RANK would put every one on device 0: refused, as is an index the node does not have."""
     if "LOCAL_RANK" not in env:
         if int(env.get("WORLD_SIZE", "1")) > 1:
             raise ValueError(f"RANK {env.get('RANK')} of WORLD_SIZE {env['WORLD_SIZE']} and no LOCAL_RANK: set "
                              "LOCAL_RANK to this process's index on its node (torchrun does), or every rank takes "
-                             "GPU 0")
+                             "device 0")
         return 0
     index = int(env["LOCAL_RANK"])
     if not 0 <= index < n_gpus:
-        raise ValueError(f"LOCAL_RANK {index}, but this node has {n_gpus} GPUs: start at most one process per GPU")
+        raise ValueError(f"LOCAL_RANK {index}, but this node has {n_gpus} GPUs (accelerator devices): start at most "
+                         "one process per device")
     return index
 
 
 def setup_distributed(cfg):
-    """torchrun's environment, or a world of one. Returns rank, world size, device."""
-    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda", local_gpu(os.environ, torch.cuda.device_count())) if cuda else \
-        torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)  # before init_process_group
+    """torchrun's environment, or a world of one. Returns rank, world size, device (device_type: --device auto takes
+    the accelerator if there is one, else the CPU); on an accelerator, each process the device of its LOCAL_RANK."""
+    kind = device_type(cfg.device)  # a ValueError: validate() refuses it first, with the others
+    device = torch.device("cpu")
+    if kind != "cpu":
+        api = _accelerator_api()
+        device = torch.device(kind, local_gpu(os.environ, api.device_count()))
+        api.set_device_index(device)  # before init_process_group
     timeout = datetime.timedelta(seconds=cfg.pg_timeout_s)
     if not dist.is_initialized():  # plain `python train_grpo.py`, no RANK: a world of one, no rendezvous
         where = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
@@ -401,5 +510,5 @@ def setup_distributed(cfg):
                                   timeout=timeout)  # the group's keys under this attempt's prefix, never a dead one's
             where = dict(store=dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", agent),
                          rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout, **where)
+        dist.init_process_group(backend_for(device), timeout=timeout, **where)
     return dist.get_rank(), dist.get_world_size(), device

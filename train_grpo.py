@@ -51,6 +51,7 @@ import curriculum
 import distqueue
 import expert_parallel
 import fusion
+import gradsync
 import grpo
 import pipeline
 import shm_transport
@@ -426,6 +427,7 @@ class Run:
     counts_rows: bool = True      # this rank's rows count in the step's figures (under PP: the last stage's)
     batch_group: object = None    # ranks that together hold each row of a batch once (the trainers; PP: a stage's)
     experts: expert_parallel.ExpertParallel = None  # --train-ep: the experts' layouts, grads and re-shard
+    grad_sync: gradsync.GradSync = None  # --nodes: the gradients' average across nodes (compressed: its residual)
     reference: fusion.HostOffloaded = None  # the frozen initial policy (kl_coef > 0 or colocated-all)
     engine: Policy = None         # the rollout engine (generators)
     sampler: Sampler = None       # the engine's sampler; keeps its KV cache between decode chunks
@@ -465,7 +467,7 @@ def build(cfg, out_dir=None):
         run.actor = fusion.FusedActor(
             run.model, run.optimizer, run.engine, bucket_bytes=cfg.bucket_kb * 1024,
             inplace=cfg.infer_tp == 1,  # TP 1: the engine holds full weights, gathered straight into them
-            movers=[run.experts] if run.experts else (), transport=transport)
+            movers=[m for m in (run.experts, run.grad_sync) if m is not None], transport=transport)
         if rank == 0:
             print(f"switch: {run.actor.path}", flush=True)  # e.g. "in place, SharedMemory"
         run.all_ready = stalesync.AllReady(device=device, spans=run.spans)
@@ -492,7 +494,6 @@ def build_policy(run):
     """The trained model (EP applied, then FSDP2 over the trainers), its optimizer, the rollout engine
     (TP over infer_tp ranks) and their process groups, each with the run's timeout."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     cfg, roles, rank, device = run.cfg, run.roles, run.rank, run.device
     timeout = datetime.timedelta(seconds=cfg.pg_timeout_s)
     tp_group = None
@@ -519,18 +520,56 @@ def build_policy(run):
     run.data_index, run.data_size, run.batch_group = roles.trainers.index(rank), len(roles.trainers), run.train_group
     if cfg.train_pp > 1:  # this rank keeps its stage's blocks only, FSDP2 over the stage's ranks
         model, mesh = apply_pipeline_parallel(run, model)
-    ignored = set(run.experts.params(model)) if run.experts else None
-    # One FSDP unit: sharded at rest, gathered whole by an update's first forward until the reduce-scatter after its
-    # last backward (ZeRO-2's traffic: one gather, one reduce-scatter per optimizer step). A model too big to gather
-    # takes a unit per block (fully_shard(block) first): a gather and hooks per block and micro-batch, overlapping
-    # the previous block's compute on CUDA, not on CPU with gloo (as measured: git log -p bench/RESULTS.md).
-    fully_shard(model, mesh=mesh, ignored_params=ignored, reshard_after_forward=False)
+    if cfg.nodes > 1:  # FSDP2 within each node; gradsync.py averages the shards' gradients across nodes
+        mesh = apply_nodes(run)
+    apply_fsdp(model, mesh, set(run.experts.params(model)) if run.experts else None, cfg.fsdp_units)
+    if run.grad_sync:
+        run.grad_sync.apply(model)  # a hook on each FSDP unit: its reduce-scattered shard, averaged across nodes
+        run.clip_grads = functools.partial(synced_clip, run.grad_sync, run.clip_grads)
     run.model = model
     # foreach: each stage of Adam is one multi-tensor op over every shard, not one op per parameter, each of which
     # DTensor dispatches apart (CPU's default is per parameter; the results are the same, bit for bit)
     run.optimizer = torch.optim.AdamW(expert_parallel.optimizer_groups(model), lr=cfg.lr, betas=(0.9, 0.98),
                                       weight_decay=0.0, foreach=True)
     run.algo = grpo_config(cfg)
+
+
+def apply_fsdp(model, mesh, ignored, units):
+    """FSDP2 over mesh, parameters kept gathered from an update's first forward to the reduce-scatter after its
+    last backward (ZeRO-2's traffic). units "model": one unit, one gather and one reduce-scatter per optimizer
+    step, its gradient hook once, after the whole backward. "block": a unit per block and one for the rest: a
+    gather and a reduce-scatter per block, each block's gather issued while the one before computes (forward
+    prefetch; backward prefetch is FSDP2's default), each block's reduce-scatter (and cross-node sync) as soon as
+    its backward is done, while the blocks before it still run: overlap where a device has streams to spare."""
+    from torch.distributed.fsdp import fully_shard
+    if units == "block":
+        blocks = [fully_shard(b, mesh=mesh, ignored_params=ignored, reshard_after_forward=False)
+                  for b in model.blocks.children()]
+        for block, after in zip(blocks, blocks[1:]):
+            block.set_modules_to_forward_prefetch([after])
+    fully_shard(model, mesh=mesh, ignored_params=ignored, reshard_after_forward=False)
+
+
+def apply_nodes(run):
+    """--nodes: the ranks as nodes of world / nodes (gradsync.py's groups); the gradient sync across them, which is
+    also a mover of the phase switch (its error-feedback residual goes to host with the optimizer's state). Returns
+    this rank's node's mesh, for FSDP2."""
+    from torch.distributed.device_mesh import DeviceMesh
+    cfg = run.cfg
+    layout = gradsync.NodeLayout(run.roles.world, cfg.nodes)
+    node_group, cross_group = gradsync.new_groups(layout, run.rank, cfg.pg_timeout_s)
+    run.grad_sync = gradsync.GradSync(cross_group, cfg.grad_compress, cfg.grad_topk, overlap=cfg.grad_overlap,
+                                      timer=run.spans)  # the spans grad_sync (in a hook) and grad_sync_wait
+    return DeviceMesh.from_group(node_group, run.device.type)
+
+
+def synced_clip(sync, clip, model, max_norm):
+    """grpo's clip_grads under --nodes: the cross-node averages land first (what is still in flight: every one with
+    --grad-overlap), then the norm (clip: the run's own, None for clip_grad_norm_)."""
+    sync.wait()
+    if clip is not None:
+        return clip(model, max_norm)
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
 def apply_pipeline_parallel(run, model):

@@ -32,8 +32,10 @@ def _lines(out_dir):
 
 @pytest.mark.parametrize("mode", [{"staleness": 0}, {"staleness": 2, "chunk_steps": 1},
                                   {"deploy": "separated", "staleness": 0},
-                                  {"train_ep": 2, "infer_ep": 1, "staleness": 1, "chunk_steps": 1}],
-                         ids=["colocated-S0", "colocated-S2-partial", "separated-S0", "expert-parallel"])
+                                  {"train_ep": 2, "infer_ep": 1, "staleness": 1, "chunk_steps": 1},
+                                  {"nodes": 2, "grad_compress": "topk-int8", "staleness": 0}],
+                         ids=["colocated-S0", "colocated-S2-partial", "separated-S0", "expert-parallel",
+                              "nodes-compressed"])
 def test_stopped_and_resumed_run_trains_to_the_same_parameters(tmp_path, mode):
     """Run 6 steps saving at step 3; then, in new processes, resume from step 3 and run 3 more: the final
     parameters are bit-identical, and metrics.jsonl holds every step once."""
@@ -44,6 +46,8 @@ def test_stopped_and_resumed_run_trains_to_the_same_parameters(tmp_path, mode):
     if mode["staleness"] == 2:  # the checkpoint holds partial rollouts: samples with tokens, not done
         pool = own["sched"]["pool"]
         assert any(s["tokens"].numel() and not s["done"] for g in pool for s in g["samples"])
+    if "nodes" in mode:  # the error-feedback residual: part of the cut, and not zero
+        assert any(r.abs().sum() > 0 for r in own["grad_sync"].values())
     resumed = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path), dict(mode, resume=step_3)))
     assert torch.equal(straight[0][1], resumed[0][1])
     assert straight[0][0]["params_sha256"] == resumed[0][0]["params_sha256"] is not None

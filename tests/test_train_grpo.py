@@ -57,6 +57,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["--train-pp", "2", "--deploy", "separated"], "--train-pp 2 with --deploy separated is not supported"),
     (["--train-pp", "2", "--micro-batches", "3"], "must split into --micro-batches x --updates-per-batch = 3"),
     (["--train-pp", "0"], "--train-pp 0 must be >= 1"),
+    (["--nodes", "3"], "--nodes 3 must divide the world size 2"),
+    (["--nodes", "0"], "--nodes 0 must be >= 1"),
+    (["--nodes", "2", "--deploy", "separated"], "--nodes 2 with --deploy separated is not supported"),
+    (["--nodes", "2", "--train-ep", "2", "--infer-ep", "1"], "--nodes 2 with --train-ep 2 is not supported"),
+    (["--nodes", "2", "--grad-topk", "0"], "--grad-topk 0.0 must be in (0, 1]"),
+    (["--nodes", "2", "--grad-topk", "nan"], "--grad-topk nan must be a finite number"),
+    (["--grad-compress", "int8"], "--grad-compress int8 acts on the gradient average across nodes: it needs --nodes > 1"),
+    (["--grad-overlap", "1"], "--grad-overlap 1 acts on the gradient average across nodes"),
 ])
 def test_bad_arguments_are_named(flags, text):
     _, cfg = parse_args(flags)
@@ -246,6 +254,35 @@ def test_world_4_expert_parallel_rollout_trains_as_one(tmp_path):
     assert max(l["stale/age_max"] for l in lines) == 1  # samples that started a version earlier were trained
     assert all(l["moe/routed_tokens"] > 0 for l in lines) and lines[-1]["lockstep/agreements"] > 0
     assert_same_training(p_ep4, p_ep1, "S = 1, EP 4 against EP 1 in rollout")
+
+
+def test_nodes_average_gradients_across_nodes_as_one_world_and_compressed_stay_in_step(tmp_path):
+    """--nodes 2 at world 2 (a node of one rank each, FSDP2 within it, gradsync.py across): full precision, one
+    FSDP unit per block, each block's sync started from its hook (overlap), trains to a world of one's parameters.
+    Compressed (top-k int8 with error feedback) the nodes stay bit-identical, each sends over 4x fewer bytes
+    than the dense average would, and the wait for the syncs is a span of the run's timeline."""
+    [(_, p_one)] = run_distributed(_train_tiny, world_size=1, args=(str(tmp_path / "w1"),))
+    full = {"nodes": 2, "fsdp_units": "block", "grad_overlap": True}
+    (_, p), _ = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "full"), full))
+    assert_same_training(p, p_one, "--nodes 2")
+    (_, p), (_, q) = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "topk"),
+                                                                      dict(full, grad_compress="topk-int8")))
+    assert torch.equal(p, q) and not torch.equal(p, p_one)
+    last = [json.loads(l) for l in open(tmp_path / "topk" / "metrics.jsonl")][-1]
+    assert 0 < 4 * last["gradsync/sent_bytes"] < last["gradsync/dense_bytes"]
+    import timeline
+    assert "grad_sync_wait" in {s["name"] for s in timeline.load_spans(tmp_path / "topk")}
+
+
+@pytest.mark.slow
+def test_world_4_as_two_nodes_trains_as_one(tmp_path):
+    """World 4 as 2 nodes of 2 (FSDP2 over each node's pair, the shards averaged across nodes in full precision),
+    with a unit per block and overlap: a world of one's parameters."""
+    [(_, p_one)] = run_distributed(_train_tiny, world_size=1, args=(str(tmp_path / "w1"),))
+    out = run_distributed(_train_tiny, world_size=4, timeout_s=240, args=(str(tmp_path / "w4"), dict(
+        nodes=2, fsdp_units="block", grad_overlap=True)))
+    assert all(torch.equal(p, out[0][1]) for _, p in out)
+    assert_same_training(out[0][1], p_one, "world 4, --nodes 2")
 
 
 @pytest.mark.slow
