@@ -1,53 +1,64 @@
 # Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (the LICENSE file).
 """Hierarchical gradient sync: shard within a node, average the shards across nodes, optionally compressed.
 
+Shapes: N nodes, s ranks per node, n values in a unit's flat shard, k values kept, C = ceil(k / chunk)
+chunks, P payload bytes.
+
 HSDP's layout is replicate across N nodes x shard within a node of s ranks. Each node runs FSDP2 on its own
 1-D mesh: the backward reduce-scatters every unit's gradients over the node's fast links, leaving each rank
-a flat shard of n values, averaged over its node. The ranks with the same local index j in every node hold
-the same shard of different nodes' gradients; averaging it over them (the "cross" group, one per j) gives
-each rank its shard of the gradient averaged over all N * s ranks. That cross-node step crosses the slow
-links, so this file does it itself, through FSDP2's public FSDPModule.set_all_reduce_hook, and can compress
-it: int8 with one fp32 scale per chunk of values (about 3.9x fewer bytes), or the top-k largest values in
-int8 with their int32 indices (k = 10%: about 8x at 2 nodes), with error feedback (1-bit SGD, Seide et al.
-2014; EF-SGD, Karimireddy et al. 2019; Deep Gradient Compression, Lin et al. 2018): what a step does not
-send is kept per rank (the residual) and added to the next step's gradient, so nothing is lost, only late.
+a flat shard of n values, averaged over its node. Rank j of every node holds the same shard of different
+nodes' gradients; averaging it over them (the "cross" group j) gives each rank its shard of the gradient
+averaged over all N * s ranks. That step crosses the slow links, so this file does it itself, through FSDP2's
+public FSDPModule.set_all_reduce_hook, and can compress it: int8 with one fp32 scale per chunk of values, or
+the top-k largest values in int8 with their int32 indices, with error feedback (1-bit SGD, Seide et al. 2014;
+EF-SGD, Karimireddy et al. 2019; Deep Gradient Compression, Lin et al. 2018): what a step does not send is
+kept per rank (the residual) and added to the next step's gradient, so nothing is lost, only late.
 
 Contents, naive first:
   NodeLayout        validated: world, nodes; node n = ranks [n*s, (n+1)*s); cross group j = rank j of each node
   new_groups        every node group and every cross group, created by every rank in one order
-  allreduce_mean    the naive sync: a full-precision all-reduce (ReduceOp.AVG) of the flat shard over the nodes
-  encode, decode    one flat buffer's compressed payload (one uint8 tensor); average_payloads, the nodes' mean
+  allreduce_mean    the naive sync: ReduceOp.AVG over the nodes, native 2-D HSDP's op on the same ranks (gloo
+                    supports it), so compress="none" gives native HSDP's parameters bit for bit
+  gather_payloads   the compressed sync: every node's payload; encode, decode; average_payloads, their mean
   GradSync          the hooks on every FSDP unit (or sync(name, buf) on any flat buffer): residuals, overlap,
-                    bytes, state, phase switches
+                    modelled bytes, state, reset, phase switches
 
-What FSDP2 (torch 2.13) does around the hook, read in _fsdp_collectives.foreach_reduce:
-  - the hook gets reduce_output, the unit's flat 1-D buffer (reduce dtype: fp32 here) of this rank's shard of
-    each of the unit's parameters that has a grad, each padded on dim 0 to a multiple of s;
-  - for fp32 the reduce-scatter uses ReduceOp.AVG and nothing divides after the hook; FSDP then makes the
-    sharded grads as_strided views of that buffer (or adds the buffer to grads that exist: accumulation);
-  - set_all_reduce_hook sets the hook of that unit's own parameter group only: GradSync.apply sets it on
-    every FSDPModule in model.modules();
-  - native 2-D HSDP all-reduces with ReduceOp.AVG, which gloo supports: allreduce_mean uses the same op on
-    the same ranks, so compress="none" gives native HSDP's parameters bit for bit.
+FSDP2 (torch 2.13, _fsdp_collectives.foreach_reduce) calls a unit's hook with its flat 1-D buffer (reduce dtype)
+of this rank's shard of each of the unit's parameters, each padded on dim 0 to a multiple of s; in fp32 and bf16
+it is the node's average (ReduceOp.AVG) and nothing divides it after the hook (fp16: a division after it). The
+sharded grads are then as_strided views of it when the reduce dtype is the parameters' (else a cast copy; under
+CPU offload a host copy), or it is added to grads that exist. apply() sets the hook on every FSDPModule.
 
 Departures, numbered:
 1. Compressed payloads travel by all-gather, not all-reduce: int8 values cannot be summed hop by hop in a
-   ring without re-quantising at every hop. A rank sends (N-1) payloads of P bytes, a dense ring all-reduce
-   2(N-1)/N * 4n: compression wins while N * P < 8n, N < 8 for int8 and N < 16 for top-10% (HSDP's N is
-   small: the nodes, not the GPUs).
+   ring without re-quantising at every hop. GradSync.stats model the bytes of the gradient sync alone (none
+   of a run's other collectives) under ring algorithms, not the wire: a dense all-reduce sends 2(N-1)/N x 4n
+   bytes a rank (fp32), an all-gather (N-1) P. The ratio, 2(N-1)/N x 4n / ((N-1) P), is about 3.9x for int8
+   and 8x for top-10% at 2 nodes; compression wins while N * P < 8n: N < 8 for int8, N < 16 for top-10%
+   (HSDP's N is small: the nodes, not the GPUs).
 2. Every rank decodes the N payloads and sums them in node order, then divides by N: every replica
    computes the same float operations on the same bytes, so the nodes' parameters stay bit-identical.
 3. The residuals are per rank and unit, keyed by the unit's module name ("" the root): rank state, like the
-   optimizer's shards, checkpointed per rank.
-4. overlap=True starts each unit's collective (async_op) in its hook and returns; wait(), once per step
-   before clipping and optimizer.step(), finishes them and writes the averages into the buffers the grads
-   view. FSDP would add an unfinished buffer into grads that exist, so the grads must be None before the
-   backward that syncs (optimizer.zero_grad(set_to_none=True)): the hook checks and raises. With one FSDP
-   unit the hook fires at the end of the backward and there is nothing to overlap; with one unit per block
-   block i's sync runs while the backward of the blocks before it continues.
-5. A parameter with no grad in a step drops out of FSDP's buffer and would shift the residuals: the hook
-   refuses a buffer of another size (set_reduce_scatter_unused_params(True) keeps such parameters, as zeros).
-6. One node (N = 1): nothing to average, the hook returns at once and nothing is compressed.
+   optimizer's shards, checkpointed per rank. reset() zeroes them, e.g. after a supervised warm-up, so that
+   its unsent gradient does not reach the RL optimizer.
+4. The residual moves once the average is known: the hook keeps g' - sent pending, and the finish makes it
+   the residual only if the unit's average is all finite. A non-finite value in any node's g' makes its
+   chunk's scale, so the average, non-finite on every rank of the cross group (they decode the same bytes);
+   the trainer skips the step, each rank keeps the residual it had before it, and the step's gradient is
+   dropped with the step. A step skipped because another unit's (or shard's) average was not finite still
+   loses what this unit sent.
+5. overlap=True starts each unit's collective (async_op) in its hook and returns; wait(), once per step
+   before clipping and optimizer.step(), writes the averages into the buffers the grads view. The hook
+   refuses it where they do not view the buffer or FSDP changes it after the hook (mixed precision, CPU
+   offload, fp16), and where grads exist, as FSDP would add the unfinished buffer into them (call
+   optimizer.zero_grad(set_to_none=True)). With one unit per block, block i's sync runs while the backward
+   of the blocks before it continues; with one unit there is nothing to overlap.
+6. apply() calls set_reduce_scatter_unused_params(True) on every unit: a parameter without a grad on one
+   node reduces as zeros, so every node's buffer keeps one layout (else that node's would be shorter, or
+   absent, while its peers wait in the collective).
+7. One node (N = 1): nothing to average, the hook returns at once and nothing is compressed.
+The hooks' checks read only what every rank sees alike (settings, layout) and raise before the collective:
+all ranks refuse together.
 
     python -m pytest tests/test_gradsync.py
 
@@ -64,7 +75,7 @@ Using this file elsewhere: torch only (tested with 2.13, gloo on CPU; nccl untes
     def rank_main(rank, world, port):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-        node_group, cross_group = new_groups(NodeLayout(world, nodes=2), rank, timeout_s=60)
+        node_group, cross_group = new_groups(NodeLayout(world, nodes=2), timeout_s=60)
         torch.manual_seed(0)  # the same initial weights on every rank
         model = fully_shard(torch.nn.Linear(256, 8), mesh=DeviceMesh.from_group(node_group, "cpu"))
         sync = GradSync(cross_group, compress="int8")
@@ -88,9 +99,6 @@ Using this file elsewhere: torch only (tested with 2.13, gloo on CPU; nccl untes
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         mp.spawn(rank_main, args=(2, port), nprocs=2)
-
-Shapes: N nodes, s ranks per node, n values in a unit's flat shard, k values kept, C = ceil(k / chunk)
-chunks, P payload bytes.
 """
 import contextlib
 import datetime
@@ -102,6 +110,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 COMPRESS = ("none", "int8", "topk-int8")
 
@@ -136,20 +145,19 @@ class NodeLayout:
         return [n * self.node_size + j for n in range(self.nodes)]
 
 
-def new_groups(layout, rank, timeout_s, backend=None):
+def new_groups(layout, timeout_s, backend=None):
     """(node_group, cross_group) of this rank. Collective: every rank creates every group, in one order."""
     if not isinstance(layout, NodeLayout):
         raise TypeError(f"layout is a {type(layout).__name__}: expected a NodeLayout")
     if not dist.is_initialized() or layout.world != dist.get_world_size():
         world = dist.get_world_size() if dist.is_initialized() else "not initialized"
         raise ValueError(f"layout.world={layout.world} but the process group's world size is {world}")
-    if rank != dist.get_rank():
-        raise ValueError(f"rank={rank} but this process is rank {dist.get_rank()} of {layout.world}")
     if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
         raise ValueError(f"timeout_s={timeout_s!r} must be a finite number of seconds > 0")
     timeout = datetime.timedelta(seconds=timeout_s)
     nodes = [dist.new_group(layout.node_ranks(n), timeout=timeout, backend=backend) for n in range(layout.nodes)]
     cross = [dist.new_group(layout.cross_ranks(j), timeout=timeout, backend=backend) for j in range(layout.node_size)]
+    rank = dist.get_rank()
     return nodes[layout.node_of(rank)], cross[rank % layout.node_size]
 
 
@@ -158,8 +166,14 @@ def allreduce_mean(buf, group, async_op=False):
     return dist.all_reduce(buf, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
 
 
+def gather_payloads(payload, group, async_op=False):
+    """The compressed sync's exchange: payload (P,) uint8 -> (work, N x (P,) every node's payload, node order)."""
+    outs = [torch.empty_like(payload) for _ in range(dist.get_world_size(group))]  # N x (P,)
+    return dist.all_gather(outs, payload, group=group, async_op=async_op), outs
+
+
 def dense_bytes(nbytes, nodes):
-    """Bytes a rank sends in a ring all-reduce of nbytes over `nodes` ranks: reduce-scatter then all-gather."""
+    """Modelled bytes a rank sends in a ring all-reduce of nbytes over `nodes` ranks: reduce-scatter, all-gather."""
     return 2 * (nodes - 1) / nodes * nbytes
 
 
@@ -167,7 +181,7 @@ def quantize_int8(x, chunk):
     """x (n,) fp32 -> (q (n,) int8, scales (C,) fp32): symmetric, one scale per chunk, q * scale ~ x."""
     n = x.numel()
     rows = torch.nn.functional.pad(x, (0, (-n) % chunk)).view(-1, chunk)   # (C, chunk), zero-padded
-    scales = rows.abs().amax(dim=1) / 127                                   # (C,)
+    scales = rows.abs().amax(dim=1) / 127                                   # (C,); inf or nan: the chunk's too
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))         # an all-zero chunk: q = 0
     q = torch.round(rows / safe[:, None]).clamp(-127, 127).to(torch.int8)   # (C, chunk)
     return q.flatten()[:n], scales
@@ -190,7 +204,7 @@ def encode(g, compress, topk, chunk):
     if compress == "int8":
         q, scales = quantize_int8(g, chunk)                                      # (n,), (C,)
         return torch.cat([scales.view(torch.uint8), q.view(torch.uint8)]), dequantize_int8(q, scales, chunk)
-    idx = g.abs().topk(n_kept(g.numel(), compress, topk)).indices              # (k,) largest |g| first
+    idx = g.abs().topk(n_kept(g.numel(), compress, topk)).indices              # (k,) largest |g| first, nan first
     q, scales = quantize_int8(g[idx], chunk)                                     # (k,), (C,)
     sent = torch.zeros_like(g).index_put_((idx,), dequantize_int8(q, scales, chunk))  # (n,)
     parts = [scales.view(torch.uint8), idx.to(torch.int32).view(torch.uint8), q.view(torch.uint8)]
@@ -218,9 +232,10 @@ def average_payloads(payloads, numel, compress, topk, chunk):
 
 
 def own_params(unit):
-    """The parameters a FSDP unit reduces itself: its own, not those of the FSDP units inside it."""
+    """The parameters a FSDP unit reduces itself: its own sharded ones (DTensors: ignored_params stay plain),
+    not those of the FSDP units inside it."""
     inner = {id(p) for m in unit.modules() if m is not unit and isinstance(m, FSDPModule) for p in m.parameters()}
-    return [p for p in unit.parameters() if id(p) not in inner and p.requires_grad]
+    return [p for p in unit.parameters() if id(p) not in inner and p.requires_grad and isinstance(p, DTensor)]
 
 
 def shard_numel(params):
@@ -230,7 +245,9 @@ def shard_numel(params):
 
 class GradSync:
     """Cross-node gradient sync of a FSDP2 model sharded within nodes: apply(model), wait() each step."""
-    names = ()  # a mover of a colocated trainer (fusion.FusedActor's movers): it owns no engine weights
+    # the phase-switch protocol a colocated trainer calls: to_rollout/to_train; names: engine weights this
+    # object builds itself, none
+    names = ()
 
     def __init__(self, cross_group, compress="none", topk=0.1, chunk=128, overlap=False, timer=None):
         if compress not in COMPRESS:
@@ -239,15 +256,25 @@ class GradSync:
             raise ValueError(f"topk={topk!r} must be a finite fraction in (0, 1]")
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
             raise ValueError(f"chunk={chunk!r} must be an int >= 1")
-        self.group, self.compress, self.topk, self.chunk, self.overlap = cross_group, compress, topk, chunk, overlap
+        self.group = cross_group
+        self.compress = compress
+        self.topk = topk
+        self.chunk = chunk
+        self.overlap = overlap
         # timer(name): a context manager around each stretch a rank is blocked on the sync ("grad_sync" in a hook,
         # "grad_sync_wait" in wait()), e.g. a run's span helper, so that a timeline shows the exposed communication
         self.timer = timer or (lambda name: contextlib.nullcontext())
         self.nodes = dist.get_world_size(cross_group)  # N
-        self.params, self.residuals, self.pending, self._host = {}, {}, [], {}
-        # cumulative: bytes this rank sent across nodes, and what a dense ring all-reduce of the same buffers
-        # would have; seconds blocked on the sync (overlap=False: the collectives too; True: in wait()); syncs
-        # started; bytes moved to host by to_rollout()
+        self.params = {}        # unit name -> its own parameters (apply)
+        self.residuals = {}     # name -> (n,) fp32, this rank's unsent gradient
+        self.pending = []       # started syncs (name, buf, work, outs, late), finished by wait() (see _start)
+        self._host = {}         # name -> (n,) host copy for to_rollout(), allocated once
+        self._on_host = False
+        # cumulative, of the gradient sync only (not the run's other collectives), and modelled under ring
+        # algorithms, not measured on the wire: sent_bytes, what this rank sends across nodes (none: a ring
+        # all-reduce, 2(N-1)/N x the buffer's bytes; compressed: a ring all-gather, (N-1) x P); dense_bytes,
+        # what a ring all-reduce of the same buffers would send; wait_s, host seconds blocked in the hooks and
+        # in wait(); syncs started; offload_bytes moved to host by to_rollout()
         self.stats = {"gradsync/sent_bytes": 0.0, "gradsync/dense_bytes": 0.0, "gradsync/wait_s": 0.0,
                       "gradsync/syncs": 0.0, "gradsync/offload_bytes": 0.0}
 
@@ -258,62 +285,84 @@ class GradSync:
             raise ValueError(f"{type(model).__name__} has no FSDP2 unit: fully_shard it over its node's mesh first")
         for name, unit in units.items():
             params = own_params(unit)
-            if any(p.device_mesh.ndim != 1 for p in params):
-                raise ValueError(f"unit {name!r} is sharded over a {params[0].device_mesh.ndim}-D mesh: native HSDP "
-                                 "already syncs across nodes; fully_shard over the node's 1-D mesh instead")
+            if params:
+                self._check_mesh(name, params[0].device_mesh)
             self.params[name] = params
             if self.compress != "none" and params:
-                self.residuals[name] = torch.zeros(shard_numel(params), device=params[0].device)  # (n,) fp32
+                self.residuals[name] = torch.zeros(shard_numel(params), dtype=torch.float32, device=params[0].device)
+            unit.set_reduce_scatter_unused_params(True, recurse=False)  # departure 6: the buffer's layout fixed
             unit.set_all_reduce_hook(functools.partial(self.sync, name))  # called with FSDP's flat buffer
         return model
+
+    def _check_mesh(self, name, mesh):
+        """The unit's mesh is this rank's node: it meets the cross group in this rank alone; N of them, the world."""
+        if mesh.ndim != 1:
+            raise ValueError(f"unit {name!r} is sharded over a {mesh.ndim}-D mesh: native HSDP already syncs "
+                             "across nodes; fully_shard over the node's 1-D mesh instead")
+        ranks = set(mesh.mesh.flatten().tolist())
+        cross = set(dist.get_process_group_ranks(self.group))
+        world = dist.get_world_size()
+        if ranks & cross != {dist.get_rank()} or len(ranks) * self.nodes != world:
+            raise ValueError(f"unit {name!r} is sharded over ranks {sorted(ranks)} and the cross group is ranks "
+                             f"{sorted(cross)}: a node's mesh must share exactly this rank ({dist.get_rank()}) with "
+                             f"the cross group, and its size x {self.nodes} nodes must be the world size {world}: "
+                             "fully_shard over new_groups' node group")
 
     def sync(self, name, buf):
         """The hook's body: buf (n,) averaged over the nodes in place (overlap: started; wait() ends it).
         Called directly it syncs any flat buffer, the same `name` each step (its residual's key)."""
         if self.nodes == 1:
             return
-        if name in self.params:  # a hook of apply(); called directly, any flat fp32 buffer syncs
-            self._check(name, buf)
-        self.stats["gradsync/dense_bytes"] += dense_bytes(buf.nbytes, self.nodes)
-        self.stats["gradsync/syncs"] += 1
+        self._check(name, buf)
         with self.timer("grad_sync"):
             t0 = time.perf_counter()
-            if self.compress == "none":
-                work, outs = allreduce_mean(buf, self.group, async_op=self.overlap), None
-                self.stats["gradsync/sent_bytes"] += dense_bytes(buf.nbytes, self.nodes)
-            else:
-                payload = self._encode(name, buf)                                     # (P,) uint8
-                outs = [torch.empty_like(payload) for _ in range(self.nodes)]         # N x (P,)
-                work = dist.all_gather(outs, payload, group=self.group, async_op=self.overlap)
-                self.stats["gradsync/sent_bytes"] += (self.nodes - 1) * payload.nbytes
-            self.pending.append((name, buf, work, outs))
+            self.pending.append(self._start(name, buf))
             if not self.overlap:
                 self._finish()
             self.stats["gradsync/wait_s"] += time.perf_counter() - t0
 
+    def _start(self, name, buf):
+        self.stats["gradsync/dense_bytes"] += dense_bytes(buf.nbytes, self.nodes)
+        self.stats["gradsync/syncs"] += 1
+        if self.compress == "none":
+            self.stats["gradsync/sent_bytes"] += dense_bytes(buf.nbytes, self.nodes)
+            return name, buf, allreduce_mean(buf, self.group, async_op=self.overlap), None, None
+        if name not in self.residuals:  # a buffer synced directly: its residual starts at zero
+            self.residuals[name] = torch.zeros(buf.numel(), dtype=torch.float32, device=buf.device)
+        g = buf.float() + self.residuals[name]                                   # (n,) g', error feedback
+        payload, sent = encode(g, self.compress, self.topk, self.chunk)          # (P,) uint8, (n,)
+        work, outs = gather_payloads(payload, self.group, async_op=self.overlap)
+        self.stats["gradsync/sent_bytes"] += (self.nodes - 1) * payload.nbytes
+        return name, buf, work, outs, g.sub_(sent)  # late: g' - sent in g's storage, kept if the average is finite
+
     def _check(self, name, buf):
-        numel = shard_numel(self.params[name])
-        if buf.numel() != numel:
-            raise RuntimeError(f"unit {name!r}: FSDP's gradient buffer has {buf.numel()} values, its parameters "
-                               f"{numel}: a parameter had no grad this step (unit.set_reduce_scatter_unused_params"
-                               "(True) keeps the layout fixed), or a placement other than Shard(0)")
+        if name in self.params:
+            self._check_unit(name, buf)
+        elif name in self.residuals and buf.numel() != self.residuals[name].numel():
+            raise ValueError(f"sync({name!r}, buf): buf has {buf.numel()} values, the residual of {name!r} "
+                             f"{self.residuals[name].numel()}: one name per flat buffer, of one size every step")
         if self.overlap and any(n == name for n, *_ in self.pending):
-            raise RuntimeError(f"unit {name!r} syncs again before wait() ended its last sync: call wait() once "
+            raise RuntimeError(f"{name!r} syncs again before wait() ended its last sync: call wait() once "
                                "per backward, before clipping and optimizer.step()")
-        held = [p for p in self.params[name] if p.grad is not None]
-        if self.overlap and held:
+
+    def _check_unit(self, name, buf):
+        params = self.params[name]
+        numel = shard_numel(params)
+        if buf.numel() != numel:  # internal: apply()'s set_reduce_scatter_unused_params(True) fixes the size
+            raise RuntimeError(f"unit {name!r}: FSDP's gradient buffer has {buf.numel()} values, its parameters' "
+                               f"shards {numel}: a placement other than Shard(0), or unused params not reduced")
+        if not self.overlap:
+            return
+        dtype, device = params[0].dtype, params[0].device
+        if buf.dtype != dtype or buf.device != device or buf.dtype not in (torch.float32, torch.bfloat16):
+            raise RuntimeError(f"unit {name!r}: overlap=True needs FSDP's grads to view the hook's buffer, in "
+                               f"float32 or bfloat16, of the parameters' dtype and device; found a {buf.dtype} "
+                               f"buffer on {buf.device} for {dtype} parameters on {device}: use overlap=False, "
+                               "or no mixed precision (reduce dtype = parameter dtype) and no CPU offload")
+        held = [p for p in params if p.grad is not None]
+        if held:
             raise RuntimeError(f"unit {name!r}: overlap=True needs grads None before the backward that syncs, "
                                f"{len(held)} parameters hold one: optimizer.zero_grad(set_to_none=True)")
-
-    def _encode(self, name, buf):
-        """Error feedback: g' = buf + residual is encoded, residual = g' - what the payload decodes to."""
-        if name not in self.residuals:  # a buffer synced directly: its residual starts at zero
-            self.residuals[name] = torch.zeros(buf.numel(), device=buf.device)
-        residual = self.residuals[name]                                           # (n,) fp32
-        g = buf.float() + residual                                                # (n,) g'
-        payload, sent = encode(g, self.compress, self.topk, self.chunk)
-        torch.sub(g, sent, out=residual)                                          # in place: the same storage
-        return payload
 
     def wait(self):
         """Finish every started sync (overlap=True): the averages into their buffers (the sharded grads view them)."""
@@ -325,12 +374,23 @@ class GradSync:
             self.stats["gradsync/wait_s"] += time.perf_counter() - t0
 
     def _finish(self):
-        for name, buf, work, outs in self.pending:
+        for name, buf, work, outs, late in self.pending:
             if work is not None:
                 work.wait()
             if outs is not None:
-                buf.copy_(average_payloads(outs, buf.numel(), self.compress, self.topk, self.chunk))
+                avg = average_payloads(outs, buf.numel(), self.compress, self.topk, self.chunk)  # (n,) fp32
+                finite = torch.isfinite(avg).all()  # 0-d: no host sync; the cross group agrees (departure 4)
+                residual = self.residuals[name]
+                torch.where(finite, late, residual, out=residual)  # else the residual as it was before this step
+                buf.copy_(avg)
         self.pending = []
+
+    def reset(self):
+        """Every residual to zero: nothing late carried over (e.g. from a supervised warm-up to RL)."""
+        if self.pending:
+            raise RuntimeError(f"{len(self.pending)} syncs are still pending: call wait() before reset()")
+        for name, r in self.residuals.items():
+            (self._host[name] if self._on_host else r).zero_()
 
     def state_dict(self):
         """{unit name: (n,) residual} of this rank (copies): a per-rank checkpoint, like optimizer shards."""
@@ -349,16 +409,20 @@ class GradSync:
             self.residuals.setdefault(name, torch.empty_like(t, dtype=torch.float32)).copy_(t)
 
     def to_rollout(self):
-        """Residuals to host memory, their device storage freed (on CPU: copied and freed all the same)."""
+        """Residuals to host buffers (allocated once), their device storage freed (on CPU: copied and freed too)."""
         if self.pending:
             raise RuntimeError(f"{len(self.pending)} syncs are still pending: call wait() before to_rollout()")
         for name, r in self.residuals.items():
-            self._host[name] = torch.empty(r.shape, dtype=r.dtype, pin_memory=r.is_cuda).copy_(r)
+            if name not in self._host:  # the first switch; every later one reuses it
+                self._host[name] = torch.empty(r.shape, dtype=r.dtype, pin_memory=r.is_cuda)
+            self._host[name].copy_(r)
             self.stats["gradsync/offload_bytes"] += r.nbytes
             r.untyped_storage().resize_(0)
+        self._on_host = True
 
     def to_train(self):
         """Residuals back into their own storages, bit for bit."""
         for name, r in self.residuals.items():
             r.untyped_storage().resize_(r.nbytes)
-            r.copy_(self._host.pop(name))
+            r.copy_(self._host[name])
+        self._on_host = False

@@ -390,6 +390,8 @@ def warm_up(run):
             prompts = run.warm_stream.next(cfg.warmup_batch)[me * n:(me + 1) * n]
             run.supervised(run.model, optimizer, prompts, [task.answer(p) for p in prompts], run.device,
                            cfg.grad_clip, run.train_group, run.clip_grads)
+    if run.grad_sync is not None:  # the warm-up's unsent gradient is not RL's to apply
+        run.grad_sync.reset()
     if run.rank == 0:
         run.store.set(done, "1")
 
@@ -557,7 +559,7 @@ def apply_nodes(run):
     from torch.distributed.device_mesh import DeviceMesh
     cfg = run.cfg
     layout = gradsync.NodeLayout(run.roles.world, cfg.nodes)
-    node_group, cross_group = gradsync.new_groups(layout, run.rank, cfg.pg_timeout_s)
+    node_group, cross_group = gradsync.new_groups(layout, cfg.pg_timeout_s)
     run.grad_sync = gradsync.GradSync(cross_group, cfg.grad_compress, cfg.grad_topk, overlap=cfg.grad_overlap,
                                       timer=run.spans)  # the spans grad_sync (in a hook) and grad_sync_wait
     return DeviceMesh.from_group(node_group, run.device.type)

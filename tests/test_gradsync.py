@@ -1,6 +1,8 @@
 """gradsync.py: compress="none" gives native 2-D HSDP's parameters bit for bit (world 4 = 2 nodes x 2, world 2 =
 2 nodes x 1; one FSDP unit and one per block; overlap on and off), error feedback loses nothing and the nodes
-stay bit-identical (int8, top-k int8, 2 and 3 nodes), the bytes, bad settings, the state round trips.
+stay bit-identical (int8, top-k int8, 2 and 3 nodes), a non-finite gradient leaves the residuals as they were,
+reset(), the bytes, bad settings, the state round trips; mixed precision (overlap refused, overlap=False as
+native HSDP), a mesh that is not the node's refused, a parameter unused on one node, ignored parameters.
 
 The multi-rank checks run in a few gloo spawns: each spawn costs seconds of imports."""
 import math
@@ -22,20 +24,21 @@ class Net(torch.nn.Module):
         self.blocks = torch.nn.ModuleList(torch.nn.Linear(D, D) for _ in range(2))
         self.head = torch.nn.Linear(D, 5)
 
-    def forward(self, x):                      # x (B, D)
-        for block in self.blocks:
-            x = torch.tanh(block(x))
+    def forward(self, x, skip=()):             # x (B, D); skip: indices of blocks this forward leaves out
+        for i, block in enumerate(self.blocks):
+            if i not in skip:
+                x = torch.tanh(block(x))
         return self.head(x)                    # (B, 5)
 
 
-def _model(mesh, per_block):
+def _model(mesh, per_block, **kwargs):
     from torch.distributed.fsdp import fully_shard
     torch.manual_seed(0)  # the same initial weights on every rank
     model = Net()
     if per_block:
         for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, **kwargs)
+    return fully_shard(model, mesh=mesh, **kwargs)
 
 
 def _train(model, rank, sync=None):
@@ -55,7 +58,7 @@ def _train(model, rank, sync=None):
 
 def _check_aliasing(model, sync):
     """After the backward, before wait(): every sharded grad is a view of a buffer whose sync is pending."""
-    pending = {buf.untyped_storage().data_ptr() for _, buf, _, _ in sync.pending}
+    pending = {buf.untyped_storage().data_ptr() for _, buf, *_ in sync.pending}
     assert len(sync.pending) == len([u for u in sync.params.values() if u])  # one started sync per unit
     assert all(p.grad.to_local().untyped_storage().data_ptr() in pending for p in model.parameters())
 
@@ -66,7 +69,7 @@ def _hsdp_ranks(rank, world, nodes):
     torch.set_num_threads(1)
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     layout = NodeLayout(world, nodes)
-    node_group, cross_group = new_groups(layout, rank, timeout_s=60)
+    node_group, cross_group = new_groups(layout, timeout_s=60)
     native_mesh = init_device_mesh("cpu", (nodes, layout.node_size), mesh_dim_names=("replicate", "shard"))
     node_mesh = DeviceMesh.from_group(node_group, "cpu")
     out = {}
@@ -116,19 +119,29 @@ def _grads(rank, step, numel=1280):
     return g * torch.linspace(0.01, 3.0, numel)  # a range of magnitudes, as real gradients have
 
 
+INF_STEP = 2  # node 0's gradient holds an inf at this step: the average is not finite, the trainer skips the step
+
+
 def _feedback_ranks(rank, world, compress, overlap):
     torch.set_num_threads(1)
     sync = GradSync(dist.group.WORLD, compress=compress, overlap=overlap)  # 1 rank a node: WORLD crosses them
     applied, true = torch.zeros(1280), torch.zeros(1280)
     for step in range(6):
         g = _grads(rank, step)
-        true += g
+        if step == INF_STEP and rank == 0:
+            g[7] = float("inf")
+        before = sync.residuals["unit"].clone() if step else None
         buf = g.clone()
         sync.sync("unit", buf)
         sync.wait()
+        if step == INF_STEP:  # skipped as the trainer's finite check skips it: neither applied nor owed
+            residual = sync.residuals["unit"]
+            kept = not torch.isfinite(buf).all() and torch.equal(residual, before) and torch.isfinite(residual).all()
+            continue
+        true += g
         applied += buf
     return {"applied": applied, "true": true, "residual": sync.state_dict()["unit"], "stats": dict(sync.stats),
-            "round_trips": _state_round_trips(sync, rank)}
+            "kept": kept, "round_trips": _state_round_trips(sync, rank), "reset": _reset_forgets(sync, rank)}
 
 
 def _state_round_trips(sync, rank):
@@ -147,17 +160,38 @@ def _state_round_trips(sync, rank):
             and freed and torch.equal(sync.residuals["unit"], before))
 
 
+def _reset_forgets(sync, rank):
+    """reset() in ROLLOUT (the host buffer of the last switch reused) and in TRAIN: the residual zero, and the next
+    sync is a fresh GradSync's, bit for bit."""
+    host = sync._host["unit"]
+    sync.to_rollout()
+    sync.reset()
+    sync.to_train()
+    reused = sync._host["unit"] is host
+    zero = not sync.residuals["unit"].any()
+    fresh = GradSync(sync.group, compress=sync.compress, overlap=sync.overlap)
+    bufs = [_grads(rank, 7) for _ in range(2)]
+    for s, buf in zip((sync, fresh), bufs):
+        s.sync("unit", buf)
+        s.wait()
+    same = torch.equal(bufs[0], bufs[1]) and torch.equal(sync.residuals["unit"], fresh.residuals["unit"])
+    sync.reset()
+    return reused and zero and same and not sync.residuals["unit"].any()
+
+
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("compress,overlap", [("int8", False), ("topk-int8", True)])
 def test_error_feedback_loses_nothing_and_nodes_agree(world, compress, overlap):
     outs = run_distributed(_feedback_ranks, world_size=world, args=(compress, overlap))
     applied = outs[0]["applied"]                                       # (n,) the sum of the applied averages
     assert all(torch.equal(o["applied"], applied) for o in outs)      # every node applied the same bits
-    mean_true = sum(o["true"] for o in outs) / world                  # (n,)
+    mean_true = sum(o["true"] for o in outs) / world                  # (n,) the skipped step left out
     mean_residual = sum(o["residual"] for o in outs) / world          # (n,)
     assert torch.allclose(applied + mean_residual, mean_true, rtol=0, atol=2e-5)
     assert not torch.allclose(applied, mean_true, rtol=0, atol=1e-3)  # something was late: the test has teeth
+    assert all(o["kept"] for o in outs)  # the inf step: every residual finite and as it was before it
     assert all(o["round_trips"] for o in outs)  # state_dict and to_rollout/to_train round trips
+    assert all(o["reset"] for o in outs)
     if world == 2:  # bytes: 6 syncs of 1280 fp32 values; a ring all-reduce of 2 nodes sends 5120 bytes each
         stats = outs[0]["stats"]
         assert stats["gradsync/dense_bytes"] == 6 * 5120
@@ -202,18 +236,23 @@ def test_bad_settings_name_the_value():
 def _bad_ranks(rank, world):
     torch.set_num_threads(1)
     errors = []
-    for args in [(NodeLayout(4, 2), rank, 60), (NodeLayout(2, 2), 1 - rank, 60), (NodeLayout(2, 2), rank, 0)]:
+    for args in [(NodeLayout(4, 2), 60), (NodeLayout(2, 2), 0)]:
         try:
             new_groups(*args)
         except ValueError as e:
             errors.append(str(e))
-    sync = GradSync(new_groups(NodeLayout(2, 2), rank, 60)[1], compress="int8")
+    sync = GradSync(new_groups(NodeLayout(2, 2), 60)[1], compress="int8")
     sync.sync("unit", torch.ones(10))  # the groups work: nothing above started a collective
+    try:
+        sync.sync("unit", torch.ones(7))  # another size under the same name: refused before the all-gather
+    except ValueError as e:
+        errors.append(str(e))
     for sd in [{"blocks.9": torch.zeros(10)}, {"unit": torch.zeros(3)}]:
         try:
             sync.load_state_dict(sd)
         except ValueError as e:
             errors.append(str(e))
+    sync.sync("unit", torch.ones(10))  # still in step
     return errors
 
 
@@ -221,7 +260,55 @@ def test_bad_arguments_fail_before_any_collective():
     errors = run_distributed(_bad_ranks, world_size=2)[0]
     assert len(errors) == 5
     assert "layout.world=4" in errors[0] and "world size is 2" in errors[0]
-    assert "rank=1 but this process is rank 0" in errors[1]
-    assert "timeout_s=0" in errors[2]
+    assert "timeout_s=0" in errors[1]
+    assert "'unit'" in errors[2] and "7 values" in errors[2] and "10:" in errors[2]
     assert "blocks.9" in errors[3]
     assert "'unit'" in errors[4] and "(3,)" in errors[4] and "(10,)" in errors[4]
+
+
+def _error(fn):
+    try:
+        fn()
+    except (RuntimeError, ValueError) as e:
+        return str(e)
+
+
+def _layout_ranks(rank, world):
+    """World 2 as 2 nodes of 1: mixed precision (overlap refused by every rank before any collective; overlap=False
+    against native HSDP under the same policy), the world mesh refused, blocks.1 unused on node 1, ignored params."""
+    torch.set_num_threads(1)
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    node_group, cross_group = new_groups(NodeLayout(world, 2), timeout_s=60)
+    node_mesh = DeviceMesh.from_group(node_group, "cpu")
+    native_mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # the reduce dtype too: FSDP casts a copy for the grads
+    out = {"native": _train(_model(native_mesh, per_block=True, mp_policy=bf16), rank)}
+    sync = GradSync(cross_group)
+    out["gradsync"] = _train(sync.apply(_model(node_mesh, per_block=True, mp_policy=bf16)), rank, sync)
+    sync = GradSync(cross_group, overlap=True)
+    out["overlap"] = _error(lambda: _train(sync.apply(_model(node_mesh, per_block=True, mp_policy=bf16)), rank, sync))
+    world_mesh = init_device_mesh("cpu", (world,))
+    out["mesh"] = _error(lambda: GradSync(cross_group).apply(_model(world_mesh, per_block=False)))
+    sync = GradSync(cross_group, compress="int8")
+    model = sync.apply(_model(node_mesh, per_block=False))
+    model(torch.ones(2, D) + rank, skip=(1,) if rank else ()).square().sum().backward()  # node 1 leaves blocks.1 out
+    sync.wait()
+    out["unused"] = model.blocks[1].weight.grad.to_local().clone()
+    net = Net()
+    sync = GradSync(cross_group)
+    sync.apply(fully_shard(net, mesh=node_mesh, ignored_params={net.head.bias}))
+    out["ignored"] = [p is net.head.bias for p in sync.params[""]]
+    return out
+
+
+def test_mixed_precision_mesh_unused_and_ignored_params():
+    outs = run_distributed(_layout_ranks, world_size=2)
+    for out in outs:
+        assert all(torch.equal(out["gradsync"][n], out["native"][n]) for n in out["native"])  # overlap=False works
+        assert "overlap=True" in out["overlap"] and "torch.bfloat16 buffer" in out["overlap"], out["overlap"]
+        assert "torch.float32 parameters" in out["overlap"] and "overlap=False" in out["overlap"]
+        assert "ranks [0, 1] and the cross group is ranks [0, 1]" in out["mesh"], out["mesh"]
+        assert out["ignored"] == [False] * 5  # blocks' and head's weights and biases, not the ignored head.bias
+    assert torch.equal(outs[0]["unused"], outs[1]["unused"]) and outs[0]["unused"].abs().sum() > 0
+    assert all(torch.equal(outs[0]["gradsync"][n], outs[1]["gradsync"][n]) for n in outs[0]["gradsync"])
