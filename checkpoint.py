@@ -451,9 +451,9 @@ def _load_residual(run, own, meta):
     if own is not None and same and "grad_sync" in own:
         run.grad_sync.load_state_dict(own["grad_sync"])
     elif run.rank == 0 and run.cfg.grad_compress != "none":
-        print(f"resuming with --nodes {run.cfg.nodes} --grad-compress {run.cfg.grad_compress} from another layout "
-              f"(world {meta['world']}, --nodes {meta['config'].get('nodes', 1)}): the error-feedback residual "
-              "starts at zero", flush=True)
+        saved = ", ".join(f"--{k.replace('_', '-')} {meta['config'].get(k, d)}" for k, d in defaults.items())
+        print(f"resuming with --nodes {run.cfg.nodes} --grad-compress {run.cfg.grad_compress} from a checkpoint of "
+              f"world {meta['world']}, {saved}: the error-feedback residual starts at zero", flush=True)
 
 
 def _regenerate(run, path, meta):

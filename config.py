@@ -442,9 +442,12 @@ def device_type(choice):
     if found is None:
         raise ValueError(f"--device {choice}: this machine has no accelerator (torch.accelerator found none); use "
                          "--device cpu or auto")
+    if choice == found and backend is None:
+        raise ValueError(f"--device {found}: torch has no process group backend for {found} (its plugin not "
+                         "loaded?); use --device cpu or auto")
     if choice == found:
-        raise ValueError(f"--device {found}: torch has no process group backend for {found} tensors (its default for "
-                         f"{found}: {backend}, which moves CPU and CUDA tensors); use --device cpu or auto")
+        raise ValueError(f"--device {found}: torch's process group backend for {found} is {backend}, which moves CPU "
+                         "and CUDA tensors only; use --device cpu or auto")
     raise ValueError(f"--device {choice}: this machine's accelerator is {found} (torch.accelerator); use --device "
                      f"{found + ', ' if usable else ''}cpu or auto")
 

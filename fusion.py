@@ -263,7 +263,10 @@ def _agreed(name, said):
     if not w0.sharded:
         return w0._replace(owners=holders)
     meshes = list(dict.fromkeys(w.owners for _, w in said))  # one, or one per node: its replicas
-    if set(holders) != {r for owners in meshes for r in owners}:
+    ranks = [r for owners in meshes for r in owners]
+    if len(set(ranks)) != len(ranks):  # each report was checked against the first only
+        raise ValueError(f"{name}: sharded on meshes {meshes} that overlap: a weight's meshes must be one, or disjoint")
+    if set(holders) != set(ranks) or any(rank not in w.owners for rank, w in said):
         raise ValueError(f"{name}: {_held_as(w0)}, but ranks {list(holders)} hold it: every rank of its mesh must")
     if len(meshes) > 1 and len(holders) != dist.get_world_size():  # each rank gathers from its own replica
         raise ValueError(f"{name}: sharded on {len(meshes)} meshes {meshes}, but ranks {list(holders)} hold it: a "

@@ -112,8 +112,8 @@ class Spans:
 
 class DeviceClock:
     """Marks on an accelerator's current stream (timing events), read back as host perf_counter seconds:
-    times(marks) records one more event, waits for it (the one synchronisation), and counts each mark
-    back from it by the device's own elapsed time. The events: torch.Event on the stream of
+    times(marks) records one more event, waits for it and for each mark (a mark may sit on another stream),
+    and counts each mark back from it by the device's own elapsed time. The events: torch.Event on the stream of
     torch.accelerator.current_stream (torch >= 2.6, any accelerator whose backend times events), else
     torch.cuda's (older torch: CUDA only); mark() is the one place this file names either."""
 
@@ -133,7 +133,8 @@ class DeviceClock:
 
     def times(self, marks):
         last = self.mark()
-        last.synchronize()
+        for m in (*marks, last):  # a mark may sit on another stream (a span inside FSDP's hooks): wait for each
+            m.synchronize()
         now = time.perf_counter()
         return [now - m.elapsed_time(last) / 1000 for m in marks]
 

@@ -10,10 +10,11 @@ traffic: world 4 as 2 nodes of 2 (`torchrun --nproc_per_node=4 train_grpo.py --n
   rank 0 sent across nodes over the run (values, indices and scales: everything; every rank sends as many),
   against the bytes the full-precision average sent in the same run; and the final held-out accuracy, with
   each compression's mean and spread (max - min) over the seeds.
-overlap: the same work (seed 0, a unit per block, a wider model so that the sync weighs: --overlap-flags) with
-  --grad-overlap 0 and 1, and compressions none and topk-int8: the mean RL train step (time/train_s) with
-  overlap over without, and the exposed sync time per step from the run's spans (grad_sync inside the
-  hooks, grad_sync_wait before the clip), over the RL steps.
+overlap: the same work (seed 0, a wider model so that the sync weighs: OVERLAP_FLAGS), compressions none and
+  topk-int8, three ways: one FSDP unit, a unit per block, a unit per block with --grad-overlap 1: the mean
+  RL train step (time/train_s), its ratios (overlap over block: what overlapping buys; block over one unit:
+  what a unit per block costs), and the exposed sync time per step from the run's spans (grad_sync inside
+  the hooks, grad_sync_wait before the clip), over the RL steps.
 Runs go to bench/out/gradsync/; the last line printed is one JSON object.
 """
 import argparse
@@ -27,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import timeline  # noqa: E402
 
-OVERLAP_FLAGS = ["--d-model", "128", "--d-expert", "512", "--n-layers", "4", "--fsdp-units", "block",
+OVERLAP_FLAGS = ["--d-model", "128", "--d-expert", "512", "--n-layers", "4",
                  "--warmup-steps", "20", "--eval-every", "1000", "--eval-prompts", "64", "--bucket-kb", "1024"]
 
 
@@ -80,24 +81,28 @@ def exposed_sync_s(out_dir, steps):
     return sum(inside) / steps
 
 
+OVERLAP_RUNS = {"model": ["--fsdp-units", "model", "--grad-overlap", "0"],   # one unit: its sync after the backward
+                "block": ["--fsdp-units", "block", "--grad-overlap", "0"],   # a unit per block, each synced in its hook
+                "overlap": ["--fsdp-units", "block", "--grad-overlap", "1"]}  # ... started in its hook, waited at the clip
+
+
 def overlap(args):
-    """Per compression: the mean train step with overlap over without, and the exposed sync per step."""
+    """Per compression, the same work three ways (OVERLAP_RUNS): the mean RL train step and the exposed sync per step;
+    overlap over block (what overlapping buys) and block over model (what a unit per block costs), as ratios."""
     out = {}
     for c in ("none", "topk-int8"):
         row = {}
-        for on in (0, 1):
-            run_dir = os.path.join(args.out, f"overlap{on}_{c}")
-            _, lines = train(run_dir, [*OVERLAP_FLAGS, "--grad-compress", c, "--grad-overlap", str(on), "--steps",
-                                       str(args.overlap_steps)])
+        for name, flags in OVERLAP_RUNS.items():
+            run_dir = os.path.join(args.out, f"{name}_{c}")
+            _, lines = train(run_dir, [*OVERLAP_FLAGS, *flags, "--grad-compress", c, "--steps", str(args.overlap_steps)])
             rl = lines[1:]
-            row[on] = {"train_s": statistics.mean(l["time/train_s"] for l in rl),
-                       "exposed_s": exposed_sync_s(run_dir, len(rl))}
-        out[c] = {"train_ratio": round(row[1]["train_s"] / row[0]["train_s"], 3),
-                  "train_ms": [round(1e3 * row[on]["train_s"], 1) for on in (0, 1)],
-                  "exposed_ms": [round(1e3 * row[on]["exposed_s"], 1) for on in (0, 1)]}
-        o = out[c]
-        print(f"{c:10s}: train step {o['train_ms'][0]} ms without overlap, {o['train_ms'][1]} ms with "
-              f"({o['train_ratio']:.3f}x); exposed sync {o['exposed_ms'][0]} -> {o['exposed_ms'][1]} ms per step",
+            row[name] = {"train_ms": round(1e3 * statistics.mean(l["time/train_s"] for l in rl), 1),
+                         "exposed_ms": round(1e3 * exposed_sync_s(run_dir, len(rl)), 1)}
+        out[c] = dict(row, overlap_over_block=round(row["overlap"]["train_ms"] / row["block"]["train_ms"], 3),
+                      block_over_model=round(row["block"]["train_ms"] / row["model"]["train_ms"], 3))
+        print(f"{c:10s}: train step (exposed sync) per step: " + ", ".join(
+            f"{name} {r['train_ms']} ms ({r['exposed_ms']} ms)" for name, r in row.items()) +
+              f" | overlap / block {out[c]['overlap_over_block']:.3f}x, block / model {out[c]['block_over_model']:.3f}x",
               flush=True)
     return out
 

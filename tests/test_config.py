@@ -19,7 +19,8 @@ def test_device_cpu_only_machine_runs_auto_and_cpu_and_names_what_it_lacks():
 @pytest.mark.parametrize("found, auto, refused", [
     ("cuda", "cuda", {"xpu": "this machine's accelerator is cuda (torch.accelerator); use --device cuda, cpu or auto"}),
     ("xpu", "xpu", {"cuda": "this machine's accelerator is xpu"}),  # xccl
-    ("mps", "cpu", {"mps": "torch has no process group backend for mps tensors"}),  # gloo only: auto runs on CPU
+    # gloo only: auto runs on CPU
+    ("mps", "cpu", {"mps": "torch's process group backend for mps is gloo, which moves CPU and CUDA tensors only"}),
     ("npu", "cpu", {"npu": "torch has no process group backend for npu"}),  # no plugin here: no hccl registered
 ])
 def test_device_follows_the_accelerator_found(monkeypatch, found, auto, refused):

@@ -184,7 +184,7 @@ def test_two_ranks_train_to_identical_parameters(tmp_path):
     # other's forwards with zero rows; the response tokens replay the experts the rollout chose, which are the
     # ones the training forward would choose anyway: the same parameters.)
     replay = {"train_ep": 2, "infer_ep": 2, "routing_replay": True}
-    for mode in [{"deploy": "separated"}, {"deploy": "colocated-all"}, {"infer_tp": 2}, replay,
+    for mode in [{"deploy": "separated"}, {"deploy": "colocated-all"}, {"infer_tp": 2}, {"fsdp_units": "block"}, replay,
                  {"train_ep": 2, "infer_ep": 1}]:
         (s, p), (_, p1) = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / str(mode)), mode))
         assert_same_training(p, p_one, str(mode))
