@@ -10,7 +10,7 @@ One checkpoint is one folder, which exists only once complete:
         .metadata, __<r>_0.distcp   through torch.distributed.checkpoint (DCP), tensors only: the model and
                                     the optimizer's state, each trainer its own FSDP shards (a load at
                                     another world size reshards them) and EP experts (a load at another EP
-                                    degree finds them by name), and the reference model, written once
+                                    degree finds them by name), and the reference and reward models, written once
         rank_<r>.pt                 each rank's own state: RNG, the warm-up's prompt stream, the curriculum's
                                     counts, the queue's rows not yet read, StaleSync's groups in flight
                                     (partial rollouts with their versions and behaviour log-probs; the
@@ -317,6 +317,8 @@ def _check(cfg, path):
         raise ValueError(f"checkpoint {path} does not fit this run: {'; '.join(diff)}")
     if (cfg.kl_coef > 0 or cfg.deploy == "colocated-all") and not meta["reference"]:
         raise ValueError(f"checkpoint {path} holds no reference model, and --deploy {cfg.deploy} needs one")
+    if cfg.reward_model and not meta.get("reward_model"):
+        raise ValueError(f"checkpoint {path} holds no reward model, and --reward-model 1 needs the one the run trained")
     if meta["step"] >= cfg.steps:
         raise ValueError(f"checkpoint {path} is at step {meta['step']}: --steps {cfg.steps} leaves nothing to run")
     return path, meta
@@ -340,7 +342,7 @@ def save(run, step):
             own["grad_sync"] = run.grad_sync.state_dict()
         dcp_state, own["optim_groups"] = _dcp_state(run)
         meta = {"world": run.roles.world, "config": dataclasses.asdict(cfg), "log": run.log.state_dict(),
-                "reference": run.reference is not None}
+                "reference": run.reference is not None, "reward_model": run.reward_model is not None}
         write(run.out_dir, step, run.rank, own, meta, dcp_state=dcp_state, dcp_group=run.train_group,
               keep_last=cfg.keep_last)
 
@@ -360,6 +362,9 @@ def _dcp_state(run):
     if run.reference is not None:
         with run.reference.on_device() as ref:  # host copies: an offloaded reference frees its storages on exit
             state["reference"] = _held({k: v.detach().to("cpu", copy=True) for k, v in ref.state_dict().items()})
+    if run.reward_model is not None:  # --reward-model: frozen after its fit, the same on every rank
+        with run.reward_model.on_device() as rm:
+            state["reward_model"] = {k: v.detach().to("cpu", copy=True) for k, v in rm.state_dict().items()}
     return state, optim["param_groups"]
 
 
@@ -394,6 +399,9 @@ def resume(run):
         if run.reference is not None:
             with run.reference.on_device() as ref:
                 ref.load_state_dict(state["reference"], strict=run.experts is None)
+        if run.reward_model is not None:
+            with run.reward_model.on_device() as rm:
+                rm.load_state_dict(state["reward_model"])
     saved_layout = (meta["world"], *(meta["config"][k] for k in LAYOUT_FIELDS))
     own = None
     if saved_layout == (run.roles.world, *(getattr(run.cfg, k) for k in LAYOUT_FIELDS)):

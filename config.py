@@ -72,6 +72,11 @@ class Config:
     routing_replay: bool = flag(False, "1: each response token's MoE layers use, in training, the experts the rollout "
                                        "chose for it (recorded as it was generated, gated by the trained router): "
                                        "Rollout Routing Replay; moe/routing_mismatch is logged either way")
+    reward_model: bool = flag(False, "1: a learned outcome reward model scores the responses instead of the rule "
+                                     "(reward_model.py): trained after the warm-up on the policy's own samples, "
+                                     "labelled by the rule, then frozen; the rule is still logged (reward/rule_mean)")
+    rm_samples: int = flag(2048, "--reward-model: the policy's samples it is trained on")
+    rm_steps: int = flag(300, "--reward-model: its training steps (batches of 64)")
     updates_per_batch: int = flag(1, "optimizer steps per rollout batch")
     micro_batches: int = flag(4, "length-sorted chunks per mini-batch (less padding), gradients accumulated")
     grad_clip: float = flag(1.0, "gradient norm clip")
@@ -250,6 +255,9 @@ def layout_errors(cfg, world):
                           "that the two expert layouts nest and the switch holds no more than its target and one "
                           "bucket")
     errors += pipeline_errors(cfg, world) + node_errors(cfg, world)
+    if cfg.reward_model and separated:
+        errors.append("--reward-model 1 with --deploy separated is not supported (the reward model is trained on the "
+                      "policy's samples and scores on the ranks that generate: a colocated deployment)")
     roles = Roles(world, separated, cfg.infer_tp)
     trainers = max(1, len(roles.trainers))
     if cfg.prompts_per_step < 1 or cfg.prompts_per_step % max(roles.replicas, 1):
@@ -317,7 +325,7 @@ def node_errors(cfg, world):
 POSITIVE = ("max_digits", "eval_prompts", "d_model", "n_layers", "n_heads", "n_experts", "top_k", "d_expert",
             "warmup_batch", "steps", "prompts_per_step", "group_size", "filter_limit", "updates_per_batch",
             "micro_batches", "chunk_steps", "max_new_tokens", "bucket_kb", "eval_every", "log_every", "pg_timeout_s",
-            "train_pp", "nodes")
+            "train_pp", "nodes", "rm_samples", "rm_steps")
 NON_NEGATIVE = ("warmup_steps", "train_ep", "infer_ep", "seed", "save_every", "keep_last")
 
 

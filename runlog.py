@@ -140,7 +140,8 @@ class RunLog:
         kept = run.cfg.prompts_per_step
         self.last_step = step
         self.skipped += s["skipped_max"]
-        return {"step": step, "reward/mean": s["reward"] / rows, **grpo.batch_means(s),
+        return {"step": step, "reward/mean": s["reward"] / rows, "reward/rule_mean": s["rule_reward"] / rows,
+                **grpo.batch_means(s),
                 "rollout/response_tokens": s["response_tokens"], "perf/tokens_per_s": s["response_tokens"] / step_s,
                 "time/step_s": step_s, **{f"time/{k}_s": spans.total(names, first) for k, names in PHASES.items()},
                 # waiting: for samples (queue), or, ready first, for the other ranks' rollouts (idle)
@@ -160,6 +161,11 @@ class RunLog:
         self.before = evaluation["eval/accuracy"]
         self.say(f"warm-up: {self.run.cfg.warmup_steps} steps in {self.run.spans.total('warmup'):.1f}s | "
                  f"held-out accuracy {self.before or 0.0:.3f}")
+        if "rm/held_out_accuracy" in evaluation:  # --reward-model: fit after the warm-up
+            e = evaluation
+            self.say(f"reward model: {self.run.cfg.rm_samples} samples, {e['rm/seconds']:.1f}s | agrees with the rule "
+                     f"on {e['rm/held_out_accuracy']:.3f} of the held-out prompts' samples (right ones "
+                     f"{e['rm/held_out_true_positive_rate']:.3f}, wrong ones {e['rm/held_out_true_negative_rate']:.3f})")
         self.write({"step": 0, **evaluation}, show=False)
 
     def write(self, rec, show=None):

@@ -9,7 +9,8 @@ One RL step, numbered as in the README's diagram:
                  each group's prompt is drawn for its slot of the global batch, its length where groups
                  have been informative (curriculum.py); a group whose rewards are all equal is dropped
                  and its slot drawn again (dynamic sampling)
-  2. score       the task's rule (task.score), on the rank that generated the group
+  2. score       the task's rule (task.score), or a learned reward model (--reward-model), on the rank that
+                 generated the group
   3. advantages  group-normalised (grpo.group_advantages); the rows go into distqueue.py
   4. reference   a trainer reads a token-balanced, packed share of the batch; the frozen initial
                  policy's log-probs of it, when kl_coef > 0 or under --deploy colocated-all
@@ -40,7 +41,7 @@ import json
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -54,6 +55,7 @@ import fusion
 import gradsync
 import grpo
 import pipeline
+import reward_model
 import shm_transport
 import stalesync
 import task
@@ -71,6 +73,7 @@ def train(cfg, out_dir=None):
     if run.resume_from is None:
         warm_up(run)
     attach_reference(run)
+    attach_reward_model(run)  # --reward-model: trained on the warmed-up policy's samples (resumed: the checkpoint's)
     checkpoint.resume(run)  # --resume: the checkpoint's state (nothing without one)
     loop = {"colocated": colocated_loop, "trainer": trainer_loop, "generator": generator_loop}[run.roles.role(run.rank)]
     # What setup made (torch's modules, the model, the queue) lives as long as the loop: frozen, a full collection
@@ -102,7 +105,7 @@ def colocated_loop(run):
     """Every rank generates, then trains, switching phases through fusion.py (one replica per TP group)."""
     cfg, spans, sched, actor = run.cfg, run.spans, run.sched, run.actor
     if run.resume_from is None:
-        run.log.warmed_up(evaluate_colocated(run))
+        run.log.warmed_up(evaluate_colocated(run) | run.reward_model_figures)
     for step in run.log.progress():
         mark = run.log.mark(step=step, version=step - 1)
         # 6. switch to ROLLOUT: grads and optimizer state to host, inference weights built in buckets
@@ -216,7 +219,8 @@ STALE_FACTS = ("sample_id", "start_version", "versions", "regenerated", "filtere
 def score_and_enqueue(run, batch):
     """2-3. Score each response, normalise the rewards within each group (a group never spans replicas),
     and put the rows into the queue: one writer per TP group, its peers hold the same samples."""
-    rewards = torch.tensor([task.score(p, r) for p, r in zip(batch.prompts, batch.responses)])      # (B,)
+    rewards = run.score(run, batch.prompts, batch.responses)                                       # (B,)
+    rule = rule_rewards(run, batch.prompts, batch.responses)  # what the task's rule says, logged beside
     advantages = grpo.group_advantages(rewards, run.cfg.group_size, run.cfg.adv_estimator)
     if run.rank not in run.roles.writers():
         return
@@ -225,7 +229,8 @@ def score_and_enqueue(run, batch):
              for j, (i, start, v) in enumerate(zip(batch.ids, batch.start_versions, batch.token_versions))]
     routes = [r.flatten().int() for r in batch.per_token["routes"]]  # (n_i, L, K) -> packed
     run.queue.put({"prompt": batch.prompts, "response": batch.responses, "old_logprobs": batch.logprobs,
-                   "reward": rewards.tolist(), "advantage": advantages.tolist(), "stale": stale, "routes": routes})
+                   "reward": rewards.tolist(), "rule_reward": rule.tolist(), "advantage": advantages.tolist(),
+                   "stale": stale, "routes": routes})
 
 
 def read_share(run, step):
@@ -244,7 +249,8 @@ def read_share(run, step):
     table = torch.stack(rows.cols["stale"]) if rows.ids else torch.zeros(0, len(STALE_FACTS), dtype=torch.long)
     stale = dict(zip(STALE_FACTS, table.unbind(1)))                                         # name -> (B,)
     ages = (step - 1) - stale["start_version"]                                              # (B,)
-    figures = {"reward": float(rows.stack("reward").sum()), "rows": len(rows.ids),
+    figures = {"reward": float(rows.stack("reward").sum()), "rule_reward": float(rows.stack("rule_reward").sum()),
+               "rows": len(rows.ids),
                "prompt_digits": float(sum(len(p) - 2 for p in rows.cols["prompt"])),
                "response_tokens": float(sum(len(r) for r in rows.cols["response"])),
                "age_sum": float(ages.sum()), "age_max": float(ages.max()) if len(ages) else 0.0,
@@ -257,6 +263,17 @@ def read_share(run, step):
     samples = grpo.Samples(rows.cols["prompt"], rows.cols["response"], rows.cols["old_logprobs"], advantages,
                            truncated=[bool(r[-1] != task.EOS) for r in rows.cols["response"]], routes=routes)
     return samples, figures
+
+
+def rule_rewards(run, prompts, responses):
+    """2. The task's rule: 1.0 for an exact answer, else 0.0. (B,)"""
+    return torch.tensor([task.score(p, r) for p, r in zip(prompts, responses)])
+
+
+def model_rewards(run, prompts, responses):
+    """2. --reward-model: the learned reward model's verdict, P(correct) >= 0.5 as 1.0, else 0.0. (B,)"""
+    with run.spans("reward_model"), run.reward_model.on_device() as rm:
+        return (reward_model.score(rm, prompts, responses) >= 0.5).float()
 
 
 def reference_logprobs(run, samples):
@@ -431,6 +448,9 @@ class Run:
     experts: expert_parallel.ExpertParallel = None  # --train-ep: the experts' layouts, grads and re-shard
     grad_sync: gradsync.GradSync = None  # --nodes: the gradients' average across nodes (compressed: its residual)
     reference: fusion.HostOffloaded = None  # the frozen initial policy (kl_coef > 0 or colocated-all)
+    score: object = rule_rewards  # (run, prompts, responses) -> (B,) rewards (--reward-model: model_rewards)
+    reward_model: fusion.HostOffloaded = None  # --reward-model: frozen, on host except while it scores
+    reward_model_figures: dict = field(default_factory=dict)  # its training and held-out agreement (rm/*)
     engine: Policy = None         # the rollout engine (generators)
     sampler: Sampler = None       # the engine's sampler; keeps its KV cache between decode chunks
     sched: stalesync.StaleSync = None
@@ -484,8 +504,10 @@ def build_queue(cfg, key, store, rank, world, device):
     rollout), and on a batch's first row the groups regenerated and filtered for it, so that the trainers
     can log (and count) what they train."""
     columns = {"prompt": "int64", "response": "int64", "old_logprobs": "float32", "reward": "float32",
-               "advantage": "float32", "stale": "int64", "routes": "int32"}  # routes: (n_i * L * K,) experts
-    spec = distqueue.QueueSpec(columns=columns, scalars=("reward", "advantage"), stages={"train": tuple(columns)},
+               "rule_reward": "float32", "advantage": "float32", "stale": "int64",
+               "routes": "int32"}  # routes: (n_i * L * K,) experts
+    spec = distqueue.QueueSpec(columns=columns, scalars=("reward", "rule_reward", "advantage"),
+                               stages={"train": tuple(columns)},
                                timeout_s=cfg.pg_timeout_s, name=f"dq:{key}")
     pg = None if device.type == "cpu" else dist.new_group(  # the queue moves host tensors: gloo
         backend="gloo", timeout=datetime.timedelta(seconds=cfg.pg_timeout_s))
@@ -638,7 +660,7 @@ def build_rollout(run):
 def observe_group(run, prompt, responses):
     """StaleSync's keep_group, on every group as it completes: the curriculum counts it for its prompt's length
     (informative or not, its mean reward); with --filter-groups, a group whose rewards are all equal is dropped."""
-    rewards = [task.score(prompt, r) for r in responses]
+    rewards = run.score(run, [prompt] * len(responses), responses).tolist()
     run.curriculum.observe(task.difficulty(prompt), rewards)
     return not run.cfg.filter_groups or len(set(rewards)) > 1
 
@@ -673,6 +695,58 @@ def attach_reference(run):
         run.experts.shard(ref)
     ref.requires_grad_(False)
     run.reference = fusion.HostOffloaded(ref, offload=run.cfg.deploy == "colocated-all")
+
+
+def attach_reward_model(run):
+    """--reward-model 1: an outcome reward model scores the responses instead of the rule (reward_model.py). Fit here,
+    after the warm-up, on the warmed-up policy's own samples labelled by the rule (every rank fits the same one on
+    the same samples), then frozen and kept on host except while it scores. Resumed, the checkpoint's weights."""
+    cfg = run.cfg
+    if not cfg.reward_model:
+        return
+    rm = reward_model.RewardModel(rm_config(cfg)).to(run.device)
+    for t in rm.state_dict().values():  # rank 0's initial weights on every rank (collective)
+        dist.broadcast(t, src=0)
+    if run.resume_from is None:
+        with run.spans("reward_model_fit"):
+            run.reward_model_figures = fit_reward_model(run, rm)  # rm/*: in step 0's record
+    rm.eval().requires_grad_(False)
+    run.reward_model = fusion.HostOffloaded(rm, offload=True)
+    run.score = model_rewards
+
+
+def rm_config(cfg):
+    return reward_model.RMConfig(vocab_size=task.VOCAB, max_len=cfg.max_digits + 2 + cfg.max_new_tokens,
+                                 pad=task.PAD, steps=cfg.rm_steps, seed=cfg.seed)
+
+
+def fit_reward_model(run, rm):
+    """The reward model trained on rm_samples of the policy's responses to the task's prompts (never held-out ones),
+    labelled by the rule; its agreement with the rule on the policy's responses to the held-out prompts. rm/*."""
+    cfg = run.cfg
+    stream = task.PromptStream(cfg.seed + 1, cfg.max_digits, exclude={tuple(p.tolist()) for p in run.eval_prompts})
+    prompts = stream.next(cfg.rm_samples)
+    responses = sample_responses(run, prompts, first_seed=0)
+    labels = rule_rewards(run, prompts, responses)
+    fit = reward_model.train_reward_model(rm, rm_config(cfg), prompts, responses, labels, run.device)
+    held = sample_responses(run, run.eval_prompts, first_seed=len(prompts))
+    probs = reward_model.score(rm, run.eval_prompts, held)
+    agree = reward_model.agreement(probs, rule_rewards(run, run.eval_prompts, held))
+    return {**fit, **{f"rm/held_out_{k}": float(v) for k, v in agree.items()}}
+
+
+def sample_responses(run, prompts, first_seed):
+    """The current policy's sampled response to each prompt (seed first_seed + i), every rank getting all of them:
+    each rollout replica generates its slice, the writers' slices gathered in order. Collective."""
+    i, n = run.roles.replica(run.rank), run.roles.replicas
+    lo, hi = i * len(prompts) // n, (i + 1) * len(prompts) // n
+    seeds = torch.arange(first_seed + lo, first_seed + hi) + ((run.cfg.seed + 1) << 32)  # apart from RL's 32-bit ones
+    with fusion.rollout(run.actor):
+        mine = generate(run.engine, prompts[lo:hi], seeds, run.cfg.max_new_tokens, task.EOS, task.PAD,
+                        temperature=run.cfg.temperature, lockstep=run.sampler.lockstep).tokens
+    everyone = [None] * run.roles.world
+    dist.all_gather_object(everyone, [r.cpu() for r in mine] if run.rank in run.roles.writers() else None)
+    return [r for part in everyone if part is not None for r in part]
 
 
 # ----------------------------------------------------------------------------- command line

@@ -33,9 +33,10 @@ def _lines(out_dir):
 @pytest.mark.parametrize("mode", [{"staleness": 0}, {"staleness": 2, "chunk_steps": 1},
                                   {"deploy": "separated", "staleness": 0},
                                   {"train_ep": 2, "infer_ep": 1, "staleness": 1, "chunk_steps": 1},
-                                  {"nodes": 2, "grad_compress": "topk-int8", "staleness": 0}],
+                                  {"nodes": 2, "grad_compress": "topk-int8", "staleness": 0},
+                                  {"reward_model": True, "rm_samples": 64, "rm_steps": 20, "staleness": 0}],
                          ids=["colocated-S0", "colocated-S2-partial", "separated-S0", "expert-parallel",
-                              "nodes-compressed"])
+                              "nodes-compressed", "reward-model"])
 def test_stopped_and_resumed_run_trains_to_the_same_parameters(tmp_path, mode):
     """Run 6 steps saving at step 3; then, in new processes, resume from step 3 and run 3 more: the final
     parameters are bit-identical, and metrics.jsonl holds every step once."""

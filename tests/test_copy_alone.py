@@ -12,7 +12,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MECHANISMS = ["fusion.py", "stalesync.py", "distqueue.py", "moe_switch.py", "curriculum.py", "gradsync.py"]
+MECHANISMS = ["fusion.py", "stalesync.py", "distqueue.py", "moe_switch.py", "curriculum.py", "gradsync.py", "reward_model.py"]
 STANDALONE = MECHANISMS + ["grpo.py", "task.py", "timeline.py", "shm_transport.py"]
 TOGETHER = {"expert_parallel.py": ["moe_switch.py"]}  # a file -> the files copied with it (it imports them)
 PROJECT = {os.path.splitext(f)[0] for f in os.listdir(ROOT) if f.endswith(".py")}

@@ -57,6 +57,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["--train-pp", "2", "--deploy", "separated"], "--train-pp 2 with --deploy separated is not supported"),
     (["--train-pp", "2", "--micro-batches", "3"], "must split into --micro-batches x --updates-per-batch = 3"),
     (["--train-pp", "0"], "--train-pp 0 must be >= 1"),
+    (["--reward-model", "1", "--deploy", "separated"], "--reward-model 1 with --deploy separated is not supported"),
+    (["--reward-model", "1", "--rm-steps", "0"], "--rm-steps 0 must be >= 1"),
     (["--nodes", "3"], "--nodes 3 must divide the world size 2"),
     (["--nodes", "0"], "--nodes 0 must be >= 1"),
     (["--nodes", "2", "--deploy", "separated"], "--nodes 2 with --deploy separated is not supported"),
@@ -272,6 +274,23 @@ def test_nodes_average_gradients_across_nodes_as_one_world_and_compressed_stay_i
     assert 0 < 4 * last["gradsync/sent_bytes"] < last["gradsync/dense_bytes"]
     import timeline
     assert "grad_sync_wait" in {s["name"] for s in timeline.load_spans(tmp_path / "topk")}
+
+
+def test_a_learned_reward_model_scores_the_same_on_every_deployment(tmp_path):
+    """--reward-model 1: fit after the warm-up on the policy's samples labelled by the rule, then frozen; it scores
+    every group (the filter's verdict and the trained rewards). World 2 (two replicas sampling half the fit's data
+    each, every rank fitting the same model on all of it) trains to a world of one's parameters; the rule is logged
+    beside the model's reward, and its agreement on the held-out prompts' samples is in step 0's record."""
+    mode = {"reward_model": True, "rm_samples": 64, "rm_steps": 20}
+    [(_, p_one)] = run_distributed(_train_tiny, world_size=1, args=(str(tmp_path / "w1"), mode))
+    (_, p), (_, q) = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "w2"), mode))
+    assert torch.equal(p, q)
+    assert_same_training(p, p_one, "--reward-model 1, world 2")
+    lines = [json.loads(l) for l in open(tmp_path / "w2" / "metrics.jsonl")]
+    assert 0 <= lines[0]["rm/held_out_accuracy"] <= 1 and lines[0]["rm/held_out_n"] == TINY["eval_prompts"]
+    assert all(0 <= l["reward/rule_mean"] <= 1 for l in lines[1:])
+    import timeline
+    assert {"reward_model_fit", "reward_model"} <= {s["name"] for s in timeline.load_spans(tmp_path / "w2")}
 
 
 @pytest.mark.slow
