@@ -34,15 +34,17 @@ Using this file elsewhere: torch only. Rows are 1-D int64 token tensors; labels 
     from reward_model import RMConfig, RewardModel, agreement, score, train_reward_model
 
     torch.manual_seed(0)
-    def toy(n):  # 3 tokens in 2..7 -> their reverse (right), or another order of the same tokens (wrong)
+    def toy(n):  # 3 tokens in 2..7 -> their reverse, or a shuffle of them (labelled by the rule: reversed or not)
         prompts = [torch.randint(2, 8, (3,)) for _ in range(n)]
         responses = [p.flip(0) if i % 2 else p[torch.randperm(3)] for i, p in enumerate(prompts)]
         return prompts, responses, [float(torch.equal(r, p.flip(0))) for p, r in zip(prompts, responses)]
-    cfg = RMConfig(vocab_size=8, max_len=6, d_model=32, steps=80, batch=32)
+    cfg = RMConfig(vocab_size=8, max_len=6, d_model=32, n_layers=1, steps=300, batch=64)
     model = RewardModel(cfg)
-    print(train_reward_model(model, cfg, *toy(512), device="cpu"))
-    prompts, responses, labels = toy(256)  # held out
-    print("held out:", agreement(score(model, prompts, responses), torch.tensor(labels)))
+    print(train_reward_model(model, cfg, *toy(1024), device="cpu"))  # about 2 s on one core
+    prompts, responses, labels = toy(512)  # held out
+    held = agreement(score(model, prompts, responses), torch.tensor(labels))
+    print("held out:", held)  # accuracy about 0.98
+    assert held["accuracy"] > 0.9
 
 Shapes: B rows, T tokens (prompt then response, right-padded), D model width, N training samples.
 """
