@@ -317,8 +317,9 @@ def _check(cfg, path):
         raise ValueError(f"checkpoint {path} does not fit this run: {'; '.join(diff)}")
     if (cfg.kl_coef > 0 or cfg.deploy == "colocated-all") and not meta["reference"]:
         raise ValueError(f"checkpoint {path} holds no reference model, and --deploy {cfg.deploy} needs one")
-    if cfg.reward_model and not meta.get("reward_model"):
-        raise ValueError(f"checkpoint {path} holds no reward model, and --reward-model 1 needs the one the run trained")
+    if cfg.reward_model != bool(meta.get("reward_model")):
+        raise ValueError(f"checkpoint {path} was saved with --reward-model {int(bool(meta.get('reward_model')))}: "
+                         f"resume it with the same (here --reward-model {int(cfg.reward_model)}), the reward it trains on")
     if meta["step"] >= cfg.steps:
         raise ValueError(f"checkpoint {path} is at step {meta['step']}: --steps {cfg.steps} leaves nothing to run")
     return path, meta
@@ -436,6 +437,10 @@ def _device_rng(device, state=None):
 
 
 def _load_own(run, own):
+    cells = own["queue"]["cells"]
+    if any(c == "reward" and (row, "rule_reward") not in cells for (row, c) in cells):  # else a read would wait on it
+        raise ValueError("the checkpoint's queued rows have no rule_reward column (saved by older code): resume it "
+                         "with that code, or from a checkpoint without queued rows")
     torch.set_rng_state(own["rng"]["torch"])
     if run.device.type != "cpu" and run.device.type in own["rng"]:  # saved on this kind of accelerator
         _device_rng(run.device, own["rng"][run.device.type])

@@ -664,7 +664,7 @@ def rollout(actor):
 
 
 class HostOffloaded:
-    """Fully colocated: a frozen module (the reference model) kept in host memory, on the device only inside
+    """A frozen module (the reference model; a reward model) kept in host memory, on the device only inside
     `with ref.on_device() as module:`. offload=False keeps it on the device: the same interface."""
 
     def __init__(self, module, offload=True):

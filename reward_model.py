@@ -3,8 +3,7 @@
 
 An outcome reward model reads a whole (prompt, response) and says how likely the response is right, as the
 verifiers of Cobbe et al. (2021) do. This one is trained before RL on samples of the policy itself, each
-labelled 0/1 by the task's rule, then frozen; during RL its probability is thresholded into a 0/1 reward
-or used as the reward itself. Where the rule is free, the learned model makes scoring a real forward pass.
+labelled 0/1 by the task's rule, then frozen; during RL its probability is thresholded into a 0/1 reward. Where the rule is free, the learned model makes scoring a real forward pass.
 
 It can be gamed. The policy is rewarded for what the model scores high, not for what the rule accepts, and
 the model is right only near the samples it was trained on. As RL moves the policy off that distribution,
@@ -141,8 +140,9 @@ def pack(prompts, responses, pad, max_len=None):
     if max_len is not None and lengths.max() > max_len:
         i = int(lengths.argmax())
         raise ValueError(f"row {i} has {int(lengths[i])} tokens: longer than max_len={max_len}")
-    if lengths.min() < 1:
-        raise ValueError(f"row {int(lengths.argmin())} is empty: there is nothing to score")
+    if lengths.min() < 1 or min(len(r) for r in responses) < 1:
+        i = min(range(len(rows)), key=lambda j: len(responses[j]))
+        raise ValueError(f"row {i} has an empty response: there is nothing to score")
     tokens = nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad)  # (B, T)
     starts = torch.tensor([len(p) for p in prompts], dtype=torch.long)       # (B,)
     return tokens, lengths, starts
@@ -177,6 +177,7 @@ def train_reward_model(model, cfg, prompts, responses, labels, device):
         loss.backward()
         opt.param_groups[0]["lr"] = cfg.lr * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))  # cosine to 0
         opt.step()
+    opt.zero_grad(set_to_none=True)  # frozen: no gradient stays allocated
     model.eval().requires_grad_(False)
     probs = score(model, prompts, responses)                                  # (N,)
     return {"rm/loss": loss.item(),

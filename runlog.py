@@ -141,6 +141,7 @@ class RunLog:
         self.last_step = step
         self.skipped += s["skipped_max"]
         return {"step": step, "reward/mean": s["reward"] / rows, "reward/rule_mean": s["rule_reward"] / rows,
+                "reward/rule_agreement": s["rule_agree"] / rows,  # rows whose reward is the rule's (a learned one's)
                 **grpo.batch_means(s),
                 "rollout/response_tokens": s["response_tokens"], "perf/tokens_per_s": s["response_tokens"] / step_s,
                 "time/step_s": step_s, **{f"time/{k}_s": spans.total(names, first) for k, names in PHASES.items()},

@@ -250,7 +250,7 @@ def read_share(run, step):
     stale = dict(zip(STALE_FACTS, table.unbind(1)))                                         # name -> (B,)
     ages = (step - 1) - stale["start_version"]                                              # (B,)
     figures = {"reward": float(rows.stack("reward").sum()), "rule_reward": float(rows.stack("rule_reward").sum()),
-               "rows": len(rows.ids),
+               "rule_agree": float((rows.stack("reward") == rows.stack("rule_reward")).sum()), "rows": len(rows.ids),
                "prompt_digits": float(sum(len(p) - 2 for p in rows.cols["prompt"])),
                "response_tokens": float(sum(len(r) for r in rows.cols["response"])),
                "age_sum": float(ages.sum()), "age_max": float(ages.max()) if len(ages) else 0.0,
@@ -271,9 +271,11 @@ def rule_rewards(run, prompts, responses):
 
 
 def model_rewards(run, prompts, responses):
-    """2. --reward-model: the learned reward model's verdict, P(correct) >= 0.5 as 1.0, else 0.0. (B,)"""
+    """2. --reward-model: the learned reward model's verdict, P(correct) >= 0.5 as 1.0, else 0.0. (B,) The rows come
+    group by group, and each group is scored as a batch of its own: the same tensors, so the same verdicts, whether
+    the filter scores it as it completes or the batch scores it for training."""
     with run.spans("reward_model"), run.reward_model.on_device() as rm:
-        return (reward_model.score(rm, prompts, responses) >= 0.5).float()
+        return (reward_model.score(rm, prompts, responses, batch_size=run.cfg.group_size) >= 0.5).float()
 
 
 def reference_logprobs(run, samples):
@@ -710,6 +712,8 @@ def attach_reward_model(run):
     if run.resume_from is None:
         with run.spans("reward_model_fit"):
             run.reward_model_figures = fit_reward_model(run, rm)  # rm/*: in step 0's record
+        for t in rm.state_dict().values():  # rank 0's fit on every rank: a device's kernels need not be deterministic
+            dist.broadcast(t, src=0)
     rm.eval().requires_grad_(False)
     run.reward_model = fusion.HostOffloaded(rm, offload=True)
     run.score = model_rewards
@@ -735,15 +739,21 @@ def fit_reward_model(run, rm):
     return {**fit, **{f"rm/held_out_{k}": float(v) for k, v in agree.items()}}
 
 
+def fit_seed(seed, i):
+    """The sampling seed of the reward model's i-th sample: a stream of its own (a 3-number key; the RL samples' have
+    4: sample_seed)."""
+    return int(np.random.SeedSequence([seed, i, 1]).generate_state(1)[0])
+
+
 def sample_responses(run, prompts, first_seed):
     """The current policy's sampled response to each prompt (seed first_seed + i), every rank getting all of them:
     each rollout replica generates its slice, the writers' slices gathered in order. Collective."""
     i, n = run.roles.replica(run.rank), run.roles.replicas
     lo, hi = i * len(prompts) // n, (i + 1) * len(prompts) // n
-    seeds = torch.arange(first_seed + lo, first_seed + hi) + ((run.cfg.seed + 1) << 32)  # apart from RL's 32-bit ones
+    seeds = torch.tensor([fit_seed(run.cfg.seed, first_seed + j) for j in range(lo, hi)])
     with fusion.rollout(run.actor):
         mine = generate(run.engine, prompts[lo:hi], seeds, run.cfg.max_new_tokens, task.EOS, task.PAD,
-                        temperature=run.cfg.temperature, lockstep=run.sampler.lockstep).tokens
+                        temperature=run.cfg.temperature, top_p=run.cfg.top_p, lockstep=run.sampler.lockstep).tokens
     everyone = [None] * run.roles.world
     dist.all_gather_object(everyone, [r.cpu() for r in mine] if run.rank in run.roles.writers() else None)
     return [r for part in everyone if part is not None for r in part]

@@ -220,6 +220,7 @@ def test_a_checkpoint_that_does_not_fit_or_is_damaged_is_refused_before_anything
             checkpoint.find(cfg, str(tmp_path))
     refused({"d_model": 16}, "--d-model 32 there, 16 here")
     refused({"group_size": 2}, "--group-size 4 there, 2 here")
+    refused({"reward_model": True}, "saved with --reward-model 0: resume it with the same")  # another reward
     with pytest.raises(RuntimeError, match="--group-size 4 there, 2 here"):  # the whole run, before any write
         run_distributed(_train_tiny, world_size=1, args=(str(tmp_path), dict(mode, resume="auto", steps=4,
                                                                             group_size=2)))
