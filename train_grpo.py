@@ -549,7 +549,7 @@ def build_policy(run):
     if cfg.nodes > 1:  # FSDP2 within each node; gradsync.py averages the shards' gradients across nodes
         mesh = apply_nodes(run)
     apply_fsdp(model, mesh, set(run.experts.params(model)) if run.experts else None, cfg.fsdp_units)
-    if run.grad_sync:
+    if run.grad_sync is not None:
         run.grad_sync.apply(model)  # a hook on each FSDP unit: its reduce-scattered shard, averaged across nodes
         run.clip_grads = functools.partial(synced_clip, run.grad_sync, run.clip_grads)
     run.model = model
