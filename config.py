@@ -93,7 +93,10 @@ class Config:
     # deployment (fusion.py, moe_switch.py)
     deploy: str = flag("colocated", "colocated: every rank trains and generates, switching phases (fusion.py); "
                                     "separated: half the ranks train, half generate; colocated-all: colocated "
-                                    "plus the reference model, kept on host except while it computes")
+                                    "plus the reference model, kept on host except while it computes; hybrid: "
+                                    "the actor colocated on ranks [0, W - aux), the reference and the reward model "
+                                    "on --aux-ranks ranks, a queue stage between rollout and training")
+    aux_ranks: int = flag(None, "--deploy hybrid: ranks holding the reference and the reward model (default 1)")
     infer_tp: int = flag(1, "tensor-parallel degree of the rollout engine: 1, 2 or 4 (colocated modes)")
     bucket_kb: int = flag(256, "bucket size in KiB for building and pushing inference weights")
     train_pp: int = flag(1, "pipeline stages in training (pipeline.py): each holds n_layers / train_pp blocks on "
@@ -136,7 +139,7 @@ SECTIONS = {"task": "max_digits", "model": "d_model", "supervised warm-up": "war
             "staleness": "staleness", "rollout": "temperature", "deployment": "deploy", "gradient sync": "nodes",
             "run": "seed"}
 CHOICES = {"loss_agg": ("auto",) + grpo.LOSS_AGGS, "adv_estimator": grpo.ESTIMATORS,
-           "deploy": ("colocated", "separated", "colocated-all"),
+           "deploy": ("colocated", "separated", "colocated-all", "hybrid"),
            "grad_compress": gradsync.COMPRESS, "fsdp_units": ("model", "block")}
 
 
@@ -189,18 +192,30 @@ def model_config(cfg):
 @dataclass(frozen=True)
 class Roles:
     """Who does what. colocated: every rank trains and generates, in rollout replicas of infer_tp ranks.
-    separated: ranks [0, W/2) train, ranks [W/2, W) generate."""
+    separated: ranks [0, W/2) train, ranks [W/2, W) generate. hybrid: ranks [0, W - aux) train and generate
+    (the actor, colocated), ranks [W - aux, W) hold the frozen reference and the reward model (the auxiliary
+    stage between rollout and training)."""
     world: int
     separated: bool
     infer_tp: int
+    aux: int = 0
+
+    @classmethod
+    def of(cls, cfg, world):
+        aux = (cfg.aux_ranks or 1) if cfg.deploy == "hybrid" else 0
+        return cls(world, cfg.deploy == "separated", cfg.infer_tp, aux)
 
     @property
     def trainers(self):
-        return list(range(self.world // 2 if self.separated else self.world))
+        return list(range(self.world // 2 if self.separated else self.world - self.aux))
 
     @property
     def generators(self):
-        return list(range(self.world // 2 if self.separated else 0, self.world))
+        return list(range(self.world // 2 if self.separated else 0, self.world - self.aux))
+
+    @property
+    def auxiliaries(self):  # hybrid: the reference's and the reward model's ranks
+        return list(range(self.world - self.aux, self.world))
 
     @property
     def replicas(self):  # rollout replicas: each generates its own slice of the prompts
@@ -213,7 +228,9 @@ class Roles:
         return self.generators[::self.infer_tp]
 
     def role(self, rank):
-        """Which loop of train_grpo.py this rank runs: colocated, trainer or generator."""
+        """Which loop of train_grpo.py this rank runs: colocated, trainer, generator or aux."""
+        if rank in self.auxiliaries:
+            return "aux"
         if not self.separated:
             return "colocated"
         return "trainer" if rank in self.trainers else "generator"
@@ -254,11 +271,11 @@ def layout_errors(cfg, world):
             errors.append(f"--train-ep {cfg.train_ep} and --infer-ep {cfg.infer_ep}: one must divide the other, so "
                           "that the two expert layouts nest and the switch holds no more than its target and one "
                           "bucket")
-    errors += pipeline_errors(cfg, world) + node_errors(cfg, world)
+    errors += pipeline_errors(cfg, world) + node_errors(cfg, world) + hybrid_errors(cfg, world)
     if cfg.reward_model and separated:
         errors.append("--reward-model 1 with --deploy separated is not supported (the reward model is trained on the "
                       "policy's samples and scores on the ranks that generate: a colocated deployment)")
-    roles = Roles(world, separated, cfg.infer_tp)
+    roles = Roles.of(cfg, world)
     trainers = max(1, len(roles.trainers))
     if cfg.prompts_per_step < 1 or cfg.prompts_per_step % max(roles.replicas, 1):
         errors.append(f"--prompts-per-step {cfg.prompts_per_step} must be a positive multiple of the "
@@ -271,6 +288,29 @@ def layout_errors(cfg, world):
                       "training ranks")
     if cfg.eval_prompts < world:
         errors.append(f"--eval-prompts {cfg.eval_prompts} must be at least the world size {world}")
+    return errors
+
+
+def hybrid_errors(cfg, world):
+    """--deploy hybrid and --aux-ranks, checked before any collective."""
+    if cfg.deploy != "hybrid":
+        return [] if cfg.aux_ranks is None else [f"--aux-ranks {cfg.aux_ranks} places the auxiliary stage of "
+                                                 f"--deploy hybrid (got --deploy {cfg.deploy})"]
+    aux = cfg.aux_ranks or 1
+    if not 1 <= aux < world:
+        return [f"--aux-ranks {aux} must be in [1, world size {world}): the actor keeps at least one rank"]
+    errors = []
+    unsupported = {f"--infer-tp {cfg.infer_tp}": cfg.infer_tp > 1, f"--train-ep {cfg.train_ep}": cfg.train_ep > 0,
+                   f"--train-pp {cfg.train_pp}": cfg.train_pp > 1, f"--nodes {cfg.nodes}": cfg.nodes > 1,
+                   f"--save-every {cfg.save_every}": cfg.save_every > 0, f"--resume {cfg.resume}": bool(cfg.resume)}
+    for what, bad in unsupported.items():
+        if bad:
+            errors.append(f"--deploy hybrid with {what} is not supported yet (the actor colocated with --infer-tp 1, "
+                          "FSDP2 over its ranks, no checkpoints)")
+    if cfg.reward_model and (cfg.filter_groups or cfg.curriculum):
+        errors.append("--deploy hybrid with --reward-model 1 needs --filter-groups 0 and --curriculum 0: both judge each "
+                      "group by its rewards as it completes, on the actor's ranks, and the hybrid scores on the "
+                      "auxiliary ranks, after the round")
     return errors
 
 

@@ -222,21 +222,22 @@ def weight_meta(module):
     return [_weight(n, p) for n, p in module.named_parameters()]
 
 
-def union_meta(mine):
+def union_meta(mine, group=None):
     """The weights to build: the union over ranks of each rank's weight_meta (one all_gather_object), the same
     list in the same order on every rank: rank 0's, then the names each next rank adds (pipeline stages on
     ascending ranks: stage by stage). A weight held whole by several ranks is held by each (a plain model: by
     every rank, which then copies its own). Raises on every rank, before any gather, where two ranks' reports
-    of a weight disagree."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    of a weight disagree. group: the ranks that share the weights (None: every rank)."""
+    ranks = _group_ranks(group)
+    if len(ranks) == 1:
         return list(mine)
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, [tuple(w) for w in mine])  # plain tuples: a receiver needs no class
+    everyone = [None] * len(ranks)
+    dist.all_gather_object(everyone, [tuple(w) for w in mine], group=group)  # plain tuples: a receiver needs no class
     reports = {}  # name -> [(rank, Weight)], in first-seen order
-    for rank, weights in enumerate(everyone):
+    for rank, weights in zip(ranks, everyone):
         for w in map(Weight._make, weights):
             reports.setdefault(w.name, []).append((rank, w))
-    return [_agreed(name, said) for name, said in reports.items()]
+    return [_agreed(name, said, len(ranks)) for name, said in reports.items()]
 
 
 def _held_as(w):
@@ -252,8 +253,9 @@ def _compatible(w, w0):
     return not set(w.owners) & set(w0.owners) and len(w.owners) == len(w0.owners)
 
 
-def _agreed(name, said):
-    """One Weight from every holder's report of it [(rank, Weight)], or a ValueError naming it where two disagree."""
+def _agreed(name, said, n_ranks):
+    """One Weight from every holder's report of it [(rank, Weight)] of n_ranks, or a ValueError naming it where two
+    disagree."""
     (r0, w0), holders = said[0], tuple(rank for rank, _ in said)
     for rank, w in said[1:]:
         if not _compatible(w, w0):
@@ -268,7 +270,7 @@ def _agreed(name, said):
         raise ValueError(f"{name}: sharded on meshes {meshes} that overlap: a weight's meshes must be one, or disjoint")
     if set(holders) != set(ranks) or any(rank not in w.owners for rank, w in said):
         raise ValueError(f"{name}: {_held_as(w0)}, but ranks {list(holders)} hold it: every rank of its mesh must")
-    if len(meshes) > 1 and len(holders) != dist.get_world_size():  # each rank gathers from its own replica
+    if len(meshes) > 1 and len(holders) != n_ranks:  # each rank gathers from its own replica
         raise ValueError(f"{name}: sharded on {len(meshes)} meshes {meshes}, but ranks {list(holders)} hold it: a "
                          "weight sharded in replicas must be held by every rank")
     return w0._replace(replicas=len(meshes))
@@ -328,25 +330,26 @@ class Broadcasts:
     """The portable transport (any backend, any hosts): gather_into's broadcasts. The seam, what FusedActor calls
     of a transport (shm_transport.SharedMemory is the other one):
       keeps_shards        True where the shards must stay in their storages: FusedActor refuses offload_params
-      gathering(params, layout)
+      gathering(params, layout, group)
                           a context around a switch's whole gather; leaving it, the ranks agree on an ok flag:
                           where one raised inside, every other raises too, none waiting out a timeout
-      fill(params, outs, layout)
+      fill(params, outs, layout, group)
                           fills each (name, full-size destination) with the full weight of that name, from its
                           owners (collective: every rank passes the same names, in the same order); returns the
                           bytes this rank received
       close()             releases what the transport holds (here, nothing)
     layout: {name: Weight}, FusedActor's (the union over ranks: the training layout may be pipeline stages, a
-    rank holding no row of a weight); both run over the default group then, as every rank needs every weight.
+    rank holding no row of a weight); both run over `group` then (FusedActor's: its ranks; None: the default
+    group), as every rank of it needs every weight.
     None (push_weights's trainers): read off params, every rank holds every name, a DTensor gathered over
     its mesh's group, a plain tensor copied."""
     keeps_shards = False
 
     @contextmanager
-    def gathering(self, params, layout=None):
+    def gathering(self, params, layout=None, group=None):
         mesh = None if layout is not None else next((p.device_mesh for p in params.values() if isinstance(p, DTensor)),
                                                     None)
-        group = mesh.get_group() if mesh is not None else None  # None: the default group (a layout's: every rank)
+        group = mesh.get_group() if mesh is not None else group  # a layout's: the actor's ranks (None: every rank)
         ok = torch.ones(1, device=next(iter(params.values())).device)
         agree = dist.is_initialized() and dist.get_world_size(group) > 1
         try:
@@ -361,12 +364,12 @@ class Broadcasts:
         if not ok.item():
             raise RuntimeError("another rank failed in this switch (its error is in its output); back in TRAIN")
 
-    def fill(self, params, outs, layout=None):
+    def fill(self, params, outs, layout=None, group=None):
         works, received = [], 0  # issued asynchronously, waited for together
         for name, out in outs:
             p = params.get(name)
-            if layout is not None and layout[name].replicas == 1:  # over the default group
-                received += gather_into(out, _mine(p), layout[name], works)
+            if layout is not None and layout[name].replicas == 1:  # over the actor's ranks
+                received += gather_into(out, _mine(p), layout[name], works, group)
             elif isinstance(p, DTensor):  # no layout, or sharded within each node: from this rank's own mesh
                 received += gather_into(out, _mine(p), _weight(name, p), works, p.device_mesh.get_group())
             else:  # whole on every rank
@@ -453,10 +456,11 @@ class FusedActor:
       offload_params    the training shards go to host memory too in ROLLOUT.
       movers            objects with to_rollout() and to_train(), called last in to_rollout() and first in
                         to_train(); their `names` are not built or freed here, their `stats` join metrics().
-      transport         Broadcasts() (the default) or shm_transport.SharedMemory; the actor's (close() closes it)."""
+      transport         Broadcasts() (the default) or shm_transport.SharedMemory; the actor's (close() closes it).
+      group             the actor's ranks (None: every rank; a hybrid deployment keeps other ranks for other work)."""
 
     def __init__(self, model, optimizer, engine, bucket_bytes=1 << 20, inplace=False, offload_params=False, movers=(),
-                 transport=None):
+                 transport=None, group=None):
         reshard_all(model)  # the parameters are the shards again
         _check(model, optimizer)
         self.transport = transport if transport is not None else Broadcasts()
@@ -464,12 +468,13 @@ class FusedActor:
             raise ValueError(f"offload_params=True frees the shards, which {type(self.transport).__name__} keeps in "
                              "place: use offload_params=False or the Broadcasts transport")
         self.model, self.optimizer, self.engine, self.movers = model, optimizer, engine, list(movers)
-        self.bucket_bytes, self.inplace, self.offload_params = bucket_bytes, inplace, offload_params
+        self.bucket_bytes, self.inplace, self.offload_params, self.group = bucket_bytes, inplace, offload_params, group
         self.device = next(model.parameters()).device
         self.skip = {n for m in self.movers for n in getattr(m, "names", ())}
         self.path = f"{'in place' if inplace else 'load_weights'}, {type(self.transport).__name__}"
         # the weights to build: the union of every rank's (collective), [Weight] the same on every rank
-        meta, eng = union_meta([w for w in weight_meta(model) if w.name not in self.skip]), self._engine_weights()
+        meta = union_meta([w for w in weight_meta(model) if w.name not in self.skip], group)
+        eng = self._engine_weights()
         self.layout, self.buckets = {w.name: w for w in meta}, plan_buckets(meta, bucket_bytes)
         if inplace and not ({w.name for w in meta} == set(eng) and all(
                 tuple(eng[n].shape) == s and eng[n].dtype == d and eng[n].is_contiguous() for n, s, d, *_ in meta)):
@@ -552,7 +557,7 @@ class FusedActor:
             with self._timed("alloc"):  # 2. the inference weights: allocated once, gathered into bucket by bucket
                 for p in eng.values():
                     p.untyped_storage().resize_(p.nbytes)
-            with self._timed("gather"), self.transport.gathering(params, self.layout):
+            with self._timed("gather"), self.transport.gathering(params, self.layout, self.group):
                 extra, gathered, received, least = self._fill(params, eng)
             if self.offload_params:  # 3. the training shards too (1/W of the model, needed first thing back)
                 off = storages([p for n, p in params.items() if n not in self.skip], self.device)
@@ -584,7 +589,7 @@ class FusedActor:
                 flat, outs = None, [(name, eng[name].detach()) for name, *_ in bucket]
             else:
                 flat, outs = bucket_views(bucket, self.device)
-            received += self.transport.fill(params, outs, self.layout)
+            received += self.transport.fill(params, outs, self.layout, self.group)
             gathered += sum(t.nbytes for _, t in outs)
             held = sum(_mine(params[n]).nbytes for n, _ in outs if n in params)  # this rank's own rows
             least += sum(t.nbytes for _, t in outs) - held

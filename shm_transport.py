@@ -169,10 +169,10 @@ class SharedMemory:
         return cls(group, peer_rows, mine[1], readers, writers, timeout_s)
 
     @contextmanager
-    def gathering(self, params, layout=None):
+    def gathering(self, params, layout=None, group=None):
         """Around a switch's gather of params ({name: parameter}): enter when every rank has come, its shards
         still the storages it shared (else ValueError on every rank); leave when every rank has read, where
-        one raised inside, with a RuntimeError on every other. layout: fusion's, not needed (connect() made
+        one raised inside, with a RuntimeError on every other. layout, group: fusion's, not needed (connect() made
         sure that every rank holds every weight: Shard(0) over all W ranks, or whole)."""
         moved = self._moved(params)
         if not self.barrier(ok=not moved):
@@ -189,11 +189,11 @@ class SharedMemory:
         if not self.barrier(ok=True):
             raise RuntimeError("another rank failed in this switch (its error is in its output); back in TRAIN")
 
-    def fill(self, params, outs, layout=None):
+    def fill(self, params, outs, layout=None, group=None):
         """Fill each (name, full-size destination (rows, ...)) with the full weight of params[name]: each owner's
         rows of its FSDP2 shard (Shard(0), c = ceil(rows / W) rows each, as fusion.gather_into lays them)
         copied from its memory, this rank's from its own; a plain tensor copied. Inside gathering(). Returns
-        the bytes read from the peers' memory (layout: as in gathering())."""
+        the bytes read from the peers' memory (layout, group: as in gathering())."""
         received = 0
         for name, out in outs:
             p = params[name]

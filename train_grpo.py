@@ -18,8 +18,10 @@ One RL step, numbered as in the README's diagram:
   6. switch      colocated: TRAIN -> ROLLOUT before 1 and back after it (fusion.py, and the experts'
                  EP re-shard of moe_switch.py); separated: the new weights pushed to the generators
 One loop per deployment: `colocated_loop` (any S, inference TP, EP, the reference on host), and
-`trainer_loop` with `generator_loop` (separated: half the ranks train, half generate). Options are
-applied when the run is built (`build`), never as branches inside a loop.
+`trainer_loop` with `generator_loop` (separated: half the ranks train, half generate); hybrid: the actor's
+ranks run `colocated_loop`, the auxiliary ranks `aux_loop` (the reference, and the reward model, as a
+queue stage between 3 and 4). Options are applied when the run is built (`build`), never as branches
+inside a loop.
 
 Counting: a version v is a count of optimizer steps. RL step k (1 .. steps) trains batch k - 1, which
 StaleSync emitted for version k - 1 (every sample of it started at a version >= k - 1 - S), and makes
@@ -28,7 +30,8 @@ short supervised warm-up comes first; its held-out accuracy is the "before" figu
 
 Departures from the source system, on purpose:
 1. Scoring is a rule on the generating rank, so reward and advantage travel through the queue with
-   the sample; the reference runs on the trainer that reads the sample, where it lives.
+   the sample; the reference runs on the trainer that reads the sample, where it lives (hybrid: on the
+   auxiliary ranks, which add its log-probs, and a reward model's rewards, to the rows as columns).
 2. Sampling randomness is counter-based per sample (model.py), and a group's prompt and seeds are
    functions of its global slot and attempt: every deployment and world size generates, keeps and
    replaces the same groups from the same weights, so every mode trains to the same parameters.
@@ -75,7 +78,8 @@ def train(cfg, out_dir=None):
     attach_reference(run)
     attach_reward_model(run)  # --reward-model: trained on the warmed-up policy's samples (resumed: the checkpoint's)
     checkpoint.resume(run)  # --resume: the checkpoint's state (nothing without one)
-    loop = {"colocated": colocated_loop, "trainer": trainer_loop, "generator": generator_loop}[run.roles.role(run.rank)]
+    loop = {"colocated": colocated_loop, "trainer": trainer_loop, "generator": generator_loop,
+            "aux": aux_loop}[run.roles.role(run.rank)]
     # What setup made (torch's modules, the model, the queue) lives as long as the loop: frozen, a full collection
     # skips it and pauses a rank (its peers waiting) far less. A caller's own frozen objects stay the caller's.
     freeze = gc.get_freeze_count() == 0
@@ -119,9 +123,9 @@ def colocated_loop(run):
         # 2-3. score, group advantages, into the queue
         with spans("score"):
             score_and_enqueue(run, batch)
-        # 4. a token-balanced share of the whole batch; the reference's log-probs of it
-        samples, figures = read_share(run, step)
-        ref_logprobs = reference_logprobs(run, samples)
+        # 4. a token-balanced share of the whole batch; the reference's log-probs of it (hybrid: in the rows)
+        samples, figures, queued = read_share(run, step)
+        ref_logprobs = reference_logprobs(run, samples, queued)
         # 5. GRPO updates over length-sorted micro-batches, data parallel (FSDP2)
         with spans("train"):
             sums = run.update(run.model, run.optimizer, samples, run.algo, run.device,
@@ -144,7 +148,7 @@ def evaluate_colocated(run):
         correct = held_out_correct(run)
     learned = {"curriculum/informative_by_digits": by_digits(run.curriculum.informative()),
                "curriculum/pass_rate_by_digits": by_digits(run.curriculum.pass_rate())}
-    return eval_figures(run, all_sum(correct, run.device)) | learned
+    return eval_figures(run, all_sum(correct, run.device, run.rollout_group)) | learned
 
 
 def by_digits(values):
@@ -161,7 +165,7 @@ def trainer_loop(run):
     for step in run.log.progress():
         mark = run.log.mark(step=step, version=step - 1)
         # 4. a token-balanced share of batch step - 1, as the generators put it; the reference's log-probs
-        samples, figures = read_share(run, step)
+        samples, figures, _ = read_share(run, step)
         ref_logprobs = reference_logprobs(run, samples)
         # 5. GRPO updates over length-sorted micro-batches, data parallel over the trainers (FSDP2)
         with spans("train"):
@@ -212,16 +216,76 @@ def generator_loop(run):
         run.queue.drain()           # batches made ahead of it are left unread: in flight at the end)
 
 
+def aux_loop(run):
+    """Hybrid, an auxiliary rank: the queue stage between rollout and training. For each batch, once the actor's
+    writers have put it: this rank's whole groups of it (every aux_ranks-th), the frozen reference's log-probs
+    (with --reward-model, the rewards and group advantages too), put back as new columns of the same rows; the
+    actor's trainers then read complete rows. The actor waits for this stage (the naive form: no overlap yet)."""
+    cfg, spans = run.cfg, run.spans
+    for step in range(run.log.start, cfg.steps + 1):
+        spans.args = {"step": step, "version": step - 1}
+        with spans("idle"):
+            if not wait_for_batch(run, step):  # --rl-seconds ended the run at an earlier step
+                break
+        ids = aux_share(run, step)  # whole groups, in order
+        with spans("queue"):
+            rows = run.queue.get("aux", len(ids), only=ids)
+        where = {r: i for i, r in enumerate(rows.ids)}  # the queue returns ids ascending: put them back in group order
+        prompts, responses = ([rows.cols[c][where[r]] for r in ids] for c in ("prompt", "response"))
+        columns = {"ref_logprobs": reference_logprobs(run, grpo.Samples(prompts, responses, None, None))}
+        if run.reward_model is not None:  # 2-3. score, group advantages
+            rewards = model_rewards(run, prompts, responses)                                      # (B,)
+            advantages = grpo.group_advantages(rewards, cfg.group_size, cfg.adv_estimator)
+            columns |= {"reward": rewards.tolist(), "advantage": advantages.tolist()}
+        run.queue.put(columns, ids=ids)
+    run.queue.drain()  # every cell this rank put has reached the trainers
+
+
+def batch_key(run, step, writer):
+    return f"w:{run.key}/batch/{step}/{writer}"
+
+
+def wait_for_batch(run, step):
+    """An auxiliary rank: True once every writer has put batch `step` (the keys score_and_enqueue sets), False once
+    trainer 0 has said the run ended before it. Serves the queue while it waits; an actor that puts nothing for
+    pg_timeout_s times out, naming the batch."""
+    keys, final = [batch_key(run, step, w) for w in run.roles.writers()], weights_key(run, "final")
+    deadline = time.monotonic() + run.cfg.pg_timeout_s
+    while not run.store.check(keys):
+        if run.store.check([final]) and int(run.store.get(final)) < step:
+            return False
+        run.queue.serve()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {run.rank}: the actor's ranks {run.roles.writers()} put no batch {step} in "
+                               f"{run.cfg.pg_timeout_s}s (keys {keys}): is the actor alive?")
+        time.sleep(0.001)
+    return True
+
+
+def aux_share(run, step):
+    """The row ids of batch `step` that this auxiliary rank serves: every aux_ranks-th group of it, whole (a group's
+    advantages need all its rewards). The writers' rows of a batch have known ids (read_share)."""
+    cfg, roles = run.cfg, run.roles
+    n_local = cfg.prompts_per_step * cfg.group_size // roles.replicas
+    rows = [run.queue.row_id(j, w) for w in roles.writers() for j in range((step - 1) * n_local, step * n_local)]
+    me, n_aux = roles.auxiliaries.index(run.rank), len(roles.auxiliaries)
+    return [r for i, r in enumerate(rows) if (i // cfg.group_size) % n_aux == me]
+
+
 # ----------------------------------------------------------------------------- the RL step's stages
 STALE_FACTS = ("sample_id", "start_version", "versions", "regenerated", "filtered")  # a row's "stale": build_queue
 
 
 def score_and_enqueue(run, batch):
     """2-3. Score each response, normalise the rewards within each group (a group never spans replicas),
-    and put the rows into the queue: one writer per TP group, its peers hold the same samples."""
-    rewards = run.score(run, batch.prompts, batch.responses)                                       # (B,)
+    and put the rows into the queue: one writer per TP group, its peers hold the same samples. (Hybrid with a reward
+    model: run.score is None, the auxiliary stage scores the rows; hybrid: the writer says the batch is in.)"""
     rule = rule_rewards(run, batch.prompts, batch.responses)  # what the task's rule says, logged beside
-    advantages = grpo.group_advantages(rewards, run.cfg.group_size, run.cfg.adv_estimator)
+    scored = {}
+    if run.score is not None:
+        rewards = run.score(run, batch.prompts, batch.responses)                                   # (B,)
+        advantages = grpo.group_advantages(rewards, run.cfg.group_size, run.cfg.adv_estimator)
+        scored = {"reward": rewards.tolist(), "advantage": advantages.tolist()}
     if run.rank not in run.roles.writers():
         return
     at_cut = [batch.metrics["stale/regenerated_at_cut"], batch.metrics["stale/filtered_at_cut"]]  # on row 0 only
@@ -229,19 +293,23 @@ def score_and_enqueue(run, batch):
              for j, (i, start, v) in enumerate(zip(batch.ids, batch.start_versions, batch.token_versions))]
     routes = [r.flatten().int() for r in batch.per_token["routes"]]  # (n_i, L, K) -> packed
     run.queue.put({"prompt": batch.prompts, "response": batch.responses, "old_logprobs": batch.logprobs,
-                   "reward": rewards.tolist(), "rule_reward": rule.tolist(), "advantage": advantages.tolist(),
-                   "stale": stale, "routes": routes})
+                   "rule_reward": rule.tolist(), "stale": stale, "routes": routes} | scored)
+    if run.roles.aux:
+        run.store.set(batch_key(run, run.sched.batches_out, run.rank), "1")
 
 
 def read_share(run, step):
     """4. This trainer's token-balanced share of batch step - 1: every writer's rows of it (a writer puts n_local
-    rows per batch, in order: its rows j of that batch have known ids), however far ahead a writer runs."""
+    rows per batch, in order: its rows j of that batch have known ids), however far ahead a writer runs. Returns
+    (samples, figures, the reference's log-probs that came with the rows: hybrid, else None)."""
     cfg, roles = run.cfg, run.roles
     per_step = cfg.prompts_per_step * cfg.group_size
     n_local = per_step // roles.replicas
     ids = {run.queue.row_id(j, w) for w in roles.writers() for j in range((step - 1) * n_local, step * n_local)}
     with run.spans("queue"):
-        if run.pipe is None:  # a token-balanced share of the batch
+        if run.roles.aux:  # complete once the auxiliary stage has put its columns
+            rows = read_from_aux(run, step, per_step, ids)
+        elif run.pipe is None:  # a token-balanced share of the batch
             rows = run.queue.get("train", per_step, dp_group=run.train_group, only=ids)
         else:  # PP: an equal count (fixed micro-batch shapes), read once per pipeline and broadcast to its stages
             mine = set(sorted(ids)[run.data_index::run.data_size])
@@ -262,7 +330,18 @@ def read_share(run, step):
               for r, t in zip(rows.cols["routes"], rows.cols["response"])]
     samples = grpo.Samples(rows.cols["prompt"], rows.cols["response"], rows.cols["old_logprobs"], advantages,
                            truncated=[bool(r[-1] != task.EOS) for r in rows.cols["response"]], routes=routes)
-    return samples, figures
+    return samples, figures, rows.cols.get("ref_logprobs")
+
+
+def read_from_aux(run, step, per_step, ids):
+    """Hybrid: read_share's get, its rows complete once the auxiliary stage has put its columns; a stage that does
+    not is named, with the rows it held."""
+    try:
+        return run.queue.get("train", per_step, dp_group=run.train_group, only=ids)
+    except TimeoutError as e:
+        raise TimeoutError(f"the auxiliary stage (ranks {run.roles.auxiliaries}) did not complete batch {step - 1}'s "
+                           f"{per_step} rows (ids {min(ids)} to {max(ids)}) with the reference's log-probs in "
+                           f"{run.cfg.pg_timeout_s}s: is it alive? ({e})") from e
 
 
 def rule_rewards(run, prompts, responses):
@@ -278,10 +357,11 @@ def model_rewards(run, prompts, responses):
         return (reward_model.score(rm, prompts, responses, batch_size=run.cfg.group_size) >= 0.5).float()
 
 
-def reference_logprobs(run, samples):
-    """4. The frozen initial policy's log-probs of the share (under colocated-all it visits the device)."""
-    if run.reference is None:
-        return None
+def reference_logprobs(run, samples, queued=None):
+    """4. The frozen initial policy's log-probs of the share (under colocated-all it visits the device); hybrid:
+    those the auxiliary stage put with the rows (queued)."""
+    if queued is not None or run.reference is None:
+        return queued
     with run.spans("reference"), run.reference.on_device() as ref:
         if run.pipe is not None:  # its own stages, through its own schedule (a Pipeline of the frozen stage)
             return pipeline.logprobs(run.ref_pipe, samples, run.algo)
@@ -320,6 +400,8 @@ def out_of_time(run, step, mark):
     if not run.cfg.rl_seconds or step == run.cfg.steps:
         return False
     late = run.rank == 0 and run.log.rl_seconds(mark) >= run.cfg.rl_seconds
+    if late and run.roles.aux:  # hybrid: the auxiliary ranks wait for no batch after this one
+        run.store.set(weights_key(run, "final"), str(step))
     return bool(all_sum({"late": float(late)}, run.device, run.train_group, dist.ReduceOp.MAX)["late"])
 
 
@@ -475,7 +557,7 @@ def build(cfg, out_dir=None):
     out_dir, key = names[0], f"{names[0]}:{names[1]}"
     resume_from = checkpoint.find(cfg, out_dir)  # checked on every rank before anything is written
     os.makedirs(out_dir, exist_ok=True)
-    roles = Roles(world, cfg.deploy == "separated", cfg.infer_tp)
+    roles = Roles.of(cfg, world)
     store = distqueue.default_store()
     learned = curriculum.Curriculum(cfg.max_digits)
     eval_prompts, warm_stream, rl_prompts = task.prompt_streams(  # --curriculum: RL draws weighted by length
@@ -485,16 +567,18 @@ def build(cfg, out_dir=None):
     build_policy(run)
     if rank in roles.generators:
         build_rollout(run)
-    if not roles.separated:  # one phase switch moves everything: shards, optimizer state, experts
-        # the gather: from the peers' shards in shared memory on one host on CPU, else broadcasts (collective)
+    if rank in roles.generators and not roles.separated:  # one phase switch moves everything: shards, optimizer
+        # state, experts
+        # The gather: from the peers' shards in shared memory on one host on CPU, else broadcasts (collective).
         transport = shm_transport.SharedMemory.connect(run.model, cfg.pg_timeout_s) or fusion.Broadcasts()
         run.actor = fusion.FusedActor(
             run.model, run.optimizer, run.engine, bucket_bytes=cfg.bucket_kb * 1024,
             inplace=cfg.infer_tp == 1,  # TP 1: the engine holds full weights, gathered straight into them
-            movers=[m for m in (run.experts, run.grad_sync) if m is not None], transport=transport)
+            movers=[m for m in (run.experts, run.grad_sync) if m is not None], transport=transport,
+            group=run.rollout_group)  # the actor's ranks (hybrid: not the auxiliary ones)
         if rank == 0:
             print(f"switch: {run.actor.path}", flush=True)  # e.g. "in place, SharedMemory"
-        run.all_ready = stalesync.AllReady(device=device, spans=run.spans)
+        run.all_ready = stalesync.AllReady(run.rollout_group, device=device, spans=run.spans)
     run.log = RunLog(run, start=resume_from[1]["step"] + 1 if resume_from else 1)
     return run
 
@@ -508,8 +592,11 @@ def build_queue(cfg, key, store, rank, world, device):
     columns = {"prompt": "int64", "response": "int64", "old_logprobs": "float32", "reward": "float32",
                "rule_reward": "float32", "advantage": "float32", "stale": "int64",
                "routes": "int32"}  # routes: (n_i * L * K,) experts
-    spec = distqueue.QueueSpec(columns=columns, scalars=("reward", "rule_reward", "advantage"),
-                               stages={"train": tuple(columns)},
+    stages = {"train": tuple(columns)}
+    if cfg.deploy == "hybrid":  # three stages: the actor puts, the auxiliary ranks add columns, the trainers read
+        columns["ref_logprobs"] = "float32"                                                    # (n_i,)
+        stages = {"aux": ("prompt", "response"), "train": tuple(columns)}
+    spec = distqueue.QueueSpec(columns=columns, scalars=("reward", "rule_reward", "advantage"), stages=stages,
                                timeout_s=cfg.pg_timeout_s, name=f"dq:{key}")
     pg = None if device.type == "cpu" else dist.new_group(  # the queue moves host tensors: gloo
         backend="gloo", timeout=datetime.timedelta(seconds=cfg.pg_timeout_s))
@@ -522,8 +609,12 @@ def build_policy(run):
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     cfg, roles, rank, device = run.cfg, run.roles, run.rank, run.device
     timeout = datetime.timedelta(seconds=cfg.pg_timeout_s)
-    tp_group = None
-    if roles.separated:  # FSDP over the trainers; the generators get the weights through push_group
+    tp_group, run.algo = None, grpo_config(cfg)
+    if roles.aux:  # hybrid: FSDP over the actor's ranks; the auxiliary ranks get the reference through push_group
+        run.train_group = run.rollout_group = dist.new_group(roles.trainers, timeout=timeout)
+        mesh = DeviceMesh.from_group(run.train_group, device.type) if rank in roles.trainers else None
+        run.push_group = dist.new_group([0] + roles.auxiliaries, timeout=timeout)
+    elif roles.separated:  # FSDP over the trainers; the generators get the weights through push_group
         run.train_group = dist.new_group(roles.trainers, timeout=timeout)
         mesh = DeviceMesh.from_group(run.train_group, device.type) if rank in roles.trainers else None
         run.push_group = dist.new_group([0] + roles.generators, timeout=timeout)
@@ -557,7 +648,6 @@ def build_policy(run):
     # DTensor dispatches apart (CPU's default is per parameter; the results are the same, bit for bit)
     run.optimizer = torch.optim.AdamW(expert_parallel.optimizer_groups(model), lr=cfg.lr, betas=(0.9, 0.98),
                                       weight_decay=0.0, foreach=True)
-    run.algo = grpo_config(cfg)
 
 
 def apply_fsdp(model, mesh, ignored, units):
@@ -656,7 +746,9 @@ def build_rollout(run):
     run.sched = stalesync.StaleSync(
         stale, run.sampler, prompt_fn=lambda slot, attempt: run.rl_prompts(to_global(slot), attempt),
         seed_fn=lambda slot, attempt, j: sample_seed(cfg.seed, to_global(slot), attempt, j),
-        keep_group=functools.partial(observe_group, run))
+        # hybrid with a reward model: the rewards come after the round, from the auxiliary ranks (no filter, no
+        # curriculum: config.hybrid_errors)
+        keep_group=None if cfg.deploy == "hybrid" and cfg.reward_model else functools.partial(observe_group, run))
 
 
 def observe_group(run, prompt, responses):
@@ -681,7 +773,9 @@ def learn_curriculum(run):
 
 def attach_reference(run):
     """The frozen initial policy (the warm-up's result), when kl_coef > 0 or under colocated-all, where
-    it stays in host memory except while it computes."""
+    it stays in host memory except while it computes; hybrid: on the auxiliary ranks."""
+    if run.roles.aux:
+        return send_reference(run)
     if run.model is None or not (run.cfg.kl_coef > 0 or run.cfg.deploy == "colocated-all"):
         return
     ref = Policy(model_config(run.cfg)).to(run.device).eval()
@@ -699,22 +793,37 @@ def attach_reference(run):
     run.reference = fusion.HostOffloaded(ref, offload=run.cfg.deploy == "colocated-all")
 
 
+def send_reference(run):
+    """Hybrid: the warmed-up policy, gathered over the actor's ranks and broadcast by rank 0 to the auxiliary ranks,
+    which keep it as the frozen reference, on their device all along (computing it is their job). Collective."""
+    ref = Policy(model_config(run.cfg)).to(run.device).eval() if run.model is None else None
+    fusion.push_weights(run.model, ref, 0, run.push_group, run.cfg.bucket_kb * 1024)
+    if ref is not None:
+        run.reference = fusion.HostOffloaded(ref.requires_grad_(False), offload=False)
+
+
 def attach_reward_model(run):
     """--reward-model 1: an outcome reward model scores the responses instead of the rule (reward_model.py). Fit here,
     after the warm-up, on the warmed-up policy's own samples labelled by the rule (every rank fits the same one on
-    the same samples), then frozen and kept on host except while it scores. Resumed, the checkpoint's weights."""
+    the same samples), then frozen and kept on host except while it scores. Resumed, the checkpoint's weights.
+    Hybrid: the actor's ranks fit it, the auxiliary ranks keep it on their device and score with it."""
     cfg = run.cfg
     if not cfg.reward_model:
         return
-    rm = reward_model.RewardModel(rm_config(cfg)).to(run.device)
-    for t in rm.state_dict().values():  # rank 0's initial weights on every rank (collective)
-        dist.broadcast(t, src=0)
+    with torch.random.fork_rng(devices=[]):  # its initial weights a function of the seed, whatever was built before
+        torch.manual_seed(cfg.seed)
+        rm = reward_model.RewardModel(rm_config(cfg)).to(run.device)
     if run.resume_from is None:
-        with run.spans("reward_model_fit"):
-            run.reward_model_figures = fit_reward_model(run, rm)  # rm/*: in step 0's record
+        if run.engine is not None:  # the ranks that sample (hybrid: not the auxiliary ones)
+            with run.spans("reward_model_fit"):
+                run.reward_model_figures = fit_reward_model(run, rm)  # rm/*: in step 0's record
         for t in rm.state_dict().values():  # rank 0's fit on every rank: a device's kernels need not be deterministic
             dist.broadcast(t, src=0)
     rm.eval().requires_grad_(False)
+    if run.roles.aux:  # the actor's ranks put unscored rows (run.score None); aux_loop scores them
+        run.score = None
+        run.reward_model = fusion.HostOffloaded(rm, offload=False) if run.engine is None else None
+        return
     run.reward_model = fusion.HostOffloaded(rm, offload=True)
     run.score = model_rewards
 
@@ -754,8 +863,9 @@ def sample_responses(run, prompts, first_seed):
     with fusion.rollout(run.actor):
         mine = generate(run.engine, prompts[lo:hi], seeds, run.cfg.max_new_tokens, task.EOS, task.PAD,
                         temperature=run.cfg.temperature, top_p=run.cfg.top_p, lockstep=run.sampler.lockstep).tokens
-    everyone = [None] * run.roles.world
-    dist.all_gather_object(everyone, [r.cpu() for r in mine] if run.rank in run.roles.writers() else None)
+    everyone = [None] * dist.get_world_size(run.rollout_group)
+    dist.all_gather_object(everyone, [r.cpu() for r in mine] if run.rank in run.roles.writers() else None,
+                           group=run.rollout_group)
     return [r for part in everyone if part is not None for r in part]
 
 

@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -67,6 +68,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["--nodes", "2", "--grad-topk", "nan"], "--grad-topk nan must be a finite number"),
     (["--grad-compress", "int8"], "--grad-compress int8 acts on the gradient average across nodes: it needs --nodes > 1"),
     (["--grad-overlap", "1"], "--grad-overlap 1 acts on the gradient average across nodes"),
+    (["--aux-ranks", "1"], "--aux-ranks 1 places the auxiliary stage of --deploy hybrid (got --deploy colocated)"),
+    (["--deploy", "hybrid", "--aux-ranks", "2"], "--aux-ranks 2 must be in [1, world size 2)"),
+    (["--deploy", "hybrid", "--save-every", "5"], "--deploy hybrid with --save-every 5 is not supported yet"),
+    (["--deploy", "hybrid", "--reward-model", "1"], "--deploy hybrid with --reward-model 1 needs --filter-groups 0 and "
+                                                    "--curriculum 0"),
 ])
 def test_bad_arguments_are_named(flags, text):
     _, cfg = parse_args(flags)
@@ -291,6 +297,67 @@ def test_a_learned_reward_model_scores_the_same_on_every_deployment(tmp_path):
     assert all(0 <= l["reward/rule_mean"] <= 1 for l in lines[1:])
     import timeline
     assert {"reward_model_fit", "reward_model"} <= {s["name"] for s in timeline.load_spans(tmp_path / "w2")}
+
+
+def test_hybrid_places_the_reference_on_an_auxiliary_rank_and_trains_as_colocated_all(tmp_path):
+    """--deploy hybrid at world 3: ranks 0 and 1 are the actor (colocated: FSDP2 over the two, phase switches), rank 2
+    holds the frozen reference, a queue stage between rollout and training (the actor puts its rows, rank 2 adds the
+    reference's log-probs as a column, the actor's trainers read complete rows). With the KL term on, it trains to
+    the parameters that colocated-all's two replicas train to (the reference on the actor's ranks)."""
+    (_, p), (_, q), (_, aux) = run_distributed(_train_tiny, world_size=3, args=(str(tmp_path / "h"), {"deploy": "hybrid"}))
+    assert torch.equal(p, q) and aux is None  # the auxiliary rank holds no policy
+    (_, c), _ = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "ca"), {"deploy": "colocated-all"}))
+    assert_same_training(p, c, "hybrid at world 3 against colocated-all at world 2")
+    lines = [json.loads(l) for l in open(tmp_path / "h" / "metrics.jsonl")][1:]
+    assert any(l["k3_mean"] > 0 for l in lines)  # the reference's log-probs reached the loss
+    import timeline
+    spans = timeline.load_spans(tmp_path / "h")
+    assert {"reference", "queue", "idle"} <= {s["name"] for s in spans if s["rank"] == 2}
+    assert not any(s["name"] in ("reference", "rollout", "train") for s in spans if s["rank"] < 2 and
+                   s["name"] == "reference") and {"rollout", "train"} <= {s["name"] for s in spans if s["rank"] == 0}
+
+
+@pytest.mark.slow
+def test_hybrid_with_a_reward_model_on_the_auxiliary_rank_trains_as_colocated_all(tmp_path):
+    """--deploy hybrid --reward-model 1: the actor's ranks fit the reward model, rank 2 keeps it and scores every group
+    (rewards and group advantages put back as columns). Without the filter and the curriculum (which need each
+    group's rewards during the round), it trains to colocated-all's parameters with the same reward model."""
+    mode = {"reward_model": True, "rm_samples": 64, "rm_steps": 20, "filter_groups": False, "curriculum": False}
+    (_, p), _, _ = run_distributed(_train_tiny, world_size=3, args=(str(tmp_path / "h"), dict(mode, deploy="hybrid")))
+    (_, c), _ = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "ca"), dict(mode, deploy="colocated-all")))
+    assert_same_training(p, c, "hybrid with a reward model against colocated-all")
+    import timeline
+    assert "reward_model" in {s["name"] for s in timeline.load_spans(tmp_path / "h") if s["rank"] == 2}
+    lines = [json.loads(l) for l in open(tmp_path / "h" / "metrics.jsonl")]
+    assert 0 <= lines[0]["rm/held_out_accuracy"] <= 1 and all(0 <= l["reward/rule_agreement"] <= 1 for l in lines[1:])
+
+
+@pytest.mark.slow
+def test_world_4_hybrid_with_two_auxiliary_ranks_trains_as_colocated_all(tmp_path):
+    """World 4 as 2 actor ranks and 2 auxiliary ones, each serving every other whole group of a batch: colocated-all's
+    parameters (world 2)."""
+    out = run_distributed(_train_tiny, world_size=4, timeout_s=240,
+                          args=(str(tmp_path / "h"), {"deploy": "hybrid", "aux_ranks": 2}))
+    assert [p is None for _, p in out] == [False, False, True, True]
+    (_, c), _ = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "ca"), {"deploy": "colocated-all"}))
+    assert_same_training(out[0][1], c, "hybrid at world 4 (2 auxiliary ranks) against colocated-all at world 2")
+    import timeline
+    assert {2, 3} <= {s["rank"] for s in timeline.load_spans(tmp_path / "h") if s["name"] == "reference"}
+
+
+def _train_with_a_silent_aux(rank, world_size, out_dir, overrides=None):
+    """_train_tiny, the auxiliary rank alive but never serving its stage (as a hung or dead one looks to the queue)."""
+    if rank == world_size - 1:
+        T.aux_loop = lambda run: time.sleep(120)
+    return _train_tiny(rank, world_size, out_dir, overrides)
+
+
+def test_hybrid_with_a_silent_auxiliary_rank_fails_naming_the_stage(tmp_path):
+    with pytest.raises(RuntimeError) as e:
+        run_distributed(_train_with_a_silent_aux, world_size=3, timeout_s=100,
+                        args=(str(tmp_path), {"deploy": "hybrid", "pg_timeout_s": 5}))
+    said = str(e.value)
+    assert "the auxiliary stage (ranks [2]) did not complete batch 0's 16 rows" in said and "is it alive?" in said
 
 
 @pytest.mark.slow
