@@ -202,8 +202,12 @@ class Roles:
 
     @classmethod
     def of(cls, cfg, world):
-        aux = (cfg.aux_ranks or 1) if cfg.deploy == "hybrid" else 0
+        aux = (1 if cfg.aux_ranks is None else cfg.aux_ranks) if cfg.deploy == "hybrid" else 0
         return cls(world, cfg.deploy == "separated", cfg.infer_tp, aux)
+
+    @property
+    def hybrid(self):
+        return self.aux > 0
 
     @property
     def trainers(self):
@@ -296,10 +300,13 @@ def hybrid_errors(cfg, world):
     if cfg.deploy != "hybrid":
         return [] if cfg.aux_ranks is None else [f"--aux-ranks {cfg.aux_ranks} places the auxiliary stage of "
                                                  f"--deploy hybrid (got --deploy {cfg.deploy})"]
-    aux = cfg.aux_ranks or 1
+    aux = 1 if cfg.aux_ranks is None else cfg.aux_ranks
     if not 1 <= aux < world:
         return [f"--aux-ranks {aux} must be in [1, world size {world}): the actor keeps at least one rank"]
     errors = []
+    if cfg.prompts_per_step < aux:
+        errors.append(f"--prompts-per-step {cfg.prompts_per_step} must be at least --aux-ranks {aux}: each auxiliary "
+                      "rank serves whole groups of every batch")
     unsupported = {f"--infer-tp {cfg.infer_tp}": cfg.infer_tp > 1, f"--train-ep {cfg.train_ep}": cfg.train_ep > 0,
                    f"--train-pp {cfg.train_pp}": cfg.train_pp > 1, f"--nodes {cfg.nodes}": cfg.nodes > 1,
                    f"--save-every {cfg.save_every}": cfg.save_every > 0, f"--resume {cfg.resume}": bool(cfg.resume)}

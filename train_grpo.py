@@ -227,7 +227,7 @@ def aux_loop(run):
         with spans("idle"):
             if not wait_for_batch(run, step):  # --rl-seconds ended the run at an earlier step
                 break
-        ids = aux_share(run, step)  # whole groups, in order
+        ids = aux_share(run, step)  # whole groups, in group order
         with spans("queue"):
             rows = run.queue.get("aux", len(ids), only=ids)
         where = {r: i for i, r in enumerate(rows.ids)}  # the queue returns ids ascending: put them back in group order
@@ -242,34 +242,39 @@ def aux_loop(run):
 
 
 def batch_key(run, step, writer):
+    """Hybrid: the store key a writer sets once it has put its rows of the batch trained at RL step `step`."""
     return f"w:{run.key}/batch/{step}/{writer}"
 
 
 def wait_for_batch(run, step):
-    """An auxiliary rank: True once every writer has put batch `step` (the keys score_and_enqueue sets), False once
-    trainer 0 has said the run ended before it. Serves the queue while it waits; an actor that puts nothing for
-    pg_timeout_s times out, naming the batch."""
-    keys, final = [batch_key(run, step, w) for w in run.roles.writers()], weights_key(run, "final")
+    """An auxiliary rank: True once every writer has put the batch of RL step `step` (score_and_enqueue's keys), False
+    once trainer 0 has said the run ended before that step. Serves the queue while it waits; an actor that puts
+    nothing for pg_timeout_s times out, naming the step."""
+    keys = [batch_key(run, step, w) for w in run.roles.writers()]
     deadline = time.monotonic() + run.cfg.pg_timeout_s
     while not run.store.check(keys):
-        if run.store.check([final]) and int(run.store.get(final)) < step:
+        if final_version(run) < step:
             return False
         run.queue.serve()
         if time.monotonic() > deadline:
-            raise TimeoutError(f"rank {run.rank}: the actor's ranks {run.roles.writers()} put no batch {step} in "
-                               f"{run.cfg.pg_timeout_s}s (keys {keys}): is the actor alive?")
+            raise TimeoutError(f"rank {run.rank}: the actor's ranks {run.roles.writers()} put no batch for step {step} "
+                               f"in {run.cfg.pg_timeout_s}s (keys {keys}): is the actor alive?")
         time.sleep(0.001)
     return True
 
 
+def batch_rows(run, step):
+    """The row ids of the batch trained at RL step `step`, writer by writer, each writer's in order (groups contiguous):
+    a writer puts n_local rows per batch, so its j-th row of that batch has a known id."""
+    n_local = run.cfg.prompts_per_step * run.cfg.group_size // run.roles.replicas
+    return [run.queue.row_id(j, w) for w in run.roles.writers() for j in range((step - 1) * n_local, step * n_local)]
+
+
 def aux_share(run, step):
-    """The row ids of batch `step` that this auxiliary rank serves: every aux_ranks-th group of it, whole (a group's
-    advantages need all its rewards). The writers' rows of a batch have known ids (read_share)."""
-    cfg, roles = run.cfg, run.roles
-    n_local = cfg.prompts_per_step * cfg.group_size // roles.replicas
-    rows = [run.queue.row_id(j, w) for w in roles.writers() for j in range((step - 1) * n_local, step * n_local)]
-    me, n_aux = roles.auxiliaries.index(run.rank), len(roles.auxiliaries)
-    return [r for i, r in enumerate(rows) if (i // cfg.group_size) % n_aux == me]
+    """The row ids of step's batch that this auxiliary rank serves: every aux_ranks-th group of it, whole (a group's
+    advantages need all its rewards)."""
+    me, n_aux = run.roles.auxiliaries.index(run.rank), len(run.roles.auxiliaries)
+    return [r for i, r in enumerate(batch_rows(run, step)) if (i // run.cfg.group_size) % n_aux == me]
 
 
 # ----------------------------------------------------------------------------- the RL step's stages
@@ -279,7 +284,7 @@ STALE_FACTS = ("sample_id", "start_version", "versions", "regenerated", "filtere
 def score_and_enqueue(run, batch):
     """2-3. Score each response, normalise the rewards within each group (a group never spans replicas),
     and put the rows into the queue: one writer per TP group, its peers hold the same samples. (Hybrid with a reward
-    model: run.score is None, the auxiliary stage scores the rows; hybrid: the writer says the batch is in.)"""
+    model: run.score is None, and the auxiliary stage scores the rows.)"""
     rule = rule_rewards(run, batch.prompts, batch.responses)  # what the task's rule says, logged beside
     scored = {}
     if run.score is not None:
@@ -294,7 +299,7 @@ def score_and_enqueue(run, batch):
     routes = [r.flatten().int() for r in batch.per_token["routes"]]  # (n_i, L, K) -> packed
     run.queue.put({"prompt": batch.prompts, "response": batch.responses, "old_logprobs": batch.logprobs,
                    "rule_reward": rule.tolist(), "stale": stale, "routes": routes} | scored)
-    if run.roles.aux:
+    if run.roles.hybrid:  # the auxiliary ranks may read it (the step it trains at: batches out)
         run.store.set(batch_key(run, run.sched.batches_out, run.rank), "1")
 
 
@@ -302,12 +307,11 @@ def read_share(run, step):
     """4. This trainer's token-balanced share of batch step - 1: every writer's rows of it (a writer puts n_local
     rows per batch, in order: its rows j of that batch have known ids), however far ahead a writer runs. Returns
     (samples, figures, the reference's log-probs that came with the rows: hybrid, else None)."""
-    cfg, roles = run.cfg, run.roles
+    cfg = run.cfg
     per_step = cfg.prompts_per_step * cfg.group_size
-    n_local = per_step // roles.replicas
-    ids = {run.queue.row_id(j, w) for w in roles.writers() for j in range((step - 1) * n_local, step * n_local)}
+    ids = set(batch_rows(run, step))
     with run.spans("queue"):
-        if run.roles.aux:  # complete once the auxiliary stage has put its columns
+        if run.roles.hybrid:  # complete once the auxiliary stage has put its columns
             rows = read_from_aux(run, step, per_step, ids)
         elif run.pipe is None:  # a token-balanced share of the batch
             rows = run.queue.get("train", per_step, dp_group=run.train_group, only=ids)
@@ -334,14 +338,17 @@ def read_share(run, step):
 
 
 def read_from_aux(run, step, per_step, ids):
-    """Hybrid: read_share's get, its rows complete once the auxiliary stage has put its columns; a stage that does
-    not is named, with the rows it held."""
+    """Hybrid: read_share's get, its rows complete once the auxiliary stage has put its columns; rows that still lack
+    them name that stage, with the rows it held."""
     try:
         return run.queue.get("train", per_step, dp_group=run.train_group, only=ids)
     except TimeoutError as e:
-        raise TimeoutError(f"the auxiliary stage (ranks {run.roles.auxiliaries}) did not complete batch {step - 1}'s "
-                           f"{per_step} rows (ids {min(ids)} to {max(ids)}) with the reference's log-probs in "
-                           f"{run.cfg.pg_timeout_s}s: is it alive? ({e})") from e
+        if "missing columns" not in str(e):  # not the auxiliary stage's columns: the queue's own error names the cause
+            raise
+        raise TimeoutError(f"the auxiliary stage (ranks {run.roles.auxiliaries}) did not complete the {per_step} rows "
+                           f"of step {step}'s batch (ids {min(ids)} to {max(ids)}) with its columns (the reference's "
+                           f"log-probs; with a reward model, rewards and advantages) in {run.cfg.pg_timeout_s}s: is "
+                           f"it alive? ({e})") from e
 
 
 def rule_rewards(run, prompts, responses):
@@ -400,7 +407,7 @@ def out_of_time(run, step, mark):
     if not run.cfg.rl_seconds or step == run.cfg.steps:
         return False
     late = run.rank == 0 and run.log.rl_seconds(mark) >= run.cfg.rl_seconds
-    if late and run.roles.aux:  # hybrid: the auxiliary ranks wait for no batch after this one
+    if late and run.roles.hybrid:  # the auxiliary ranks wait for no batch after this one (final_version)
         run.store.set(weights_key(run, "final"), str(step))
     return bool(all_sum({"late": float(late)}, run.device, run.train_group, dist.ReduceOp.MAX)["late"])
 
@@ -531,16 +538,16 @@ class Run:
     batch_group: object = None    # ranks that together hold each row of a batch once (the trainers; PP: a stage's)
     experts: expert_parallel.ExpertParallel = None  # --train-ep: the experts' layouts, grads and re-shard
     grad_sync: gradsync.GradSync = None  # --nodes: the gradients' average across nodes (compressed: its residual)
-    reference: fusion.HostOffloaded = None  # the frozen initial policy (kl_coef > 0 or colocated-all)
+    reference: fusion.HostOffloaded = None  # the frozen initial policy (kl_coef > 0, colocated-all; hybrid: aux ranks)
     score: object = rule_rewards  # (run, prompts, responses) -> (B,) rewards (--reward-model: model_rewards)
-    reward_model: fusion.HostOffloaded = None  # --reward-model: frozen, on host except while it scores
+    reward_model: fusion.HostOffloaded = None  # --reward-model: frozen, on host except while it scores (hybrid: aux)
     reward_model_figures: dict = field(default_factory=dict)  # its training and held-out agreement (rm/*)
     engine: Policy = None         # the rollout engine (generators)
     sampler: Sampler = None       # the engine's sampler; keeps its KV cache between decode chunks
     sched: stalesync.StaleSync = None
     actor: fusion.FusedActor = None  # colocated: the actor's phase switch (its movers: the EP re-shard)
     all_ready: stalesync.AllReady = None  # colocated: the ranks' "batch ready" flags combined
-    push_group: object = None     # separated: trainer 0 and the generators
+    push_group: object = None     # separated: trainer 0 and the generators; hybrid: rank 0 and the auxiliary ranks
     rollout_group: object = None  # the generators' group (the curriculum's sum over replicas)
     log: "RunLog" = None
 
@@ -567,9 +574,9 @@ def build(cfg, out_dir=None):
     build_policy(run)
     if rank in roles.generators:
         build_rollout(run)
-    if rank in roles.generators and not roles.separated:  # one phase switch moves everything: shards, optimizer
-        # state, experts
-        # The gather: from the peers' shards in shared memory on one host on CPU, else broadcasts (collective).
+    if rank in roles.generators and not roles.separated:  # the actor: one phase switch moves everything (shards,
+        # optimizer state, experts); the gather reads the peers' shards in shared memory on one CPU host where the
+        # actor is every rank, else broadcasts (collective)
         transport = shm_transport.SharedMemory.connect(run.model, cfg.pg_timeout_s) or fusion.Broadcasts()
         run.actor = fusion.FusedActor(
             run.model, run.optimizer, run.engine, bucket_bytes=cfg.bucket_kb * 1024,
@@ -610,7 +617,7 @@ def build_policy(run):
     cfg, roles, rank, device = run.cfg, run.roles, run.rank, run.device
     timeout = datetime.timedelta(seconds=cfg.pg_timeout_s)
     tp_group, run.algo = None, grpo_config(cfg)
-    if roles.aux:  # hybrid: FSDP over the actor's ranks; the auxiliary ranks get the reference through push_group
+    if roles.hybrid:  # FSDP over the actor's ranks; the auxiliary ranks get the reference through push_group
         run.train_group = run.rollout_group = dist.new_group(roles.trainers, timeout=timeout)
         mesh = DeviceMesh.from_group(run.train_group, device.type) if rank in roles.trainers else None
         run.push_group = dist.new_group([0] + roles.auxiliaries, timeout=timeout)
@@ -774,7 +781,7 @@ def learn_curriculum(run):
 def attach_reference(run):
     """The frozen initial policy (the warm-up's result), when kl_coef > 0 or under colocated-all, where
     it stays in host memory except while it computes; hybrid: on the auxiliary ranks."""
-    if run.roles.aux:
+    if run.roles.hybrid:
         return send_reference(run)
     if run.model is None or not (run.cfg.kl_coef > 0 or run.cfg.deploy == "colocated-all"):
         return
@@ -814,15 +821,15 @@ def attach_reward_model(run):
         torch.manual_seed(cfg.seed)
         rm = reward_model.RewardModel(rm_config(cfg)).to(run.device)
     if run.resume_from is None:
-        if run.engine is not None:  # the ranks that sample (hybrid: not the auxiliary ones)
+        if run.rank in run.roles.generators:  # the ranks that sample (hybrid: not the auxiliary ones)
             with run.spans("reward_model_fit"):
                 run.reward_model_figures = fit_reward_model(run, rm)  # rm/*: in step 0's record
         for t in rm.state_dict().values():  # rank 0's fit on every rank: a device's kernels need not be deterministic
             dist.broadcast(t, src=0)
     rm.eval().requires_grad_(False)
-    if run.roles.aux:  # the actor's ranks put unscored rows (run.score None); aux_loop scores them
+    if run.roles.hybrid:  # the actor's ranks put unscored rows (run.score None); aux_loop scores them
         run.score = None
-        run.reward_model = fusion.HostOffloaded(rm, offload=False) if run.engine is None else None
+        run.reward_model = fusion.HostOffloaded(rm, offload=False) if run.rank in run.roles.auxiliaries else None
         return
     run.reward_model = fusion.HostOffloaded(rm, offload=True)
     run.score = model_rewards

@@ -70,6 +70,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["--grad-overlap", "1"], "--grad-overlap 1 acts on the gradient average across nodes"),
     (["--aux-ranks", "1"], "--aux-ranks 1 places the auxiliary stage of --deploy hybrid (got --deploy colocated)"),
     (["--deploy", "hybrid", "--aux-ranks", "2"], "--aux-ranks 2 must be in [1, world size 2)"),
+    (["--deploy", "hybrid", "--aux-ranks", "0"], "--aux-ranks 0 must be in [1, world size 2)"),
     (["--deploy", "hybrid", "--save-every", "5"], "--deploy hybrid with --save-every 5 is not supported yet"),
     (["--deploy", "hybrid", "--reward-model", "1"], "--deploy hybrid with --reward-model 1 needs --filter-groups 0 and "
                                                     "--curriculum 0"),
@@ -313,8 +314,7 @@ def test_hybrid_places_the_reference_on_an_auxiliary_rank_and_trains_as_colocate
     import timeline
     spans = timeline.load_spans(tmp_path / "h")
     assert {"reference", "queue", "idle"} <= {s["name"] for s in spans if s["rank"] == 2}
-    assert not any(s["name"] in ("reference", "rollout", "train") for s in spans if s["rank"] < 2 and
-                   s["name"] == "reference") and {"rollout", "train"} <= {s["name"] for s in spans if s["rank"] == 0}
+    assert not any(s["name"] == "reference" for s in spans if s["rank"] < 2)  # the actor computes no reference
 
 
 @pytest.mark.slow
@@ -357,7 +357,8 @@ def test_hybrid_with_a_silent_auxiliary_rank_fails_naming_the_stage(tmp_path):
         run_distributed(_train_with_a_silent_aux, world_size=3, timeout_s=100,
                         args=(str(tmp_path), {"deploy": "hybrid", "pg_timeout_s": 5}))
     said = str(e.value)
-    assert "the auxiliary stage (ranks [2]) did not complete batch 0's 16 rows" in said and "is it alive?" in said
+    assert "the auxiliary stage (ranks [2]) did not complete the 16 rows of step 1's batch" in said
+    assert "is it alive?" in said
 
 
 @pytest.mark.slow
@@ -454,11 +455,11 @@ def test_bounded_staleness_run_keeps_ages_within_s(tmp_path, infer_tp):
     assert all(l["rollout/response_tokens"] > 0 for l in lines)
 
 
-@pytest.mark.parametrize("deploy", ["colocated", "separated"])
+@pytest.mark.parametrize("deploy", ["colocated", "separated", "hybrid"])
 def test_rl_seconds_stops_every_rank_after_the_same_step_and_evaluates_it(tmp_path, deploy):
     """--rl-seconds: rank 0's clock ends RL after the step that passes the budget; every rank agrees (a
-    separated generator learns the last version from the store), the last step is evaluated, and the
-    run exits cleanly, separated generators included."""
+    separated generator, or a hybrid's auxiliary rank, learns the last version from the store), the last step is
+    evaluated, and the run exits cleanly, separated generators and auxiliary ranks included."""
     mode = {"deploy": deploy, "steps": 50, "eval_every": 100, "rl_seconds": 1e-3, "staleness": 1}
     out = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path), mode), timeout_s=120)
     lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
