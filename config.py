@@ -307,17 +307,18 @@ def hybrid_errors(cfg, world):
     if cfg.prompts_per_step < aux:
         errors.append(f"--prompts-per-step {cfg.prompts_per_step} must be at least --aux-ranks {aux}: each auxiliary "
                       "rank serves whole groups of every batch")
-    unsupported = {f"--infer-tp {cfg.infer_tp}": cfg.infer_tp > 1, f"--train-ep {cfg.train_ep}": cfg.train_ep > 0,
+    unsupported = {f"--staleness {cfg.staleness}": cfg.staleness > 1,  # a group put early could age out, never read
+                   f"--infer-tp {cfg.infer_tp}": cfg.infer_tp > 1, f"--train-ep {cfg.train_ep}": cfg.train_ep > 0,
                    f"--train-pp {cfg.train_pp}": cfg.train_pp > 1, f"--nodes {cfg.nodes}": cfg.nodes > 1,
                    f"--save-every {cfg.save_every}": cfg.save_every > 0, f"--resume {cfg.resume}": bool(cfg.resume)}
     for what, bad in unsupported.items():
         if bad:
             errors.append(f"--deploy hybrid with {what} is not supported yet (the actor colocated with --infer-tp 1, "
-                          "FSDP2 over its ranks, no checkpoints)")
+                          "FSDP2 over its ranks, S <= 1, no checkpoints)")
     if cfg.reward_model and (cfg.filter_groups or cfg.curriculum):
         errors.append("--deploy hybrid with --reward-model 1 needs --filter-groups 0 and --curriculum 0: both judge each "
-                      "group by its rewards as it completes, on the actor's ranks, and the hybrid scores on the "
-                      "auxiliary ranks, after the round")
+                      "group by its rewards as it completes, on the actor's ranks, and the hybrid's reward model "
+                      "scores on the auxiliary ranks, which the round does not wait for")
     return errors
 
 

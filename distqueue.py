@@ -49,7 +49,8 @@ Design:
   sends (the request is cancelled first) or has its transfer acknowledged as dropped, so the owner's
   drain() and state_dict() do not wait for it; an owner frees a cell only once a reader of every stage
   acknowledged keeping it. With dp_group the read succeeds on every rank of the group or on none (each
-  raises the first failure's error type; dp rank 0 releases the group's rows); with group, the members
+  raises the first failure's error type; dp rank 0 releases the group's rows; the others wait up to 2 x
+  timeout_s for its plan, so that a claim that times out is the failure they raise); with group, the members
   raise the leader's failure (they wait up to 2 x timeout_s for its answer).
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
@@ -559,8 +560,8 @@ class DistQueue:
             if dp_rank == 0:
                 claimed = self._claim(stage, n, n if dp_size > 1 else min_rows, deadline, token, only)
                 rows, tmax = self._plan(stage, n, claimed, dp_size, dp_group, step, root)
-            else:
-                rows, tmax = self._take_plan(stage, n, dp_rank, step, root, deadline)
+            else:  # the leader answers within its deadline, its own failure included: that is the one raised
+                rows, tmax = self._take_plan(stage, n, dp_rank, step, root, deadline + self.spec.timeout_s)
             got, tags = self._fetch(stage, rows, tmax, deadline)
         except Exception as e:
             error = e

@@ -154,6 +154,7 @@ class RunLog:
                 "rollout/filtered_groups": s["filtered"], "rollout/extra_groups": self.extra_groups,
                 "rollout/yield": kept / (kept + s["filtered"] + s["regenerated"]),
                 "rollout/prompt_digits_mean": s["prompt_digits"] / rows,
+                "queue/rows_ahead": s["rows_ahead"],  # hybrid: rows put for later batches (at most S batches' worth)
                 "train/skipped_steps": self.skipped,  # optimizer steps skipped for a non-finite gradient, so far
                 **lockstep_counts(run), **(run.queue.metrics() if self.file else {}), **extra}  # rank 0 writes it
 

@@ -41,7 +41,9 @@ The rules (v = policy version = optimizer steps taken; k = index of the next bat
   S = 0      capacity admits exactly one batch per version and the cut waits for all of it; the sampler
              is then called with no cut (max_steps=None), once per round (and once per refill of dropped
              groups): the very call sync_rollout makes, so the samples, updates and parameters are those
-             of the synchronous path, bit for bit.
+             of the synchronous path, bit for bit. chunk_s0 decodes it in chunks instead, so that a caller
+             can work between them (on_group: stream each group as it completes); a counter-based sampler
+             makes the same tokens, its log-probs equal up to the batch shapes' float rounding.
 
 Public relatives: AReaL (admission capacity (S + v + 1) * B, decoupled PPO objective), MindSpeed-RL /
 Kimi k1.5 (partial rollout, per-sample age cap), Pangu Embedded (stale-synchronous stages, S = 4).
@@ -187,9 +189,10 @@ class StaleConfig:
     group_size: int = 8              # G: responses per prompt
     threshold: float = 1.0           # in (0, 1]: the decode pool holds groups_per_step / threshold groups
                                      #   and a round ends when groups_per_step of them are complete
-    chunk_steps: int = 8             # decode steps per sampler call between cut checks (S > 0 only)
+    chunk_steps: int = 8             # decode steps per sampler call between cut checks (S > 0, or chunk_s0)
     max_len: int = None              # the response budget: a row not done at this many tokens raises (None: no check)
     max_filtered: int = None         # keep_group may drop at most this many groups while one batch is made
+    chunk_s0: bool = False           # S = 0 decodes in chunks too (the caller works between them: on_group)
 
     def __post_init__(self):
         if not _is_int(self.staleness) or self.staleness < 0:
@@ -230,12 +233,15 @@ class StaleSync:
     sampling seed of each of its G samples (default: the sample's id; ids are 0, 1, 2, ... in order).
     keep_group(prompt, responses) -> bool, optional (dynamic sampling): called once on every group as it
     completes; a group it refuses (say, every reward equal: no advantage) is dropped, counted
-    (stale/filtered), and its slot reopens for a new prompt."""
+    (stale/filtered), and its slot reopens for a new prompt. on_group(batch), optional: called once on every group
+    that completes and is kept, with a Batch of that group alone (version None, no metrics), during the round: a
+    caller that streams groups to a next stage as they complete (one that scores them while the tail decodes)
+    puts them there; take() later emits them, each in exactly one batch (regenerated: shown again, new samples)."""
 
     def __init__(self, cfg: StaleConfig, step_fn, prompt_fn, seed_fn=None, keep_group=None, reset=None, state=None,
-                 idle=None):
+                 idle=None, on_group=None):
         self.cfg, self.step_fn, self.prompt_fn, self.seed_fn = cfg, step_fn, prompt_fn, seed_fn
-        self.keep_group = keep_group
+        self.keep_group, self.on_group = keep_group, on_group
         owner = getattr(step_fn, "__self__", step_fn)  # a bound method's object: where reset, idle and state are
         self.reset_fn = reset if reset is not None else getattr(owner, "reset", None)
         self.idle_fn = idle if idle is not None else getattr(owner, "idle", None)
@@ -304,7 +310,7 @@ class StaleSync:
         contexts = [torch.cat([g["prompt"], torch.tensor(s["tokens"], dtype=torch.long)]) for g, s in rows]
         seeds = torch.tensor([s["seed"] for _, s in rows], dtype=torch.long)                    # (R,)
         n_done = torch.tensor([len(s["tokens"]) for _, s in rows], dtype=torch.long)            # (R,)
-        max_steps = None if self.cfg.staleness == 0 else self.cfg.chunk_steps
+        max_steps = None if self.cfg.staleness == 0 and not self.cfg.chunk_s0 else self.cfg.chunk_steps
         out = self.step_fn(contexts, seeds, n_done, max_steps)
         tokens, logprobs, done = _unpack(out, len(rows))
         extra = _per_token(out, tokens)
@@ -322,7 +328,13 @@ class StaleSync:
             n += len(t)
         self._check_budget(rows)
         self._filter({id(g): g for g, _ in rows}.values())
+        self._show([g for g in {id(g): g for g, _ in rows}.values() if _complete(g) and any(g is h for h in self.pool)])
         return n
+
+    def _show(self, groups):
+        """on_group: each group that just completed and was kept, once, as a Batch of it alone."""
+        for g in groups if self.on_group is not None else ():
+            self.on_group(self._as_batch([g], version=None, metrics={}))
 
     def _check_budget(self, rows):
         """Brake: a row past the response budget and not done would be decoded forever."""
@@ -371,7 +383,7 @@ class StaleSync:
         due = [g for g in self._due()[:gps] if _complete(g)]  # all of them, as ready() checked
         rest = [g for g in self.pool if _complete(g) and all(g is not d for d in due)]
         chosen = sorted(due + rest[:gps - len(due)], key=lambda g: g["slot"])
-        fields = _per_token_names([s for g in chosen for s in g["samples"]])  # each covers its tokens, or raises
+        _per_token_names([s for g in chosen for s in g["samples"]])  # each covers its tokens, or raises
         chosen_ids = {id(g) for g in chosen}
         self.pool = [g for g in self.pool if id(g) not in chosen_ids]
         self.batches_out += 1
@@ -386,8 +398,12 @@ class StaleSync:
         samples = [(g, s) for g in chosen for s in g["samples"]]
         for _, s in samples:
             self.fate[s["id"]] = "trained"
-        metrics = self._metrics(k, samples, self.regenerated - regenerated_before)
-        return Batch(version=k, ids=[s["id"] for _, s in samples], slots=[g["slot"] for g, _ in samples],
+        return self._as_batch(chosen, k, self._metrics(k, samples, self.regenerated - regenerated_before))
+
+    def _as_batch(self, groups, version, metrics):
+        samples = [(g, s) for g in groups for s in g["samples"]]
+        fields = _per_token_names([s for _, s in samples])  # each covers its tokens, or raises
+        return Batch(version=version, ids=[s["id"] for _, s in samples], slots=[g["slot"] for g, _ in samples],
                      seeds=[s["seed"] for _, s in samples], prompts=[g["prompt"] for g, _ in samples],
                      responses=[torch.tensor(s["tokens"], dtype=torch.long) for _, s in samples],
                      logprobs=[torch.tensor(s["logprobs"], dtype=torch.float32) for _, s in samples],

@@ -120,9 +120,9 @@ def colocated_loop(run):
         # 6. switch back to TRAIN (scoring needs no engine, so its memory is freed first)
         with spans("switch_to_train"):
             actor.to_train()
-        # 2-3. score, group advantages, into the queue
+        # 2-3. score, group advantages, into the queue (hybrid: each group went in as it completed; the batch's ids)
         with spans("score"):
-            score_and_enqueue(run, batch)
+            run.enqueue(run, batch)
         # 4. a token-balanced share of the whole batch; the reference's log-probs of it (hybrid: in the rows)
         samples, figures, queued = read_share(run, step)
         ref_logprobs = reference_logprobs(run, samples, queued)
@@ -217,64 +217,78 @@ def generator_loop(run):
 
 
 def aux_loop(run):
-    """Hybrid, an auxiliary rank: the queue stage between rollout and training. For each batch, once the actor's
-    writers have put it: this rank's whole groups of it (every aux_ranks-th), the frozen reference's log-probs
-    (with --reward-model, the rewards and group advantages too), put back as new columns of the same rows; the
-    actor's trainers then read complete rows. The actor waits for this stage (the naive form: no overlap yet)."""
-    cfg, spans = run.cfg, run.spans
-    for step in range(run.log.start, cfg.steps + 1):
-        spans.args = {"step": step, "version": step - 1}
-        with spans("idle"):
-            if not wait_for_batch(run, step):  # --rl-seconds ended the run at an earlier step
-                break
-        ids = aux_share(run, step)  # whole groups, in group order
-        with spans("queue"):
-            rows = run.queue.get("aux", len(ids), only=ids)
-        where = {r: i for i, r in enumerate(rows.ids)}  # the queue returns ids ascending: put them back in group order
-        prompts, responses = ([rows.cols[c][where[r]] for r in ids] for c in ("prompt", "response"))
-        columns = {"ref_logprobs": reference_logprobs(run, grpo.Samples(prompts, responses, None, None))}
-        if run.reward_model is not None:  # 2-3. score, group advantages
-            rewards = model_rewards(run, prompts, responses)                                      # (B,)
-            advantages = grpo.group_advantages(rewards, cfg.group_size, cfg.adv_estimator)
-            columns |= {"reward": rewards.tolist(), "advantage": advantages.tolist()}
-        run.queue.put(columns, ids=ids)
-    run.queue.drain()  # every cell this rank put has reached the trainers
+    """Hybrid, an auxiliary rank: the queue stage between rollout and training. The actor puts each group the moment
+    it completes (put_group); this rank takes its share of them as they come, whole groups, while the actor still
+    decodes the round's tail, and adds their columns (aux_columns). The actor's trainers read complete rows at the
+    step's end. Runs until trainer 0 says the last batch has been read."""
+    seen = dict.fromkeys(run.roles.writers(), 0)  # per writer: how many of the groups this rank serves are done, all
+    done = set()                                  # (writer, k): this rank's k-th group of that writer, done past seen
+    while True:
+        pending = aux_groups(run, seen, done)
+        with run.spans("idle"):
+            rows = wait_for_groups(run, pending)
+        if rows is None:  # the run is over: every batch it trains has been read
+            break
+        groups = [g for g in sorted(pending) if set(pending[g]) <= set(rows.ids)]
+        ids = [r for g in groups for r in pending[g]]  # group by group
+        if len(ids) != len(rows.ids):  # a put publishes a whole group: a part of one would be a bug, not a wait
+            raise RuntimeError(f"rank {run.rank}: read rows {sorted(set(rows.ids) - set(ids))} without the rest of "
+                               "their group")
+        aux_columns(run, rows, ids)
+        done.update(groups)
+        for w in seen:
+            while (w, seen[w]) in done:
+                done.discard((w, seen[w]))
+                seen[w] += 1
+    run.queue.serve()  # retire the transfers the trainers acknowledged
 
 
-def batch_key(run, step, writer):
-    """Hybrid: the store key a writer sets once it has put its rows of the batch trained at RL step `step`."""
-    return f"w:{run.key}/batch/{step}/{writer}"
+def aux_columns(run, rows, ids):
+    """4 (and 2-3 with a reward model), on an auxiliary rank: the frozen reference's log-probs of rows `ids` (whole
+    groups, in order), and the reward model's rewards and group advantages, put back as columns of the same rows."""
+    cfg = run.cfg
+    run.spans.args = {"rows": len(ids)}
+    where = {r: i for i, r in enumerate(rows.ids)}  # the queue returns ids ascending: back in group order
+    prompts, responses = ([rows.cols[c][where[r]] for r in ids] for c in ("prompt", "response"))
+    columns = {"ref_logprobs": reference_logprobs(run, grpo.Samples(prompts, responses, None, None))}
+    if run.reward_model is not None:
+        rewards = model_rewards(run, prompts, responses)                                          # (B,)
+        advantages = grpo.group_advantages(rewards, cfg.group_size, cfg.adv_estimator)
+        columns |= {"reward": rewards.tolist(), "advantage": advantages.tolist()}
+    run.queue.put(columns, ids=ids)
 
 
-def wait_for_batch(run, step):
-    """An auxiliary rank: True once every writer has put the batch of RL step `step` (score_and_enqueue's keys), False
-    once trainer 0 has said the run ended before that step. Serves the queue while it waits; an actor that puts
-    nothing for pg_timeout_s times out, naming the step."""
-    keys = [batch_key(run, step, w) for w in run.roles.writers()]
+def aux_groups(run, seen, done):
+    """This auxiliary rank's next groups of each writer, (writer, k) -> the G row ids of its k-th: up to as many as
+    StaleSync lets a replica complete ahead of training (S + 1 batches), not yet done. Round robin: the m-th group a
+    writer puts (its rows m * G ... m * G + G - 1) goes to auxiliary rank (m + the writer's index) % aux_ranks."""
+    cfg, G, aux = run.cfg, run.cfg.group_size, run.roles.auxiliaries
+    ahead = (cfg.staleness + 1) * cfg.prompts_per_step // run.roles.replicas
+    out = {}
+    for i, (w, k0) in enumerate(seen.items()):
+        first = (aux.index(run.rank) - i) % len(aux)  # this rank's first m of writer w; then every len(aux)-th
+        for k in range(k0, k0 + ahead):
+            m = first + k * len(aux)
+            if (w, k) not in done:
+                out[(w, k)] = [run.queue.row_id(m * G + j, w) for j in range(G)]
+    return out
+
+
+def wait_for_groups(run, groups):
+    """The rows of whichever of `groups` ((writer, k) -> row ids) the actor has put, once there is one; None once
+    trainer 0 has said the run is over. A put publishes a group's rows together, so the rows come as whole groups.
+    An actor that puts nothing for pg_timeout_s times out, naming the groups waited for."""
+    only = {r for ids in groups.values() for r in ids}
     deadline = time.monotonic() + run.cfg.pg_timeout_s
-    while not run.store.check(keys):
-        if final_version(run) < step:
-            return False
-        run.queue.serve()
+    while not run.store.check([weights_key(run, "final")]):
+        rows = run.queue.get("aux", len(only), min_rows=0, only=only)  # takes what there is (serves while it looks)
+        if rows.ids:
+            return rows
         if time.monotonic() > deadline:
-            raise TimeoutError(f"rank {run.rank}: the actor's ranks {run.roles.writers()} put no batch for step {step} "
-                               f"in {run.cfg.pg_timeout_s}s (keys {keys}): is the actor alive?")
-        time.sleep(0.001)
-    return True
-
-
-def batch_rows(run, step):
-    """The row ids of the batch trained at RL step `step`, writer by writer, each writer's in order (groups contiguous):
-    a writer puts n_local rows per batch, so its j-th row of that batch has a known id."""
-    n_local = run.cfg.prompts_per_step * run.cfg.group_size // run.roles.replicas
-    return [run.queue.row_id(j, w) for w in run.roles.writers() for j in range((step - 1) * n_local, step * n_local)]
-
-
-def aux_share(run, step):
-    """The row ids of step's batch that this auxiliary rank serves: every aux_ranks-th group of it, whole (a group's
-    advantages need all its rewards)."""
-    me, n_aux = run.roles.auxiliaries.index(run.rank), len(run.roles.auxiliaries)
-    return [r for i, r in enumerate(batch_rows(run, step)) if (i // run.cfg.group_size) % n_aux == me]
+            raise TimeoutError(f"rank {run.rank}: the actor put none of groups {sorted(groups)[:8]} (writer, index) in "
+                               f"{run.cfg.pg_timeout_s}s: is the actor alive?")
+        time.sleep(run.queue.spec.poll_s)
+    return None
 
 
 # ----------------------------------------------------------------------------- the RL step's stages
@@ -283,8 +297,15 @@ STALE_FACTS = ("sample_id", "start_version", "versions", "regenerated", "filtere
 
 def score_and_enqueue(run, batch):
     """2-3. Score each response, normalise the rewards within each group (a group never spans replicas),
-    and put the rows into the queue: one writer per TP group, its peers hold the same samples. (Hybrid with a reward
-    model: run.score is None, and the auxiliary stage scores the rows.)"""
+    and put the rows into the queue: one writer per TP group, its peers hold the same samples."""
+    at_cut = [batch.metrics["stale/regenerated_at_cut"], batch.metrics["stale/filtered_at_cut"]]
+    enqueue(run, batch, at_cut)
+
+
+def enqueue(run, batch, at_cut=(0, 0)):
+    """Put batch's rows (or one group's) into the queue with their rule rewards, rewards and advantages (hybrid with a
+    reward model: run.score is None, the auxiliary stage adds them), "stale" facts (at_cut on the first row) and
+    routes. Returns the rows' ids on a writer, else None."""
     rule = rule_rewards(run, batch.prompts, batch.responses)  # what the task's rule says, logged beside
     scored = {}
     if run.score is not None:
@@ -292,24 +313,45 @@ def score_and_enqueue(run, batch):
         advantages = grpo.group_advantages(rewards, run.cfg.group_size, run.cfg.adv_estimator)
         scored = {"reward": rewards.tolist(), "advantage": advantages.tolist()}
     if run.rank not in run.roles.writers():
-        return
-    at_cut = [batch.metrics["stale/regenerated_at_cut"], batch.metrics["stale/filtered_at_cut"]]  # on row 0 only
+        return None
     stale = [torch.tensor([i, start, len(set(v.tolist())), *(at_cut if j == 0 else [0, 0])])  # (5,): STALE_FACTS
              for j, (i, start, v) in enumerate(zip(batch.ids, batch.start_versions, batch.token_versions))]
     routes = [r.flatten().int() for r in batch.per_token["routes"]]  # (n_i, L, K) -> packed
-    run.queue.put({"prompt": batch.prompts, "response": batch.responses, "old_logprobs": batch.logprobs,
-                   "rule_reward": rule.tolist(), "stale": stale, "routes": routes} | scored)
-    if run.roles.hybrid:  # the auxiliary ranks may read it (the step it trains at: batches out)
-        run.store.set(batch_key(run, run.sched.batches_out, run.rank), "1")
+    return run.queue.put({"prompt": batch.prompts, "response": batch.responses, "old_logprobs": batch.logprobs,
+                          "rule_reward": rule.tolist(), "stale": stale, "routes": routes} | scored)
+
+
+def put_group(run, group):
+    """Hybrid, StaleSync's on_group: a group into the queue the moment it completes (and is kept), for the auxiliary
+    ranks to work on while the round decodes on; its rows' ids wait for the batch that takes it (announce_batch)."""
+    ids = enqueue(run, group)
+    run.rows_ahead.update(zip(group.ids, ids or [None] * len(group.ids)))
+
+
+def announce_batch(run, batch):
+    """Hybrid: the batch StaleSync cut is already in the queue, group by group; its row ids, gathered from every writer,
+    are what the trainers read (read_share), and its cut's facts count in this rank's figures. Collective."""
+    mine = [run.rows_ahead.pop(i) for i in batch.ids]
+    everyone = [None] * dist.get_world_size(run.train_group)
+    dist.all_gather_object(everyone, mine if run.rank in run.roles.writers() else [], group=run.train_group)
+    run.batch_ids = {r for part in everyone for r in part}
+    run.at_cut = (batch.metrics["stale/regenerated_at_cut"], batch.metrics["stale/filtered_at_cut"])
+
+
+def batch_rows(run, step):
+    """The row ids of the batch trained at RL step `step`, writer by writer: a writer puts n_local rows per batch, in
+    order, so its j-th row of that batch has a known id, however far ahead it runs."""
+    n_local = run.cfg.prompts_per_step * run.cfg.group_size // run.roles.replicas
+    return [run.queue.row_id(j, w) for w in run.roles.writers() for j in range((step - 1) * n_local, step * n_local)]
 
 
 def read_share(run, step):
-    """4. This trainer's token-balanced share of batch step - 1: every writer's rows of it (a writer puts n_local
-    rows per batch, in order: its rows j of that batch have known ids), however far ahead a writer runs. Returns
-    (samples, figures, the reference's log-probs that came with the rows: hybrid, else None)."""
+    """4. This trainer's token-balanced share of batch step - 1: every writer's rows of it (batch_rows; hybrid: the ids
+    announce_batch gathered). Returns (samples, figures, the reference's log-probs that came with the rows: hybrid,
+    else None)."""
     cfg = run.cfg
     per_step = cfg.prompts_per_step * cfg.group_size
-    ids = set(batch_rows(run, step))
+    ids = run.batch_ids if run.roles.hybrid else set(batch_rows(run, step))
     with run.spans("queue"):
         if run.roles.hybrid:  # complete once the auxiliary stage has put its columns
             rows = read_from_aux(run, step, per_step, ids)
@@ -327,7 +369,8 @@ def read_share(run, step):
                "response_tokens": float(sum(len(r) for r in rows.cols["response"])),
                "age_sum": float(ages.sum()), "age_max": float(ages.max()) if len(ages) else 0.0,
                "partial_continued": float((stale["versions"] > 1).sum()),
-               "regenerated": float(stale["regenerated"].sum()), "filtered": float(stale["filtered"].sum())}
+               "regenerated": float(stale["regenerated"].sum()) + run.at_cut[0],  # hybrid: at_cut, not in the rows
+               "filtered": float(stale["filtered"].sum()) + run.at_cut[1], "rows_ahead": float(len(run.rows_ahead))}
     figures = {k: v if run.counts_rows else 0.0 for k, v in figures.items()}  # PP: a pipeline's rows counted once
     advantages = grpo.finish_advantages(rows.stack("advantage"), cfg.adv_estimator, run.device, run.batch_group)
     routes = [r.long().view(len(t), cfg.n_layers, cfg.top_k)                                # (n_i, L, K) each
@@ -402,14 +445,16 @@ def is_eval_step(cfg, step):
 
 
 def out_of_time(run, step, mark):
-    """--rl-seconds: rank 0's clock says whether this step is the last (every trainer agrees, one MAX
-    all-reduce); trainer 0 tells the generators of a separated run (the store key of final_version)."""
-    if not run.cfg.rl_seconds or step == run.cfg.steps:
-        return False
-    late = run.rank == 0 and run.log.rl_seconds(mark) >= run.cfg.rl_seconds
-    if late and run.roles.hybrid:  # the auxiliary ranks wait for no batch after this one (final_version)
+    """Whether this step is the last: --steps, or --rl-seconds by rank 0's clock (every trainer agrees, one MAX
+    all-reduce). Trainer 0 tells the generators of a separated run (the store key of final_version), and the
+    auxiliary ranks of a hybrid one, which serve until the last batch has been read (this step's)."""
+    last = step == run.cfg.steps
+    if run.cfg.rl_seconds and not last:
+        late = run.rank == 0 and run.log.rl_seconds(mark) >= run.cfg.rl_seconds
+        last = bool(all_sum({"late": float(late)}, run.device, run.train_group, dist.ReduceOp.MAX)["late"])
+    if last and run.rank == 0 and run.roles.hybrid:
         run.store.set(weights_key(run, "final"), str(step))
-    return bool(all_sum({"late": float(late)}, run.device, run.train_group, dist.ReduceOp.MAX)["late"])
+    return last
 
 
 def final_version(run):
@@ -540,6 +585,10 @@ class Run:
     grad_sync: gradsync.GradSync = None  # --nodes: the gradients' average across nodes (compressed: its residual)
     reference: fusion.HostOffloaded = None  # the frozen initial policy (kl_coef > 0, colocated-all; hybrid: aux ranks)
     score: object = rule_rewards  # (run, prompts, responses) -> (B,) rewards (--reward-model: model_rewards)
+    enqueue: object = score_and_enqueue  # (run, batch): the cut's batch into the queue (hybrid: announce_batch)
+    rows_ahead: dict = field(default_factory=dict)  # hybrid: sample id -> row id of groups put, not yet in a batch
+    batch_ids: set = None         # hybrid: the row ids of the batch this step trains (every writer's)
+    at_cut: tuple = (0, 0)        # hybrid: groups regenerated and filtered at this rank's last cut
     reward_model: fusion.HostOffloaded = None  # --reward-model: frozen, on host except while it scores (hybrid: aux)
     reward_model_figures: dict = field(default_factory=dict)  # its training and held-out agreement (rm/*)
     engine: Policy = None         # the rollout engine (generators)
@@ -574,6 +623,8 @@ def build(cfg, out_dir=None):
     build_policy(run)
     if rank in roles.generators:
         build_rollout(run)
+    if roles.hybrid:  # each group goes into the queue as it completes (build_rollout's on_group); the cut names them
+        run.enqueue = announce_batch
     if rank in roles.generators and not roles.separated:  # the actor: one phase switch moves everything (shards,
         # optimizer state, experts); the gather reads the peers' shards in shared memory on one CPU host where the
         # actor is every rank, else broadcasts (collective)
@@ -748,14 +799,16 @@ def build_rollout(run):
         lockstep = LockStep(run.experts.infer_groups[0], run.device, every=cfg.chunk_steps)
     run.sampler = Sampler(run.engine, cfg.max_new_tokens, task.EOS, task.PAD, cfg.temperature, cfg.top_p,
                           lockstep=lockstep, routes=True)  # each token's experts: what training compares, or replays
+    hybrid = roles.hybrid  # S = 0 in chunks too: each group is put as it completes, while the round decodes on
     stale = stalesync.StaleConfig(cfg.staleness, n_prompts, cfg.group_size, cfg.threshold, cfg.chunk_steps,
-                                  max_len=cfg.max_new_tokens, max_filtered=cfg.filter_limit * n_prompts)
+                                  max_len=cfg.max_new_tokens, max_filtered=cfg.filter_limit * n_prompts, chunk_s0=hybrid)
     run.sched = stalesync.StaleSync(
         stale, run.sampler, prompt_fn=lambda slot, attempt: run.rl_prompts(to_global(slot), attempt),
         seed_fn=lambda slot, attempt, j: sample_seed(cfg.seed, to_global(slot), attempt, j),
-        # hybrid with a reward model: the rewards come after the round, from the auxiliary ranks (no filter, no
-        # curriculum: config.hybrid_errors)
-        keep_group=None if cfg.deploy == "hybrid" and cfg.reward_model else functools.partial(observe_group, run))
+        # each group's rewards as it completes, for the filter and the curriculum (neither: nothing to score twice;
+        # a hybrid's reward model scores on the auxiliary ranks, which the round does not wait for: hybrid_errors)
+        keep_group=functools.partial(observe_group, run) if cfg.filter_groups or cfg.curriculum else None,
+        on_group=functools.partial(put_group, run) if hybrid else None)
 
 
 def observe_group(run, prompt, responses):

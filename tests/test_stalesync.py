@@ -141,6 +141,39 @@ def test_bound_and_nothing_lost_while_groups_age_out(S):
     assert regenerated > 0, "no group aged out: the test does not exercise regeneration"
 
 
+@pytest.mark.parametrize("S, chunk_s0", [(0, False), (0, True), (1, False), (2, False)])
+def test_on_group_shows_every_kept_group_once_before_it_is_trained(S, chunk_s0):
+    """on_group streams each group as it completes and is kept, with the samples, tokens and log-probs that take()
+    later emits: every trained group was shown before its batch, once; a filtered group never; at S = 2 a group
+    shown and then aged out is shown again with fresh samples (and only the second attempt trains). chunk_s0:
+    S = 0 in chunks of chunk_steps, the groups then complete over several calls (and the batches are the same)."""
+    same = lambda prompt, responses: len({len(r) for r in responses}) > 1
+    batches = {}
+    for chunked in sorted({False, chunk_s0}):
+        cfg = StaleConfig(staleness=S, groups_per_step=2, group_size=2, threshold=0.5, chunk_steps=3, chunk_s0=chunked)
+        shown, calls = {}, []
+        sampler = ScriptedSampler(_lengths(np.random.default_rng(7 + S)))
+        sched = StaleSync(cfg, sampler, prompt_fn=lambda slot, attempt: torch.tensor([2, 5, 3, slot % 7]),
+                          keep_group=same, on_group=lambda b: calls.append(b) or shown.update(
+                              {i: (r, lp) for i, r, lp in zip(b.ids, b.responses, b.logprobs)}))
+        trained = []
+        for _ in range(12):
+            b = sched.rollout()
+            for i, r, lp in zip(b.ids, b.responses, b.logprobs):
+                assert torch.equal(shown[i][0], r) and torch.equal(shown[i][1], lp), f"sample {i} shown otherwise"
+            trained += b.ids
+            sched.update()
+        acc = sched.accounting()
+        assert len(shown) == sum(len(c.ids) for c in calls)  # each sample shown once
+        assert not set(shown) & acc["filtered"] and set(trained) <= set(shown)
+        assert set(shown) - set(trained) <= acc["regenerated"] | acc["in_flight"]
+        assert all(len(set(c.slots)) == 1 and c.version is None for c in calls)  # one group per call
+        batches[chunked] = sorted((c.slots[0], [r.tolist() for r in c.responses]) for c in calls if c.ids[0] in trained)
+        if chunked:
+            assert len({len(c.ids) for c in calls}) == 1 and sampler.tokens > 0
+    assert batches[False] == batches[chunk_s0]  # chunked S = 0: the same groups (in completion order), the same slots
+
+
 @pytest.mark.parametrize("S", [0, 1, 2])
 def test_dynamic_sampling_trains_only_kept_groups_and_loses_nothing(S):
     """keep_group refuses some complete groups (here: those whose responses all have the same length, a

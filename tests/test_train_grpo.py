@@ -300,21 +300,31 @@ def test_a_learned_reward_model_scores_the_same_on_every_deployment(tmp_path):
     assert {"reward_model_fit", "reward_model"} <= {s["name"] for s in timeline.load_spans(tmp_path / "w2")}
 
 
-def test_hybrid_places_the_reference_on_an_auxiliary_rank_and_trains_as_colocated_all(tmp_path):
+@pytest.mark.parametrize("S", [0, 1])
+def test_hybrid_places_the_reference_on_an_auxiliary_rank_and_trains_as_colocated_all(tmp_path, S):
     """--deploy hybrid at world 3: ranks 0 and 1 are the actor (colocated: FSDP2 over the two, phase switches), rank 2
-    holds the frozen reference, a queue stage between rollout and training (the actor puts its rows, rank 2 adds the
-    reference's log-probs as a column, the actor's trainers read complete rows). With the KL term on, it trains to
-    the parameters that colocated-all's two replicas train to (the reference on the actor's ranks)."""
-    (_, p), (_, q), (_, aux) = run_distributed(_train_tiny, world_size=3, args=(str(tmp_path / "h"), {"deploy": "hybrid"}))
+    holds the frozen reference, a queue stage between rollout and training: the actor puts each group as it completes
+    (S = 0 decodes in chunks, here of 1 token), rank 2 adds the reference's log-probs as a column while the round
+    decodes on, the actor's trainers read complete rows. With the KL term on, it trains to the parameters that
+    colocated-all's two replicas train to (the reference on the actor's ranks, one sampler call per round). At S = 1
+    the groups that complete beyond a batch wait in the queue for the next: never more than S batches of them."""
+    mode = {"chunk_steps": 1, "staleness": S}
+    (_, p), (_, q), (_, aux) = run_distributed(_train_tiny, world_size=3,
+                                               args=(str(tmp_path / "h"), dict(mode, deploy="hybrid")))
     assert torch.equal(p, q) and aux is None  # the auxiliary rank holds no policy
-    (_, c), _ = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "ca"), {"deploy": "colocated-all"}))
+    (_, c), _ = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "ca"), dict(mode, deploy="colocated-all")))
     assert_same_training(p, c, "hybrid at world 3 against colocated-all at world 2")
     lines = [json.loads(l) for l in open(tmp_path / "h" / "metrics.jsonl")][1:]
     assert any(l["k3_mean"] > 0 for l in lines)  # the reference's log-probs reached the loss
+    per_step = TINY["prompts_per_step"] * TINY["group_size"]
+    assert all(0 <= l["queue/rows_ahead"] <= S * per_step for l in lines)  # S = 0: nothing put for a later batch
     import timeline
     spans = timeline.load_spans(tmp_path / "h")
-    assert {"reference", "queue", "idle"} <= {s["name"] for s in spans if s["rank"] == 2}
+    assert {"reference", "idle"} <= {s["name"] for s in spans if s["rank"] == 2}
     assert not any(s["name"] == "reference" for s in spans if s["rank"] < 2)  # the actor computes no reference
+    rollouts = [s for s in spans if s["rank"] == 0 and s["name"] == "rollout"]
+    assert any(r["start"] < s["start"] < r["end"] for s in spans if s["rank"] == 2 and s["name"] == "reference"
+               for r in rollouts)  # the reference of the first groups ran while the actor still decoded
 
 
 @pytest.mark.slow

@@ -1,0 +1,113 @@
+"""The hybrid placement against colocated-all, side by side in one run of this script, on the same work.
+
+    python bench/hybrid.py                      # S = 0 and 1, two rounds of the four runs (about 10 min on 2 cores)
+    python bench/hybrid.py --staleness 0 --rounds 1 --steps 40
+
+Both at world 2 (no more processes than the machine's 2 cores), with the KL term on and the learned reward model
+scoring (no filter, no curriculum: they would need each group's rewards during the round, which the hybrid's
+auxiliary rank provides after it), a fixed number of RL steps (--steps, --rl-seconds 0):
+  colocated-all   2 ranks, each generates half the batch, then computes the reference's log-probs and the reward
+                  model's scores of its share (both kept on host between uses), then trains (FSDP2 over the 2)
+  hybrid          rank 0 is the actor (generates the whole batch, trains); rank 1 holds the reference and the reward
+                  model and works on each group as soon as rank 0 puts it, while rank 0 decodes the rest
+The regime: the default task and model, where the reference and the reward model take about a fifth of a
+colocated-all rank's step (measured: the `reference` and `reward_model` spans over `time/step_s`, printed below).
+
+Figures, over the RL steps of each run (rank 0's metrics.jsonl and every rank's spans):
+  tokens/s        response tokens over the steps' time
+  actor idle      the actor's share of the steps' time spent waiting: its `queue` and `idle` spans (colocated-all:
+                  rank 0's; hybrid: rank 0, the only actor rank)
+  hybrid_over_colocated_all   the hybrid's tokens/s over colocated-all's, in the same round
+The bound: what this machine allows the hybrid. Per RL step k, the actor must do its own work a_k (its step time less
+its waits) and the auxiliary rank its own, x_k (its `reference` and `reward_model` spans inside step k's window, from
+the actor's first span of step k to its last); at best they overlap completely, so step k takes at least
+max(a_k, x_k). The hybrid's bound in tokens/s is its tokens over sum_k max(a_k, x_k); `bound` is that over
+colocated-all's tokens/s, and `share_of_bound` the hybrid's measured tokens/s over its bound (the target: >= 0.9).
+The auxiliary work can fill only the actor's waits: where x_k < a_k, the auxiliary rank idles for the rest.
+The source's claim for its hybrid placement (a larger cluster, a 718B MoE): higher throughput than either pure form;
+the ratio here is this machine's, with one actor rank against two.
+Runs go to bench/out/hybrid/; the last line printed is one JSON object.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import timeline  # noqa: E402
+
+FLAGS = ["--kl-coef", "0.05", "--reward-model", "1", "--rm-samples", "512", "--rm-steps", "100", "--filter-groups",
+         "0", "--curriculum", "0", "--warmup-steps", "300", "--eval-every", "1000", "--eval-prompts", "64",
+         "--rl-seconds", "0"]
+WAITS = ("queue", "idle")
+AUX_WORK = ("reference", "reward_model")
+
+
+def train(out, deploy, staleness, steps):
+    """One torchrun run of train_grpo.py at world 2; returns (metrics lines of the RL steps, spans)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(ROOT, "train_grpo.py"), "--deploy", deploy, "--staleness", str(staleness), "--steps",
+           str(steps), "--out", out, *FLAGS]
+    print(" ".join(cmd[2:]), flush=True)
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if r.returncode:
+        sys.exit(f"the run failed ({r.returncode}):\n{r.stderr[-4000:]}")
+    lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][1:]
+    return lines, timeline.load_spans(out)
+
+
+def inside(spans, rank, names, lo, hi):
+    """Seconds of rank's spans named in `names` that fall inside [lo, hi]."""
+    return sum(max(0.0, min(s["end"], hi) - max(s["start"], lo)) for s in spans
+               if s["rank"] == rank and s["name"] in names)
+
+
+def figures(lines, spans, deploy):
+    """tokens/s, the actor's idle share, the auxiliary work's share of a colocated-all rank's step, and (hybrid) the
+    bound's step time, from the RL steps (the first one left out: it pays for first-time allocations)."""
+    rows, step_s, waits, aux, bound_s = lines[1:], 0.0, 0.0, 0.0, 0.0
+    for line in rows:
+        mine = [s for s in spans if s["rank"] == 0 and s.get("step") == line["step"]]
+        lo, hi = min(s["start"] for s in mine), max(s["end"] for s in mine)
+        wait = inside(spans, 0, WAITS, lo, hi)
+        work = inside(spans, 1 if deploy == "hybrid" else 0, AUX_WORK, lo, hi)
+        step_s, waits, aux = step_s + line["time/step_s"], waits + wait, aux + work
+        bound_s += max(line["time/step_s"] - wait, work)
+    tokens = sum(line["rollout/response_tokens"] for line in rows)
+    return {"tokens_per_s": tokens / step_s, "actor_idle": waits / step_s, "aux_share": aux / step_s,
+            "bound_tokens_per_s": tokens / bound_s, "steps": len(rows)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--staleness", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=2, help="rounds of the runs, back to back (the ratio's spread)")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "out", "hybrid"))
+    args = p.parse_args()
+    result = {}
+    for S in args.staleness:
+        ratios, bounds, shares = [], [], []
+        for i in range(args.rounds):
+            f = {}
+            for deploy in ("colocated-all", "hybrid") if i % 2 == 0 else ("hybrid", "colocated-all"):
+                lines, spans = train(os.path.join(args.out, f"{deploy}_s{S}_{i}"), deploy, S, args.steps)
+                f[deploy] = figures(lines, spans, deploy)
+                print(f"  S = {S} {deploy:13s}: {f[deploy]['tokens_per_s']:6.0f} tok/s | actor idle "
+                      f"{f[deploy]['actor_idle']:.3f} | reference and reward model {f[deploy]['aux_share']:.3f} of "
+                      f"{'the actor' if deploy == 'colocated-all' else 'rank 1'}'s step time", flush=True)
+            ratio = f["hybrid"]["tokens_per_s"] / f["colocated-all"]["tokens_per_s"]
+            bound = f["hybrid"]["bound_tokens_per_s"] / f["colocated-all"]["tokens_per_s"]
+            ratios.append(ratio), bounds.append(bound), shares.append(ratio / bound)
+            print(f"  S = {S} round {i}: hybrid / colocated-all {ratio:.3f}, bound {bound:.3f}, share of the bound "
+                  f"{ratio / bound:.3f}", flush=True)
+        result[f"s{S}"] = {"hybrid_over_colocated_all": ratios, "bound": bounds, "share_of_bound": shares,
+                           "median_share_of_bound": statistics.median(shares)}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
