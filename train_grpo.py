@@ -328,6 +328,13 @@ def put_group(run, group):
     run.rows_ahead.update(zip(group.ids, ids or [None] * len(group.ids)))
 
 
+def serve_then(queue, all_ready, mine):
+    """Hybrid: StaleSync's all_ready, which a round calls once per decode chunk, answering the queue's requests first:
+    a group put in one chunk is pulled by an auxiliary rank during the next, not at the round's end."""
+    queue.serve()
+    return all_ready(mine)
+
+
 def announce_batch(run, batch):
     """Hybrid: the batch StaleSync cut is already in the queue, group by group; its row ids, gathered from every writer,
     are what the trainers read (read_share), and its cut's facts count in this rank's figures. Collective."""
@@ -637,6 +644,8 @@ def build(cfg, out_dir=None):
         if rank == 0:
             print(f"switch: {run.actor.path}", flush=True)  # e.g. "in place, SharedMemory"
         run.all_ready = stalesync.AllReady(run.rollout_group, device=device, spans=run.spans)
+        if roles.hybrid:  # called once per decode chunk: the auxiliary ranks' pulls are answered between chunks
+            run.all_ready = functools.partial(serve_then, run.queue, run.all_ready)
     run.log = RunLog(run, start=resume_from[1]["step"] + 1 if resume_from else 1)
     return run
 
