@@ -232,11 +232,11 @@ class Roles:
         return self.generators[::self.infer_tp]
 
     def role(self, rank):
-        """Which loop of train_grpo.py this rank runs: colocated, trainer, generator or aux."""
+        """Which loop of train_grpo.py this rank runs: colocated, trainer, generator, or (hybrid) actor or aux."""
         if rank in self.auxiliaries:
             return "aux"
         if not self.separated:
-            return "colocated"
+            return "actor" if self.hybrid else "colocated"
         return "trainer" if rank in self.trainers else "generator"
 
 
@@ -306,7 +306,7 @@ def hybrid_errors(cfg, world):
     errors = []
     if cfg.prompts_per_step < aux:
         errors.append(f"--prompts-per-step {cfg.prompts_per_step} must be at least --aux-ranks {aux}: each auxiliary "
-                      "rank serves whole groups of every batch")
+                      "rank serves whole groups, a batch's groups round robin")
     unsupported = {f"--staleness {cfg.staleness}": cfg.staleness > 1,  # a group put early could age out, never read
                    f"--infer-tp {cfg.infer_tp}": cfg.infer_tp > 1, f"--train-ep {cfg.train_ep}": cfg.train_ep > 0,
                    f"--train-pp {cfg.train_pp}": cfg.train_pp > 1, f"--nodes {cfg.nodes}": cfg.nodes > 1,

@@ -556,12 +556,14 @@ class DistQueue:
         dp_rank, dp_size = (dist.get_rank(dp_group), dist.get_world_size(dp_group)) if dp_group else (0, 1)
         root = dist.get_global_rank(dp_group, 0) if dp_group else self.rank  # names this DP group's keys
         token, claimed, got, tags, error = self._token(), {}, {}, [], None
+        if dp_rank > 0:  # the leader answers within its deadline, its own failure included: that is the one raised
+            deadline += self.spec.timeout_s
         try:
             if dp_rank == 0:
                 claimed = self._claim(stage, n, n if dp_size > 1 else min_rows, deadline, token, only)
                 rows, tmax = self._plan(stage, n, claimed, dp_size, dp_group, step, root)
-            else:  # the leader answers within its deadline, its own failure included: that is the one raised
-                rows, tmax = self._take_plan(stage, n, dp_rank, step, root, deadline + self.spec.timeout_s)
+            else:
+                rows, tmax = self._take_plan(stage, n, dp_rank, step, root, deadline)
             got, tags = self._fetch(stage, rows, tmax, deadline)
         except Exception as e:
             error = e
@@ -578,7 +580,8 @@ class DistQueue:
             for c in cols:
                 if rows[r][c][0] == self.rank:
                     self._delivered((r, c), stage)
-        self.store.add(self._k("reads", stage), 1)
+        if rows:  # a poll that found nothing (min_rows=0) is no read
+            self.store.add(self._k("reads", stage), 1)
         ids = sorted(rows)
         return Rows(ids, {c: [got[(r, c)] for r in ids] for c in cols}, dict(tmax))
 

@@ -192,7 +192,8 @@ class StaleConfig:
     chunk_steps: int = 8             # decode steps per sampler call between cut checks (S > 0, or chunk_s0)
     max_len: int = None              # the response budget: a row not done at this many tokens raises (None: no check)
     max_filtered: int = None         # keep_group may drop at most this many groups while one batch is made
-    chunk_s0: bool = False           # S = 0 decodes in chunks too (the caller works between them: on_group)
+    chunk_s0: bool = False           # S = 0 decodes in chunks too (the caller works between them: on_group); S > 0
+                                     #   always does
 
     def __post_init__(self):
         if not _is_int(self.staleness) or self.staleness < 0:
@@ -326,9 +327,11 @@ class StaleSync:
             s["versions"] += [self.version] * len(t)
             s["done"] = bool(d)
             n += len(t)
+        touched = list({id(g): g for g, _ in rows}.values())
         self._check_budget(rows)
-        self._filter({id(g): g for g, _ in rows}.values())
-        self._show([g for g in {id(g): g for g, _ in rows}.values() if _complete(g) and any(g is h for h in self.pool)])
+        self._filter(touched)
+        kept = {id(g) for g in self.pool}
+        self._show([g for g in touched if _complete(g) and id(g) in kept])  # just completed, not filtered
         return n
 
     def _show(self, groups):

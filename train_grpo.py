@@ -79,7 +79,7 @@ def train(cfg, out_dir=None):
     attach_reward_model(run)  # --reward-model: trained on the warmed-up policy's samples (resumed: the checkpoint's)
     checkpoint.resume(run)  # --resume: the checkpoint's state (nothing without one)
     loop = {"colocated": colocated_loop, "trainer": trainer_loop, "generator": generator_loop,
-            "aux": aux_loop}[run.roles.role(run.rank)]
+            "actor": actor_loop, "aux": aux_loop}[run.roles.role(run.rank)]
     # What setup made (torch's modules, the model, the queue) lives as long as the loop: frozen, a full collection
     # skips it and pauses a rank (its peers waiting) far less. A caller's own frozen objects stay the caller's.
     freeze = gc.get_freeze_count() == 0
@@ -147,7 +147,7 @@ def evaluate_colocated(run):
     with run.spans("eval"), fusion.rollout(run.actor):
         correct = held_out_correct(run)
     learned = {"curriculum/informative_by_digits": by_digits(run.curriculum.informative()),
-               "curriculum/pass_rate_by_digits": by_digits(run.curriculum.pass_rate())}
+               "curriculum/pass_rate_by_digits": by_digits(run.curriculum.pass_rate())} if run.cfg.curriculum else {}
     return eval_figures(run, all_sum(correct, run.device, run.rollout_group)) | learned
 
 
@@ -216,13 +216,24 @@ def generator_loop(run):
         run.queue.drain()           # batches made ahead of it are left unread: in flight at the end)
 
 
+def actor_loop(run):
+    """Hybrid, an actor rank: the colocated loop; then it answers the auxiliary ranks' last pulls (a group they claimed
+    after its last queue call) until each says it is done, so that none waits on it."""
+    colocated_loop(run)
+    wait_for(run, [aux_done_key(run, r) for r in run.roles.auxiliaries], "the auxiliary ranks' end")
+
+
+def aux_done_key(run, rank):
+    return f"w:{run.key}/aux_done/{rank}"
+
+
 def aux_loop(run):
     """Hybrid, an auxiliary rank: the queue stage between rollout and training. The actor puts each group the moment
     it completes (put_group); this rank takes its share of them as they come, whole groups, while the actor still
     decodes the round's tail, and adds their columns (aux_columns). The actor's trainers read complete rows at the
     step's end. Runs until trainer 0 says the last batch has been read."""
-    seen = dict.fromkeys(run.roles.writers(), 0)  # per writer: how many of the groups this rank serves are done, all
-    done = set()                                  # (writer, k): this rank's k-th group of that writer, done past seen
+    seen = dict.fromkeys(run.roles.writers(), 0)  # per writer: this rank's groups of it done so far, in order
+    done = set()                                  # (writer, k): this rank's k-th group of that writer, done out of order
     while True:
         pending = aux_groups(run, seen, done)
         with run.spans("idle"):
@@ -241,6 +252,7 @@ def aux_loop(run):
                 done.discard((w, seen[w]))
                 seen[w] += 1
     run.queue.serve()  # retire the transfers the trainers acknowledged
+    run.store.set(aux_done_key(run, run.rank), "1")
 
 
 def aux_columns(run, rows, ids):
@@ -259,9 +271,10 @@ def aux_columns(run, rows, ids):
 
 
 def aux_groups(run, seen, done):
-    """This auxiliary rank's next groups of each writer, (writer, k) -> the G row ids of its k-th: up to as many as
-    StaleSync lets a replica complete ahead of training (S + 1 batches), not yet done. Round robin: the m-th group a
-    writer puts (its rows m * G ... m * G + G - 1) goes to auxiliary rank (m + the writer's index) % aux_ranks."""
+    """This auxiliary rank's next groups of each writer, (writer, k) -> the G row ids of its k-th, not yet done: as
+    many as StaleSync lets a replica complete ahead of training (S + 1 batches; more than this rank's share of them).
+    Round robin: the m-th group a writer puts (its rows m * G ... m * G + G - 1) goes to auxiliary rank
+    (m + the writer's index) % aux_ranks."""
     cfg, G, aux = run.cfg, run.cfg.group_size, run.roles.auxiliaries
     ahead = (cfg.staleness + 1) * cfg.prompts_per_step // run.roles.replicas
     out = {}
@@ -299,10 +312,10 @@ def score_and_enqueue(run, batch):
     """2-3. Score each response, normalise the rewards within each group (a group never spans replicas),
     and put the rows into the queue: one writer per TP group, its peers hold the same samples."""
     at_cut = [batch.metrics["stale/regenerated_at_cut"], batch.metrics["stale/filtered_at_cut"]]
-    enqueue(run, batch, at_cut)
+    put_rows(run, batch, at_cut)
 
 
-def enqueue(run, batch, at_cut=(0, 0)):
+def put_rows(run, batch, at_cut=(0, 0)):
     """Put batch's rows (or one group's) into the queue with their rule rewards, rewards and advantages (hybrid with a
     reward model: run.score is None, the auxiliary stage adds them), "stale" facts (at_cut on the first row) and
     routes. Returns the rows' ids on a writer, else None."""
@@ -324,7 +337,7 @@ def enqueue(run, batch, at_cut=(0, 0)):
 def put_group(run, group):
     """Hybrid, StaleSync's on_group: a group into the queue the moment it completes (and is kept), for the auxiliary
     ranks to work on while the round decodes on; its rows' ids wait for the batch that takes it (announce_batch)."""
-    ids = enqueue(run, group)
+    ids = put_rows(run, group)
     run.rows_ahead.update(zip(group.ids, ids or [None] * len(group.ids)))
 
 
@@ -602,7 +615,7 @@ class Run:
     sampler: Sampler = None       # the engine's sampler; keeps its KV cache between decode chunks
     sched: stalesync.StaleSync = None
     actor: fusion.FusedActor = None  # colocated: the actor's phase switch (its movers: the EP re-shard)
-    all_ready: stalesync.AllReady = None  # colocated: the ranks' "batch ready" flags combined
+    all_ready: object = None      # colocated: the ranks' "batch ready" flags combined (AllReady; hybrid: serve_then)
     push_group: object = None     # separated: trainer 0 and the generators; hybrid: rank 0 and the auxiliary ranks
     rollout_group: object = None  # the generators' group (the curriculum's sum over replicas)
     log: "RunLog" = None

@@ -23,7 +23,11 @@ its waits) and the auxiliary rank its own, x_k (its `reference` and `reward_mode
 the actor's first span of step k to its last); at best they overlap completely, so step k takes at least
 max(a_k, x_k). The hybrid's bound in tokens/s is its tokens over sum_k max(a_k, x_k); `bound` is that over
 colocated-all's tokens/s, and `share_of_bound` the hybrid's measured tokens/s over its bound (the target: >= 0.9).
-The auxiliary work can fill only the actor's waits: where x_k < a_k, the auxiliary rank idles for the rest.
+The auxiliary work can fill only the actor's waits: where x_k < a_k, the auxiliary rank idles for the rest. The bound
+is loose: the groups that complete in a round's last decode chunk can only be worked on after it, while the actor
+waits (`tail`: the auxiliary work after the actor's rollout ended, over the steps' time), and a_k is the hybrid's own
+actor work (its chunked decode and its puts included). `queue_latency`: the queue's own share of the steps' time in
+the hybrid, where it is the backbone: from the auxiliary rank's last work of a step to the end of the actor's read.
 The source's claim for its hybrid placement (a larger cluster, a 718B MoE): higher throughput than either pure form;
 the ratio here is this machine's, with one actor rank against two.
 Runs go to bench/out/hybrid/; the last line printed is one JSON object.
@@ -66,19 +70,28 @@ def inside(spans, rank, names, lo, hi):
 
 
 def figures(lines, spans, deploy):
-    """tokens/s, the actor's idle share, the auxiliary work's share of a colocated-all rank's step, and (hybrid) the
-    bound's step time, from the RL steps (the first one left out: it pays for first-time allocations)."""
-    rows, step_s, waits, aux, bound_s = lines[1:], 0.0, 0.0, 0.0, 0.0
+    """tokens/s, the actor's idle share, the auxiliary work's share of the actor's step time, and (hybrid) the bound's
+    tokens/s and the tail, from the RL steps (the first left out: first-time allocations; the last: its evaluation)."""
+    rows, step_s, waits, aux, tail, latency, bound_s = lines[1:-1], 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+    helper = 1 if deploy == "hybrid" else 0
     for line in rows:
         mine = [s for s in spans if s["rank"] == 0 and s.get("step") == line["step"]]
         lo, hi = min(s["start"] for s in mine), max(s["end"] for s in mine)
+        rolled = max(s["end"] for s in mine if s["name"] == "rollout")
         wait = inside(spans, 0, WAITS, lo, hi)
-        work = inside(spans, 1 if deploy == "hybrid" else 0, AUX_WORK, lo, hi)
+        work = inside(spans, helper, AUX_WORK, lo, hi)
         step_s, waits, aux = step_s + line["time/step_s"], waits + wait, aux + work
+        if helper:  # the auxiliary work after the round; the queue's own time from its last work to the read's end
+            tail += inside(spans, helper, AUX_WORK, rolled, hi)
+            read = max(s["end"] for s in mine if s["name"] == "queue")
+            last = max([s["end"] for s in spans if s["rank"] == helper and s["name"] in AUX_WORK and lo < s["end"] < read],
+                       default=read)
+            latency += read - last
         bound_s += max(line["time/step_s"] - wait, work)
     tokens = sum(line["rollout/response_tokens"] for line in rows)
     return {"tokens_per_s": tokens / step_s, "actor_idle": waits / step_s, "aux_share": aux / step_s,
-            "bound_tokens_per_s": tokens / bound_s, "steps": len(rows)}
+            "tail": tail / step_s, "queue_latency": latency / step_s, "bound_tokens_per_s": tokens / bound_s,
+            "steps": len(rows)}
 
 
 def main():
@@ -90,22 +103,25 @@ def main():
     args = p.parse_args()
     result = {}
     for S in args.staleness:
-        ratios, bounds, shares = [], [], []
+        ratios, bounds, shares, tails, latencies = [], [], [], [], []
         for i in range(args.rounds):
             f = {}
             for deploy in ("colocated-all", "hybrid") if i % 2 == 0 else ("hybrid", "colocated-all"):
                 lines, spans = train(os.path.join(args.out, f"{deploy}_s{S}_{i}"), deploy, S, args.steps)
                 f[deploy] = figures(lines, spans, deploy)
                 print(f"  S = {S} {deploy:13s}: {f[deploy]['tokens_per_s']:6.0f} tok/s | actor idle "
-                      f"{f[deploy]['actor_idle']:.3f} | reference and reward model {f[deploy]['aux_share']:.3f} of "
-                      f"{'the actor' if deploy == 'colocated-all' else 'rank 1'}'s step time", flush=True)
+                      f"{f[deploy]['actor_idle']:.3f} | reference and reward model {f[deploy]['aux_share']:.3f} of the "
+                      f"actor's step time ({'on it' if deploy == 'colocated-all' else 'on rank 1'}; after its "
+                      f"rollout {f[deploy]['tail']:.3f}; the queue's own latency {f[deploy]['queue_latency']:.3f})",
+                      flush=True)
             ratio = f["hybrid"]["tokens_per_s"] / f["colocated-all"]["tokens_per_s"]
             bound = f["hybrid"]["bound_tokens_per_s"] / f["colocated-all"]["tokens_per_s"]
             ratios.append(ratio), bounds.append(bound), shares.append(ratio / bound)
+            tails.append(f["hybrid"]["tail"]), latencies.append(f["hybrid"]["queue_latency"])
             print(f"  S = {S} round {i}: hybrid / colocated-all {ratio:.3f}, bound {bound:.3f}, share of the bound "
                   f"{ratio / bound:.3f}", flush=True)
         result[f"s{S}"] = {"hybrid_over_colocated_all": ratios, "bound": bounds, "share_of_bound": shares,
-                           "median_share_of_bound": statistics.median(shares)}
+                           "median_share_of_bound": statistics.median(shares), "tail": tails, "queue_latency": latencies}
     print(json.dumps(result))
 
 
