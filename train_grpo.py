@@ -676,8 +676,9 @@ def build_queue(cfg, key, store, rank, world, device):
     if cfg.deploy == "hybrid":  # three stages: the actor puts, the auxiliary ranks add columns, the trainers read
         columns["ref_logprobs"] = "float32"                                                    # (n_i,)
         stages = {"aux": ("prompt", "response"), "train": tuple(columns)}
+    poll_s = 0.0005 if cfg.deploy == "hybrid" else 0.002  # the hybrid's backbone: each step waits on its round trips
     spec = distqueue.QueueSpec(columns=columns, scalars=("reward", "rule_reward", "advantage"), stages=stages,
-                               timeout_s=cfg.pg_timeout_s, name=f"dq:{key}")
+                               timeout_s=cfg.pg_timeout_s, name=f"dq:{key}", poll_s=poll_s)
     pg = None if device.type == "cpu" else dist.new_group(  # the queue moves host tensors: gloo
         backend="gloo", timeout=datetime.timedelta(seconds=cfg.pg_timeout_s))
     return distqueue.DistQueue(spec, store, rank, world, pg)
