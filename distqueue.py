@@ -556,14 +556,13 @@ class DistQueue:
         dp_rank, dp_size = (dist.get_rank(dp_group), dist.get_world_size(dp_group)) if dp_group else (0, 1)
         root = dist.get_global_rank(dp_group, 0) if dp_group else self.rank  # names this DP group's keys
         token, claimed, got, tags, error = self._token(), {}, {}, [], None
-        if dp_rank > 0:  # the leader answers within its deadline, its own failure included: that is the one raised
-            deadline += self.spec.timeout_s
         try:
             if dp_rank == 0:
                 claimed = self._claim(stage, n, n if dp_size > 1 else min_rows, deadline, token, only)
                 rows, tmax = self._plan(stage, n, claimed, dp_size, dp_group, step, root)
-            else:
-                rows, tmax = self._take_plan(stage, n, dp_rank, step, root, deadline)
+            else:  # the leader answers within its deadline, its own failure included: that is the one raised (the
+                # fetch keeps this rank's deadline: a plan that comes late fails the group, whose outcome says why)
+                rows, tmax = self._take_plan(stage, n, dp_rank, step, root, deadline + self.spec.timeout_s)
             got, tags = self._fetch(stage, rows, tmax, deadline)
         except Exception as e:
             error = e

@@ -19,9 +19,9 @@ One RL step, numbered as in the README's diagram:
                  EP re-shard of moe_switch.py); separated: the new weights pushed to the generators
 One loop per deployment: `colocated_loop` (any S, inference TP, EP, the reference on host), and
 `trainer_loop` with `generator_loop` (separated: half the ranks train, half generate); hybrid: the actor's
-ranks run `colocated_loop`, the auxiliary ranks `aux_loop` (the reference, and the reward model, as a
-queue stage between 3 and 4). Options are applied when the run is built (`build`), never as branches
-inside a loop.
+ranks run `actor_loop` (`colocated_loop`, each group put into the queue as it completes), the auxiliary
+ranks `aux_loop` (the reference, and the reward model, a queue stage between 3 and 4). Options are
+applied when the run is built (`build`), never as branches inside a loop.
 
 Counting: a version v is a count of optimizer steps. RL step k (1 .. steps) trains batch k - 1, which
 StaleSync emitted for version k - 1 (every sample of it started at a version >= k - 1 - S), and makes
