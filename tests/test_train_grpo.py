@@ -355,6 +355,35 @@ def test_world_4_hybrid_with_two_auxiliary_ranks_trains_as_colocated_all(tmp_pat
     assert {2, 3} <= {s["rank"] for s in timeline.load_spans(tmp_path / "h") if s["name"] == "reference"}
 
 
+def _train_counting_rows(rank, world_size, out_dir, overrides=None):
+    """_train_tiny, also returning the (writer, sample id) of every row this rank's trainer read, and the sample ids
+    its scheduler emitted in batches (an actor rank's; an auxiliary rank's: none)."""
+    runs, build, read, seen = [], T.build, T.read_from_aux, []
+    T.build = lambda *a, **k: runs.append(build(*a, **k)) or runs[-1]
+
+    def counting(run, *args):
+        rows = read(run, *args)
+        seen.extend((r % world_size, int(s[0])) for r, s in zip(rows.ids, rows.cols["stale"]))  # STALE_FACTS[0]
+        return rows
+    T.read_from_aux = counting
+    _train_tiny(rank, world_size, out_dir, overrides)
+    sched = runs[0].sched
+    return seen, sorted(sched.accounting()["trained"]) if sched is not None else []
+
+
+def test_hybrid_trains_every_sample_its_actor_emits_exactly_once(tmp_path):
+    """Counted over sample ids at S = 1 (groups completing beyond a batch wait in the queue for the next): the rows the
+    actor's trainers read, over the run, are the samples its schedulers emitted in batches, each exactly once."""
+    mode = {"deploy": "hybrid", "staleness": 1, "chunk_steps": 1, "steps": 5, "threshold": 0.5}
+    out = run_distributed(_train_counting_rows, world_size=3, args=(str(tmp_path), mode))
+    read = [key for seen, _ in out for key in seen]
+    emitted = [(rank, i) for rank, (_, trained) in enumerate(out) for i in trained]
+    assert len(read) == len(set(read)) == 5 * TINY["prompts_per_step"] * TINY["group_size"]  # none read twice
+    assert sorted(read) == sorted(emitted)  # none lost, none extra
+    lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")][1:]
+    assert any(l["queue/rows_ahead"] > 0 for l in lines)  # some groups were put ahead of their batch
+
+
 def _train_with_a_silent_aux(rank, world_size, out_dir, overrides=None):
     """_train_tiny, the auxiliary rank alive but never serving its stage (as a hung or dead one looks to the queue)."""
     if rank == world_size - 1:
