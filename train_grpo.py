@@ -240,7 +240,8 @@ def aux_loop(run):
             rows = wait_for_groups(run, pending)
         if rows is None:  # the run is over: every batch it trains has been read
             break
-        groups = [g for g in sorted(pending) if set(pending[g]) <= set(rows.ids)]
+        got = set(rows.ids)
+        groups = [g for g in sorted(pending) if set(pending[g]) <= got]
         ids = [r for g in groups for r in pending[g]]  # group by group
         if len(ids) != len(rows.ids):  # a put publishes a whole group: a part of one would be a bug, not a wait
             raise RuntimeError(f"rank {run.rank}: read rows {sorted(set(rows.ids) - set(ids))} without the rest of "
