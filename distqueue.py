@@ -62,7 +62,7 @@ Departures from the source system (Huawei's RL post-training on CloudMatrix 384)
 Run: python -m pytest tests/test_distqueue.py ; python bench/distqueue.py --lengths lognormal:5,1.2
 
 Using this file elsewhere: torch (tested with 2.13; CPU tensors; the data moves over a gloo group, also next to nccl),
-and a store with queue operations, atomic add, append and compare_set: TCPStore (torchrun's, found from
+and a store with queue operations, atomic add, append, compare_set and multi_get: TCPStore (torchrun's, found from
 MASTER_ADDR and MASTER_PORT) or HashStore (one process); a FileStore is refused at construction. Rows are
 lists of 1-D tensors per column (scalar columns: one value), of the spec's dtypes. Example
 (tests/test_copy_alone.py runs it in a folder that holds only this file):
@@ -248,16 +248,17 @@ def default_store(timeout_s=300.0):
 
 
 def check_store(store):
-    """The queue's control plane needs a store with queue operations, atomic add, append and compare_set:
+    """The queue's control plane needs a store with queue operations, atomic add, append, compare_set and multi_get:
     TCPStore and HashStore have them, FileStore has no queue operations. Raises before any collective."""
     try:
         store.queue_len("dq/probe")
         store.add("dq/probe_add", 0)
         store.append("dq/probe_append", "")
         store.compare_set("dq/probe_compare_set", "", "")
+        store.multi_get(["dq/probe_add"])
     except (NotImplementedError, RuntimeError, AttributeError) as e:
         raise ValueError(f"{type(store).__name__} cannot serve a DistQueue ({e}): it needs queue operations "
-                         "(queue_push, queue_pop, queue_len), add, append and compare_set; pass a TCPStore or a "
+                         "(queue_push, queue_pop, queue_len), add, append, compare_set and multi_get; pass a TCPStore or a "
                          "HashStore (a process group started with file:// has a FileStore)") from None
 
 
@@ -402,16 +403,29 @@ class DistQueue:
 
     def _refresh(self, stage):
         """The new entries of the stage's ready logs -> self.unclaimed[stage]. Each stage keeps its own place
-        in each log, so a rank tracks only the stages it claims for."""
-        seen, off = self.unclaimed[stage], self.ready_off[stage]
-        for c in self.spec.stages[stage]:  # entries in order; one counted but not yet written: at a later poll
-            n = int(self.store.add(self._k("ready", c, "n"), 0))
-            while off[c] < n and self.store.check([k := self._k("ready", c, off[c])]):
-                for e in self.store.get(k).decode().split(";")[:-1]:
-                    r, o, length, *released = e.split(",")
-                    if released in ([], [stage]):  # a release shows its rows to their stage's readers only
-                        seen.setdefault(int(r), {})[c] = (int(o), int(length))
-                off[c] += 1
+        in each log, so a rank tracks only the stages it claims for. Four store round trips in all when every
+        log exists and its entries are written (one counted but not yet written: read at a later poll)."""
+        seen, off, cols = self.unclaimed[stage], self.ready_off[stage], self.spec.stages[stage]
+        counters = {c: self._k("ready", c, "n") for c in cols}
+        if not self.store.check(list(counters.values())):  # a column no one has put yet: its log starts at 0
+            counters = {c: k for c, k in counters.items() if self.store.check([k])}
+        counts = self.store.multi_get(list(counters.values())) if counters else []
+        n = {c: int(v) for c, v in zip(counters, counts)}
+        keys = [(c, self._k("ready", c, i)) for c in n for i in range(off[c], n[c])]
+        if keys and not self.store.check([k for _, k in keys]):  # some entry not yet written: each log's prefix
+            keys = [(c, k) for c in n for k in self._written([k for d, k in keys if d == c])]
+        for (c, _), log in zip(keys, self.store.multi_get([k for _, k in keys]) if keys else []):
+            for e in log.decode().split(";")[:-1]:
+                r, o, length, *released = e.split(",")
+                if released in ([], [stage]):  # a release shows its rows to their stage's readers only
+                    seen.setdefault(int(r), {})[c] = (int(o), int(length))
+            off[c] += 1
+
+    def _written(self, keys):
+        """The longest prefix of `keys` (one log's next entries, in order) that is written."""
+        while keys and not self.store.check(keys):
+            keys = keys[:-1] if self.store.check(keys[:1]) else []
+        return keys
 
     def _claim(self, stage, n, min_rows, deadline, token, only=None):
         """Claim up to n complete rows (at least min_rows) as `token` -> {row: {col: (owner, length)}}.

@@ -178,9 +178,14 @@ class Samples:
     advantages: torch.Tensor  # (B,)
     truncated: list = None   # (B,) bool: cut by the token budget, not ended by the model (mask_truncated)
     routes: list = None      # (B,) of (n_i, L, K): each response token's experts as the rollout chose them
+    order: list = None       # (B,) the update's micro-batches are cut from the rows sorted by this key (default:
+    #                          their lengths, the least padding; where inputs arrive late, the order they arrive in)
 
     def lengths(self):
         return [len(p) + len(r) for p, r in zip(self.prompts, self.responses)]
+
+    def chunk_key(self):
+        return self.lengths() if self.order is None else self.order
 
 
 @dataclass
@@ -290,11 +295,15 @@ def chunk_logprobs(model, samples, cfg, device, replay=False):
     return out
 
 
-def grpo_update(model, optimizer, samples, cfg, device, group=None, ref_logprobs=None, clip_grads=None):
+def grpo_update(model, optimizer, samples, cfg, device, group=None, ref_logprobs=None, clip_grads=None,
+                arrive=None):
     """updates_per_batch optimizer steps on this rank's samples, data parallel over `group` (its gradients
     averaged over the group: FSDP2's reduce-scatter, or whatever the model does). ref_logprobs: (B,) of
     (n_i,), needed when kl_coef > 0. clip_grads(model, max_norm), optional: replaces
     clip_grad_norm_ (expert parallelism clips over experts that FSDP does not hold).
+    arrive(rows), optional: called before each micro-batch's forward with its rows (indices into samples);
+    a caller whose ref_logprobs or advantages are computed elsewhere fills those rows' entries in it, so that
+    the first micro-batches (the shortest rows) train while the last ones' inputs are still on their way.
     Returns sums over this rank's rows, to be summed over the ranks (maxima: keys ending in _max) and
     divided (`batch_means`)."""
     if cfg.kl_coef > 0 and ref_logprobs is None:
@@ -304,7 +313,7 @@ def grpo_update(model, optimizer, samples, cfg, device, group=None, ref_logprobs
                           "gap", "gap_tokens", "gap_max", "skipped_max", "route_tokens", "route_mismatch",
                           "route_free_mismatch"), 0.0)
     for i, mini in enumerate(np.array_split(np.arange(len(samples.prompts)), cfg.updates_per_batch)):
-        _accumulate(model, samples, mini, cfg, device, group, ref_logprobs, prox_logprobs, sums, first=i == 0)
+        _accumulate(model, samples, mini, cfg, device, group, ref_logprobs, prox_logprobs, sums, i == 0, arrive)
         if clip_grads is None:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         else:
@@ -340,14 +349,17 @@ def _items(mask, cfg):
     return int(mask.sum()) if cfg.loss_agg == "token-mean" else int((mask.sum(-1) > 0).sum())
 
 
-def _accumulate(model, samples, mini, cfg, device, group, ref_lp, prox_lp, sums, first):
+def _accumulate(model, samples, mini, cfg, device, group, ref_lp, prox_lp, sums, first, arrive=None):
     """Forward and backward of one mini-batch in length-sorted micro-batches; adds to sums. first: the
-    batch's first mini-batch, before any step: its log-probs against the behaviour's give the gap."""
-    chunks = length_chunks(mini, samples.lengths(), cfg.micro_batches)
-    padded = [_padded(samples, rows, cfg, ref_lp, prox_lp) for rows, _ in chunks]  # host tensors
-    n_local = sum(_items(mask, cfg) for (_, mask, _), (_, stand_in) in zip(padded, chunks) if not stand_in)
+    batch's first mini-batch, before any step: its log-probs against the behaviour's give the gap.
+    arrive(rows): see grpo_update."""
+    chunks = length_chunks(mini, samples.chunk_key(), cfg.micro_batches)
+    n_local = sum(_items(_loss_mask(samples, rows, cfg), cfg) for rows, stand_in in chunks if not stand_in)
     n_global, = _all_sum([n_local], device, group)  # the loss is a mean over the global mini-batch
-    for c, ((rows, stand_in), (tokens, mask, fields)) in enumerate(zip(chunks, padded)):
+    for c, (rows, stand_in) in enumerate(chunks):
+        if arrive is not None:  # this micro-batch's reference log-probs and advantages, where they come late
+            arrive(rows)
+        tokens, mask, fields = _padded(samples, rows, cfg, ref_lp, prox_lp)                  # host tensors
         if isinstance(model, FSDPModule):  # reduce-scatter once, after the last micro-batch; the
             # parameters stay gathered until then (the usual trade: full-size grads while accumulating)
             model.set_requires_gradient_sync(c == len(chunks) - 1)
@@ -369,6 +381,12 @@ def _accumulate(model, samples, mini, cfg, device, group, ref_lp, prox_lp, sums,
         (loss * scale).backward()
         if not stand_in:
             _add_figures(sums, loss, m, mask, entropy, (lp.detach() - behaviour).abs() if first else None, n_items)
+
+
+def _loss_mask(samples, rows, cfg):
+    """The loss mask (b, T-1) of these rows, without padding their per-token fields."""
+    _, mask, _ = pad_responses([samples.prompts[i] for i in rows], [samples.responses[i] for i in rows])
+    return loss_mask(samples, rows, mask, cfg)
 
 
 def _padded(samples, rows, cfg, ref_lp, prox_lp):

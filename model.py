@@ -546,10 +546,12 @@ class Sampler:
       it). The prefill of the next call, which first reads it, records its choice in `recorded` (later
       re-reads replay it), but the routes that call returned keep -1 there: training routes that token
       freely. keep=True reads it in the chunk's last decode forward: never -1 there.
-    A row abandoned part-way (its seed never called again) leaves its record behind: a few bytes a token."""
+    A row abandoned part-way (its seed never called again) leaves its record behind: a few bytes a token.
+    on_step(), optional: called between decode forwards, for a caller that must answer others while it decodes
+    (the hybrid's actor serves the queue there: a group it put is pulled within a forward, not a chunk)."""
 
     def __init__(self, model, max_new_tokens, eos_id, pad_id=0, temperature=1.0, top_p=1.0, keep=True,
-                 lockstep=None, routes=False):
+                 lockstep=None, routes=False, on_step=None):
         if not (float(temperature) >= 0 and float(temperature) < float("inf")) or not 0 < top_p <= 1:
             raise ValueError(f"temperature={temperature!r} must be finite and >= 0 (0: greedy) and top_p={top_p!r} "
                              "in (0, 1]")
@@ -559,6 +561,7 @@ class Sampler:
         self._prefills = 0  # lock-step: the peers' prefill forwards this call runs with zero rows
         self.routes = routes  # record each response token's experts as a decode forward reads it
         self.recorded = {}  # routes=True: seed -> (its response so far (n,), their experts (n, L, K), -1: unread)
+        self.on_step = on_step
 
     def reset(self):
         """Drop the KV cache (new weights, or the end of a rollout phase); the recorded routes stay."""
@@ -671,6 +674,8 @@ class Sampler:
             if len(rows) == 0 or (step == steps - 1 and not self.keep):  # kept rows need their next logits
                 break
             self._agree_decode(forwards, live=True)
+            if self.on_step is not None:
+                self.on_step()
             valid = torch.cat([valid, valid.new_ones(len(rows), 1)], 1)            # (B', t)
             logits = self._decode_forward(tok, next_pos, valid, cache, rows, routes)
             next_pos = next_pos + 1

@@ -216,12 +216,15 @@ def _logprobs_entropy(logits, next_token, temperature):
     return lp, entropy
 
 
-def grpo_update(pipe, model, optimizer, samples, cfg, device, group=None, ref_logprobs=None, clip_grads=None):
+def grpo_update(pipe, model, optimizer, samples, cfg, device, group=None, ref_logprobs=None, clip_grads=None,
+                arrive=None):
     """grpo.grpo_update through the pipeline: this pipeline's rows (the same on every stage) in updates_per_batch
     optimizer steps of `micro_batches` micro-batches each, every one padded to (rows, pipe's T). The loss is the
     global batch's mean, as in one process: each micro-batch's share is n_items x D / n_global (FSDP averages a
     stage's gradients over its D ranks). group: every rank (the counts and the finite check). Returns sums over
     this rank's rows (the last stage's; on the others only skipped_max)."""
+    if arrive is not None:
+        raise ValueError("arrive: the pipeline schedules every micro-batch at once; give it complete inputs")
     if cfg.kl_coef > 0 and ref_logprobs is None:  # every stage decides alike: logprobs() gives them all a list
         raise ValueError(f"kl_coef={cfg.kl_coef} needs ref_logprobs")
     prox = logprobs(pipe, samples, cfg) if cfg.recompute else None

@@ -44,6 +44,7 @@ import json
 import os
 import time
 import uuid
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -123,13 +124,15 @@ def colocated_loop(run):
         # 2-3. score, group advantages, into the queue (hybrid: each group went in as it completed; the batch's ids)
         with spans("score"):
             run.enqueue(run, batch)
-        # 4. a token-balanced share of the whole batch; the reference's log-probs of it (hybrid: in the rows)
-        samples, figures, queued = read_share(run, step)
+        # 4. a token-balanced share of the whole batch; the reference's log-probs of it (hybrid: they arrive in 5)
+        samples, rows, queued = read_share(run, step)
         ref_logprobs = reference_logprobs(run, samples, queued)
-        # 5. GRPO updates over length-sorted micro-batches, data parallel (FSDP2)
+        # 5. GRPO updates over length-sorted micro-batches, data parallel (FSDP2); hybrid: each micro-batch waits for
+        #    its rows' columns from the auxiliary stage, which works on the last groups while the first ones train
         with spans("train"):
             sums = run.update(run.model, run.optimizer, samples, run.algo, run.device,
-                              run.train_group, ref_logprobs, run.clip_grads)
+                              run.train_group, ref_logprobs, run.clip_grads, arrive=queued)
+        figures = share_figures(run, step, rows)
         sched.update()  # the sampler now has the weights of version `step`
         learn_curriculum(run)  # the next prompts are drawn where this round's groups were informative
         last = out_of_time(run, step, mark)
@@ -165,12 +168,13 @@ def trainer_loop(run):
     for step in run.log.progress():
         mark = run.log.mark(step=step, version=step - 1)
         # 4. a token-balanced share of batch step - 1, as the generators put it; the reference's log-probs
-        samples, figures, _ = read_share(run, step)
+        samples, rows, _ = read_share(run, step)
         ref_logprobs = reference_logprobs(run, samples)
         # 5. GRPO updates over length-sorted micro-batches, data parallel over the trainers (FSDP2)
         with spans("train"):
             sums = run.update(run.model, run.optimizer, samples, run.algo, run.device,
                               run.train_group, ref_logprobs, run.clip_grads)
+        figures = share_figures(run, step, rows)
         last = out_of_time(run, step, mark)
         # 6. push version `step` to the generators: they take it at their next decode-chunk boundary
         push_weights(run, step, last)
@@ -230,8 +234,10 @@ def aux_done_key(run, rank):
 def aux_loop(run):
     """Hybrid, an auxiliary rank: the queue stage between rollout and training. The actor puts each group the moment
     it completes (put_group); this rank takes its share of them as they come, whole groups, while the actor still
-    decodes the round's tail, and adds their columns (aux_columns). The actor's trainers read complete rows at the
-    step's end. Runs until trainer 0 says the last batch has been read."""
+    decodes the round's tail, and adds their columns (aux_columns) in pieces of a micro-batch's groups, the earliest
+    put first: the trainers read each micro-batch's columns as their update reaches it (AuxColumns), and each put
+    serves the queue, so that a trainer waits on this rank for at most a piece. Runs until trainer 0 says the last
+    batch has been read."""
     seen = dict.fromkeys(run.roles.writers(), 0)  # per writer: this rank's groups of it done so far, in order
     done = set()                                  # (writer, k): this rank's k-th group of that writer, done out of order
     while True:
@@ -241,12 +247,14 @@ def aux_loop(run):
         if rows is None:  # the run is over: every batch it trains has been read
             break
         got = set(rows.ids)
-        groups = [g for g in sorted(pending) if set(pending[g]) <= got]
+        groups = [g for g in sorted(pending, key=lambda g: g[::-1]) if set(pending[g]) <= got]  # (k, writer): put order
         ids = [r for g in groups for r in pending[g]]  # group by group
         if len(ids) != len(rows.ids):  # a put publishes a whole group: a part of one would be a bug, not a wait
             raise RuntimeError(f"rank {run.rank}: read rows {sorted(set(rows.ids) - set(ids))} without the rest of "
                                "their group")
-        aux_columns(run, rows, ids)
+        piece = max(1, run.cfg.prompts_per_step // run.cfg.micro_batches) * run.cfg.group_size  # rows
+        for j in range(0, len(ids), piece):
+            aux_columns(run, rows, ids[j:j + piece])
         done.update(groups)
         for w in seen:
             while (w, seen[w]) in done:
@@ -258,12 +266,15 @@ def aux_loop(run):
 
 def aux_columns(run, rows, ids):
     """4 (and 2-3 with a reward model), on an auxiliary rank: the frozen reference's log-probs of rows `ids` (whole
-    groups, in order), and the reward model's rewards and group advantages, put back as columns of the same rows."""
+    groups, in order; one forward), and the reward model's rewards and group advantages, put back as columns of the
+    same rows."""
     cfg = run.cfg
     run.spans.args = {"rows": len(ids)}
     where = {r: i for i, r in enumerate(rows.ids)}  # the queue returns ids ascending: back in group order
     prompts, responses = ([rows.cols[c][where[r]] for r in ids] for c in ("prompt", "response"))
-    columns = {"ref_logprobs": reference_logprobs(run, grpo.Samples(prompts, responses, None, None))}
+    one_forward = dataclasses.replace(run.algo, micro_batches=1)
+    columns = {"ref_logprobs": reference_logprobs(run, grpo.Samples(prompts, responses, None, None), algo=one_forward)}
+    run.queue.serve()  # between the two models: a trainer may be waiting for columns this rank put before
     if run.reward_model is not None:
         rewards = model_rewards(run, prompts, responses)                                          # (B,)
         advantages = grpo.group_advantages(rewards, cfg.group_size, cfg.adv_estimator)
@@ -368,19 +379,38 @@ def batch_rows(run, step):
 
 def read_share(run, step):
     """4. This trainer's token-balanced share of batch step - 1: every writer's rows of it (batch_rows; hybrid: the ids
-    announce_batch gathered). Returns (samples, figures, the reference's log-probs that came with the rows: hybrid,
-    else None)."""
+    announce_batch gathered). Returns (samples, the rows read, for share_figures once they are complete, and the
+    reference's log-probs that come with the rows: hybrid, an AuxColumns that brings them during the update (its
+    arrive); else None)."""
+    with run.spans("queue"):
+        rows = read_rows(run, step)
+    B = len(rows.ids)
+    advantages = rows.stack("advantage") if "advantage" in rows.cols else torch.full((B,), float("nan"))    # (B,)
+    routes = [r.long().view(len(t), run.cfg.n_layers, run.cfg.top_k)                         # (n_i, L, K) each
+              for r, t in zip(rows.cols["routes"], rows.cols["response"])]
+    samples = grpo.Samples(rows.cols["prompt"], rows.cols["response"], rows.cols["old_logprobs"], advantages,
+                           truncated=[bool(r[-1] != task.EOS) for r in rows.cols["response"]], routes=routes)
+    queued = AuxColumns(run, step, rows, samples) if run.roles.hybrid else None
+    if queued is not None and "advantage" in queued.names and run.cfg.adv_estimator == "reinforce++":
+        queued(range(B))  # batch-normalised below: every row's advantage first (no overlap with the update)
+    samples.advantages = grpo.finish_advantages(samples.advantages, run.cfg.adv_estimator, run.device, run.batch_group)
+    return samples, rows, queued
+
+
+def read_rows(run, step):
+    """read_share's get: the rows of batch step - 1 with the columns their writers put."""
     cfg = run.cfg
     per_step = cfg.prompts_per_step * cfg.group_size
     ids = run.batch_ids if run.roles.hybrid else set(batch_rows(run, step))
-    with run.spans("queue"):
-        if run.roles.hybrid:  # complete once the auxiliary stage has put its columns
-            rows = read_from_aux(run, step, per_step, ids)
-        elif run.pipe is None:  # a token-balanced share of the batch
-            rows = run.queue.get("train", per_step, dp_group=run.train_group, only=ids)
-        else:  # PP: an equal count (fixed micro-batch shapes), read once per pipeline and broadcast to its stages
-            mine = set(sorted(ids)[run.data_index::run.data_size])
-            rows = run.queue.get("train", len(mine), group=run.pipe_group, only=mine)
+    if run.pipe is None:  # a token-balanced share of the batch
+        return run.queue.get("train", per_step, dp_group=run.train_group, only=ids)
+    # PP: an equal count (fixed micro-batch shapes), read once per pipeline and broadcast to its stages
+    mine = set(sorted(ids)[run.data_index::run.data_size])
+    return run.queue.get("train", len(mine), group=run.pipe_group, only=mine)
+
+
+def share_figures(run, step, rows):
+    """The step's sums over this trainer's rows (complete: hybrid, after the update brought the auxiliary columns)."""
     table = torch.stack(rows.cols["stale"]) if rows.ids else torch.zeros(0, len(STALE_FACTS), dtype=torch.long)
     stale = dict(zip(STALE_FACTS, table.unbind(1)))                                         # name -> (B,)
     ages = (step - 1) - stale["start_version"]                                              # (B,)
@@ -392,27 +422,70 @@ def read_share(run, step):
                "partial_continued": float((stale["versions"] > 1).sum()),
                "regenerated": float(stale["regenerated"].sum()) + run.at_cut[0],  # hybrid: at_cut, not in the rows
                "filtered": float(stale["filtered"].sum()) + run.at_cut[1], "rows_ahead": float(len(run.rows_ahead))}
-    figures = {k: v if run.counts_rows else 0.0 for k, v in figures.items()}  # PP: a pipeline's rows counted once
-    advantages = grpo.finish_advantages(rows.stack("advantage"), cfg.adv_estimator, run.device, run.batch_group)
-    routes = [r.long().view(len(t), cfg.n_layers, cfg.top_k)                                # (n_i, L, K) each
-              for r, t in zip(rows.cols["routes"], rows.cols["response"])]
-    samples = grpo.Samples(rows.cols["prompt"], rows.cols["response"], rows.cols["old_logprobs"], advantages,
-                           truncated=[bool(r[-1] != task.EOS) for r in rows.cols["response"]], routes=routes)
-    return samples, figures, rows.cols.get("ref_logprobs")
+    return {k: v if run.counts_rows else 0.0 for k, v in figures.items()}  # PP: a pipeline's rows counted once
 
 
-def read_from_aux(run, step, per_step, ids):
-    """Hybrid: read_share's get, its rows complete once the auxiliary stage has put its columns; rows that still lack
-    them name that stage, with the rows it held."""
+class AuxColumns:
+    """Hybrid, a trainer: the auxiliary stage's columns of its rows (the reference's log-probs; with a reward model,
+    rewards and advantages), read micro-batch by micro-batch as the update reaches them (grpo_update's arrive). The
+    first micro-batches hold the shortest rows, whose groups completed early in the round and were worked on while it
+    decoded; the auxiliary stage finishes the last groups (the longest rows) while those train."""
+
+    def __init__(self, run, step, rows, samples):
+        self.run, self.step, self.rows, self.samples = run, step, rows, samples
+        self.names = run.queue.spec.stages["from_aux"]
+        for name in self.names:  # filled in place as they arrive
+            rows.cols[name] = [None] * len(rows.ids)
+        self.ref_logprobs = rows.cols["ref_logprobs"]                                       # (B,) of (n_i,)
+        samples.order = [r // run.queue.world for r in rows.ids]  # a row's place in its writer's puts: micro-batches
+        #                                                            in the order the auxiliary stage completes them
+
+    def __call__(self, which):
+        """Rows `which` (indices into the share) complete: their columns read if they are not yet (with those of any
+        other row the auxiliary stage has finished), then every trainer waits for its peers' (serving the queue: a
+        peer's rows may need this rank's groups pulled first) before the micro-batch's collectives."""
+        if any(self.ref_logprobs[i] is None for i in which):
+            with self.run.spans("queue"):
+                self._take([i for i, lp in enumerate(self.ref_logprobs) if lp is None], at_least=0)
+                self._take([i for i in which if self.ref_logprobs[i] is None])
+        serve_until_all(self.run, self.run.train_group)
+
+    def _take(self, rows, at_least=None):
+        """Read the columns of these rows (indices into the share): all of them, or what there is (at_least=0)."""
+        if not rows:
+            return
+        got = read_from_aux(self.run, self.step, [self.rows.ids[i] for i in rows], at_least)
+        where = {r: j for j, r in enumerate(got.ids)}
+        for i in [i for i in rows if self.rows.ids[i] in where]:
+            for name in self.names:
+                self.rows.cols[name][i] = got.cols[name][where[self.rows.ids[i]]]
+            if "advantage" in self.names:
+                self.samples.advantages[i] = self.rows.cols["advantage"][i]
+
+
+def serve_until_all(run, group):
+    """A barrier over `group` that serves the queue while it waits (and fails, as any collective, past the group's
+    timeout)."""
+    if dist.get_world_size(group) == 1:
+        run.queue.serve()
+        return
+    with run.spans("queue"):
+        work = dist.all_reduce(torch.zeros(1, device=run.device), group=group, async_op=True)
+        while not work.is_completed():
+            run.queue.serve()
+            time.sleep(run.queue.spec.poll_s)
+        work.wait()  # completed may mean failed (a dead peer): raise it
+
+
+def read_from_aux(run, step, ids, min_rows=None):
+    """Hybrid: the auxiliary stage's columns of rows `ids`, once it has put them (at least min_rows of them: default
+    all); rows that still lack them past the timeout name that stage, with the rows."""
     try:
-        return run.queue.get("train", per_step, dp_group=run.train_group, only=ids)
+        return run.queue.get("from_aux", len(ids), min_rows=min_rows, only=set(ids))
     except TimeoutError as e:
-        if "missing columns" not in str(e):  # not the auxiliary stage's columns: the queue's own error names the cause
-            raise
-        raise TimeoutError(f"the auxiliary stage (ranks {run.roles.auxiliaries}) did not complete the {per_step} rows "
-                           f"of step {step}'s batch (ids {min(ids)} to {max(ids)}) with its columns (the reference's "
-                           f"log-probs; with a reward model, rewards and advantages) in {run.cfg.pg_timeout_s}s: is "
-                           f"it alive? ({e})") from e
+        raise TimeoutError(f"the auxiliary stage (ranks {run.roles.auxiliaries}) did not add its columns (the "
+                           f"reference's log-probs; with a reward model, rewards and advantages) to rows {sorted(ids)} "
+                           f"of step {step}'s batch in {run.cfg.pg_timeout_s}s: is it alive? ({e})") from e
 
 
 def rule_rewards(run, prompts, responses):
@@ -428,15 +501,18 @@ def model_rewards(run, prompts, responses):
         return (reward_model.score(rm, prompts, responses, batch_size=run.cfg.group_size) >= 0.5).float()
 
 
-def reference_logprobs(run, samples, queued=None):
+def reference_logprobs(run, samples, queued=None, algo=None):
     """4. The frozen initial policy's log-probs of the share (under colocated-all it visits the device); hybrid:
-    those the auxiliary stage put with the rows (queued)."""
-    if queued is not None or run.reference is None:
-        return queued
+    those the auxiliary stage puts (queued: an AuxColumns, which fills them in as they arrive). algo: its micro-batches
+    (default: the update's)."""
+    if queued is not None:
+        return queued.ref_logprobs
+    if run.reference is None:
+        return None
     with run.spans("reference"), run.reference.on_device() as ref:
         if run.pipe is not None:  # its own stages, through its own schedule (a Pipeline of the frozen stage)
             return pipeline.logprobs(run.ref_pipe, samples, run.algo)
-        return grpo.chunk_logprobs(ref, samples, run.algo, run.device)
+        return grpo.chunk_logprobs(ref, samples, algo or run.algo, run.device)
 
 
 def held_out_correct(run):
@@ -676,7 +752,9 @@ def build_queue(cfg, key, store, rank, world, device):
     stages = {"train": tuple(columns)}
     if cfg.deploy == "hybrid":  # three stages: the actor puts, the auxiliary ranks add columns, the trainers read
         columns["ref_logprobs"] = "float32"                                                    # (n_i,)
-        stages = {"aux": ("prompt", "response"), "train": tuple(columns)}
+        added = ("ref_logprobs", "reward", "advantage") if cfg.reward_model else ("ref_logprobs",)
+        stages = {"aux": ("prompt", "response"), "train": tuple(c for c in columns if c not in added),
+                  "from_aux": added}
     poll_s = 0.0005 if cfg.deploy == "hybrid" else 0.002  # the hybrid's backbone: each step waits on its round trips
     spec = distqueue.QueueSpec(columns=columns, scalars=("reward", "rule_reward", "advantage"), stages=stages,
                                timeout_s=cfg.pg_timeout_s, name=f"dq:{key}", poll_s=poll_s)
@@ -821,9 +899,10 @@ def build_rollout(run):
     lockstep = None  # --infer-ep > 1: every forward meets the EP group's, so its ranks decode in lock-step
     if cfg.infer_ep > 1:
         lockstep = LockStep(run.experts.infer_groups[0], run.device, every=cfg.chunk_steps)
-    run.sampler = Sampler(run.engine, cfg.max_new_tokens, task.EOS, task.PAD, cfg.temperature, cfg.top_p,
-                          lockstep=lockstep, routes=True)  # each token's experts: what training compares, or replays
     hybrid = roles.hybrid  # S = 0 in chunks too: each group is put as it completes, while the round decodes on
+    run.sampler = Sampler(run.engine, cfg.max_new_tokens, task.EOS, task.PAD, cfg.temperature, cfg.top_p,
+                          lockstep=lockstep, routes=True,  # each token's experts: what training compares, or replays
+                          on_step=run.queue.serve if hybrid else None)  # the auxiliary ranks pull between forwards
     stale = stalesync.StaleConfig(cfg.staleness, n_prompts, cfg.group_size, cfg.threshold, cfg.chunk_steps,
                                   max_len=cfg.max_new_tokens, max_filtered=cfg.filter_limit * n_prompts, chunk_s0=hybrid)
     run.sched = stalesync.StaleSync(

@@ -9,7 +9,9 @@ auxiliary rank provides after it), a fixed number of RL steps (--steps, --rl-sec
   colocated-all   2 ranks, each generates half the batch, then computes the reference's log-probs and the reward
                   model's scores of its share (both kept on host between uses), then trains (FSDP2 over the 2)
   hybrid          rank 0 is the actor (generates the whole batch, trains); rank 1 holds the reference and the reward
-                  model and works on each group as soon as rank 0 puts it, while rank 0 decodes the rest
+                  model and works on each group as soon as rank 0 puts it (rank 0 answers its pulls between decode
+                  forwards), while rank 0 decodes the rest; rank 0's update starts on the groups rank 1 has finished
+                  and reads each later micro-batch's columns as it reaches it
 The regime: the default task and model, where the reference and the reward model take about a fifth of a
 colocated-all rank's step (measured: the `reference` and `reward_model` spans over `time/step_s`, printed below).
 
@@ -17,6 +19,8 @@ Figures, over the RL steps of each run (rank 0's metrics.jsonl and every rank's 
   tokens/s        response tokens over the steps' time
   actor idle      the actor's share of the steps' time spent waiting: its `queue` and `idle` spans (colocated-all:
                   rank 0's; hybrid: rank 0, the only actor rank)
+  queue's own     rank 0's `queue` spans, less the time the auxiliary rank was working meanwhile (a wait for its work,
+                  not for the queue): the queue's round trips, transfers and polling (target in the hybrid: < 5%)
   hybrid_over_colocated_all   the hybrid's tokens/s over colocated-all's, in the same round
 The bound: what this machine allows the hybrid. Per RL step k, the actor must do its own work a_k (its step time less
 its waits) and the auxiliary rank its own, x_k (its `reference` and `reward_model` spans inside step k's window, from
@@ -24,10 +28,10 @@ the actor's first span of step k to its last); at best they overlap completely, 
 max(a_k, x_k). The hybrid's bound in tokens/s is its tokens over sum_k max(a_k, x_k); `bound` is that over
 colocated-all's tokens/s, and `share_of_bound` the hybrid's measured tokens/s over its bound (the target: >= 0.9).
 The auxiliary work can fill only the actor's waits: where x_k < a_k, the auxiliary rank idles for the rest. The bound
-is loose: the groups that complete in a round's last decode chunk can only be worked on after it, while the actor
-waits (`tail`: the auxiliary work after the actor's rollout ended, over the steps' time), and a_k is the hybrid's own
-actor work (its chunked decode and its puts included). `queue_latency`: the queue's own share of the steps' time in
-the hybrid, where it is the backbone: from the auxiliary rank's last work of a step to the end of the actor's read.
+is loose: the groups that complete in a round's last decode chunk can only be worked on after it (`tail`: the
+auxiliary work after the actor's rollout ended, over the steps' time), and the update's first micro-batch needs the
+columns of the groups that completed first; a_k is the hybrid's own actor work (its chunked decode, its puts and
+serving included).
 The source's claim for its hybrid placement (a larger cluster, a 718B MoE): higher throughput than either pure form;
 the ratio here is this machine's, with one actor rank against two.
 Runs go to bench/out/hybrid/; the last line printed is one JSON object.
@@ -69,28 +73,36 @@ def inside(spans, rank, names, lo, hi):
                if s["rank"] == rank and s["name"] in names)
 
 
+def queue_own(spans, helper, lo, hi):
+    """Seconds of rank 0's `queue` spans inside [lo, hi] during which the auxiliary rank (helper; None: none) was not
+    working: the queue's own time (its round trips, transfers, polling), not a wait for the auxiliary work."""
+    mine = [s for s in spans if s["rank"] == 0 and s["name"] == "queue" and s["end"] > lo and s["start"] < hi]
+    total = sum(min(s["end"], hi) - max(s["start"], lo) for s in mine)
+    waited = 0.0 if helper is None else sum(inside(spans, helper, AUX_WORK, max(s["start"], lo), min(s["end"], hi))
+                                            for s in mine)
+    return total - waited
+
+
 def figures(lines, spans, deploy):
-    """tokens/s, the actor's idle share, the auxiliary work's share of the actor's step time, and (hybrid) the bound's
-    tokens/s and the tail, from the RL steps (the first left out: first-time allocations; the last: its evaluation)."""
-    rows, step_s, waits, aux, tail, latency, bound_s = lines[1:-1], 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
-    helper = 1 if deploy == "hybrid" else 0
+    """tokens/s, the actor's idle share, the auxiliary work's share of the actor's step time, the queue's own share,
+    and (hybrid) the bound's tokens/s and the tail, from the RL steps (the first left out: first-time allocations; the
+    last: its evaluation)."""
+    rows, step_s, waits, aux, tail, own, bound_s = lines[1:-1], 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+    helper = 1 if deploy == "hybrid" else None
     for line in rows:
         mine = [s for s in spans if s["rank"] == 0 and s.get("step") == line["step"]]
         lo, hi = min(s["start"] for s in mine), max(s["end"] for s in mine)
-        rolled = max(s["end"] for s in mine if s["name"] == "rollout")
         wait = inside(spans, 0, WAITS, lo, hi)
-        work = inside(spans, helper, AUX_WORK, lo, hi)
-        step_s, waits, aux = step_s + line["time/step_s"], waits + wait, aux + work
-        if helper:  # the auxiliary work after the round; the queue's own time from its last work to the read's end
+        work = inside(spans, 0 if helper is None else helper, AUX_WORK, lo, hi)
+        step_s, waits, aux, own = step_s + line["time/step_s"], waits + wait, aux + work, own + queue_own(
+            spans, helper, lo, hi)
+        if helper is not None:  # the auxiliary work after the round
+            rolled = max(s["end"] for s in mine if s["name"] == "rollout")
             tail += inside(spans, helper, AUX_WORK, rolled, hi)
-            read = max(s["end"] for s in mine if s["name"] == "queue")
-            last = max([s["end"] for s in spans if s["rank"] == helper and s["name"] in AUX_WORK and lo < s["end"] < read],
-                       default=read)
-            latency += read - last
         bound_s += max(line["time/step_s"] - wait, work)
     tokens = sum(line["rollout/response_tokens"] for line in rows)
     return {"tokens_per_s": tokens / step_s, "actor_idle": waits / step_s, "aux_share": aux / step_s,
-            "tail": tail / step_s, "queue_latency": latency / step_s, "bound_tokens_per_s": tokens / bound_s,
+            "tail": tail / step_s, "queue_own": own / step_s, "bound_tokens_per_s": tokens / bound_s,
             "steps": len(rows)}
 
 
@@ -103,7 +115,7 @@ def main():
     args = p.parse_args()
     result = {}
     for S in args.staleness:
-        ratios, bounds, shares, tails, latencies = [], [], [], [], []
+        ratios, bounds, shares, tails, own = [], [], [], [], {"colocated-all": [], "hybrid": []}
         for i in range(args.rounds):
             f = {}
             for deploy in ("colocated-all", "hybrid") if i % 2 == 0 else ("hybrid", "colocated-all"):
@@ -112,16 +124,18 @@ def main():
                 print(f"  S = {S} {deploy:13s}: {f[deploy]['tokens_per_s']:6.0f} tok/s | actor idle "
                       f"{f[deploy]['actor_idle']:.3f} | reference and reward model {f[deploy]['aux_share']:.3f} of the "
                       f"actor's step time ({'on it' if deploy == 'colocated-all' else 'on rank 1'}; after its "
-                      f"rollout {f[deploy]['tail']:.3f}; the queue's own latency {f[deploy]['queue_latency']:.3f})",
+                      f"rollout {f[deploy]['tail']:.3f}) | the queue's own time {f[deploy]['queue_own']:.3f}",
                       flush=True)
             ratio = f["hybrid"]["tokens_per_s"] / f["colocated-all"]["tokens_per_s"]
             bound = f["hybrid"]["bound_tokens_per_s"] / f["colocated-all"]["tokens_per_s"]
             ratios.append(ratio), bounds.append(bound), shares.append(ratio / bound)
-            tails.append(f["hybrid"]["tail"]), latencies.append(f["hybrid"]["queue_latency"])
+            tails.append(f["hybrid"]["tail"])
+            for deploy in own:
+                own[deploy].append(f[deploy]["queue_own"])
             print(f"  S = {S} round {i}: hybrid / colocated-all {ratio:.3f}, bound {bound:.3f}, share of the bound "
                   f"{ratio / bound:.3f}", flush=True)
         result[f"s{S}"] = {"hybrid_over_colocated_all": ratios, "bound": bounds, "share_of_bound": shares,
-                           "median_share_of_bound": statistics.median(shares), "tail": tails, "queue_latency": latencies}
+                           "median_share_of_bound": statistics.median(shares), "tail": tails, "queue_own": own}
     print(json.dumps(result))
 
 

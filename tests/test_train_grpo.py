@@ -358,14 +358,14 @@ def test_world_4_hybrid_with_two_auxiliary_ranks_trains_as_colocated_all(tmp_pat
 def _train_counting_rows(rank, world_size, out_dir, overrides=None):
     """_train_tiny, also returning the (writer, sample id) of every row this rank's trainer read, and the sample ids
     its scheduler emitted in batches (an actor rank's; an auxiliary rank's: none)."""
-    runs, build, read, seen = [], T.build, T.read_from_aux, []
+    runs, build, read, seen = [], T.build, T.read_rows, []
     T.build = lambda *a, **k: runs.append(build(*a, **k)) or runs[-1]
 
     def counting(run, *args):
         rows = read(run, *args)
         seen.extend((r % world_size, int(s[0])) for r, s in zip(rows.ids, rows.cols["stale"]))  # STALE_FACTS[0]
         return rows
-    T.read_from_aux = counting
+    T.read_rows = counting
     _train_tiny(rank, world_size, out_dir, overrides)
     sched = runs[0].sched
     return seen, sorted(sched.accounting()["trained"]) if sched is not None else []
@@ -384,20 +384,31 @@ def test_hybrid_trains_every_sample_its_actor_emits_exactly_once(tmp_path):
     assert any(l["queue/rows_ahead"] > 0 for l in lines)  # some groups were put ahead of their batch
 
 
-def _train_with_a_silent_aux(rank, world_size, out_dir, overrides=None):
-    """_train_tiny, the auxiliary rank alive but never serving its stage (as a hung or dead one looks to the queue)."""
-    if rank == world_size - 1:
+def _train_with_a_silent_aux(rank, world_size, out_dir, overrides=None, how="silent"):
+    """_train_tiny, the auxiliary rank alive but never serving its stage (as a hung or dead one looks to the queue), or
+    (how="no columns") hung once it has taken every group of the first batch, before it puts the last ones' columns."""
+    if rank == world_size - 1 and how == "silent":
         T.aux_loop = lambda run: time.sleep(120)
+    if rank == world_size - 1 and how == "no columns":
+        taken, columns = [], T.aux_columns
+
+        def hung_at_the_batch_end(run, rows, ids):
+            taken.extend(ids)
+            if len(taken) >= TINY["prompts_per_step"] * TINY["group_size"]:
+                time.sleep(120)
+            return columns(run, rows, ids)
+        T.aux_columns = hung_at_the_batch_end
     return _train_tiny(rank, world_size, out_dir, overrides)
 
 
-def test_hybrid_with_a_silent_auxiliary_rank_fails_naming_the_stage(tmp_path):
+@pytest.mark.parametrize("how", ["silent", "no columns"])
+def test_hybrid_with_a_silent_auxiliary_rank_fails_naming_the_stage(tmp_path, how):
     with pytest.raises(RuntimeError) as e:
         run_distributed(_train_with_a_silent_aux, world_size=3, timeout_s=100,
-                        args=(str(tmp_path), {"deploy": "hybrid", "pg_timeout_s": 5}))
-    said = str(e.value)
-    assert "the auxiliary stage (ranks [2]) did not complete the 16 rows of step 1's batch" in said
-    assert "is it alive?" in said
+                        args=(str(tmp_path), {"deploy": "hybrid", "pg_timeout_s": 5}, how))
+    message = str(e.value)
+    assert "the auxiliary stage (ranks [2]) did not add its columns" in message and "of step 1's batch" in message
+    assert "is it alive?" in message
 
 
 @pytest.mark.slow
