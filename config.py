@@ -78,7 +78,8 @@ class Config:
     rm_samples: int = flag(2048, "--reward-model: the policy's samples it is trained on")
     rm_steps: int = flag(300, "--reward-model: its training steps (batches of 64)")
     updates_per_batch: int = flag(1, "optimizer steps per rollout batch")
-    micro_batches: int = flag(4, "length-sorted chunks per mini-batch (less padding), gradients accumulated")
+    micro_batches: int = flag(4, "length-sorted chunks per mini-batch (less padding; hybrid: in put order), "
+                                     "gradients accumulated")
     grad_clip: float = flag(1.0, "gradient norm clip")
     # staleness (stalesync.py)
     staleness: int = flag(1, "S: most policy versions a trained sample may lag (0: synchronous)")

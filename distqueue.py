@@ -258,8 +258,8 @@ def check_store(store):
         store.multi_get(["dq/probe_add"])
     except (NotImplementedError, RuntimeError, AttributeError) as e:
         raise ValueError(f"{type(store).__name__} cannot serve a DistQueue ({e}): it needs queue operations "
-                         "(queue_push, queue_pop, queue_len), add, append, compare_set and multi_get; pass a TCPStore or a "
-                         "HashStore (a process group started with file:// has a FileStore)") from None
+                         "(queue_push, queue_pop, queue_len), add, append, compare_set and multi_get; pass a TCPStore "
+                         "or a HashStore (a process group started with file:// has a FileStore)") from None
 
 
 # ----------------------------------------------------------------------------- the queue

@@ -197,7 +197,7 @@ class GRPOConfig:
     norm_len: int = 0              # seq-mean-token-sum-norm's constant: the response budget in tokens
     temperature: float = 1.0       # the sampler's: log-probs are of softmax(logits / temperature)
     updates_per_batch: int = 1     # optimizer steps (mini-batches) per batch
-    micro_batches: int = 4         # length-sorted chunks per mini-batch, gradients accumulated
+    micro_batches: int = 4         # sorted chunks per mini-batch (Samples.chunk_key), gradients accumulated
     grad_clip: float = 1.0         # global gradient norm clip
     decoupled: bool = False        # clip around recomputed proximal log-probs (off_policy_logprobs)
     tis_cap: float = None          # decoupled, with pi_prox / pi_behaviour capped at this (truncated IS)
@@ -234,12 +234,12 @@ def pad_responses(prompts, responses, *per_token, pad_id=0):
     return tokens, mask, fields
 
 
-def length_chunks(rows, lengths, k):
-    """Split rows into exactly k chunks of similar length (sorted), so that each forward pads only to its
-    own chunk's longest row. Every rank must run the same number of FSDP forwards and backwards, so an
+def length_chunks(rows, key, k):
+    """Split rows into exactly k chunks, sorted by key (their lengths: each forward pads only to its own
+    chunk's longest row). Every rank must run the same number of FSDP forwards and backwards, so an
     empty chunk becomes a stand-in row with weight 0. Returns [(rows, is_stand_in)]."""
-    by_len = sorted(rows, key=lambda i: lengths[i])
-    return [(list(c), False) if len(c) else ([0], True) for c in np.array_split(np.array(by_len, dtype=int), k)]
+    by_key = sorted(rows, key=lambda i: key[i])
+    return [(list(c), False) if len(c) else ([0], True) for c in np.array_split(np.array(by_key, dtype=int), k)]
 
 
 def sequence_logprobs(model, tokens, temperature):
@@ -279,7 +279,7 @@ def _reshard(model):
 # ----------------------------------------------------------------------------- the update
 @torch.no_grad()
 def chunk_logprobs(model, samples, cfg, device, replay=False):
-    """Log-probs of every response token under `model`, in the update's length chunks: (B,) of (n_i,).
+    """Log-probs of every response token under `model`, in cfg.micro_batches chunks by length: (B,) of (n_i,).
     replay: the response tokens take the rollout's experts (the policy's proximal log-probs under routing replay;
     the frozen reference routes freely)."""
     out = [None] * len(samples.prompts)
@@ -301,9 +301,11 @@ def grpo_update(model, optimizer, samples, cfg, device, group=None, ref_logprobs
     averaged over the group: FSDP2's reduce-scatter, or whatever the model does). ref_logprobs: (B,) of
     (n_i,), needed when kl_coef > 0. clip_grads(model, max_norm), optional: replaces
     clip_grad_norm_ (expert parallelism clips over experts that FSDP does not hold).
-    arrive(rows), optional: called before each micro-batch's forward with its rows (indices into samples);
-    a caller whose ref_logprobs or advantages are computed elsewhere fills those rows' entries in it, so that
-    the first micro-batches (the shortest rows) train while the last ones' inputs are still on their way.
+    arrive(rows), optional: called before each micro-batch's forward with its rows (indices into samples),
+    the same number of times on every rank of the group (a stand-in micro-batch included), so it may hold a
+    collective; a caller whose ref_logprobs or advantages are computed elsewhere fills those rows' entries in
+    it, so that the first micro-batches (samples.order: the rows whose inputs come first) train while the
+    last ones' inputs are still on their way.
     Returns sums over this rank's rows, to be summed over the ranks (maxima: keys ending in _max) and
     divided (`batch_means`)."""
     if cfg.kl_coef > 0 and ref_logprobs is None:
@@ -350,7 +352,7 @@ def _items(mask, cfg):
 
 
 def _accumulate(model, samples, mini, cfg, device, group, ref_lp, prox_lp, sums, first, arrive=None):
-    """Forward and backward of one mini-batch in length-sorted micro-batches; adds to sums. first: the
+    """Forward and backward of one mini-batch in sorted micro-batches (Samples.chunk_key); adds to sums. first: the
     batch's first mini-batch, before any step: its log-probs against the behaviour's give the gap.
     arrive(rows): see grpo_update."""
     chunks = length_chunks(mini, samples.chunk_key(), cfg.micro_batches)

@@ -673,9 +673,7 @@ class Sampler:
                 rows, tok, next_pos, valid, left = rows[keep], tok[keep], next_pos[keep], valid[keep], left[keep]
             if len(rows) == 0 or (step == steps - 1 and not self.keep):  # kept rows need their next logits
                 break
-            self._agree_decode(forwards, live=True)
-            if self.on_step is not None:
-                self.on_step()
+            self._before_forward(forwards)
             valid = torch.cat([valid, valid.new_ones(len(rows), 1)], 1)            # (B', t)
             logits = self._decode_forward(tok, next_pos, valid, cache, rows, routes)
             next_pos = next_pos + 1
@@ -691,6 +689,12 @@ class Sampler:
         self._record(contexts, call, n_done, prior, out_tok, per_token, done)
         return Generation([torch.tensor(t, dtype=torch.long) for t in out_tok],
                           [torch.tensor(lp, dtype=torch.float32) for lp in out_lp], done, per_token)
+
+    def _before_forward(self, forwards):
+        """Before each decode forward: the lock-step agreement (expert parallelism), then on_step."""
+        self._agree_decode(forwards, live=True)
+        if self.on_step is not None:
+            self.on_step()
 
     def _decode_forward(self, tok, pos, valid, cache, rows, routes):
         """One decode forward of the live rows' new tokens -> next logits (B', V); with routes=True, each token's

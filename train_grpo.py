@@ -44,8 +44,7 @@ import json
 import os
 import time
 import uuid
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -127,8 +126,8 @@ def colocated_loop(run):
         # 4. a token-balanced share of the whole batch; the reference's log-probs of it (hybrid: they arrive in 5)
         samples, rows, queued = read_share(run, step)
         ref_logprobs = reference_logprobs(run, samples, queued)
-        # 5. GRPO updates over length-sorted micro-batches, data parallel (FSDP2); hybrid: each micro-batch waits for
-        #    its rows' columns from the auxiliary stage, which works on the last groups while the first ones train
+        # 5. GRPO updates over sorted micro-batches, data parallel (FSDP2); hybrid: in the order the rows were put,
+        #    each waiting for its rows' columns from the auxiliary stage, which works on the last groups meanwhile
         with spans("train"):
             sums = run.update(run.model, run.optimizer, samples, run.algo, run.device,
                               run.train_group, ref_logprobs, run.clip_grads, arrive=queued)
@@ -252,7 +251,7 @@ def aux_loop(run):
         if len(ids) != len(rows.ids):  # a put publishes a whole group: a part of one would be a bug, not a wait
             raise RuntimeError(f"rank {run.rank}: read rows {sorted(set(rows.ids) - set(ids))} without the rest of "
                                "their group")
-        piece = max(1, run.cfg.prompts_per_step // run.cfg.micro_batches) * run.cfg.group_size  # rows
+        piece = aux_piece(run)
         for j in range(0, len(ids), piece):
             aux_columns(run, rows, ids[j:j + piece])
         done.update(groups)
@@ -264,6 +263,13 @@ def aux_loop(run):
     run.store.set(aux_done_key(run, run.rank), "1")
 
 
+def aux_piece(run):
+    """Rows per piece of an auxiliary rank's work: its share of one micro-batch of the update, in whole groups."""
+    cfg = run.cfg
+    per_micro_batch = cfg.prompts_per_step // (cfg.micro_batches * cfg.updates_per_batch * len(run.roles.auxiliaries))
+    return max(1, per_micro_batch) * cfg.group_size
+
+
 def aux_columns(run, rows, ids):
     """4 (and 2-3 with a reward model), on an auxiliary rank: the frozen reference's log-probs of rows `ids` (whole
     groups, in order; one forward), and the reward model's rewards and group advantages, put back as columns of the
@@ -272,7 +278,7 @@ def aux_columns(run, rows, ids):
     run.spans.args = {"rows": len(ids)}
     where = {r: i for i, r in enumerate(rows.ids)}  # the queue returns ids ascending: back in group order
     prompts, responses = ([rows.cols[c][where[r]] for r in ids] for c in ("prompt", "response"))
-    one_forward = dataclasses.replace(run.algo, micro_batches=1)
+    one_forward = replace(run.algo, micro_batches=1)
     columns = {"ref_logprobs": reference_logprobs(run, grpo.Samples(prompts, responses, None, None), algo=one_forward)}
     run.queue.serve()  # between the two models: a trainer may be waiting for columns this rank put before
     if run.reward_model is not None:
@@ -390,7 +396,10 @@ def read_share(run, step):
               for r, t in zip(rows.cols["routes"], rows.cols["response"])]
     samples = grpo.Samples(rows.cols["prompt"], rows.cols["response"], rows.cols["old_logprobs"], advantages,
                            truncated=[bool(r[-1] != task.EOS) for r in rows.cols["response"]], routes=routes)
-    queued = AuxColumns(run, step, rows, samples) if run.roles.hybrid else None
+    queued = None
+    if run.roles.hybrid:  # micro-batches in the order the rows were put (a row's place in its writer's puts), which
+        samples.order = [r // run.queue.world for r in rows.ids]  # is the order the auxiliary stage completes them
+        queued = AuxColumns(run, step, rows, samples)
     if queued is not None and "advantage" in queued.names and run.cfg.adv_estimator == "reinforce++":
         queued(range(B))  # batch-normalised below: every row's advantage first (no overlap with the update)
     samples.advantages = grpo.finish_advantages(samples.advantages, run.cfg.adv_estimator, run.device, run.batch_group)
@@ -428,8 +437,9 @@ def share_figures(run, step, rows):
 class AuxColumns:
     """Hybrid, a trainer: the auxiliary stage's columns of its rows (the reference's log-probs; with a reward model,
     rewards and advantages), read micro-batch by micro-batch as the update reaches them (grpo_update's arrive). The
-    first micro-batches hold the shortest rows, whose groups completed early in the round and were worked on while it
-    decoded; the auxiliary stage finishes the last groups (the longest rows) while those train."""
+    micro-batches follow the order the rows were put (Samples.order): the first hold the groups that completed early
+    in the round, which the auxiliary stage worked on while it decoded; it finishes the last groups while those train.
+    A row's ref_logprobs still None marks every one of its columns as not yet arrived."""
 
     def __init__(self, run, step, rows, samples):
         self.run, self.step, self.rows, self.samples = run, step, rows, samples
@@ -437,8 +447,7 @@ class AuxColumns:
         for name in self.names:  # filled in place as they arrive
             rows.cols[name] = [None] * len(rows.ids)
         self.ref_logprobs = rows.cols["ref_logprobs"]                                       # (B,) of (n_i,)
-        samples.order = [r // run.queue.world for r in rows.ids]  # a row's place in its writer's puts: micro-batches
-        #                                                            in the order the auxiliary stage completes them
+        self.calls = 0  # arrive calls so far: the same count on every trainer (the barrier's name)
 
     def __call__(self, which):
         """Rows `which` (indices into the share) complete: their columns read if they are not yet (with those of any
@@ -448,33 +457,39 @@ class AuxColumns:
             with self.run.spans("queue"):
                 self._take([i for i, lp in enumerate(self.ref_logprobs) if lp is None], at_least=0)
                 self._take([i for i in which if self.ref_logprobs[i] is None])
-        serve_until_all(self.run, self.run.train_group)
+        self.calls += 1
+        serve_until_all(self.run, f"{self.step}/{self.calls}")
 
-    def _take(self, rows, at_least=None):
+    def _take(self, idx, at_least=None):
         """Read the columns of these rows (indices into the share): all of them, or what there is (at_least=0)."""
-        if not rows:
+        if not idx:
             return
-        got = read_from_aux(self.run, self.step, [self.rows.ids[i] for i in rows], at_least)
+        got = read_from_aux(self.run, self.step, [self.rows.ids[i] for i in idx], at_least)
         where = {r: j for j, r in enumerate(got.ids)}
-        for i in [i for i in rows if self.rows.ids[i] in where]:
+        for i in [i for i in idx if self.rows.ids[i] in where]:
             for name in self.names:
                 self.rows.cols[name][i] = got.cols[name][where[self.rows.ids[i]]]
             if "advantage" in self.names:
                 self.samples.advantages[i] = self.rows.cols["advantage"][i]
 
 
-def serve_until_all(run, group):
-    """A barrier over `group` that serves the queue while it waits (and fails, as any collective, past the group's
-    timeout)."""
-    if dist.get_world_size(group) == 1:
+def serve_until_all(run, name):
+    """A barrier of the trainers, through the store, that serves the queue while it waits. It waits up to 2 x the
+    timeout, so that a peer's own wait for the auxiliary stage, which times out first, is the failure raised."""
+    n = len(run.roles.trainers)
+    if n == 1:
         run.queue.serve()
         return
+    key = f"w:{run.key}/arrived/{name}"
+    run.store.add(key, 1)
+    deadline = time.monotonic() + 2 * run.cfg.pg_timeout_s
     with run.spans("queue"):
-        work = dist.all_reduce(torch.zeros(1, device=run.device), group=group, async_op=True)
-        while not work.is_completed():
+        while int(run.store.add(key, 0)) < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {run.rank}: a trainer did not reach micro-batch barrier {name} (step/call) "
+                                   f"in {2 * run.cfg.pg_timeout_s}s: is it alive?")
             run.queue.serve()
             time.sleep(run.queue.spec.poll_s)
-        work.wait()  # completed may mean failed (a dead peer): raise it
 
 
 def read_from_aux(run, step, ids, min_rows=None):
@@ -750,7 +765,8 @@ def build_queue(cfg, key, store, rank, world, device):
                "rule_reward": "float32", "advantage": "float32", "stale": "int64",
                "routes": "int32"}  # routes: (n_i * L * K,) experts
     stages = {"train": tuple(columns)}
-    if cfg.deploy == "hybrid":  # three stages: the actor puts, the auxiliary ranks add columns, the trainers read
+    if cfg.deploy == "hybrid":  # three stages: the actor puts; the auxiliary ranks read "aux" and add "from_aux"; the
+        # trainers read "train" (the actor's columns) at the cut and "from_aux" micro-batch by micro-batch
         columns["ref_logprobs"] = "float32"                                                    # (n_i,)
         added = ("ref_logprobs", "reward", "advantage") if cfg.reward_model else ("ref_logprobs",)
         stages = {"aux": ("prompt", "response"), "train": tuple(c for c in columns if c not in added),

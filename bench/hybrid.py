@@ -19,8 +19,9 @@ Figures, over the RL steps of each run (rank 0's metrics.jsonl and every rank's 
   tokens/s        response tokens over the steps' time
   actor idle      the actor's share of the steps' time spent waiting: its `queue` and `idle` spans (colocated-all:
                   rank 0's; hybrid: rank 0, the only actor rank)
-  queue's own     rank 0's `queue` spans, less the time the auxiliary rank was working meanwhile (a wait for its work,
-                  not for the queue): the queue's round trips, transfers and polling (target in the hybrid: < 5%)
+  queue's own     rank 0's `queue` spans, less the time the auxiliary rank was working while rank 0's update waited for
+                  a micro-batch's columns (a wait for its work, not for the queue): the queue's round trips, transfers
+                  and polling (target in the hybrid: < 5%)
   hybrid_over_colocated_all   the hybrid's tokens/s over colocated-all's, in the same round
 The bound: what this machine allows the hybrid. Per RL step k, the actor must do its own work a_k (its step time less
 its waits) and the auxiliary rank its own, x_k (its `reference` and `reward_model` spans inside step k's window, from
@@ -74,12 +75,15 @@ def inside(spans, rank, names, lo, hi):
 
 
 def queue_own(spans, helper, lo, hi):
-    """Seconds of rank 0's `queue` spans inside [lo, hi] during which the auxiliary rank (helper; None: none) was not
-    working: the queue's own time (its round trips, transfers, polling), not a wait for the auxiliary work."""
+    """Seconds of rank 0's `queue` spans inside [lo, hi], less, in those inside its update (`train`: the hybrid's
+    reads of each micro-batch's auxiliary columns), the time the auxiliary rank (helper; None: none) was working: a
+    wait for its work, not for the queue. What is left is the queue's own time: round trips, transfers, polling."""
     mine = [s for s in spans if s["rank"] == 0 and s["name"] == "queue" and s["end"] > lo and s["start"] < hi]
     total = sum(min(s["end"], hi) - max(s["start"], lo) for s in mine)
+    updates = [s for s in spans if s["rank"] == 0 and s["name"] == "train" and s["end"] > lo and s["start"] < hi]
+    waits = [s for s in mine if any(u["start"] <= s["start"] and s["end"] <= u["end"] for u in updates)]
     waited = 0.0 if helper is None else sum(inside(spans, helper, AUX_WORK, max(s["start"], lo), min(s["end"], hi))
-                                            for s in mine)
+                                            for s in waits)
     return total - waited
 
 

@@ -178,6 +178,11 @@ def test_an_idle_poll_fetches_nothing_old():
             self.got += len(value)
             return value
 
+        def multi_get(self, keys):
+            values = self.store.multi_get(keys)
+            self.got += sum(len(v) for k, v in zip(keys, values) if not k.endswith("/n"))  # not the counters
+            return values
+
         def __getattr__(self, name):
             return getattr(self.store, name)
     spec = dq.QueueSpec(columns={"x": "int64"}, stages={"a": ("x",)}, timeout_s=0.1)
@@ -186,10 +191,30 @@ def test_an_idle_poll_fetches_nothing_old():
     for _ in range(20):
         q.put({"x": [torch.arange(3)] * 4})
     assert len(q.get("a", 80).ids) == 80
+    assert store.got > 20 * 4 * len("0,0,3;")  # the 20 puts' entries were read (once)
     before = store.got
     with pytest.raises(TimeoutError):
         q.get("a", 1)  # polls for 0.1 s: nothing new
     assert store.got == before
+
+
+def test_a_ready_entry_counted_before_it_is_written_is_read_once_in_order():
+    """A writer counts an entry, then writes it: a reader that polls in between reads the entries before it, and the
+    counted one (and those after it) at a later poll, each once."""
+    spec = dq.QueueSpec(columns={"x": "int64"}, stages={"a": ("x",)}, timeout_s=0.1)
+    store = dist.HashStore()
+    q = dq.DistQueue(spec, store)
+    q.put({"x": [torch.arange(2)]})                      # entry 0: row 0
+    i = int(store.add(q._k("ready", "x", "n"), 1)) - 1  # entry 1 counted, not yet written
+    assert len(q.get("a", 1).ids) == 1                   # row 0 only
+    with pytest.raises(TimeoutError, match="no unclaimed row"):
+        q.get("a", 1)
+    store.set(q._k("ready", "x", i), "1,0,2;")           # entry 1 written: a row 1 of owner 0
+    q.cells[(1, "x")] = torch.arange(2)
+    q.next_local = 2
+    assert q.get("a", 1).ids == [1]                      # read after entry 0
+    with pytest.raises(TimeoutError, match="no unclaimed row"):
+        q.get("a", 1)                                    # and once
 
 
 def test_a_read_claims_its_rows_in_a_few_store_round_trips():

@@ -1,4 +1,6 @@
 """grpo.py's math against slow loop references, and task.py's task and reward."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -212,6 +214,34 @@ def _update(samples, **cfg):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sums = grpo.grpo_update(model, opt, samples, grpo.GRPOConfig(**cfg), "cpu")
     return torch.cat([p.detach().flatten() for p in model.parameters()]), grpo.batch_means(sums)
+
+
+def test_inputs_that_arrive_per_micro_batch_train_as_complete_ones():
+    """arrive(rows) is called once per micro-batch, in the order of Samples.order, before its forward; filling the
+    advantages and reference log-probs there trains to the parameters of complete inputs."""
+    full = _samples(n=8)
+    ref = [lp - 0.1 for lp in full.old_logprobs]
+    order = [5, 1, 7, 0, 3, 6, 2, 4]  # e.g. when each row's inputs were put
+
+    expected = _update_with(dataclasses.replace(full, order=order), list(ref), None)
+    samples = dataclasses.replace(full, advantages=torch.full((8,), float("nan")), order=order)
+    filled, calls = [None] * 8, []
+
+    def arrive(rows):
+        calls.append(list(rows))
+        for i in rows:
+            filled[i], samples.advantages[i] = ref[i], full.advantages[i]
+    got = _update_with(samples, filled, arrive)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert calls == [[3, 1], [6, 4], [7, 0], [5, 2]]  # rows sorted by order, 4 micro-batches
+
+
+def _update_with(samples, ref_logprobs, arrive):
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    grpo.grpo_update(model, opt, samples, grpo.GRPOConfig(kl_coef=0.1), "cpu", ref_logprobs=ref_logprobs,
+                     arrive=arrive)
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])

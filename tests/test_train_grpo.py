@@ -305,9 +305,10 @@ def test_hybrid_places_the_reference_on_an_auxiliary_rank_and_trains_as_colocate
     """--deploy hybrid at world 3: ranks 0 and 1 are the actor (colocated: FSDP2 over the two, phase switches), rank 2
     holds the frozen reference, a queue stage between rollout and training: the actor puts each group as it completes
     (S = 0 decodes in chunks, here of 1 token), rank 2 adds the reference's log-probs as a column while the round
-    decodes on, the actor's trainers read complete rows. With the KL term on, it trains to the parameters that
-    colocated-all's two replicas train to (the reference on the actor's ranks, one sampler call per round). At S = 1
-    the groups that complete beyond a batch wait in the queue for the next: never more than S batches of them."""
+    decodes on, the actor's trainers read each micro-batch's columns as their update reaches it. With the KL term on,
+    it trains to the parameters that colocated-all's two replicas train to (the reference on the actor's ranks, one
+    sampler call per round). At S = 1 the groups that complete beyond a batch wait in the queue for the next: never
+    more than S batches of them."""
     mode = {"chunk_steps": 1, "staleness": S}
     (_, p), (_, q), (_, aux) = run_distributed(_train_tiny, world_size=3,
                                                args=(str(tmp_path / "h"), dict(mode, deploy="hybrid")))
@@ -356,30 +357,39 @@ def test_world_4_hybrid_with_two_auxiliary_ranks_trains_as_colocated_all(tmp_pat
 
 
 def _train_counting_rows(rank, world_size, out_dir, overrides=None):
-    """_train_tiny, also returning the (writer, sample id) of every row this rank's trainer read, and the sample ids
-    its scheduler emitted in batches (an actor rank's; an auxiliary rank's: none)."""
-    runs, build, read, seen = [], T.build, T.read_rows, []
+    """_train_tiny, also returning the (writer, sample id) of every row this rank's trainer read, the ids of the rows
+    whose auxiliary columns it read, and the sample ids its scheduler emitted in batches (an actor rank's; an
+    auxiliary rank's: none)."""
+    runs, build, read, read_aux, seen, seen_aux = [], T.build, T.read_rows, T.read_from_aux, [], []
     T.build = lambda *a, **k: runs.append(build(*a, **k)) or runs[-1]
 
     def counting(run, *args):
         rows = read(run, *args)
-        seen.extend((r % world_size, int(s[0])) for r, s in zip(rows.ids, rows.cols["stale"]))  # STALE_FACTS[0]
+        seen.extend((r, r % world_size, int(s[0])) for r, s in zip(rows.ids, rows.cols["stale"]))  # STALE_FACTS[0]
         return rows
-    T.read_rows = counting
+
+    def counting_aux(run, *args):
+        rows = read_aux(run, *args)
+        seen_aux.extend(rows.ids)
+        return rows
+    T.read_rows, T.read_from_aux = counting, counting_aux
     _train_tiny(rank, world_size, out_dir, overrides)
     sched = runs[0].sched
-    return seen, sorted(sched.accounting()["trained"]) if sched is not None else []
+    return seen, seen_aux, sorted(sched.accounting()["trained"]) if sched is not None else []
 
 
 def test_hybrid_trains_every_sample_its_actor_emits_exactly_once(tmp_path):
     """Counted over sample ids at S = 1 (groups completing beyond a batch wait in the queue for the next): the rows the
-    actor's trainers read, over the run, are the samples its schedulers emitted in batches, each exactly once."""
+    actor's trainers read, over the run, are the samples its schedulers emitted in batches, each exactly once, and
+    each row's auxiliary columns were read once, by the trainer that read the row."""
     mode = {"deploy": "hybrid", "staleness": 1, "chunk_steps": 1, "steps": 5, "threshold": 0.5}
     out = run_distributed(_train_counting_rows, world_size=3, args=(str(tmp_path), mode))
-    read = [key for seen, _ in out for key in seen]
-    emitted = [(rank, i) for rank, (_, trained) in enumerate(out) for i in trained]
+    read = [key[1:] for seen, _, _ in out for key in seen]
+    emitted = [(rank, i) for rank, (_, _, trained) in enumerate(out) for i in trained]
     assert len(read) == len(set(read)) == 5 * TINY["prompts_per_step"] * TINY["group_size"]  # none read twice
     assert sorted(read) == sorted(emitted)  # none lost, none extra
+    for seen, seen_aux, _ in out:  # per trainer: the same rows, each once
+        assert sorted(seen_aux) == sorted(key[0] for key in seen)
     lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")][1:]
     assert any(l["queue/rows_ahead"] > 0 for l in lines)  # some groups were put ahead of their batch
 
