@@ -329,11 +329,14 @@ def test_hybrid_places_the_reference_on_an_auxiliary_rank_and_trains_as_colocate
 
 
 @pytest.mark.slow
-def test_hybrid_with_a_reward_model_on_the_auxiliary_rank_trains_as_colocated_all(tmp_path):
+@pytest.mark.parametrize("estimator", ["grpo", "reinforce++"])
+def test_hybrid_with_a_reward_model_on_the_auxiliary_rank_trains_as_colocated_all(tmp_path, estimator):
     """--deploy hybrid --reward-model 1: the actor's ranks fit the reward model, rank 2 keeps it and scores every group
     (rewards and group advantages put back as columns). Without the filter and the curriculum (which need each
-    group's rewards during the round), it trains to colocated-all's parameters with the same reward model."""
-    mode = {"reward_model": True, "rm_samples": 64, "rm_steps": 20, "filter_groups": False, "curriculum": False}
+    group's rewards during the round), it trains to colocated-all's parameters with the same reward model; with
+    reinforce++ (advantages normalised over the batch) too: the trainers read every row's columns before the update."""
+    mode = {"reward_model": True, "rm_samples": 64, "rm_steps": 20, "filter_groups": False, "curriculum": False,
+            "adv_estimator": estimator}
     (_, p), _, _ = run_distributed(_train_tiny, world_size=3, args=(str(tmp_path / "h"), dict(mode, deploy="hybrid")))
     (_, c), _ = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "ca"), dict(mode, deploy="colocated-all")))
     assert_same_training(p, c, "hybrid with a reward model against colocated-all")
@@ -411,7 +414,7 @@ def _train_with_a_silent_aux(rank, world_size, out_dir, overrides=None, how="sil
     return _train_tiny(rank, world_size, out_dir, overrides)
 
 
-@pytest.mark.parametrize("how", ["silent", "no columns"])
+@pytest.mark.parametrize("how", ["silent", pytest.param("no columns", marks=pytest.mark.slow)])
 def test_hybrid_with_a_silent_auxiliary_rank_fails_naming_the_stage(tmp_path, how):
     with pytest.raises(RuntimeError) as e:
         run_distributed(_train_with_a_silent_aux, world_size=3, timeout_s=100,
