@@ -239,6 +239,7 @@ def aux_loop(run):
     batch has been read."""
     seen = dict.fromkeys(run.roles.writers(), 0)  # per writer: this rank's groups of it done so far, in order
     done = set()                                  # (writer, k): this rank's k-th group of that writer, done out of order
+    piece = aux_piece(run)                        # rows per piece of work
     while True:
         pending = aux_groups(run, seen, done)
         with run.spans("idle"):
@@ -251,7 +252,6 @@ def aux_loop(run):
         if len(ids) != len(rows.ids):  # a put publishes a whole group: a part of one would be a bug, not a wait
             raise RuntimeError(f"rank {run.rank}: read rows {sorted(set(rows.ids) - set(ids))} without the rest of "
                                "their group")
-        piece = aux_piece(run)
         for j in range(0, len(ids), piece):
             aux_columns(run, rows, ids[j:j + piece])
         done.update(groups)
