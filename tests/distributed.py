@@ -8,7 +8,8 @@
   with the test process but what it is passed, and the environment the server started with;
 - the port is picked free, never hard-coded;
 - every line a rank prints is tagged `[rank N]`;
-- `destroy_process_group()` runs in a `finally`;
+- `destroy_process_group()` runs in a `finally`, rank 0's last: it hosts the store the others may still call
+  (leave_together=False lets each rank leave when its fn returns, for a test of a peer that leaves);
 - a rank that raises fails the test with its traceback, at once; so does a rank that dies without
   reporting (killed, or unable to start); a rank that hangs fails it after `timeout_s`.
 `fn` must be a module-level function (it is pickled by name). Returns the ranks' return values.
@@ -49,7 +50,7 @@ class _Tagged(io.TextIOBase):
         self.stream.flush()
 
 
-def _worker(rank, world_size, port, fn, args, pg_timeout_s, results):
+def _worker(rank, world_size, port, fn, args, pg_timeout_s, results, leave_together):
     import torch
     import torch.distributed as dist
 
@@ -66,9 +67,30 @@ def _worker(rank, world_size, port, fn, args, pg_timeout_s, results):
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
+        if leave_together:
+            _leave_together(port, rank, world_size, pg_timeout_s)
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.stdout.flush(), sys.stderr.flush()
+
+
+def _leave_together(port, rank, world_size, timeout_s):
+    """Rank 0 hosts the rendezvous store, so it leaves last: a peer's last store call (a queue read's outcome,
+    say) must not find the store gone. Each rank says it is leaving; rank 0 waits for them all, up to the
+    timeout (the parent kills every rank at the first error, so a dead peer ends this wait too). A test that
+    restarted its process group elsewhere (MASTER_PORT changed or gone) has no such store to wait on."""
+    import datetime
+    import torch.distributed as dist
+    if os.environ.get("MASTER_PORT") != str(port):
+        return
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+        store.add("tests/leaving", 1)
+        deadline = time.monotonic() + timeout_s
+        while rank == 0 and int(store.add("tests/leaving", 0)) < world_size and time.monotonic() < deadline:
+            time.sleep(0.01)
+    except Exception:  # noqa: BLE001 - no store (rank 0 gone, or none started): nothing to wait for
+        pass
 
 
 def _context():
@@ -82,12 +104,12 @@ def _context():
     return ctx
 
 
-def run_distributed(fn, world_size=2, args=(), timeout_s=120, pg_timeout_s=60):
+def run_distributed(fn, world_size=2, args=(), timeout_s=120, pg_timeout_s=60, leave_together=True):
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, pg_timeout_s, results))
-             for r in range(world_size)]
+    worker_args = [(r, world_size, port, fn, args, pg_timeout_s, results, leave_together) for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=a) for a in worker_args]
     for p in procs:
         p.start()
     out, errors = {}, []

@@ -457,7 +457,7 @@ def _dead_leader(rank, world):
 
 
 def test_a_dead_leader_is_an_error_and_a_foreign_group_is_refused():
-    out = run_distributed(_dead_leader, world_size=2)[1]
+    out = run_distributed(_dead_leader, world_size=2, leave_together=False)[1]
     assert out[0] == "rank 1 is not in the group it passed (ranks [0])"
     assert not out[1].startswith("returned"), out
 
