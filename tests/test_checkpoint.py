@@ -30,11 +30,16 @@ def _lines(out_dir):
     return [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
 
 
+SLOW = pytest.mark.slow  # the fast suite keeps one run per deployment; these layouts resume in the slow one
+
+
 @pytest.mark.parametrize("mode", [{"staleness": 0}, {"staleness": 2, "chunk_steps": 1},
                                   {"deploy": "separated", "staleness": 0},
-                                  {"train_ep": 2, "infer_ep": 1, "staleness": 1, "chunk_steps": 1},
-                                  {"nodes": 2, "grad_compress": "topk-int8", "staleness": 0},
-                                  {"reward_model": True, "rm_samples": 64, "rm_steps": 20, "staleness": 0}],
+                                  pytest.param({"train_ep": 2, "infer_ep": 1, "staleness": 1, "chunk_steps": 1},
+                                               marks=SLOW),
+                                  pytest.param({"nodes": 2, "grad_compress": "topk-int8", "staleness": 0}, marks=SLOW),
+                                  pytest.param({"reward_model": True, "rm_samples": 64, "rm_steps": 20, "staleness": 0},
+                                               marks=SLOW)],
                          ids=["colocated-S0", "colocated-S2-partial", "separated-S0", "expert-parallel",
                               "nodes-compressed", "reward-model"])
 def test_stopped_and_resumed_run_trains_to_the_same_parameters(tmp_path, mode):
@@ -147,7 +152,7 @@ def test_a_checkpoint_saved_at_two_ranks_resumes_at_one(tmp_path):
     assert saved[0]["curriculum"] == saved[1]["curriculum"] and counts.tolist() == saved[0]["curriculum"]["counts"]
 
 
-@pytest.mark.parametrize("saved_pp, resumed_pp", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("saved_pp, resumed_pp", [(2, 1), pytest.param(1, 2, marks=SLOW)])
 def test_a_pipeline_checkpoint_resumes_without_the_pipeline_and_back(tmp_path, saved_pp, resumed_pp):
     """A checkpoint holds every weight and optimizer state under the whole model's names, whatever the stages:
     saved at --train-pp 2 it resumes at 1 (and back), the reference too, and trains on to the parameters of a run
@@ -454,6 +459,7 @@ def _workers(pid):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds torchrun's workers in /proc")
 def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path):
     """torchrun --max-restarts 3 with --resume auto: a worker SIGKILLed after the first checkpoint brings

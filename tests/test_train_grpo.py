@@ -265,6 +265,7 @@ def test_world_4_expert_parallel_rollout_trains_as_one(tmp_path):
     assert_same_training(p_ep4, p_ep1, "S = 1, EP 4 against EP 1 in rollout")
 
 
+@pytest.mark.slow  # gradsync.py's own tests (fast) check the mechanism bit for bit at worlds 2 and 4
 def test_nodes_average_gradients_across_nodes_as_one_world_and_compressed_stay_in_step(tmp_path):
     """--nodes 2 at world 2 (a node of one rank each, FSDP2 within it, gradsync.py across): full precision, one
     FSDP unit per block, each block's sync started from its hook (overlap), trains to a world of one's parameters.
