@@ -35,6 +35,8 @@ Design:
   A row written by a rank of g stays with it while that rank holds no more than a fair share: where the
   writers are the readers (colocated), only the rows that even out their loads move. The plan a rank
   reads carries n: a rank that passed another n raises ValueError naming both (the whole group does).
+- A reader's own cells need no transfer: it gets copies (it may write into them), except in the last stage
+  that reads a cell, which takes the queue's own tensor, freed from the queue as the read keeps it.
 - A claim poll scans only the rows its reader has not seen claimed (the rows a claim log shows held
   leave its tables; a rank that reads a DP plan gets the cells' places with it): its cost follows the
   rows not yet claimed, not the rows ever put.
@@ -275,6 +277,7 @@ class DistQueue:
         check_store(store)
         self.spec, self.store, self.rank, self.world, self.pg = spec, store, rank, world_size, pg
         self.p = spec.name
+        self.needers = {c: sum(c in cols for cols in spec.stages.values()) for c in spec.columns}  # stages reading c
         self.cells = {}          # (row, col) -> 1-D tensor this rank owns and has not fully delivered
         self.served = {}         # (row, col) -> stages whose reader acknowledged keeping it
         self.next_local = 0      # rows this rank created (ids = next_local * world + rank)
@@ -297,9 +300,6 @@ class DistQueue:
 
     def _k(self, *parts):
         return "/".join([self.p, *map(str, parts)])
-
-    def _needers(self, col):
-        return sum(col in cols for cols in self.spec.stages.values())
 
     # --- producers
     def put(self, columns, ids=None):
@@ -375,9 +375,14 @@ class DistQueue:
             self.store.delete_key(self._k("ack", tag))
 
     def _delivered(self, key, stage):
-        self.served.setdefault(key, set()).add(stage)
-        if len(self.served[key]) >= self._needers(key[1]):
+        stages = self.served.setdefault(key, set())
+        stages.add(stage)
+        if len(stages) >= self.needers[key[1]]:  # every stage that reads it has it: free the cell
             del self.cells[key], self.served[key]
+
+    def _read_last(self, key):
+        """Whether the stage reading this cell now is the last that needs it (the others acknowledged it)."""
+        return len(self.served.get(key, ())) + 1 >= self.needers[key[1]]
 
     def _wait(self, done, deadline, what):
         """Poll `done` until the deadline, serving peers all along: even a wait that succeeds at once
@@ -510,7 +515,8 @@ class DistQueue:
         for r in sorted(rows):
             for c in cols:
                 owners.setdefault(rows[r][c][0], []).append((r, c))
-        got = {k: self.cells[k].clone() for k in owners.pop(self.rank, [])}  # the consumer may write into it
+        local = owners.pop(self.rank, [])  # the consumer may write into a cell: a copy, unless freed once read
+        got = {k: self.cells[k] if self._read_last(k) else self.cells[k].clone() for k in local}
         tm, tags, received = ",".join(f"{c}={n}" for c, n in tmax.items()), {}, []
         for o, keys in owners.items():
             tags[o] = int(self.store.add(self._k("tag"), 1))

@@ -159,7 +159,10 @@ def test_a_get_that_times_out_strands_no_row_and_cells_are_copies():
     got = q.get("a", 4)
     assert got.ids == [0, 1, 2, 3] and torch.equal(got.cols["x"][0], torch.arange(4))
     got.cols["x"][1].fill_(7)  # a consumer writes into its batch: stage b still reads what was put
-    assert [t.tolist() for t in q.get("b", 4).cols["x"]] == [[0, 1, 2, 3], [10, 11, 12, 13], [20, 21, 22, 23], [0, 1]]
+    held = [q.cells[(r, "x")] for r in range(4)]
+    last = q.get("b", 4)  # b reads them last: it takes the queue's own cells, which the queue then frees
+    assert [t.tolist() for t in last.cols["x"]] == [[0, 1, 2, 3], [10, 11, 12, 13], [20, 21, 22, 23], [0, 1]]
+    assert all(t is h for t, h in zip(last.cols["x"], held)) and not q.cells
     with pytest.raises(ValueError, match=r"stage names \['a\|b', 'x y'\]"):  # they would break the control messages
         dq.QueueSpec(columns={"x": "int64"}, stages={"a|b": ("x",), "x y": ("x",)})
     with pytest.raises(ValueError, match=r"header lengths \[2, 0, 5\]"):  # one more cell than dtypes
