@@ -22,8 +22,8 @@ Public API (everything else is private):
     pad/unpad (naive), pack/unpack, pack_cells/unpack_cells, balance_split: pure primitives.
 
 Design:
-- Control plane: torch.distributed Store (TCPStore under torchrun): per-column ready logs
-  ("row,owner,len;", a counter and one key per put: a poll fetches only the new entries), claim logs
+- Control plane: torch.distributed Store (TCPStore under torchrun): one ready log ("row,column,owner,len;"
+  per cell, a counter and one key per put: a poll fetches only the new entries, in a round trip or three), claim logs
   (per stage and block of row ids, one atomic `append` per claim: a row belongs to the first claim naming
   it that was not released since), request queues per owner, a state key per transfer (sent, cancelled
   or missing: one writer wins) and an ack per transfer (kept or dropped).
@@ -144,13 +144,17 @@ def pack_cells(cells):
 
 
 def unpack_cells(header, payload, dtypes):
-    """Inverse of pack_cells; dtypes (K,) come from the spec, not the wire."""
-    nbytes = [int(n) * torch.empty(0, dtype=d).element_size() for n, d in zip(header.tolist(), dtypes)]
+    """Inverse of pack_cells; dtypes (K,) come from the spec, not the wire. Each cell views its slice of the payload
+    (cells never overlap), or a copy of it where the slice does not start at a multiple of its dtype's size."""
+    nbytes = [n * d.itemsize for n, d in zip(header.tolist(), dtypes)]
     if header.numel() != len(dtypes) or sum(nbytes) != payload.numel():
         raise ValueError(f"header lengths {header.tolist()} x dtypes give {sum(nbytes)} bytes, "
                          f"payload has {payload.numel()}")
-    # .clone() realigns each slice so that .view(dtype) is legal
-    return [p.clone().view(d) for p, d in zip(torch.split(payload, nbytes), dtypes)]
+    cells, offset = [], 0
+    for piece, d, n in zip(torch.split(payload, nbytes), dtypes, nbytes):
+        cells.append(piece.view(d) if offset % d.itemsize == 0 else piece.clone().view(d))  # a copy realigns it
+        offset += n
+    return cells
 
 
 def balance_split(tokens, parts, homes=None):
@@ -278,6 +282,7 @@ class DistQueue:
         self.spec, self.store, self.rank, self.world, self.pg = spec, store, rank, world_size, pg
         self.p = spec.name
         self.needers = {c: sum(c in cols for cols in spec.stages.values()) for c in spec.columns}  # stages reading c
+        self.col_index = {c: i for i, c in enumerate(spec.columns)}  # a column's number in the ready log
         self.cells = {}          # (row, col) -> 1-D tensor this rank owns and has not fully delivered
         self.served = {}         # (row, col) -> stages whose reader acknowledged keeping it
         self.next_local = 0      # rows this rank created (ids = next_local * world + rank)
@@ -296,7 +301,7 @@ class DistQueue:
 
     def _reset_caches(self):
         self.unclaimed = {s: {} for s in self.spec.stages}  # stage -> {row: {col: (owner, length)}} not seen claimed
-        self.ready_off = {s: dict.fromkeys(cols, 0) for s, cols in self.spec.stages.items()}  # log entries read
+        self.ready_off = dict.fromkeys(self.spec.stages, 0)  # stage -> ready-log entries it has read
 
     def _k(self, *parts):
         return "/".join([self.p, *map(str, parts)])
@@ -330,16 +335,25 @@ class DistQueue:
                 cells[(r, c)] = t.detach().reshape(-1).to("cpu", copy=True)  # own copy, in host memory (departure 1)
         self.cells.update(cells)
         self.next_local += len(ids) if new else 0
-        for c in columns:
-            self._publish(c, "".join(f"{r},{self.rank},{cells[(r, c)].numel()};" for r in ids))
+        self._publish(self._entries(cells))
         self.serve()
         return ids
 
-    def _publish(self, col, entries):
-        """Append to col's ready log: a counter, then one key per entry, so a poll reads only what is new.
-        Entries are "row,owner,len;", or "row,owner,len,stage;" for a row released in that stage."""
-        i = int(self.store.add(self._k("ready", col, "n"), 1)) - 1
-        self.store.set(self._k("ready", col, i), entries)
+    def _entries(self, cells, stage=None):
+        """Ready-log entries of cells ({(row, col): tensor, or (owner, length)}): "row,column,owner,len;", the column
+        by its number in the spec; with stage, "row,column,owner,len,stage;" (cells released in that stage)."""
+        tail = "" if stage is None else f",{stage}"
+        out = []
+        for (r, c), v in cells.items():
+            owner, length = (self.rank, v.numel()) if torch.is_tensor(v) else v
+            out.append(f"{r},{self.col_index[c]},{owner},{length}{tail};")
+        return "".join(out)
+
+    def _publish(self, entries):
+        """Append to the ready log: a counter, then one key per append (a put's cells, every column: two store round
+        trips), so a poll reads only what is new."""
+        i = int(self.store.add(self._k("ready", "n"), 1)) - 1
+        self.store.set(self._k("ready", i), entries)
 
     # --- serving: the owner answers pull requests (called from every wait loop)
     def serve(self):
@@ -361,7 +375,7 @@ class DistQueue:
                 works.append(dist.isend(payload, int(dst), group=self.pg, tag=2 * tag + 1))
             self.inflight[tag] = (works, (header, payload), keys, stage)
             tm = dict(x.split("=") for x in tmax.split(",") if x)
-            pad_bytes = sum(int(tm.get(c, self.cells[(r, c)].numel())) * self.cells[(r, c)].element_size()
+            pad_bytes = sum(int(tm.get(c, self.cells[(r, c)].numel())) * self.cells[(r, c)].dtype.itemsize
                             for r, c in keys)
             self._count("bytes_sent", header.nbytes + payload.nbytes)
             self._count("bytes_padded_equiv", header.nbytes + pad_bytes)
@@ -407,27 +421,22 @@ class DistQueue:
         return f"{self.claimer}.{self.claims_made}"
 
     def _refresh(self, stage):
-        """The new entries of the stage's ready logs -> self.unclaimed[stage]. Each stage keeps its own place
-        in each log, so a rank tracks only the stages it claims for. Four store round trips in all when every
-        log exists and its entries are written (one counted but not yet written: read at a later poll)."""
-        seen, off, cols = self.unclaimed[stage], self.ready_off[stage], self.spec.stages[stage]
-        counters = {c: self._k("ready", c, "n") for c in cols}
-        if not self.store.check(list(counters.values())):  # a column no one has put yet: its log starts at 0
-            counters = {c: k for c, k in counters.items() if self.store.check([k])}
-        counts = self.store.multi_get(list(counters.values())) if counters else []
-        n = {c: int(v) for c, v in zip(counters, counts)}
-        keys = [(c, self._k("ready", c, i)) for c in n for i in range(off[c], n[c])]
-        if keys and not self.store.check([k for _, k in keys]):  # some entry not yet written: each log's prefix
-            keys = [(c, k) for c in n for k in self._written([k for d, k in keys if d == c])]
-        for (c, _), log in zip(keys, self.store.multi_get([k for _, k in keys]) if keys else []):
+        """The ready log's new entries, for this stage's columns -> self.unclaimed[stage]. Each stage keeps its own
+        place in the log, so a rank tracks only the stages it claims for. Three store round trips when there is
+        something new and written (one counted but not yet written: read at a later poll), one when there is not."""
+        seen, names = self.unclaimed[stage], list(self.spec.columns)
+        cols = {self.col_index[c] for c in self.spec.stages[stage]}
+        n = int(self.store.add(self._k("ready", "n"), 0))
+        keys = self._written([self._k("ready", i) for i in range(self.ready_off[stage], n)])
+        for log in self.store.multi_get(keys) if keys else []:
             for e in log.decode().split(";")[:-1]:
-                r, o, length, *released = e.split(",")
-                if released in ([], [stage]):  # a release shows its rows to their stage's readers only
-                    seen.setdefault(int(r), {})[c] = (int(o), int(length))
-            off[c] += 1
+                r, c, o, length, *released = e.split(",")
+                if int(c) in cols and released in ([], [stage]):  # a release shows its cells to its stage only
+                    seen.setdefault(int(r), {})[names[int(c)]] = (int(o), int(length))
+        self.ready_off[stage] += len(keys)
 
     def _written(self, keys):
-        """The longest prefix of `keys` (one log's next entries, in order) that is written."""
+        """The longest prefix of `keys` (the log's next entries, in order) that is written."""
         while keys and not self.store.check(keys):
             keys = keys[:-1] if self.store.check(keys[:1]) else []
         return keys
@@ -498,14 +507,14 @@ class DistQueue:
 
     def _release(self, stage, token, rows):
         """Give back rows claimed as `token` ({row: {col: (owner, length)}}): a "-token" entry in each block's
-        claim log ends the claims, and an entry per column naming the stage, in the ready logs, shows the
-        rows again to the stage's readers (they dropped them when they saw them claimed)."""
+        claim log ends the claims, and entries naming the stage, in the ready log, show the rows again to the
+        stage's readers (they dropped them when they saw them claimed)."""
         ids = sorted(rows)
         for block in sorted({r // CLAIM_BLOCK for r in ids}):
             self.store.append(self._k("claims", stage, block),
                               f"-{token}:{','.join(str(r) for r in ids if r // CLAIM_BLOCK == block)};")
-        for c in self.spec.stages[stage] if ids else ():
-            self._publish(c, "".join(f"{r},{rows[r][c][0]},{rows[r][c][1]},{stage};" for r in ids))
+        if ids:
+            self._publish(self._entries({(r, c): rows[r][c] for r in ids for c in self.spec.stages[stage]}, stage))
 
     def _fetch(self, stage, rows, tmax, deadline):
         """The cells of rows ({row: {col: (owner, length)}}): local ones copied, one request and one packed
@@ -556,7 +565,7 @@ class DistQueue:
         header = torch.empty(len(keys), dtype=torch.int64)  # (K,) lengths header first
         dist.recv(header, o, group=self.pg, tag=2 * tag)
         dtypes = [DTYPES[self.spec.columns[c]] for _, c in keys]
-        nbytes = sum(int(n) * torch.empty(0, dtype=d).element_size() for n, d in zip(header.tolist(), dtypes))
+        nbytes = sum(n * d.itemsize for n, d in zip(header.tolist(), dtypes))
         payload = torch.empty(nbytes, dtype=torch.uint8)  # (bytes,) then one payload, as the owner sent it
         if nbytes:
             dist.recv(payload, o, group=self.pg, tag=2 * tag + 1)
@@ -738,8 +747,7 @@ class DistQueue:
         if B:
             bcast(header, "the header")
         if batch is None:
-            nbytes = sum(int(n) * torch.empty(0, dtype=d).element_size()
-                         for row in header[:, 1:].tolist() for n, d in zip(row, dtypes))
+            nbytes = sum(n * d.itemsize for row in header[:, 1:].tolist() for n, d in zip(row, dtypes))
             payload = torch.empty(nbytes, dtype=torch.uint8)  # (bytes,)
         if payload.numel():
             bcast(payload, "the payload")
@@ -780,17 +788,15 @@ class DistQueue:
 
     def load_state_dict(self, sd):
         """Every rank loads its own dict into a queue whose store holds none of this queue's keys (a new
-        store, or a new spec.name): it publishes its held cells in the ready logs, with the claims of the
+        store, or a new spec.name): it publishes its held cells in the ready log, with the claims of the
         stages that read them already; rank 0 restores the counters (tags included). Collective over the
         queue's ranks: it returns once every rank has published."""
         self.cells, self.next_local = dict(sd["cells"]), sd["next_local"]
         self.served = {k: set(v) for k, v in sd["served"].items()}
         self.steps = dict(sd["steps"])
         self._reset_caches()
-        for c in self.spec.columns:  # one ready-log entry per column, as one put would write
-            rows = sorted(r for r, col in self.cells if col == c)
-            if rows:
-                self._publish(c, "".join(f"{r},{self.rank},{self.cells[(r, c)].numel()};" for r in rows))
+        if self.cells:  # one ready-log append, as one put would write
+            self._publish(self._entries(dict(sorted(self.cells.items()))))
         for s in self.spec.stages:  # read by s already: claimed in s's logs, so no reader of s takes them
             read = sorted({r for (r, _), stages in self.served.items() if s in stages})
             for block in sorted({r // CLAIM_BLOCK for r in read}):

@@ -54,6 +54,9 @@ def test_pack_unpack_round_trip_matches_padded_reference(dtype):
     header, payload = dq.pack_cells(mixed)
     out = dq.unpack_cells(header, payload, [dtype] * len(seqs) + [torch.int64] * len(lengths))
     assert all(o.dtype == m.dtype and torch.equal(o, m) for o, m in zip(out, mixed))
+    for o in out[::2]:  # cells view the payload or copy it, and never overlap: a consumer writes into one only
+        o.fill_(7)
+    assert all(torch.equal(o, m) for o, m in zip(out[1::2], mixed[1::2]))
 
 
 def test_malformed_input_rejected_before_anything_is_published():
@@ -74,7 +77,7 @@ def test_malformed_input_rejected_before_anything_is_published():
         q.put({"reward": [torch.ones(2)]})
     with pytest.raises(KeyError, match="unknown stage 'trian'"):
         q.get("trian", 1)
-    assert not q.cells and not store.check(["dq/ready/prompt/n"])  # nothing was published
+    assert not q.cells and not store.check(["dq/ready/n"])  # nothing was published
     assert q.put({"prompt": [torch.arange(3)]}) == [0]  # and the first valid row still gets id 0
 
 
@@ -194,7 +197,7 @@ def test_an_idle_poll_fetches_nothing_old():
     for _ in range(20):
         q.put({"x": [torch.arange(3)] * 4})
     assert len(q.get("a", 80).ids) == 80
-    assert store.got > 20 * 4 * len("0,0,3;")  # the 20 puts' entries were read (once)
+    assert store.got > 20 * 4 * len("0,0,0,3;")  # the 20 puts' entries were read (once)
     before = store.got
     with pytest.raises(TimeoutError):
         q.get("a", 1)  # polls for 0.1 s: nothing new
@@ -208,11 +211,11 @@ def test_a_ready_entry_counted_before_it_is_written_is_read_once_in_order():
     store = dist.HashStore()
     q = dq.DistQueue(spec, store)
     q.put({"x": [torch.arange(2)]})                      # entry 0: row 0
-    i = int(store.add(q._k("ready", "x", "n"), 1)) - 1  # entry 1 counted, not yet written
+    i = int(store.add(q._k("ready", "n"), 1)) - 1       # entry 1 counted, not yet written
     assert len(q.get("a", 1).ids) == 1                   # row 0 only
     with pytest.raises(TimeoutError, match="no unclaimed row"):
         q.get("a", 1)
-    store.set(q._k("ready", "x", i), "1,0,2;")           # entry 1 written: a row 1 of owner 0
+    store.set(q._k("ready", i), "1,0,0,2;")             # entry 1 written: row 1, column 0, owner 0
     q.cells[(1, "x")] = torch.arange(2)
     q.next_local = 2
     assert q.get("a", 1).ids == [1]                      # read after entry 0
