@@ -341,7 +341,8 @@ class DistQueue:
 
     def _entries(self, cells, stage=None):
         """Ready-log entries of cells ({(row, col): tensor, or (owner, length)}): "row,column,owner,len;", the column
-        by its number in the spec; with stage, "row,column,owner,len,stage;" (cells released in that stage)."""
+        by its number in the spec (the same on every rank); with stage, "row,column,owner,len,stage;" (cells
+        released in that stage)."""
         tail = "" if stage is None else f",{stage}"
         out = []
         for (r, c), v in cells.items():
