@@ -11,7 +11,8 @@
 - `destroy_process_group()` runs in a `finally`, rank 0's last: it hosts the store the others may still call
   (leave_together=False lets each rank leave when its fn returns, for a test of a peer that leaves);
 - a rank that raises fails the test with its traceback, at once; so does a rank that dies without
-  reporting (killed, or unable to start); a rank that hangs fails it after `timeout_s`.
+  reporting (killed, or unable to start), unless the test names it in `may_die`; a rank that hangs fails it
+  after `timeout_s`.
 `fn` must be a module-level function (it is pickled by name). Returns the ranks' return values.
 """
 import datetime
@@ -104,7 +105,7 @@ def _context():
     return ctx
 
 
-def run_distributed(fn, world_size=2, args=(), timeout_s=120, pg_timeout_s=60, leave_together=True):
+def run_distributed(fn, world_size=2, args=(), timeout_s=120, pg_timeout_s=60, leave_together=True, may_die=()):
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
@@ -114,7 +115,7 @@ def run_distributed(fn, world_size=2, args=(), timeout_s=120, pg_timeout_s=60, l
         p.start()
     out, errors = {}, []
     try:
-        _collect(procs, results, timeout_s, out, errors)
+        _collect(procs, results, timeout_s, out, errors, may_die)
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 0.5)
@@ -127,9 +128,10 @@ def run_distributed(fn, world_size=2, args=(), timeout_s=120, pg_timeout_s=60, l
     return [out[r] for r in range(world_size)]
 
 
-def _collect(procs, results, timeout_s, out, errors):
+def _collect(procs, results, timeout_s, out, errors, may_die=()):
     """Every rank's report; the first error ends it at once (the other ranks may be blocked on the dead
-    one), and so does a rank that died without reporting (killed, or unable to start)."""
+    one), and so does a rank that died without reporting (killed, or unable to start), unless it is one of
+    may_die (a test of what its peers do when it dies): its result is then None."""
     deadline = time.monotonic() + timeout_s
     while len(out) < len(procs):
         try:
@@ -138,7 +140,9 @@ def _collect(procs, results, timeout_s, out, errors):
             dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
             if dead and results.empty():
                 time.sleep(0.5)  # a report may still be in flight from a rank that just returned
-                if results.empty():
+                out.update({r: None for r in dead if r in may_die and results.empty()})
+                dead = [r for r in dead if r not in out]
+                if dead and results.empty():
                     errors.append((dead[0], f"the process exited with code {procs[dead[0]].exitcode} without "
                                             "reporting (killed, or it could not start: its stderr is above)"))
                     return

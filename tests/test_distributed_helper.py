@@ -39,3 +39,14 @@ def test_a_rank_that_dies_without_reporting_fails_the_call_at_once():
     """Rank 0 outlives the helper's timeout: had the helper waited for it, this would be a TimeoutError."""
     with pytest.raises(RuntimeError, match="rank 1 failed:\nthe process exited with code 9 without reporting"):
         run_distributed(_killed_on_rank_1, world_size=2, timeout_s=30)
+
+
+def _rank_1_dies_rank_0_reports(rank, world_size):
+    import os
+    if rank == 1:
+        os._exit(9)
+    return "alive"
+
+
+def test_a_rank_named_in_may_die_may_die_and_its_peers_report():
+    assert run_distributed(_rank_1_dies_rank_0_reports, world_size=2, timeout_s=30, may_die=(1,)) == ["alive", None]

@@ -400,25 +400,28 @@ def test_hybrid_trains_every_sample_its_actor_emits_exactly_once(tmp_path):
 
 def _train_with_a_silent_aux(rank, world_size, out_dir, overrides=None, how="silent"):
     """_train_tiny, the auxiliary rank alive but never serving its stage (as a hung or dead one looks to the queue), or
-    (how="no columns") hung once it has taken every group of the first batch, before it puts the last ones' columns."""
+    (how="no columns") hung once it has taken every group of the first batch, before it puts the last ones' columns,
+    or (how="dead") its process gone at that point, holding the columns it put of that batch's other groups."""
     if rank == world_size - 1 and how == "silent":
         T.aux_loop = lambda run: time.sleep(120)
-    if rank == world_size - 1 and how == "no columns":
+    if rank == world_size - 1 and how in ("no columns", "dead"):
         taken, columns = [], T.aux_columns
 
-        def hung_at_the_batch_end(run, rows, ids):
+        def stopped_at_the_batch_end(run, rows, ids):
             taken.extend(ids)
             if len(taken) >= TINY["prompts_per_step"] * TINY["group_size"]:
+                if how == "dead":
+                    os._exit(9)  # as a SIGKILL would: no exception, no goodbye to the store or to gloo
                 time.sleep(120)
             return columns(run, rows, ids)
-        T.aux_columns = hung_at_the_batch_end
+        T.aux_columns = stopped_at_the_batch_end
     return _train_tiny(rank, world_size, out_dir, overrides)
 
 
-@pytest.mark.parametrize("how", ["silent", pytest.param("no columns", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("how", ["silent", "dead", pytest.param("no columns", marks=pytest.mark.slow)])
 def test_hybrid_with_a_silent_auxiliary_rank_fails_naming_the_stage(tmp_path, how):
     with pytest.raises(RuntimeError) as e:
-        run_distributed(_train_with_a_silent_aux, world_size=3, timeout_s=100,
+        run_distributed(_train_with_a_silent_aux, world_size=3, timeout_s=100, may_die=(2,) if how == "dead" else (),
                         args=(str(tmp_path), {"deploy": "hybrid", "pg_timeout_s": 5}, how))
     message = str(e.value)
     assert "the auxiliary stage (ranks [2]) did not add its columns" in message and "of step 1's batch" in message
