@@ -51,7 +51,7 @@ class _Tagged(io.TextIOBase):
         self.stream.flush()
 
 
-def _worker(rank, world_size, port, fn, args, pg_timeout_s, results, leave_together):
+def _worker(rank, world_size, port, fn, args, pg_timeout_s, results, leave_together, may_die):
     import torch
     import torch.distributed as dist
 
@@ -69,16 +69,16 @@ def _worker(rank, world_size, port, fn, args, pg_timeout_s, results, leave_toget
         results.put((rank, "error", traceback.format_exc()))
     finally:
         if leave_together:
-            _leave_together(port, rank, world_size, pg_timeout_s)
+            _leave_together(port, rank, world_size - len(may_die), pg_timeout_s)
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.stdout.flush(), sys.stderr.flush()
 
 
-def _leave_together(port, rank, world_size, timeout_s):
+def _leave_together(port, rank, leavers, timeout_s):
     """Rank 0 hosts the rendezvous store, so it leaves last: a peer's last store call (a queue read's outcome,
-    say) must not find the store gone. Each rank says it is leaving; rank 0 waits for them all, up to the
-    timeout (the parent kills every rank at the first error, so a dead peer ends this wait too). A test that
+    say) must not find the store gone. Each rank says it is leaving; rank 0 waits for `leavers` of them (those
+    not in may_die), up to the timeout (the parent kills every rank at the first error, so a dead peer ends it too). A test that
     restarted its process group elsewhere (MASTER_PORT changed or gone) has no such store to wait on."""
     import datetime
     import torch.distributed as dist
@@ -88,7 +88,7 @@ def _leave_together(port, rank, world_size, timeout_s):
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
         store.add("tests/leaving", 1)
         deadline = time.monotonic() + timeout_s
-        while rank == 0 and int(store.add("tests/leaving", 0)) < world_size and time.monotonic() < deadline:
+        while rank == 0 and int(store.add("tests/leaving", 0)) < leavers and time.monotonic() < deadline:
             time.sleep(0.01)
     except Exception:  # noqa: BLE001 - no store (rank 0 gone, or none started): nothing to wait for
         pass
@@ -109,7 +109,8 @@ def run_distributed(fn, world_size=2, args=(), timeout_s=120, pg_timeout_s=60, l
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
-    worker_args = [(r, world_size, port, fn, args, pg_timeout_s, results, leave_together) for r in range(world_size)]
+    worker_args = [(r, world_size, port, fn, args, pg_timeout_s, results, leave_together, may_die)
+                   for r in range(world_size)]
     procs = [ctx.Process(target=_worker, args=a) for a in worker_args]
     for p in procs:
         p.start()

@@ -418,7 +418,8 @@ def _train_with_a_silent_aux(rank, world_size, out_dir, overrides=None, how="sil
     return _train_tiny(rank, world_size, out_dir, overrides)
 
 
-@pytest.mark.parametrize("how", ["silent", "dead", pytest.param("no columns", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("how", ["silent", pytest.param("dead", marks=pytest.mark.slow),
+                                 pytest.param("no columns", marks=pytest.mark.slow)])
 def test_hybrid_with_a_silent_auxiliary_rank_fails_naming_the_stage(tmp_path, how):
     with pytest.raises(RuntimeError) as e:
         run_distributed(_train_with_a_silent_aux, world_size=3, timeout_s=100, may_die=(2,) if how == "dead" else (),
@@ -426,6 +427,23 @@ def test_hybrid_with_a_silent_auxiliary_rank_fails_naming_the_stage(tmp_path, ho
     message = str(e.value)
     assert "the auxiliary stage (ranks [2]) did not add its columns" in message and "of step 1's batch" in message
     assert "is it alive?" in message
+
+
+def _train_with_a_silent_actor(rank, world_size, out_dir, overrides=None):
+    """_train_tiny, the actor's ranks hung after the warm-up: they never put a group."""
+    if rank < world_size - 1:
+        T.actor_loop = lambda run: time.sleep(120)
+    return _train_tiny(rank, world_size, out_dir, overrides)
+
+
+@pytest.mark.slow
+def test_hybrid_with_a_silent_actor_fails_on_the_auxiliary_rank_naming_the_groups(tmp_path):
+    with pytest.raises(RuntimeError) as e:
+        run_distributed(_train_with_a_silent_actor, world_size=3, timeout_s=100,
+                        args=(str(tmp_path), {"deploy": "hybrid", "pg_timeout_s": 5}))
+    message = str(e.value)
+    assert "rank 2 failed" in message and "the actor put none of groups [(0, 0), (0, 1)" in message
+    assert "is the actor alive?" in message
 
 
 @pytest.mark.slow
@@ -498,6 +516,7 @@ def test_separated_generators_run_ahead_within_s(tmp_path, world):
         assert all(push["end"] >= recv["end"] - 0.005 for push, recv in zip(pushes, recvs))  # 5 ms: the clocks
 
 
+@pytest.mark.slow
 def test_separated_generators_wait_out_a_warm_up_longer_than_the_timeout(tmp_path):
     """The generators wait for the trainers' warm-up on a heartbeat in the store, not in the first weight
     broadcast: a warm-up several times --pg-timeout-s long is not taken for a dead peer."""
