@@ -106,6 +106,7 @@ def test_separated_with_staleness_resumes_with_every_sample_trained_once(tmp_pat
     assert ahead > 0, "nothing was ahead of the trainers at the checkpoint: the test proves less than it says"
 
 
+@pytest.mark.slow  # the colocated resumes (fast) carry the curriculum's counts too
 def test_a_separated_run_resumes_its_curriculum_exactly(tmp_path):
     """Separated, S = 0: a generator saves its curriculum right after it learned from the groups of the version it
     received; resumed from step 3, it must not learn again at start (a second decay would change every draw):

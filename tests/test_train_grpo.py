@@ -553,8 +553,9 @@ def test_rl_seconds_stops_every_rank_after_the_same_step_and_evaluates_it(tmp_pa
     assert out[0][0]["eval_accuracy_after"] == lines[-1]["eval/accuracy"]
 
 
-@pytest.mark.parametrize("mode", [{}, {"adv_estimator": "reinforce++", "loss_agg": "seq-mean-token-mean",
-                                         "mask_truncated": True}], ids=["grpo", "reinforce++-seq-mean-masked"])
+@pytest.mark.parametrize("mode", [{}, pytest.param({"adv_estimator": "reinforce++", "loss_agg": "seq-mean-token-mean",
+                                                      "mask_truncated": True}, marks=pytest.mark.slow)],
+                         ids=["grpo", "reinforce++-seq-mean-masked"])
 def test_pipeline_parallel_training_trains_as_one(tmp_path, mode):
     """--train-pp 2 at world 2 (a stage per rank), with the KL term's reference as stages too: a world of one's
     parameters, up to float summation order (micro-batches padded to one length), and the same held-out answers.
