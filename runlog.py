@@ -147,6 +147,7 @@ class RunLog:
                 "time/step_s": step_s, **{f"time/{k}_s": spans.total(names, first) for k, names in PHASES.items()},
                 # waiting: for samples (queue), or, ready first, for the other ranks' rollouts (idle)
                 "perf/idle_frac": spans.total(("queue", "idle"), first) / step_s,
+                "perf/queue_frac": spans.total(("queue",), first) / step_s,  # the queue's reads and their waits
                 "stale/age_max": s["age_max"], "stale/age_mean": s["age_sum"] / rows,
                 "stale/partial_continued": s["partial_continued"], "stale/regenerated": self.regenerated,
                 # dynamic sampling: groups dropped this step; groups generated and never trained, so far; the

@@ -169,8 +169,9 @@ def test_two_ranks_train_to_identical_parameters(tmp_path):
     assert any(0 < l["reward/mean"] < 1 and abs(l["loss"]) > 1e-4 for l in lines[1:])  # real RL updates
     assert sum(l["rollout/filtered_groups"] for l in lines[1:]) > 0  # the refill by slot is exercised
     for key in ["reward/mean", "perf/tokens_per_s", "time/rollout_s", "time/train_s", "time/switch_s",
-                "mem/train_bytes", "mem/rollout_bytes", "time/to_rollout_s", "queue/bytes_sent"]:
+                "mem/train_bytes", "mem/rollout_bytes", "time/to_rollout_s", "queue/bytes_sent", "perf/queue_frac"]:
         assert all(key in l for l in lines[1:]), key
+    assert all(0 < l["perf/queue_frac"] <= l["perf/idle_frac"] < 1 for l in lines[1:])  # the queue's share of a step
     assert "eval/accuracy" in lines[1] and "eval/accuracy" in lines[-1]
     # the step's own switches (not an evaluation's): back in TRAIN at step 1, AdamW has no state yet
     assert lines[1]["mem/train_optim_bytes"] == 0 < lines[2]["mem/train_optim_bytes"]
