@@ -78,8 +78,8 @@ def _worker(rank, world_size, port, fn, args, pg_timeout_s, results, leave_toget
 def _leave_together(port, rank, leavers, timeout_s):
     """Rank 0 hosts the rendezvous store, so it leaves last: a peer's last store call (a queue read's outcome,
     say) must not find the store gone. Each rank says it is leaving; rank 0 waits for `leavers` of them (those
-    not in may_die), up to the timeout (the parent kills every rank at the first error, so a dead peer ends it too). A test that
-    restarted its process group elsewhere (MASTER_PORT changed or gone) has no such store to wait on."""
+    not in may_die), up to the timeout (the parent kills every rank at the first error, so a dead peer ends it
+    too). A test that restarted its process group elsewhere (MASTER_PORT changed or gone) has no such store."""
     import datetime
     import torch.distributed as dist
     if os.environ.get("MASTER_PORT") != str(port):
