@@ -518,7 +518,7 @@ class DistQueue:
             self._publish(self._entries({(r, c): rows[r][c] for r in ids for c in self.spec.stages[stage]}, stage))
 
     def _fetch(self, stage, rows, tmax, deadline):
-        """The cells of rows ({row: {col: (owner, length)}}): local ones copied, one request and one packed
+        """The cells of rows ({row: {col: (owner, length)}}): local ones at hand, one request and one packed
         transfer per remote owner. Acknowledges nothing (the caller keeps or drops): returns the cells and
         the tags received. On an error it cancels the requests not yet answered, drops what came, and raises."""
         cols, owners = self.spec.stages[stage], {}
