@@ -152,7 +152,8 @@ def unpack_cells(header, payload, dtypes):
                          f"payload has {payload.numel()}")
     cells, offset = [], 0
     for piece, d, n in zip(torch.split(payload, nbytes), dtypes, nbytes):
-        cells.append(piece.view(d) if offset % d.itemsize == 0 else piece.clone().view(d))  # a copy realigns it
+        aligned = (payload.storage_offset() + offset) % d.itemsize == 0
+        cells.append(piece.view(d) if aligned else piece.clone().view(d))  # a copy realigns it
         offset += n
     return cells
 
@@ -437,7 +438,9 @@ class DistQueue:
         self.ready_off[stage] += len(keys)
 
     def _written(self, keys):
-        """The longest prefix of `keys` (the log's next entries, in order) that is written."""
+        """The longest prefix of `keys` (the log's next entries, in order) that is written. An entry counted but
+        never written (its writer died between the two) hides the entries after it from every reader: their gets
+        time out, as they would waiting on the dead writer's cells."""
         while keys and not self.store.check(keys):
             keys = keys[:-1] if self.store.check(keys[:1]) else []
         return keys
@@ -784,7 +787,8 @@ class DistQueue:
                    lambda: f"in state_dict: transfers {sorted(self.inflight)} not acknowledged")
         keys = [f"count/{c}" for c in self.COUNTERS] + [f"reads/{s}" for s in self.spec.stages] + ["tag"]
         counters = {k: int(self.store.add(self._k(*k.split("/")), 0)) for k in keys} if self.rank == 0 else {}
-        return {"cells": dict(self.cells), "served": {k: sorted(v) for k, v in self.served.items()},
+        cells = {k: t.clone() for k, t in self.cells.items()}  # a snapshot: the last stage's reader takes the originals
+        return {"cells": cells, "served": {k: sorted(v) for k, v in self.served.items()},
                 "next_local": self.next_local, "steps": dict(self.steps), "counters": counters}
 
     def load_state_dict(self, sd):
@@ -792,7 +796,7 @@ class DistQueue:
         store, or a new spec.name): it publishes its held cells in the ready log, with the claims of the
         stages that read them already; rank 0 restores the counters (tags included). Collective over the
         queue's ranks: it returns once every rank has published."""
-        self.cells, self.next_local = dict(sd["cells"]), sd["next_local"]
+        self.cells, self.next_local = {k: t.clone() for k, t in sd["cells"].items()}, sd["next_local"]  # ours alone
         self.served = {k: set(v) for k, v in sd["served"].items()}
         self.steps = dict(sd["steps"])
         self._reset_caches()

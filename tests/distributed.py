@@ -69,7 +69,7 @@ def _worker(rank, world_size, port, fn, args, pg_timeout_s, results, leave_toget
         results.put((rank, "error", traceback.format_exc()))
     finally:
         if leave_together:
-            _leave_together(port, rank, world_size - len(may_die), pg_timeout_s)
+            _leave_together(port, rank, [r for r in range(world_size) if r not in may_die], pg_timeout_s)
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.stdout.flush(), sys.stderr.flush()
@@ -77,7 +77,7 @@ def _worker(rank, world_size, port, fn, args, pg_timeout_s, results, leave_toget
 
 def _leave_together(port, rank, leavers, timeout_s):
     """Rank 0 hosts the rendezvous store, so it leaves last: a peer's last store call (a queue read's outcome,
-    say) must not find the store gone. Each rank says it is leaving; rank 0 waits for `leavers` of them (those
+    say) must not find the store gone. Each rank says it is leaving; rank 0 waits for the ranks in `leavers` (those
     not in may_die), up to the timeout (the parent kills every rank at the first error, so a dead peer ends it
     too). A test that restarted its process group elsewhere (MASTER_PORT changed or gone) has no such store."""
     import datetime
@@ -86,9 +86,10 @@ def _leave_together(port, rank, leavers, timeout_s):
         return
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-        store.add("tests/leaving", 1)
+        store.set(f"tests/leaving/{rank}", "1")
         deadline = time.monotonic() + timeout_s
-        while rank == 0 and int(store.add("tests/leaving", 0)) < leavers and time.monotonic() < deadline:
+        keys = [f"tests/leaving/{r}" for r in leavers]
+        while rank == 0 and not store.check(keys) and time.monotonic() < deadline:
             time.sleep(0.01)
     except Exception:  # noqa: BLE001 - no store (rank 0 gone, or none started): nothing to wait for
         pass
