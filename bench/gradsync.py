@@ -28,6 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import timeline  # noqa: E402
 
+PINNED = ["--kl-coef", "0", "--lr", "5e-4"]  # the RL config these figures are for, whatever the run's defaults
 OVERLAP_FLAGS = ["--d-model", "128", "--d-expert", "512", "--n-layers", "4",
                  "--warmup-steps", "20", "--eval-every", "1000", "--eval-prompts", "64", "--bucket-kb", "1024"]
 
@@ -35,7 +36,7 @@ OVERLAP_FLAGS = ["--d-model", "128", "--d-expert", "512", "--n-layers", "4",
 def train(out, flags):
     """One torchrun run of train_grpo.py at world 4; returns (summary, metrics lines)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           os.path.join(ROOT, "train_grpo.py"), "--nodes", "2", "--rl-seconds", "0", "--out", out, *flags]
+           os.path.join(ROOT, "train_grpo.py"), "--nodes", "2", "--rl-seconds", "0", *PINNED, "--out", out, *flags]
     print(" ".join(cmd[2:]), flush=True)
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if r.returncode:

@@ -21,7 +21,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FLAGS = ["--kl-coef", "0.05", "--warmup-steps", "300", "--eval-every", "1000", "--eval-prompts", "64",
+FLAGS = ["--kl-coef", "0.05", "--lr", "5e-4", "--warmup-steps", "300", "--eval-every", "1000", "--eval-prompts", "64",
          "--rl-seconds", "0"]
 
 
