@@ -51,14 +51,15 @@ class Config:
     steps: int = flag(2000, "RL steps, at most (--rl-seconds stops the default run first)")
     prompts_per_step: int = flag(16, "global prompts per step")
     group_size: int = flag(8, "responses per prompt (>= 2)")
-    lr: float = flag(5e-4, "RL learning rate")
+    lr: float = flag(7e-4, "RL learning rate")
     adv_estimator: str = flag("grpo", "advantages: grpo (group-normalised), dr-grpo (no std scaling), rloo "
                                       "(leave-one-out baseline), reinforce++ (whole-batch baseline, normalised)")
     loss_agg: str = flag("auto", "token-mean, seq-mean-token-mean or seq-mean-token-sum-norm (over the response "
                                  "budget: Dr. GRPO's); auto: seq-mean-token-sum-norm for dr-grpo, else token-mean")
     clip_eps: float = flag(0.2, "PPO clip range: the ratio clipped to [1 - clip_eps, 1 + clip_eps_high]")
     clip_eps_high: float = flag(None, "upper clip (DAPO's clip-higher); default: --clip-eps")
-    kl_coef: float = flag(0.0, "k3 KL penalty weight (0: no reference model)")
+    kl_coef: float = flag(0.1, "k3 KL penalty weight against the frozen warm-up policy (0: no reference model); it "
+                                "keeps the policy's entropy up, so that groups keep disagreeing and few are dropped")
     filter_groups: bool = flag(True, "1: dynamic sampling, drop groups whose rewards are all equal and generate "
                                       "more, so every step trains on prompts_per_step informative groups")
     filter_limit: int = flag(128, "dynamic sampling's brake: the run stops once a replica has dropped more than this "
