@@ -25,7 +25,7 @@ Departures from the GRPO paper, on purpose:
 1. The loss is a mean over every response token of the global batch ("token-mean", as DAPO and
    Dr. GRPO advise), not a mean of per-sequence means; `loss_agg="seq-mean-token-mean"` gives the
    paper's form.
-2. The KL penalty is off unless kl_coef > 0 (train_grpo.py's default turns it on); it is the k3 estimator,
+2. The KL penalty is off unless kl_coef > 0 (the run's default in config.py turns it on); it is the k3 estimator,
    exp(d) - d - 1 with d = ref - logprob, added per token.
 3. `old_logprobs` are the behaviour log-probs the sampler recorded, not recomputed: with one update per
    batch the ratio is 1 up to float error.
