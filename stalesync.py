@@ -258,7 +258,8 @@ class StaleSync:
         self.fate = {}            # sample id -> "trained" | "regenerated" | "filtered"
         self.regenerated = 0      # groups regenerated because they would have aged past S
         self.filtered = 0         # complete groups keep_group dropped
-        self.filtered_reported = 0  # of those, reported in a batch's metrics so far
+        self.filtered_reported = 0  # of those, reported in a batch's metrics so far (an empty batch reports none)
+        self.filtered_at_take = 0   # of those, dropped before the last take(): the brake counts the rest
         self.max_admitted_over = -10**9  # max over time of slots_opened - capacity (tests: <= 0)
 
     # --- admission
@@ -360,7 +361,7 @@ class StaleSync:
                 self.filtered += 1
                 self.reopen.append((g["slot"], g["attempt"] + 1))
         self.reopen.sort()
-        dropped = self.filtered - self.filtered_reported
+        dropped = self.filtered - self.filtered_at_take
         if self.cfg.max_filtered and dropped > self.cfg.max_filtered:
             raise FilterLimitError(f"dynamic sampling dropped {dropped} groups while making batch {self.batches_out}, "
                                f"past the limit of {self.cfg.max_filtered}: nearly every group's rewards are equal "
@@ -373,23 +374,35 @@ class StaleSync:
         k, S = self.batches_out, self.cfg.staleness
         return [g for g in self.pool if g["start_version"] is not None and g["start_version"] <= k - S]
 
-    def ready(self):
-        """True when batch k can be emitted: groups_per_step complete groups, and the oldest due ones done."""
-        need = self._due()[:self.cfg.groups_per_step]
-        return sum(map(_complete, self.pool)) >= self.cfg.groups_per_step and all(map(_complete, need))
+    def _needed(self):
+        """The due groups batch k must take: the oldest groups_per_step of them (any more age out at this cut)."""
+        return self._due()[:self.cfg.groups_per_step]
 
-    def take(self):
-        """Emit batch k: due groups first, then the oldest complete ones; regenerate those now too old."""
-        if not self.ready():
-            raise RuntimeError("take() before ready(): not enough complete groups")
-        gps, k = self.cfg.groups_per_step, self.batches_out
-        due = [g for g in self._due()[:gps] if _complete(g)]  # all of them, as ready() checked
-        rest = [g for g in self.pool if _complete(g) and all(g is not d for d in due)]
-        chosen = sorted(due + rest[:gps - len(due)], key=lambda g: g["slot"])
+    def _spare(self):
+        """The complete groups batch k may take beyond the needed ones, lowest slot (oldest) first."""
+        needed = {id(g) for g in self._needed()}
+        return sorted((g for g in self.pool if _complete(g) and id(g) not in needed), key=lambda g: g["slot"])
+
+    def ready(self):
+        """True when batch k can be emitted: its needed groups complete, and groups_per_step complete in all."""
+        needed = self._needed()
+        return all(map(_complete, needed)) and len(needed) + len(self._spare()) >= self.cfg.groups_per_step
+
+    def take(self, n=None):
+        """Emit batch k of n groups (default groups_per_step; a shared cut's share): the needed due groups, then the
+        lowest-slot complete ones; regenerate those now too old."""
+        k, n = self.batches_out, self.cfg.groups_per_step if n is None else n
+        needed, spare = self._needed(), self._spare()
+        if not all(map(_complete, needed)) or not len(needed) <= n <= len(needed) + len(spare):
+            raise RuntimeError(f"take({n}) at batch {k}: its {len(needed)} needed groups must be complete, and there "
+                               f"are {len(needed) + len(spare)} complete groups (take() before ready(), or a cut's "
+                               "share this scheduler cannot give)")
+        chosen = sorted(needed + spare[:n - len(needed)], key=lambda g: g["slot"])
         _per_token_names([s for g in chosen for s in g["samples"]])  # each covers its tokens, or raises
         chosen_ids = {id(g) for g in chosen}
         self.pool = [g for g in self.pool if id(g) not in chosen_ids]
         self.batches_out += 1
+        self.filtered_at_take = self.filtered
         regenerated_before = self.regenerated
         for g in self.pool:  # trained at >= k + 1 they would be older than S: restart them now
             if g["start_version"] is not None and g["start_version"] <= k - self.cfg.staleness:
@@ -403,6 +416,15 @@ class StaleSync:
             self.fate[s["id"]] = "trained"
         return self._as_batch(chosen, k, self._metrics(k, samples, self.regenerated - regenerated_before))
 
+    def offer(self):
+        """What this scheduler brings to a cut of batch k (SharedCut): its needed groups, how many of those are not
+        complete yet, its spare complete groups (lowest slot first) and whether it has work left (a group in flight,
+        or one it may start)."""
+        needed = self._needed()
+        work = self.in_flight() > 0 or bool(self.reopen) or self.slots_opened < self.capacity()
+        return dict(needed=len(needed), missing=sum(not _complete(g) for g in needed),
+                    spare=[g["slot"] for g in self._spare()], work=work)
+
     def _as_batch(self, groups, version, metrics):
         samples = [(g, s) for g in groups for s in g["samples"]]
         fields = _per_token_names([s for _, s in samples])  # each covers its tokens, or raises
@@ -415,40 +437,51 @@ class StaleSync:
                      metrics=metrics, per_token={name: [_joined(s, name) for _, s in samples] for name in fields})
 
     def _metrics(self, k, samples, regenerated_at_cut):
-        """stale/* figures of batch k (samples: its (group, sample) pairs)."""
-        filtered_at_cut = self.filtered - self.filtered_reported
-        self.filtered_reported = self.filtered
+        """stale/* figures of batch k (samples: its (group, sample) pairs; none: a shared cut's empty share, whose
+        dropped groups the next batch reports)."""
+        filtered_at_cut = self.filtered - self.filtered_reported if samples else 0
+        self.filtered_reported += filtered_at_cut
         ages = [k - g["start_version"] for g, _ in samples]                                        # (B,)
-        return {"stale/age_max": max(ages), "stale/age_mean": sum(ages) / len(ages),
+        return {"stale/age_max": max(ages, default=0), "stale/age_mean": sum(ages) / max(len(ages), 1),
                 "stale/regenerated": self.regenerated,  # so far; at this cut:
                 "stale/regenerated_at_cut": regenerated_at_cut,
                 "stale/filtered": self.filtered, "stale/filtered_at_cut": filtered_at_cut,
                 "stale/partial_continued": sum(len(set(s["versions"])) > 1 for _, s in samples),
                 "rollout/response_tokens": sum(len(s["tokens"]) for _, s in samples)}
 
-    def rollout(self, spans=None, all_ready=None):
-        """Colocated round: admit (refilling the pool), decode chunks until ready, emit batch k = version.
+    def rollout(self, spans=None, cut=None):
+        """Colocated round: admit (refilling the pool), decode chunks until batch k = version can be cut, emit it.
         spans(name), optional: a context manager that times the round ("rollout").
 
-        all_ready(mine: bool) -> bool, optional: this rank's readiness combined over the ranks that train
-        together (an all-reduce MIN of one flag, called exactly once per loop turn on every rank; a rank
-        that is not ready knows the answer and may post its flag without waiting for it). A rank that is
-        ready before its peers keeps decoding its in-flight long tail instead of idling at the gradient
-        all-reduce; with nothing in flight it only waits. S = 0 is unchanged (nothing is ever in flight
-        once this rank's batch is complete). The round ends with the sampler's reset(): what it cached
-        was read under weights that the step about to train replaces, and it is rollout memory."""
+        cut(sched) -> n or None, optional: the ranks that train together deciding the cut (called exactly once per
+        loop turn on every rank): None while batch k is not ready, else how many groups this scheduler gives it.
+        Default: this scheduler alone (groups_per_step once ready()). AllReady: every rank's own groups_per_step,
+        once every rank is ready; SharedCut: one cut over all the replicas' pools. A rank ready before its peers
+        keeps decoding its in-flight long tail instead of idling at the gradient all-reduce. S = 0 is unchanged
+        (every open group is needed, so each gives groups_per_step). The round ends with the sampler's reset():
+        what it cached was read under weights that the step about to train replaces, and it is rollout memory."""
         if self.batches_out != self.version:
             raise RuntimeError(f"colocated rollout at version {self.version} but {self.batches_out} batches out: "
                                "call update() once after each optimizer step")
+        share = cut or StaleSync.share
         with (spans("rollout") if spans else nullcontext()):
-            while not (self.ready() if all_ready is None else all_ready(self.ready())):
+            while (n := share(self)) is None:
                 self.admit()
-                if self.decode() == 0 and not self.ready():
-                    raise RuntimeError("no sample in flight and no batch ready: check the sampler's done flags")
-            batch = self.take()
+                self.decode()
+            batch = self.take(n)
         if self.reset_fn is not None:
             self.reset_fn()
         return batch
+
+    def share(self):
+        """The cut of this scheduler alone: groups_per_step once ready(), else None (never a spin: with no group in
+        flight and none to start, it raises)."""
+        if self.ready():
+            return self.cfg.groups_per_step
+        if not self.offer()["work"]:
+            raise RuntimeError(f"batch {self.batches_out}: no group in flight, none to start, and no batch ready: "
+                               "check the sampler's done flags")
+        return None
 
     def update(self, version=None):
         """New weights reached the sampler: version + 1 (colocated, after the optimizer step on the batch
@@ -486,7 +519,7 @@ class StaleSync:
         return out
 
     COUNTERS = ("version", "batches_out", "slots_opened", "next_id", "regenerated", "filtered", "filtered_reported",
-                "max_admitted_over")
+                "filtered_at_take", "max_admitted_over")
 
     def state_dict(self):
         """The groups in flight (partial responses, their versions and log-probs), the slots to reopen, the
@@ -533,27 +566,83 @@ class FilterLimitError(RuntimeError):
 
 
 class AllReady:
-    """Colocated rounds: this rank's `ready()` combined over the ranks that train together, the
-    all_ready of StaleSync.rollout. One all-reduce MIN of a flag per decode chunk on every rank. A rank
-    that is not ready knows the answer (the MIN is 0), so it posts its flag without waiting and decodes
-    on; a rank that is ready waits for the answer (idle time, spanned "idle") and keeps decoding its
-    in-flight tail while the answer is no."""
+    """Colocated rounds, the naive cut: each rank gives its own groups_per_step, once every rank that trains together
+    is ready (StaleSync.rollout's cut). One all-reduce MIN of a flag per decode chunk on every rank. A rank that is not
+    ready knows the answer (the MIN is 0), so it posts its flag without waiting and decodes on; a rank that is ready
+    waits for the answer (idle time, spanned "idle") and keeps decoding its in-flight tail while the answer is no.
+    One replica's bad luck (a chain of dropped groups) is the whole step's time: SharedCut below."""
 
     def __init__(self, group=None, device="cpu", spans=None):  # spans: times the waits ("idle"), optional
         self.group, self.device, self.spans = group, device, spans
         self.posted = []  # not-ready flags in flight: (work, tensor)
 
-    def __call__(self, mine):
+    def __call__(self, sched):
+        mine = sched.share() is not None
         flag = torch.tensor([float(mine)], device=self.device)
         if not mine:
             self.posted.append((dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True), flag))
-            return False
+            return None
         with (self.spans("idle") if self.spans else nullcontext()):
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
             for work, _ in self.posted:  # paired by now (collectives match in order): surface any error
                 work.wait()
         self.posted.clear()
-        return bool(flag.item())
+        return sched.cfg.groups_per_step if flag.item() else None
+
+
+class SharedCut:
+    """Colocated rounds: the replicas that train together cut one batch from all their pools, the cut rule over their
+    union (StaleSync.rollout's cut). Batch k is ready once every replica's needed groups (its oldest due ones) are
+    complete and, together, the replicas hold R x groups_per_step complete groups; each gives its needed groups, and
+    the lowest slots among all their other complete groups (ties: the lower replica) fill the rest. A replica held
+    back (its groups dropped again and again) no longer holds the step: its peers' complete groups of later slots take
+    its place, so the share a replica gives varies from step to step; the batch does not. Every slot is still trained
+    once, within S (its group is needed at its last chance), and no replica opens a slot beyond its capacity. S = 0:
+    each replica's open groups are all needed, so each gives groups_per_step, as under AllReady.
+
+    Per loop turn, one all-gather of a few counts; a rank still missing a needed group knows the answer (no) and
+    posts without waiting. At the cut, one all-gather of the spare slots. Replicas of several ranks (inference TP):
+    `replica` names this rank's, and one rank of each (`leader`) speaks for it; its peers hold the same pool."""
+
+    def __init__(self, group=None, replica=None, leader=True, device="cpu", spans=None):
+        self.group, self.device, self.spans = group, device, spans
+        self.replica = dist.get_rank(group) if replica is None else replica
+        self.leader = leader
+        self.posted = []  # gathers in flight from turns this rank knew the answer: (work, tensors)
+
+    def __call__(self, sched):
+        offer = sched.offer()
+        mine = torch.tensor([self.leader, self.replica, offer["needed"], len(offer["spare"]), offer["missing"],
+                             offer["work"], sched.cfg.groups_per_step], dtype=torch.long, device=self.device)  # (7,)
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
+        if offer["missing"]:  # a needed group of this replica is not complete: the batch is not ready
+            self.posted.append((dist.all_gather(everyone, mine, group=self.group, async_op=True), everyone))
+            return None
+        with (self.spans("idle") if self.spans else nullcontext()):
+            dist.all_gather(everyone, mine, group=self.group)
+            for work, _ in self.posted:  # paired by now (collectives match in order): surface any error
+                work.wait()
+        self.posted.clear()
+        rows = [r.tolist() for r in everyone if r[0]]  # one per replica: its leader's
+        needed, spare, missing, work, batch = (sum(r[i] for r in rows) for i in range(2, 7))
+        if missing or needed + spare < batch:
+            if not work:
+                raise RuntimeError(f"batch {sched.batches_out}: the replicas hold {needed + spare} complete groups of "
+                                   f"{batch} and none has a group in flight or one it may start: check the sampler's "
+                                   "done flags")
+            return None
+        return offer["needed"] + self._spares_taken(offer["spare"], batch - needed, rows)
+
+    def _spares_taken(self, spare, quota, rows):
+        """How many of this replica's spare groups the batch takes: the `quota` lowest (slot, replica) of all."""
+        width = min(max(r[3] for r in rows), quota)
+        mine = torch.full((width + 1,), -1, dtype=torch.long, device=self.device)          # (1 + width,)
+        mine[0] = self.replica if self.leader else -1
+        mine[1:1 + min(len(spare), width)] = torch.tensor(spare[:width], dtype=torch.long)
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(everyone, mine, group=self.group)
+        slots = sorted((slot, int(t[0])) for t in everyone if t[0] >= 0 for slot in t[1:].tolist() if slot >= 0)
+        return sum(replica == self.replica for _, replica in slots[:quota])
 
 
 def _per_token_names(samples):

@@ -454,7 +454,7 @@ def test_update_refuses_a_version_it_cannot_have():
 
 @pytest.mark.parametrize("S", [0, 1, 2])
 def test_ready_rank_keeps_decoding_until_all_ranks_are_ready(S):
-    """rollout(all_ready=...): a rank whose batch is ready while a peer's is not keeps decoding its long
+    """rollout(cut=...): a rank whose batch is ready while a peer's is not keeps decoding its long
     tail (colocated, gradients all-reduced); the batches stay valid and S = 0 is unchanged."""
     length_of = lambda seed: 20 if seed % 7 == 0 else 2 + seed % 3  # a long tail in every few groups
     cfg = StaleConfig(staleness=S, groups_per_step=2, group_size=3, threshold=0.5, chunk_steps=3)
@@ -464,15 +464,16 @@ def test_ready_rank_keeps_decoding_until_all_ranks_are_ready(S):
     calls = []
     while_ready = [0, 0]  # tokens decoded while this rank was ready and waited; sampler count at the last turn
 
-    def all_ready(mine):  # the peer becomes ready 4 loop turns after this rank
+    def all_ready(sched):  # the cut AllReady makes, with a peer that becomes ready 4 loop turns after this rank
+        mine = sched.ready()
         if calls and calls[-1]:
             while_ready[0] += waiting_sampler.tokens - while_ready[1]
         while_ready[1] = waiting_sampler.tokens
         calls.append(mine)
-        return mine and sum(calls[-5:]) == 5 and len(calls) >= 5
+        return cfg.groups_per_step if mine and sum(calls[-5:]) == 5 and len(calls) >= 5 else None
 
     for _ in range(6):
-        a, b = plain.rollout(), waiting.rollout(all_ready=all_ready)
+        a, b = plain.rollout(), waiting.rollout(cut=all_ready)
         calls.clear()
         _check_batch(b, S, cfg, length_of)
         if S == 0:
@@ -484,6 +485,64 @@ def test_ready_rank_keeps_decoding_until_all_ranks_are_ready(S):
         assert while_ready[0] > 0
     else:      # nothing is ever in flight once the batch is complete
         assert while_ready[0] == 0
+
+
+def _cut_world(rank, world_size, S, steps=6):
+    """A rank per replica, 2 groups each per step; replica 0's groups are dropped twice in three attempts (equal
+    lengths, a stand-in for equal rewards), replica 1's never. The same run under AllReady and under SharedCut."""
+    import torch.distributed as dist
+    from stalesync import AllReady, SharedCut
+    gps, G = 2, 3
+    to_global = lambda slot: slot // gps * gps * world_size + rank * gps + slot % gps
+    seed = lambda g, attempt, j: 1000 * g + 10 * attempt + j
+    unlucky = lambda s: (s // 1000) % (gps * world_size) < gps and (s // 10) % 10 % 3 != 2
+    length_of = lambda s: 3 if unlucky(s) else 2 + s % 3 + (s // 1000) % 4
+    keep = lambda prompt, responses: len({len(r) for r in responses}) > 1
+    out = {}
+    for name, cut in (("all", AllReady()), ("shared", SharedCut())):
+        cfg = StaleConfig(staleness=S, groups_per_step=gps, group_size=G, threshold=0.5, chunk_steps=2)
+        sched = StaleSync(cfg, ScriptedSampler(length_of), lambda slot, a: torch.tensor([2, 4 + to_global(slot) % 9]),
+                          lambda slot, a, j: seed(to_global(slot), a, j), keep_group=keep)
+        turns, batches = [], []
+        counted = lambda sched: (turns.__setitem__(-1, turns[-1] + 1), cut(sched))[1]
+        for _ in range(steps):
+            turns.append(0)
+            b = sched.rollout(cut=counted)
+            for sv in b.start_versions:
+                assert 0 <= b.version - sv <= S
+            batches.append([(to_global(slot), s, r.tolist()) for slot, s, r in zip(b.slots, b.seeds, b.responses)])
+            sched.update()
+        acc = sched.accounting()
+        assert acc["trained"] | acc["regenerated"] | acc["filtered"] | acc["in_flight"] == set(range(sched.next_id))
+        assert sched.max_admitted_over <= 0
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, batches)
+        out[name] = dict(turns=turns, batches=[sum(parts, []) for parts in zip(*everyone)],
+                         shares=[[len(b) // G for b in parts] for parts in zip(*everyone)])
+    return out
+
+
+@pytest.mark.parametrize("S", [0, 1])
+def test_a_shared_cut_lets_a_replica_fill_in_for_one_held_back_by_dropped_groups(S):
+    """SharedCut, two replicas: one cut over both pools. Every batch holds 2 x groups_per_step groups, each its slot's
+    draw, no slot trained twice, every sample accounted for and no age above S. At S = 1, the replica whose groups are
+    dropped again and again no longer holds the step: its peer's complete groups of later slots fill the batch, and
+    the rounds take fewer loop turns than under AllReady. At S = 0 both cuts make the same batches."""
+    from tests.distributed import run_distributed
+    out, _ = run_distributed(_cut_world, world_size=2, args=(S,))
+    for name in ("all", "shared"):
+        slots = [g for batch in out[name]["batches"] for g, _, _ in batch[::3]]
+        assert len(slots) == len(set(slots)), f"{name}: a slot trained twice"
+        for batch in out[name]["batches"]:
+            assert len(batch) == 4 * 3
+            for g, s, _ in batch:
+                assert s // 1000 == g  # its slot's draw
+    if S == 0:
+        assert out["shared"]["batches"] == out["all"]["batches"] and out["shared"]["shares"] == out["all"]["shares"]
+    else:
+        assert all(shares == [2, 2] for shares in out["all"]["shares"])
+        assert any(shares[1] > 2 for shares in out["shared"]["shares"]), out["shared"]["shares"]
+        assert max(out["shared"]["turns"]) < max(out["all"]["turns"]), (out["shared"], out["all"])
 
 
 def test_update_twice_is_refused_at_once():
