@@ -116,7 +116,7 @@ def colocated_loop(run):
         with spans("switch_to_rollout"):
             actor.to_rollout()
         # 1. generate: one StaleSync round (S > 0: it ends once every rank has its batch; the tail goes on)
-        batch = sched.rollout(spans, run.all_ready)
+        batch = sched.rollout(spans, run.cut)
         # 6. switch back to TRAIN (scoring needs no engine, so its memory is freed first)
         with spans("switch_to_train"):
             actor.to_train()
@@ -328,9 +328,16 @@ STALE_FACTS = ("sample_id", "start_version", "versions", "regenerated", "filtere
 
 def score_and_enqueue(run, batch):
     """2-3. Score each response, normalise the rewards within each group (a group never spans replicas),
-    and put the rows into the queue: one writer per TP group, its peers hold the same samples."""
+    and put the rows into the queue: one writer per TP group, its peers hold the same samples. Returns the rows'
+    ids on a writer, else None."""
     at_cut = [batch.metrics["stale/regenerated_at_cut"], batch.metrics["stale/filtered_at_cut"]]
-    put_rows(run, batch, at_cut)
+    return put_rows(run, batch, at_cut)
+
+
+def score_and_announce(run, batch):
+    """Colocated: score_and_enqueue, then the batch's row ids gathered from every writer (announce_rows): the shared
+    cut's shares vary from step to step, so a writer's rows of a batch are named, not counted. Collective."""
+    announce_rows(run, score_and_enqueue(run, batch))
 
 
 def put_rows(run, batch, at_cut=(0, 0)):
@@ -347,7 +354,7 @@ def put_rows(run, batch, at_cut=(0, 0)):
         return None
     stale = [torch.tensor([i, start, len(set(v.tolist())), *(at_cut if j == 0 else [0, 0])])  # (5,): STALE_FACTS
              for j, (i, start, v) in enumerate(zip(batch.ids, batch.start_versions, batch.token_versions))]
-    routes = [r.flatten().int() for r in batch.per_token["routes"]]  # (n_i, L, K) -> packed
+    routes = [r.flatten().int() for r in batch.per_token.get("routes", [])]  # (n_i, L, K) -> packed (none: an empty share)
     return run.queue.put({"prompt": batch.prompts, "response": batch.responses, "old_logprobs": batch.logprobs,
                           "rule_reward": rule.tolist(), "stale": stale, "routes": routes} | scored)
 
@@ -359,26 +366,31 @@ def put_group(run, group):
     run.rows_ahead.update(zip(group.ids, ids or [None] * len(group.ids)))
 
 
-def serve_then(queue, all_ready, mine):
-    """Hybrid: StaleSync's all_ready, which a round calls once per decode chunk, answering the queue's requests first:
+def serve_then(queue, cut, sched):
+    """Hybrid: StaleSync's cut, which a round calls once per decode chunk, answering the queue's requests first:
     a group put in one chunk is pulled by an auxiliary rank during the next, not at the round's end."""
     queue.serve()
-    return all_ready(mine)
+    return cut(sched)
 
 
 def announce_batch(run, batch):
-    """Hybrid: the batch StaleSync cut is already in the queue, group by group; its row ids, gathered from every writer,
-    are what the trainers read (read_share), and its cut's facts count in this rank's figures. Collective."""
-    mine = [run.rows_ahead.pop(i) for i in batch.ids]
-    everyone = [None] * dist.get_world_size(run.train_group)
-    dist.all_gather_object(everyone, mine if run.rank in run.roles.writers() else [], group=run.train_group)
-    run.batch_ids = {r for part in everyone for r in part}
+    """Hybrid: the batch StaleSync cut is already in the queue, group by group; its row ids, gathered from every writer
+    (announce_rows), are what the trainers read, and its cut's facts count in this rank's figures. Collective."""
+    announce_rows(run, [run.rows_ahead.pop(i) for i in batch.ids])
     run.at_cut = (batch.metrics["stale/regenerated_at_cut"], batch.metrics["stale/filtered_at_cut"])
 
 
+def announce_rows(run, mine):
+    """The row ids of the batch this step trains (read_share), every writer's (`mine`: this rank's) gathered over the
+    trainers into run.batch_ids. Collective."""
+    everyone = [None] * dist.get_world_size(run.train_group)
+    dist.all_gather_object(everyone, mine if run.rank in run.roles.writers() else [], group=run.train_group)
+    run.batch_ids = {r for part in everyone for r in part}
+
+
 def batch_rows(run, step):
-    """The row ids of the batch trained at RL step `step`, writer by writer: a writer puts n_local rows per batch, in
-    order, so its j-th row of that batch has a known id, however far ahead it runs."""
+    """Separated: the row ids of the batch trained at RL step `step`, writer by writer: each generator cuts its own
+    share, n_local rows per batch, in order, so its j-th row of that batch has a known id, however far ahead it runs."""
     n_local = run.cfg.prompts_per_step * run.cfg.group_size // run.roles.replicas
     return [run.queue.row_id(j, w) for w in run.roles.writers() for j in range((step - 1) * n_local, step * n_local)]
 
@@ -410,7 +422,7 @@ def read_rows(run, step):
     """read_share's get: the rows of batch step - 1 with the columns their writers put."""
     cfg = run.cfg
     per_step = cfg.prompts_per_step * cfg.group_size
-    ids = run.batch_ids if run.roles.hybrid else set(batch_rows(run, step))
+    ids = set(batch_rows(run, step)) if run.roles.separated else run.batch_ids
     if run.pipe is None:  # a token-balanced share of the batch
         return run.queue.get("train", per_step, dp_group=run.train_group, only=ids)
     # PP: an equal count (fixed micro-batch shapes), read once per pipeline and broadcast to its stages
@@ -697,9 +709,9 @@ class Run:
     grad_sync: gradsync.GradSync = None  # --nodes: the gradients' average across nodes (compressed: its residual)
     reference: fusion.HostOffloaded = None  # the frozen initial policy (kl_coef > 0, colocated-all; hybrid: aux ranks)
     score: object = rule_rewards  # (run, prompts, responses) -> (B,) rewards (--reward-model: model_rewards)
-    enqueue: object = score_and_enqueue  # (run, batch): the cut's batch into the queue (hybrid: announce_batch)
+    enqueue: object = score_and_enqueue  # (run, batch): the cut's batch into the queue (colocated: score_and_announce, hybrid: announce_batch)
     rows_ahead: dict = field(default_factory=dict)  # hybrid: sample id -> row id of groups put, not yet in a batch
-    batch_ids: set = None         # hybrid: the row ids of the batch this step trains (every writer's)
+    batch_ids: set = None         # colocated, hybrid: the row ids of the batch this step trains (every writer's)
     at_cut: tuple = (0, 0)        # hybrid: groups regenerated and filtered at this rank's last cut
     reward_model: fusion.HostOffloaded = None  # --reward-model: frozen, on host except while it scores (hybrid: aux)
     reward_model_figures: dict = field(default_factory=dict)  # its training and held-out agreement (rm/*)
@@ -707,7 +719,7 @@ class Run:
     sampler: Sampler = None       # the engine's sampler; keeps its KV cache between decode chunks
     sched: stalesync.StaleSync = None
     actor: fusion.FusedActor = None  # colocated: the actor's phase switch (its movers: the EP re-shard)
-    all_ready: object = None      # colocated: the ranks' "batch ready" flags combined (AllReady; hybrid: serve_then)
+    cut: object = None            # colocated: the replicas' shared cut of each batch (SharedCut; hybrid: serve_then)
     push_group: object = None     # separated: trainer 0 and the generators; hybrid: rank 0 and the auxiliary ranks
     rollout_group: object = None  # the generators' group (the curriculum's sum over replicas)
     log: "RunLog" = None
@@ -737,6 +749,8 @@ def build(cfg, out_dir=None):
         build_rollout(run)
     if roles.hybrid:  # each group goes into the queue as it completes (build_rollout's on_group); the cut names them
         run.enqueue = announce_batch
+    elif not roles.separated:  # the shared cut's shares vary: each batch's rows are named to the trainers
+        run.enqueue = score_and_announce
     if rank in roles.generators and not roles.separated:  # the actor: one phase switch moves everything (shards,
         # optimizer state, experts); the gather reads the peers' shards in shared memory on one CPU host where the
         # actor is every rank, else broadcasts (collective)
@@ -748,9 +762,11 @@ def build(cfg, out_dir=None):
             group=run.rollout_group)  # the actor's ranks (hybrid: not the auxiliary ones)
         if rank == 0:
             print(f"switch: {run.actor.path}", flush=True)  # e.g. "in place, SharedMemory"
-        run.all_ready = stalesync.AllReady(run.rollout_group, device=device, spans=run.spans)
+        # one cut over every replica's pool: a replica held back by its dropped groups does not hold the step
+        run.cut = stalesync.SharedCut(run.rollout_group, replica=roles.replica(rank), leader=rank in roles.writers(),
+                                      device=device, spans=run.spans)
         if roles.hybrid:  # called once per decode chunk: the auxiliary ranks' pulls are answered between chunks
-            run.all_ready = functools.partial(serve_then, run.queue, run.all_ready)
+            run.cut = functools.partial(serve_then, run.queue, run.cut)
     run.log = RunLog(run, start=resume_from[1]["step"] + 1 if resume_from else 1)
     return run
 

@@ -384,10 +384,11 @@ def _train_counting_rows(rank, world_size, out_dir, overrides=None):
 
 
 def test_hybrid_trains_every_sample_its_actor_emits_exactly_once(tmp_path):
-    """Counted over sample ids at S = 1 (groups completing beyond a batch wait in the queue for the next): the rows the
-    actor's trainers read, over the run, are the samples its schedulers emitted in batches, each exactly once, and
-    each row's auxiliary columns were read once, by the trainer that read the row."""
-    mode = {"deploy": "hybrid", "staleness": 1, "chunk_steps": 1, "steps": 5, "threshold": 0.5}
+    """Counted over sample ids at S = 1 (groups completing beyond a batch wait in the queue for the next; the filter
+    off, so that they complete together, more than the shared cut takes): the rows the actor's trainers read, over
+    the run, are the samples its schedulers emitted in batches, each exactly once, and each row's auxiliary columns
+    were read once, by the trainer that read the row."""
+    mode = {"deploy": "hybrid", "staleness": 1, "chunk_steps": 1, "steps": 5, "threshold": 0.5, "filter_groups": 0}
     out = run_distributed(_train_counting_rows, world_size=3, args=(str(tmp_path), mode))
     read = [key[1:] for seen, _, _ in out for key in seen]
     emitted = [(rank, i) for rank, (_, _, trained) in enumerate(out) for i in trained]
