@@ -150,6 +150,7 @@ class RunLog:
                 "perf/queue_frac": spans.total(("queue",), first) / step_s,  # the queue's reads and their waits
                 "stale/age_max": s["age_max"], "stale/age_mean": s["age_sum"] / rows,
                 "stale/partial_continued": s["partial_continued"], "stale/regenerated": self.regenerated,
+                "stale/filled_in": s["filled_in"],  # groups a replica gave for a held-back peer (the shared cut)
                 # dynamic sampling: groups dropped this step; groups generated and never trained, so far; the
                 # step's yield, groups trained over groups generated (dropped, or regenerated when too old)
                 "rollout/filtered_groups": s["filtered"], "rollout/extra_groups": self.extra_groups,

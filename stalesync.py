@@ -13,7 +13,8 @@ Contents, naive first:
   StaleConfig       validated knobs: S, groups per step, group size, threshold, decode chunk, the brakes
   StaleSync         the scheduler: slots, admission, decode chunks, cut at threshold, age bound, accounting
   FilterLimitError  the brake on dynamic sampling
-  AllReady          colocated: the ranks' "my batch is ready" flags combined, one all-reduce per chunk
+  AllReady          colocated, naive: each rank cuts its own share, once every rank is ready (a flag's all-reduce)
+  SharedCut         colocated: one cut over every replica's pool, so that one replica's bad luck is not the step's
 
 The rules (v = policy version = optimizer steps taken; k = index of the next batch, trained at version k):
   slots      every group fills a slot: slots are numbered 0, 1, 2, ... in the order they open, and each
@@ -26,8 +27,10 @@ The rules (v = policy version = optimizer steps taken; k = index of the next bat
              it opens slots_opened <= (S + v + 1) * groups_per_step (AReaL's capacity) always holds; a
              slot whose group was filtered reopens at once (it is within the capacity already);
   cut        batch k is emitted once groups_per_step groups are complete AND the oldest groups_per_step of
-             those that started at a version <= k - S (their last chance to be trained with age <= S) are
-             complete; the batch takes those due groups first, then the oldest complete ones;
+             those that started at a version <= k - S (their last chance to be trained with age <= S: the
+             needed ones) are complete; the batch takes the needed groups first, then the lowest-slot complete
+             ones. Colocated replicas may apply the rule to the union of their pools (SharedCut): each gives its
+             needed groups, the lowest slots of all fill the rest, so a replica's share varies, the batch's not;
   age        a sample's age is k - start_version, start_version being the version of its first token;
              a group that would be older than S at the next batch (a due group that did not fit in batch k)
              is regenerated from scratch with fresh samples, never trained, and counted
@@ -51,10 +54,11 @@ Kimi k1.5 (partial rollout, per-sample age cap), Pangu Embedded (stale-synchrono
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384) and its kin:
 1. Whole groups are the unit of admission, age and regeneration: GRPO's advantage needs every sample of
    a group, and all of a group's samples start together.
-2. The scheduler is a plain object driven by the caller (colocated: `rollout(spans, all_ready)` then `update()`,
-   all_ready combining the ranks' ready flags so that a rank ready first keeps decoding its tail;
-   separated: `admit/decode/ready/take` on the generator and `update(v)` when weights arrive); transport
-   of samples and weights is the caller's (a queue, p2p). The one collective here is AllReady's flag.
+2. The scheduler is a plain object driven by the caller (colocated: `rollout(spans, cut)` then `update()`, the
+   cut deciding with the peers when batch k is cut and how many groups each gives, so that a rank ready first
+   keeps decoding its tail; separated: `admit/decode/ready/take` on the generator and `update(v)` when weights
+   arrive); transport of samples and weights is the caller's (a queue, p2p). The only collectives here are
+   the cuts' (AllReady, SharedCut).
 3. The sampler is a callable step_fn(contexts, seeds, n_done, max_steps) -> (tokens, logprobs, done), and
    optionally per-token fields (out.per_token, see the contract below: each token's experts, say),
    called once per decode chunk on every in-flight row; a stateless sampler re-prefills the prefix each
@@ -66,7 +70,7 @@ Departures from the source system (Huawei's RL post-training on CloudMatrix 384)
     python -m pytest tests/test_stalesync.py
     python bench/stalesync.py --lengths lognormal:3,1
 
-Using this file elsewhere: torch only (tested with 2.13; CPU or CUDA); a process group only for AllReady (any backend).
+Using this file elsewhere: torch only (tested with 2.13; CPU or CUDA); a process group only for the cuts (any backend).
 The callables StaleSync takes, checked at each call with an error that names the fix:
   step_fn(contexts, seeds, n_done, max_steps) -> (tokens, logprobs, done), or an object with those three
       attributes. In: contexts, R int64 tensors (a prompt and its response so far); seeds (R,) int64,
@@ -446,6 +450,8 @@ class StaleSync:
                 "stale/regenerated": self.regenerated,  # so far; at this cut:
                 "stale/regenerated_at_cut": regenerated_at_cut,
                 "stale/filtered": self.filtered, "stale/filtered_at_cut": filtered_at_cut,
+                # a shared cut: the groups this scheduler gave beyond its groups_per_step, for a held-back peer
+                "stale/filled_in_at_cut": max(0, len(samples) // self.cfg.group_size - self.cfg.groups_per_step),
                 "stale/partial_continued": sum(len(set(s["versions"])) > 1 for _, s in samples),
                 "rollout/response_tokens": sum(len(s["tokens"]) for _, s in samples)}
 

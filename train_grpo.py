@@ -115,7 +115,7 @@ def colocated_loop(run):
         # 6. switch to ROLLOUT: grads and optimizer state to host, inference weights built in buckets
         with spans("switch_to_rollout"):
             actor.to_rollout()
-        # 1. generate: one StaleSync round (S > 0: it ends once every rank has its batch; the tail goes on)
+        # 1. generate: one StaleSync round (S > 0: it ends once the ranks together hold the batch; the tail goes on)
         batch = sched.rollout(spans, run.cut)
         # 6. switch back to TRAIN (scoring needs no engine, so its memory is freed first)
         with spans("switch_to_train"):
@@ -323,15 +323,15 @@ def wait_for_groups(run, groups):
 
 
 # ----------------------------------------------------------------------------- the RL step's stages
-STALE_FACTS = ("sample_id", "start_version", "versions", "regenerated", "filtered")  # a row's "stale": build_queue
+AT_CUT = ("regenerated", "filtered", "filled_in")  # a batch's facts of its cut (stalesync's stale/*_at_cut)
+STALE_FACTS = ("sample_id", "start_version", "versions", *AT_CUT)  # a row's "stale" (build_queue); AT_CUT: first row
 
 
 def score_and_enqueue(run, batch):
     """2-3. Score each response, normalise the rewards within each group (a group never spans replicas),
     and put the rows into the queue: one writer per TP group, its peers hold the same samples. Returns the rows'
     ids on a writer, else None."""
-    at_cut = [batch.metrics["stale/regenerated_at_cut"], batch.metrics["stale/filtered_at_cut"]]
-    return put_rows(run, batch, at_cut)
+    return put_rows(run, batch, cut_facts(batch))
 
 
 def score_and_announce(run, batch):
@@ -340,7 +340,12 @@ def score_and_announce(run, batch):
     announce_rows(run, score_and_enqueue(run, batch))
 
 
-def put_rows(run, batch, at_cut=(0, 0)):
+def cut_facts(batch):
+    """The batch's AT_CUT facts: groups regenerated, dropped, and given for a held-back peer at its cut."""
+    return [batch.metrics[f"stale/{name}_at_cut"] for name in AT_CUT]
+
+
+def put_rows(run, batch, at_cut=(0, 0, 0)):
     """Put batch's rows (or one group's) into the queue with their rule rewards, rewards and advantages (hybrid with a
     reward model: run.score is None, the auxiliary stage adds them), "stale" facts (at_cut on the first row) and
     routes. Returns the rows' ids on a writer, else None."""
@@ -352,9 +357,9 @@ def put_rows(run, batch, at_cut=(0, 0)):
         scored = {"reward": rewards.tolist(), "advantage": advantages.tolist()}
     if run.rank not in run.roles.writers():
         return None
-    stale = [torch.tensor([i, start, len(set(v.tolist())), *(at_cut if j == 0 else [0, 0])])  # (5,): STALE_FACTS
+    stale = [torch.tensor([i, start, len(set(v.tolist())), *(at_cut if j == 0 else [0] * len(AT_CUT))])  # STALE_FACTS
              for j, (i, start, v) in enumerate(zip(batch.ids, batch.start_versions, batch.token_versions))]
-    routes = [r.flatten().int() for r in batch.per_token.get("routes", [])]  # (n_i, L, K) -> packed (none: an empty share)
+    routes = [r.flatten().int() for r in batch.per_token.get("routes", [])]  # (n_i, L, K) -> packed; an empty share: []
     return run.queue.put({"prompt": batch.prompts, "response": batch.responses, "old_logprobs": batch.logprobs,
                           "rule_reward": rule.tolist(), "stale": stale, "routes": routes} | scored)
 
@@ -377,7 +382,7 @@ def announce_batch(run, batch):
     """Hybrid: the batch StaleSync cut is already in the queue, group by group; its row ids, gathered from every writer
     (announce_rows), are what the trainers read, and its cut's facts count in this rank's figures. Collective."""
     announce_rows(run, [run.rows_ahead.pop(i) for i in batch.ids])
-    run.at_cut = (batch.metrics["stale/regenerated_at_cut"], batch.metrics["stale/filtered_at_cut"])
+    run.at_cut = cut_facts(batch)
 
 
 def announce_rows(run, mine):
@@ -441,8 +446,8 @@ def share_figures(run, step, rows):
                "response_tokens": float(sum(len(r) for r in rows.cols["response"])),
                "age_sum": float(ages.sum()), "age_max": float(ages.max()) if len(ages) else 0.0,
                "partial_continued": float((stale["versions"] > 1).sum()),
-               "regenerated": float(stale["regenerated"].sum()) + run.at_cut[0],  # hybrid: at_cut, not in the rows
-               "filtered": float(stale["filtered"].sum()) + run.at_cut[1], "rows_ahead": float(len(run.rows_ahead))}
+               **{name: float(stale[name].sum()) + fact for name, fact in zip(AT_CUT, run.at_cut)},  # hybrid: at_cut
+               "rows_ahead": float(len(run.rows_ahead))}
     return {k: v if run.counts_rows else 0.0 for k, v in figures.items()}  # PP: a pipeline's rows counted once
 
 
@@ -709,10 +714,10 @@ class Run:
     grad_sync: gradsync.GradSync = None  # --nodes: the gradients' average across nodes (compressed: its residual)
     reference: fusion.HostOffloaded = None  # the frozen initial policy (kl_coef > 0, colocated-all; hybrid: aux ranks)
     score: object = rule_rewards  # (run, prompts, responses) -> (B,) rewards (--reward-model: model_rewards)
-    enqueue: object = score_and_enqueue  # (run, batch): the cut's batch into the queue (colocated: score_and_announce, hybrid: announce_batch)
+    enqueue: object = score_and_enqueue  # (run, batch): the cut's batch into the queue (colocated: score_and_announce)
     rows_ahead: dict = field(default_factory=dict)  # hybrid: sample id -> row id of groups put, not yet in a batch
     batch_ids: set = None         # colocated, hybrid: the row ids of the batch this step trains (every writer's)
-    at_cut: tuple = (0, 0)        # hybrid: groups regenerated and filtered at this rank's last cut
+    at_cut: tuple = (0, 0, 0)     # hybrid: this rank's last cut's AT_CUT facts (not in the rows)
     reward_model: fusion.HostOffloaded = None  # --reward-model: frozen, on host except while it scores (hybrid: aux)
     reward_model_figures: dict = field(default_factory=dict)  # its training and held-out agreement (rm/*)
     engine: Policy = None         # the rollout engine (generators)
@@ -775,8 +780,8 @@ def build_queue(cfg, key, store, rank, world, device):
     """The queue between rollout and training: one row per sample; its keys live in the process group's
     store under this run's own prefix. "stale" holds a row's STALE_FACTS: its sample id in its replica's
     scheduler, the version its generation started at, how many versions its tokens span (> 1: a partial
-    rollout), and on a batch's first row the groups regenerated and filtered for it, so that the trainers
-    can log (and count) what they train."""
+    rollout), and on a batch's first row its AT_CUT facts (groups regenerated, filtered, given for a held-back
+    peer), so that the trainers can log (and count) what they train."""
     columns = {"prompt": "int64", "response": "int64", "old_logprobs": "float32", "reward": "float32",
                "rule_reward": "float32", "advantage": "float32", "stale": "int64",
                "routes": "int32"}  # routes: (n_i * L * K,) experts
