@@ -473,7 +473,10 @@ def _regenerate(run, path, meta):
     """Another world size or deployment: the saved replicas' groups (queued, or in flight) have no replica
     to continue on. They are dropped and counted in stale/regenerated; this run's replicas start at the
     checkpoint's step, their first slots again, at their first attempts, drawn with the counts of the
-    curriculum a saved generator held (the same on every generator; a separated trainer's are empty)."""
+    curriculum a saved generator held (the same on every generator; a separated trainer's are empty). At S > 0 a
+    batch may have taken slots beyond the step's (a later slot that completed first, or, under the shared cut, a
+    replica's groups given for a held-back peer): those are drawn again. The run trains as many groups, not the same
+    ones."""
     from config import Roles
     cfg, step, saved = run.cfg, meta["step"], meta["config"]
     old = Roles(meta["world"], saved["deploy"] == "separated", saved["infer_tp"])

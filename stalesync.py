@@ -189,7 +189,7 @@ def sync_rollout(step_fn, prompts, group_size, seeds):
 @dataclass
 class StaleConfig:
     staleness: int = 0               # S: the most versions a trained sample may lag (0: synchronous)
-    groups_per_step: int = 2         # prompt groups in one optimizer step's batch (this rank's share)
+    groups_per_step: int = 2         # prompt groups in one optimizer step's batch (this replica's; SharedCut varies it)
     group_size: int = 8              # G: responses per prompt
     threshold: float = 1.0           # in (0, 1]: the decode pool holds groups_per_step / threshold groups
                                      #   and a round ends when groups_per_step of them are complete
@@ -378,25 +378,28 @@ class StaleSync:
         k, S = self.batches_out, self.cfg.staleness
         return [g for g in self.pool if g["start_version"] is not None and g["start_version"] <= k - S]
 
-    def _needed(self):
-        """The due groups batch k must take: the oldest groups_per_step of them (any more age out at this cut)."""
-        return self._due()[:self.cfg.groups_per_step]
+    def _needed(self, n=None):
+        """The due groups batch k must take, oldest first: n of them (default: up to groups_per_step; a shared cut may
+        ask for more). A due group left out ages out at this cut."""
+        due = self._due()
+        return due[:min(len(due), self.cfg.groups_per_step) if n is None else n]
 
-    def _spare(self):
-        """The complete groups batch k may take beyond the needed ones, lowest slot (oldest) first."""
-        needed = {id(g) for g in self._needed()}
-        return sorted((g for g in self.pool if _complete(g) and id(g) not in needed), key=lambda g: g["slot"])
+    def _spare(self, needed):
+        """The complete groups batch k may take beyond `needed`, lowest slot first."""
+        ids = {id(g) for g in needed}
+        return sorted((g for g in self.pool if _complete(g) and id(g) not in ids), key=lambda g: g["slot"])
 
     def ready(self):
         """True when batch k can be emitted: its needed groups complete, and groups_per_step complete in all."""
         needed = self._needed()
-        return all(map(_complete, needed)) and len(needed) + len(self._spare()) >= self.cfg.groups_per_step
+        return all(map(_complete, needed)) and len(needed) + len(self._spare(needed)) >= self.cfg.groups_per_step
 
-    def take(self, n=None):
-        """Emit batch k of n groups (default groups_per_step; a shared cut's share): the needed due groups, then the
-        lowest-slot complete ones; regenerate those now too old."""
+    def take(self, n=None, needed=None):
+        """Emit batch k of n groups (default groups_per_step): the oldest `needed` due groups (default: up to
+        groups_per_step), then the lowest-slot complete ones; regenerate those now too old. A cut's share gives both."""
         k, n = self.batches_out, self.cfg.groups_per_step if n is None else n
-        needed, spare = self._needed(), self._spare()
+        needed = self._needed(needed)
+        spare = self._spare(needed)
         if not all(map(_complete, needed)) or not len(needed) <= n <= len(needed) + len(spare):
             raise RuntimeError(f"take({n}) at batch {k}: its {len(needed)} needed groups must be complete, and there "
                                f"are {len(needed) + len(spare)} complete groups (take() before ready(), or a cut's "
@@ -421,13 +424,17 @@ class StaleSync:
         return self._as_batch(chosen, k, self._metrics(k, samples, self.regenerated - regenerated_before))
 
     def offer(self):
-        """What this scheduler brings to a cut of batch k (SharedCut): its needed groups, how many of those are not
-        complete yet, its spare complete groups (lowest slot first) and whether it has work left (a group in flight,
-        or one it may start)."""
-        needed = self._needed()
+        """What this scheduler brings to a shared cut of batch k (SharedCut): its due groups, how many of them, oldest
+        first, are complete before the first that is not, its complete groups, and whether it has work left (a group
+        in flight, or one it may start)."""
+        due = self._due()
+        done = next((i for i, g in enumerate(due) if not _complete(g)), len(due))
         work = self.in_flight() > 0 or bool(self.reopen) or self.slots_opened < self.capacity()
-        return dict(needed=len(needed), missing=sum(not _complete(g) for g in needed),
-                    spare=[g["slot"] for g in self._spare()], work=work)
+        return dict(due=len(due), done=done, complete=sum(map(_complete, self.pool)), work=work)
+
+    def spare_slots(self, needed):
+        """The slots of the complete groups beyond the oldest `needed` due ones, lowest first (SharedCut)."""
+        return [g["slot"] for g in self._spare(self._needed(needed))]
 
     def _as_batch(self, groups, version, metrics):
         samples = [(g, s) for g in groups for s in g["samples"]]
@@ -459,31 +466,32 @@ class StaleSync:
         """Colocated round: admit (refilling the pool), decode chunks until batch k = version can be cut, emit it.
         spans(name), optional: a context manager that times the round ("rollout").
 
-        cut(sched) -> n or None, optional: the ranks that train together deciding the cut (called exactly once per
-        loop turn on every rank): None while batch k is not ready, else how many groups this scheduler gives it.
-        Default: this scheduler alone (groups_per_step once ready()). AllReady: every rank's own groups_per_step,
-        once every rank is ready; SharedCut: one cut over all the replicas' pools. A rank ready before its peers
+        cut(sched) -> (n, needed) or None, optional: the ranks that train together deciding the cut (called exactly
+        once per loop turn on every rank): None while batch k is not ready, else this scheduler's share, take()'s
+        arguments: n groups, its oldest `needed` due groups among them (None: up to groups_per_step). Default: this
+        scheduler alone (cut_alone). AllReady: every rank's own groups_per_step, once every rank is ready; SharedCut:
+        one cut over all the replicas' pools. A rank ready before its peers
         keeps decoding its in-flight long tail instead of idling at the gradient all-reduce. S = 0 is unchanged
         (every open group is needed, so each gives groups_per_step). The round ends with the sampler's reset():
         what it cached was read under weights that the step about to train replaces, and it is rollout memory."""
         if self.batches_out != self.version:
             raise RuntimeError(f"colocated rollout at version {self.version} but {self.batches_out} batches out: "
                                "call update() once after each optimizer step")
-        share = cut or StaleSync.share
+        cut = cut or StaleSync.cut_alone
         with (spans("rollout") if spans else nullcontext()):
-            while (n := share(self)) is None:
+            while (share := cut(self)) is None:
                 self.admit()
                 self.decode()
-            batch = self.take(n)
+            batch = self.take(*share)
         if self.reset_fn is not None:
             self.reset_fn()
         return batch
 
-    def share(self):
-        """The cut of this scheduler alone: groups_per_step once ready(), else None (never a spin: with no group in
-        flight and none to start, it raises)."""
+    def cut_alone(self):
+        """The cut of this scheduler alone: (groups_per_step, None: its needed groups) once ready(), else None (never a
+        spin: with no group in flight and none to start, it raises)."""
         if self.ready():
-            return self.cfg.groups_per_step
+            return self.cfg.groups_per_step, None
         if not self.offer()["work"]:
             raise RuntimeError(f"batch {self.batches_out}: no group in flight, none to start, and no batch ready: "
                                "check the sampler's done flags")
@@ -556,8 +564,8 @@ class StaleSync:
                                    per_token={n: [v] for n, v in s.get("per_token", {}).items()})
                               for s in g["samples"]]) for g in sd["pool"]]
         _per_token_names([s for g in pool for s in g["samples"]])  # a sample saved without a field its peers hold
-        for key in self.COUNTERS:
-            setattr(self, key, sd[key])
+        for key in self.COUNTERS:  # a checkpoint of older code has no filtered_at_take: its filtered_reported
+            setattr(self, key, sd.get(key, sd["filtered_reported"]) if key == "filtered_at_take" else sd[key])
         if sd["sampler"] is not None:  # the held rows' KV cache too, if the sampler saves it: bit-exact
             self.sampler_state.load_state_dict(sd["sampler"])
         elif self.reset_fn is not None:  # a cache not checkpointed: the prefixes are read again
@@ -583,7 +591,7 @@ class AllReady:
         self.posted = []  # not-ready flags in flight: (work, tensor)
 
     def __call__(self, sched):
-        mine = sched.share() is not None
+        mine = sched.cut_alone() is not None
         flag = torch.tensor([float(mine)], device=self.device)
         if not mine:
             self.posted.append((dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True), flag))
@@ -593,22 +601,25 @@ class AllReady:
             for work, _ in self.posted:  # paired by now (collectives match in order): surface any error
                 work.wait()
         self.posted.clear()
-        return sched.cfg.groups_per_step if flag.item() else None
+        return (sched.cfg.groups_per_step, None) if flag.item() else None
 
 
 class SharedCut:
     """Colocated rounds: the replicas that train together cut one batch from all their pools, the cut rule over their
-    union (StaleSync.rollout's cut). Batch k is ready once every replica's needed groups (its oldest due ones) are
-    complete and, together, the replicas hold R x groups_per_step complete groups; each gives its needed groups, and
-    the lowest slots among all their other complete groups (ties: the lower replica) fill the rest. A replica held
-    back (its groups dropped again and again) no longer holds the step: its peers' complete groups of later slots take
-    its place, so the share a replica gives varies from step to step; the batch does not. Every slot is still trained
-    once, within S (its group is needed at its last chance), and no replica opens a slot beyond its capacity. S = 0:
-    each replica's open groups are all needed, so each gives groups_per_step, as under AllReady.
+    union (StaleSync.rollout's cut). With R replicas of groups_per_step each, the batch holds B = R x groups_per_step
+    groups. Needed: every replica's oldest due groups, up to its groups_per_step, then, while the batch has room, its
+    further due ones (the lower replica first; at S = 1 this is every due group, so none ages out). Batch k is ready
+    once every replica's needed groups are complete and, together, the replicas hold B complete groups; each gives its
+    needed groups, and the lowest (local slot, replica) among all their other complete groups fill the rest. A replica
+    held back (its groups dropped again and again) no longer holds the step: its peers' complete groups of later
+    slots take its place, so the share a replica gives varies from step to step; the batch does not. Every slot is
+    still trained once, within S, and no replica opens a slot beyond its capacity. S = 0: each replica's open groups
+    are all needed, so each gives groups_per_step, as under AllReady.
 
-    Per loop turn, one all-gather of a few counts; a rank still missing a needed group knows the answer (no) and
-    posts without waiting. At the cut, one all-gather of the spare slots. Replicas of several ranks (inference TP):
-    `replica` names this rank's, and one rank of each (`leader`) speaks for it; its peers hold the same pool."""
+    Per loop turn, one all-gather of a few counts; a rank still missing one of its first groups_per_step due groups
+    knows the answer (no) and posts without waiting. At the cut, one all-gather of the spare slots. Replicas of
+    several ranks (inference TP): `replica` names this rank's, and one rank of each (`leader`) speaks for it; its
+    peers hold the same pool."""
 
     def __init__(self, group=None, replica=None, leader=True, device="cpu", spans=None):
         self.group, self.device, self.spans = group, device, spans
@@ -617,11 +628,11 @@ class SharedCut:
         self.posted = []  # gathers in flight from turns this rank knew the answer: (work, tensors)
 
     def __call__(self, sched):
-        offer = sched.offer()
-        mine = torch.tensor([self.leader, self.replica, offer["needed"], len(offer["spare"]), offer["missing"],
-                             offer["work"], sched.cfg.groups_per_step], dtype=torch.long, device=self.device)  # (7,)
+        offer, gps = sched.offer(), sched.cfg.groups_per_step
+        mine = torch.tensor([self.leader, self.replica, offer["due"], offer["done"], offer["complete"], offer["work"],
+                             gps], dtype=torch.long, device=self.device)                        # (7,): FACTS
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
-        if offer["missing"]:  # a needed group of this replica is not complete: the batch is not ready
+        if offer["done"] < min(offer["due"], gps):  # one of its first needed groups is not complete: not ready
             self.posted.append((dist.all_gather(everyone, mine, group=self.group, async_op=True), everyone))
             return None
         with (self.spans("idle") if self.spans else nullcontext()):
@@ -629,19 +640,37 @@ class SharedCut:
             for work, _ in self.posted:  # paired by now (collectives match in order): surface any error
                 work.wait()
         self.posted.clear()
-        rows = [r.tolist() for r in everyone if r[0]]  # one per replica: its leader's
-        needed, spare, missing, work, batch = (sum(r[i] for r in rows) for i in range(2, 7))
-        if missing or needed + spare < batch:
-            if not work:
-                raise RuntimeError(f"batch {sched.batches_out}: the replicas hold {needed + spare} complete groups of "
-                                   f"{batch} and none has a group in flight or one it may start: check the sampler's "
-                                   "done flags")
+        rows = sorted((dict(zip(self.FACTS, r.tolist())) for r in everyone if r[0]), key=lambda r: r["replica"])
+        batch = sum(r["gps"] for r in rows)
+        needed = self._needed(rows, batch)                                                      # (R,)
+        if any(r["done"] < n for r, n in zip(rows, needed)) or sum(r["complete"] for r in rows) < batch:
+            if not any(r["work"] for r in rows):
+                raise RuntimeError(f"batch {sched.batches_out}: the replicas hold {sum(r['complete'] for r in rows)} "
+                                   f"complete groups of {batch} and none has a group in flight or one it may start: "
+                                   "check the sampler's done flags")
             return None
-        return offer["needed"] + self._spares_taken(offer["spare"], batch - needed, rows)
+        my_needed = needed[[r["replica"] for r in rows].index(self.replica)]
+        widest = max(r["complete"] - n for r, n in zip(rows, needed))
+        taken = self._spares_taken(sched.spare_slots(my_needed), batch - sum(needed), widest)
+        return my_needed + taken, my_needed
 
-    def _spares_taken(self, spare, quota, rows):
+    FACTS = ("leader", "replica", "due", "done", "complete", "work", "gps")  # what each rank posts, per turn
+
+    @staticmethod
+    def _needed(rows, batch):
+        """Each replica's needed groups: its oldest due ones up to its groups_per_step, then more while the batch has
+        room, the lower replica first."""
+        base = [min(r["due"], r["gps"]) for r in rows]
+        room, out = batch - sum(base), []
+        for r, b in zip(rows, base):
+            more = min(r["due"] - b, room)
+            room -= more
+            out.append(b + more)
+        return out
+
+    def _spares_taken(self, spare, quota, widest):
         """How many of this replica's spare groups the batch takes: the `quota` lowest (slot, replica) of all."""
-        width = min(max(r[3] for r in rows), quota)
+        width = min(widest, quota)
         mine = torch.full((width + 1,), -1, dtype=torch.long, device=self.device)          # (1 + width,)
         mine[0] = self.replica if self.leader else -1
         mine[1:1 + min(len(spare), width)] = torch.tensor(spare[:width], dtype=torch.long)

@@ -290,7 +290,8 @@ def aux_columns(run, rows, ids):
 
 def aux_groups(run, seen, done):
     """This auxiliary rank's next groups of each writer, (writer, k) -> the G row ids of its k-th, not yet done: as
-    many as StaleSync lets a replica complete ahead of training (S + 1 batches; more than this rank's share of them).
+    many as StaleSync lets a replica complete ahead of training (S + 1 batches' share; more than this rank's share of
+    them; a replica that the shared cut lets run further ahead has its later groups served at a later call).
     Round robin: the m-th group a writer puts (its rows m * G ... m * G + G - 1) goes to auxiliary rank
     (m + the writer's index) % aux_ranks."""
     cfg, G, aux = run.cfg, run.cfg.group_size, run.roles.auxiliaries
@@ -401,8 +402,8 @@ def batch_rows(run, step):
 
 
 def read_share(run, step):
-    """4. This trainer's token-balanced share of batch step - 1: every writer's rows of it (batch_rows; hybrid: the ids
-    announce_batch gathered). Returns (samples, the rows read, for share_figures once they are complete, and the
+    """4. This trainer's token-balanced share of batch step - 1: every writer's rows of it (the ids announce_rows
+    gathered; separated: batch_rows). Returns (samples, the rows read, for share_figures once they are complete, and the
     reference's log-probs that come with the rows: hybrid, an AuxColumns that brings them during the update (its
     arrive); else None)."""
     with run.spans("queue"):
@@ -437,7 +438,9 @@ def read_rows(run, step):
 
 def share_figures(run, step, rows):
     """The step's sums over this trainer's rows (complete: hybrid, after the update brought the auxiliary columns)."""
-    table = torch.stack(rows.cols["stale"]) if rows.ids else torch.zeros(0, len(STALE_FACTS), dtype=torch.long)
+    width = len(STALE_FACTS)  # a row that older code put (a resumed queue) lacks the last facts: zeros
+    facts = [torch.nn.functional.pad(f, (0, width - len(f))) for f in rows.cols["stale"]]
+    table = torch.stack(facts) if facts else torch.zeros(0, width, dtype=torch.long)             # (B, STALE_FACTS)
     stale = dict(zip(STALE_FACTS, table.unbind(1)))                                         # name -> (B,)
     ages = (step - 1) - stale["start_version"]                                              # (B,)
     figures = {"reward": float(rows.stack("reward").sum()), "rule_reward": float(rows.stack("rule_reward").sum()),

@@ -356,7 +356,7 @@ def _lockstep_rank(rank, world_size):
     lockstep = LockStep(group, "cpu", every=2)
     sampler, got, mixed = Sampler(model, 30, EOS, temperature=1.2, lockstep=lockstep), {i: [] for i in mine}, False
     buckets = len(_length_buckets([len(ctxs[i]) for i in live]))
-    while True:  # one call per turn on every rank, until every rank is done (AllReady's role in a run)
+    while True:  # one call per turn on every rank, until every rank is done (the cut's role in a run)
         held = set(sampler.state["seeds"]) if sampler.state is not None else set()
         mixed |= bool(held & {seeds[i] for i in live}) and bool({seeds[i] for i in live} - held)
         contexts = [torch.cat([ctxs[i], torch.tensor(got[i], dtype=torch.long)]) for i in live]

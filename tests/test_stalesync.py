@@ -470,7 +470,7 @@ def test_ready_rank_keeps_decoding_until_all_ranks_are_ready(S):
             while_ready[0] += waiting_sampler.tokens - while_ready[1]
         while_ready[1] = waiting_sampler.tokens
         calls.append(mine)
-        return cfg.groups_per_step if mine and sum(calls[-5:]) == 5 and len(calls) >= 5 else None
+        return (cfg.groups_per_step, None) if mine and sum(calls[-5:]) == 5 and len(calls) >= 5 else None
 
     for _ in range(6):
         a, b = plain.rollout(), waiting.rollout(cut=all_ready)
@@ -517,7 +517,7 @@ def _cut_world(rank, world_size, S, steps=6):
         assert sched.max_admitted_over <= 0
         everyone = [None] * world_size
         dist.all_gather_object(everyone, batches)
-        out[name] = dict(turns=turns, batches=[sum(parts, []) for parts in zip(*everyone)],
+        out[name] = dict(turns=turns, regenerated=sched.regenerated, batches=[sum(parts, []) for parts in zip(*everyone)],
                          shares=[[len(b) // G for b in parts] for parts in zip(*everyone)])
     return out
 
@@ -527,7 +527,8 @@ def test_a_shared_cut_lets_a_replica_fill_in_for_one_held_back_by_dropped_groups
     """SharedCut, two replicas: one cut over both pools. Every batch holds 2 x groups_per_step groups, each its slot's
     draw, no slot trained twice, every sample accounted for and no age above S. At S = 1, the replica whose groups are
     dropped again and again no longer holds the step: its peer's complete groups of later slots fill the batch, and
-    the rounds take fewer loop turns than under AllReady. At S = 0 both cuts make the same batches."""
+    its slowest round takes fewer loop turns than under AllReady, and no group ages out. At S = 0 both cuts make the
+    same batches."""
     from tests.distributed import run_distributed
     out, _ = run_distributed(_cut_world, world_size=2, args=(S,))
     for name in ("all", "shared"):
@@ -542,7 +543,29 @@ def test_a_shared_cut_lets_a_replica_fill_in_for_one_held_back_by_dropped_groups
     else:
         assert all(shares == [2, 2] for shares in out["all"]["shares"])
         assert any(shares[1] > 2 for shares in out["shared"]["shares"]), out["shared"]["shares"]
+        assert out["shared"]["regenerated"] == 0  # at S = 1 every due group is needed: none ages out
         assert max(out["shared"]["turns"]) < max(out["all"]["turns"]), (out["shared"], out["all"])
+
+
+def test_an_empty_share_reports_its_dropped_groups_in_the_next_batch_and_resumes():
+    """take(0): a shared cut's empty share, a batch of no group. The groups dropped before it are reported by the next
+    batch that holds groups, not lost, across a state_dict round trip; the brake counts from the last take."""
+    cfg = StaleConfig(staleness=1, groups_per_step=2, group_size=2, threshold=0.5, chunk_steps=8, max_filtered=3)
+    make = lambda: StaleSync(cfg, ScriptedSampler(lambda seed: 2 + seed % 2),
+                             prompt_fn=lambda slot, attempt: torch.tensor([2, slot + attempt, 3]),
+                             keep_group=lambda prompt, responses: int(prompt[1]) % 2 == 0)  # odd: dropped
+    sched = make()
+    sched.admit()
+    sched.decode()  # every row ends within a chunk: slots 1 and 3 dropped, reopened
+    assert sched.filtered == 2
+    empty = sched.take(0, 0)  # batch 0 has no due group at S = 1
+    assert empty.ids == [] and empty.metrics["stale/filtered_at_cut"] == 0 and empty.metrics["stale/age_max"] == 0
+    resumed = make()
+    resumed.load_state_dict(sched.state_dict())
+    resumed.update()
+    batch = resumed.rollout()
+    assert len(batch.ids) == 4 and batch.metrics["stale/filtered_at_cut"] == resumed.filtered >= 2
+    assert resumed.filtered_at_take == resumed.filtered  # the brake's count starts again at each take
 
 
 def test_update_twice_is_refused_at_once():
