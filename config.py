@@ -87,6 +87,8 @@ class Config:
     threshold: float = flag(0.5, "in (0, 1]: decode pool of prompts_per_step / threshold groups; a round ends "
                                  "when prompts_per_step groups are complete")
     chunk_steps: int = flag(8, "decode steps between checks for a finished batch (S > 0)")
+    shared_cut: bool = flag(True, "colocated: 1, the replicas cut each batch from all their pools (a replica held back "
+                                  "by dropped groups gives fewer); 0, each its own share once all are ready")
     decoupled: bool = flag(False, "1: decoupled objective (AReaL), clip around recomputed proximal log-probs")
     # rollout
     temperature: float = flag(1.0, "sampling temperature (> 0)")

@@ -770,9 +770,11 @@ def build(cfg, out_dir=None):
             group=run.rollout_group)  # the actor's ranks (hybrid: not the auxiliary ones)
         if rank == 0:
             print(f"switch: {run.actor.path}", flush=True)  # e.g. "in place, SharedMemory"
-        # one cut over every replica's pool: a replica held back by its dropped groups does not hold the step
+        # the cut: one over every replica's pool, so that a replica held back by its dropped groups does not hold
+        # the step; --shared-cut 0: each replica its own share, once every rank is ready
         run.cut = stalesync.SharedCut(run.rollout_group, replica=roles.replica(rank), leader=rank in roles.writers(),
-                                      device=device, spans=run.spans)
+                                      device=device, spans=run.spans) if cfg.shared_cut else \
+            stalesync.AllReady(run.rollout_group, device=device, spans=run.spans)
         if roles.hybrid:  # called once per decode chunk: the auxiliary ranks' pulls are answered between chunks
             run.cut = functools.partial(serve_then, run.queue, run.cut)
     run.log = RunLog(run, start=resume_from[1]["step"] + 1 if resume_from else 1)

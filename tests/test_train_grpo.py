@@ -536,7 +536,7 @@ def test_separated_generators_wait_out_a_warm_up_longer_than_the_timeout(tmp_pat
 def test_bounded_staleness_run_keeps_ages_within_s(tmp_path, world, infer_tp):
     """Colocated S = 1: a round ends at the replicas' shared cut; with two replicas (world 2 at TP 1; world 4 at TP 2,
     one rank of each speaking for it) one gives groups for the other, held back by its dropped groups
-    (stale/filled_in); world 2 at TP 2 is one replica, which has no peer to fill in for."""
+    (stale/filled_in; never with --shared-cut 0); world 2 at TP 2 is one replica, which has no peer to fill in for."""
     mode = {"staleness": 1, "threshold": 0.5, "chunk_steps": 2, "steps": 4, "decoupled": True, "infer_tp": infer_tp}
     params = [p for _, p in run_distributed(_train_tiny, world_size=world, args=(str(tmp_path), mode), timeout_s=240)]
     assert all(torch.equal(p, params[0]) for p in params)
@@ -544,6 +544,11 @@ def test_bounded_staleness_run_keeps_ages_within_s(tmp_path, world, infer_tp):
     assert all(l["stale/age_max"] <= 1 for l in lines) and any(l["stale/age_max"] == 1 for l in lines)
     assert all(l["rollout/response_tokens"] > 0 for l in lines)
     assert any(l["stale/filled_in"] > 0 for l in lines) == (world // infer_tp == 2)
+    if world // infer_tp == 2:  # --shared-cut 0: each replica gives its own share, never more
+        apart = [p for _, p in run_distributed(_train_tiny, world_size=world, timeout_s=240,
+                                               args=(str(tmp_path / "apart"), dict(mode, shared_cut=False)))]
+        lines = [json.loads(l) for l in open(tmp_path / "apart" / "metrics.jsonl")][1:]
+        assert all(torch.equal(p, apart[0]) for p in apart) and all(l["stale/filled_in"] == 0 for l in lines)
 
 
 @pytest.mark.parametrize("deploy", ["colocated", "separated", "hybrid"])
