@@ -606,15 +606,15 @@ class AllReady:
 
 class SharedCut:
     """Colocated rounds: the replicas that train together cut one batch from all their pools, the cut rule over their
-    union (StaleSync.rollout's cut). With R replicas of groups_per_step each, the batch holds B = R x groups_per_step
+    union (StaleSync.rollout's cut). With R replicas of groups_per_step each, the batch holds R x groups_per_step
     groups. Needed: every replica's oldest due groups, up to its groups_per_step, then, while the batch has room, its
     further due ones (the lower replica first; at S = 1 this is every due group, so none ages out). Batch k is ready
-    once every replica's needed groups are complete and, together, the replicas hold B complete groups; each gives its
-    needed groups, and the lowest (local slot, replica) among all their other complete groups fill the rest. A replica
-    held back (its groups dropped again and again) no longer holds the step: its peers' complete groups of later
-    slots take its place, so the share a replica gives varies from step to step; the batch does not. Every slot is
-    still trained once, within S, and no replica opens a slot beyond its capacity. S = 0: each replica's open groups
-    are all needed, so each gives groups_per_step, as under AllReady.
+    once every replica's needed groups are complete and, together, the replicas hold as many complete groups as the
+    batch; each gives its needed groups, and the lowest (local slot, replica) among all their other complete groups
+    fill the rest. A replica held back (its groups dropped again and again) no longer holds the step: its peers'
+    complete groups of later slots take its place, so the share a replica gives varies from step to step; the batch
+    does not. Every slot is still trained once, within S, and no replica opens a slot beyond its capacity. S = 0:
+    each replica's open groups are all needed, so each gives groups_per_step, as under AllReady.
 
     Per loop turn, one all-gather of a few counts; a rank still missing one of its first groups_per_step due groups
     knows the answer (no) and posts without waiting. At the cut, one all-gather of the spare slots. Replicas of
