@@ -727,7 +727,7 @@ class Run:
     sampler: Sampler = None       # the engine's sampler; keeps its KV cache between decode chunks
     sched: stalesync.StaleSync = None
     actor: fusion.FusedActor = None  # colocated: the actor's phase switch (its movers: the EP re-shard)
-    cut: object = None            # colocated: the replicas' shared cut of each batch (SharedCut; hybrid: serve_then)
+    cut: object = None            # colocated: how replicas cut each batch (SharedCut or AllReady; hybrid: serve_then)
     push_group: object = None     # separated: trainer 0 and the generators; hybrid: rank 0 and the auxiliary ranks
     rollout_group: object = None  # the generators' group (the curriculum's sum over replicas)
     log: "RunLog" = None
