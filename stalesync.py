@@ -30,7 +30,8 @@ The rules (v = policy version = optimizer steps taken; k = index of the next bat
              those that started at a version <= k - S (their last chance to be trained with age <= S: the
              needed ones) are complete; the batch takes the needed groups first, then the lowest-slot complete
              ones. Colocated replicas may apply the rule to the union of their pools (SharedCut): each gives its
-             needed groups, the lowest slots of all fill the rest, so a replica's share varies, the batch's not;
+             needed groups (more than its groups_per_step where the batch has room), the lowest slots of all
+             fill the rest, so a replica's share varies, the batch's not;
   age        a sample's age is k - start_version, start_version being the version of its first token;
              a group that would be older than S at the next batch (a due group that did not fit in batch k)
              is regenerated from scratch with fresh samples, never trained, and counted
