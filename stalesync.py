@@ -471,10 +471,10 @@ class StaleSync:
         once per loop turn on every rank): None while batch k is not ready, else this scheduler's share, take()'s
         arguments: n groups, its oldest `needed` due groups among them (None: up to groups_per_step). Default: this
         scheduler alone (cut_alone). AllReady: every rank's own groups_per_step, once every rank is ready; SharedCut:
-        one cut over all the replicas' pools. A rank ready before its peers
-        keeps decoding its in-flight long tail instead of idling at the gradient all-reduce. S = 0 is unchanged
-        (every open group is needed, so each gives groups_per_step). The round ends with the sampler's reset():
-        what it cached was read under weights that the step about to train replaces, and it is rollout memory."""
+        one cut over all the replicas' pools. A rank ready before its peers keeps decoding its in-flight long tail
+        instead of idling at the gradient all-reduce. S = 0 is unchanged (every open group is needed, so each gives
+        groups_per_step). The round ends with the sampler's reset(): what it cached was read under weights that the
+        step about to train replaces, and it is rollout memory."""
         if self.batches_out != self.version:
             raise RuntimeError(f"colocated rollout at version {self.version} but {self.batches_out} batches out: "
                                "call update() once after each optimizer step")
