@@ -384,8 +384,9 @@ def resume(run):
     metrics.jsonl, cut back to the checkpoint's step. Nothing without a checkpoint.
     The optimizer: its state (each parameter's step and Adam moments) from the checkpoint; every setting of
     its param_groups (the learning rate from --lr, betas, eps, weight decay, foreach, ...) from this run as
-    train_grpo.py built it. The saved param_groups stay in the rank files as a record, never applied: a
-    checkpoint of older code (foreach=None before commit e9fabe9) does not undo a choice made since."""
+    train_grpo.py built it, which then anneals the learning rate to where the run stopped (resume_lr). The saved
+    param_groups stay in the rank files as a record, never applied: a checkpoint of older code (foreach=None
+    before commit e9fabe9) does not undo a choice made since."""
     if run.resume_from is None:
         return
     path, meta = run.resume_from

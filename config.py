@@ -52,6 +52,8 @@ class Config:
     prompts_per_step: int = flag(16, "global prompts per step")
     group_size: int = flag(8, "responses per prompt (>= 2)")
     lr: float = flag(7e-4, "RL learning rate")
+    lr_decay: float = flag(0.1, "the RL learning rate falls along a cosine from --lr to lr_decay x --lr at the run's "
+                           "end (--steps or --rl-seconds, whichever binds first); 1: constant")
     adv_estimator: str = flag("grpo", "advantages: grpo (group-normalised), dr-grpo (no std scaling), rloo "
                                       "(leave-one-out baseline), reinforce++ (whole-batch baseline, normalised)")
     loss_agg: str = flag("auto", "token-mean, seq-mean-token-mean or seq-mean-token-sum-norm (over the response "
@@ -436,6 +438,8 @@ def value_errors(cfg):
         errors.append(f"--temperature {cfg.temperature} must be > 0 and --top-p {cfg.top_p} in (0, 1]")
     if cfg.kl_coef < 0 or cfg.clip_eps <= 0 or cfg.lr <= 0:
         errors.append(f"--kl-coef {cfg.kl_coef} must be >= 0, --clip-eps {cfg.clip_eps} and --lr {cfg.lr} > 0")
+    if not 0 <= cfg.lr_decay <= 1:
+        errors.append(f"--lr-decay {cfg.lr_decay} must be in [0, 1] (1: a constant learning rate)")
     if any(v is not None and not v > 0 for v in (cfg.clip_eps_high, cfg.tis_cap)):
         errors.append(f"--clip-eps-high {cfg.clip_eps_high} and --tis-cap {cfg.tis_cap} must be > 0 when given")
     if not cfg.grad_clip > 0 or not cfg.warmup_lr > 0:

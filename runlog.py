@@ -98,6 +98,12 @@ class RunLog:
         of --rl-seconds."""
         return self.seconds + time.perf_counter() - mark[1]
 
+    def share(self, step):
+        """The share of the run behind after `step`: the larger of step / --steps and the RL seconds over
+        --rl-seconds (the bar's; a resumed run's learning rate)."""
+        cfg = self.run.cfg
+        return max(step / cfg.steps, self.seconds / cfg.rl_seconds if cfg.rl_seconds else 0.0)
+
     def progress(self):
         """The RL steps, start .. --steps, with a bar on rank 0 that follows the limit that binds: its share is
         the larger of the RL seconds over --rl-seconds and the steps over --steps, so its time left is the
@@ -107,7 +113,7 @@ class RunLog:
                    bar_format="{l_bar}{bar}| {postfix} [{elapsed}<{remaining}]")
 
         def advance(step):
-            share = max(step / cfg.steps, self.seconds / cfg.rl_seconds if cfg.rl_seconds else 0.0)
+            share = self.share(step)
             of_time = f", {self.seconds:.0f}/{cfg.rl_seconds:.0f} s of RL" if cfg.rl_seconds else ""
             bar.set_postfix_str(f"step {step}/{cfg.steps}{of_time}", refresh=False)
             bar.update(min(100.0, 100 * share) - bar.n)
@@ -157,6 +163,7 @@ class RunLog:
                 "rollout/yield": kept / (kept + s["filtered"] + s["regenerated"]),
                 "rollout/prompt_digits_mean": s["prompt_digits"] / rows,
                 "queue/rows_ahead": s["rows_ahead"],  # hybrid: rows put for later batches (at most S batches' worth)
+                "train/lr": run.optimizer.param_groups[0]["lr"],  # this step's (--lr-decay anneals it)
                 "train/skipped_steps": self.skipped,  # optimizer steps skipped for a non-finite gradient, so far
                 **lockstep_counts(run), **(run.queue.metrics() if self.file else {}), **extra}  # rank 0 writes it
 

@@ -41,6 +41,7 @@ import datetime
 import functools
 import gc
 import json
+import math
 import os
 import time
 import uuid
@@ -78,6 +79,7 @@ def train(cfg, out_dir=None):
     attach_reference(run)
     attach_reward_model(run)  # --reward-model: trained on the warmed-up policy's samples (resumed: the checkpoint's)
     checkpoint.resume(run)  # --resume: the checkpoint's state (nothing without one)
+    resume_lr(run)
     loop = {"colocated": colocated_loop, "trainer": trainer_loop, "generator": generator_loop,
             "actor": actor_loop, "aux": aux_loop}[run.roles.role(run.rank)]
     # What setup made (torch's modules, the model, the queue) lives as long as the loop: frozen, a full collection
@@ -134,8 +136,10 @@ def colocated_loop(run):
         figures = share_figures(run, step, rows)
         sched.update()  # the sampler now has the weights of version `step`
         learn_curriculum(run)  # the next prompts are drawn where this round's groups were informative
-        last = out_of_time(run, step, mark)
+        done = progress(run, step, mark)  # the share of the run behind: --steps or --rl-seconds, whichever binds
+        last = out_of_time(run, step, done)
         record = run.log.figures(step, mark, sums | figures, actor.metrics())
+        anneal_lr(run, done)  # the next step's learning rate (the record holds this one's)
         if is_eval_step(cfg, step) or last:  # after the step's figures: the evaluation's switch is not the step's
             record.update(evaluate_colocated(run))
         run.log.write(record)
@@ -174,10 +178,12 @@ def trainer_loop(run):
             sums = run.update(run.model, run.optimizer, samples, run.algo, run.device,
                               run.train_group, ref_logprobs, run.clip_grads)
         figures = share_figures(run, step, rows)
-        last = out_of_time(run, step, mark)
+        done = progress(run, step, mark)  # the share of the run behind: --steps or --rl-seconds, whichever binds
+        last = out_of_time(run, step, done)
         # 6. push version `step` to the generators: they take it at their next decode-chunk boundary
         push_weights(run, step, last)
         record = run.log.figures(step, mark, sums | figures, {})
+        anneal_lr(run, done)  # the next step's learning rate (the record holds this one's)
         if is_eval_step(cfg, step) or last:  # the generators score version `step` and post it to the store
             record.update(collect_eval(run, step))
         run.log.write(record)
@@ -576,17 +582,39 @@ def is_eval_step(cfg, step):
     return step <= 1 or step % cfg.eval_every == 0 or step == cfg.steps
 
 
-def out_of_time(run, step, mark):
-    """Whether this step is the last: --steps, or --rl-seconds by rank 0's clock (every trainer agrees, one MAX
-    all-reduce). Trainer 0 tells the generators of a separated run (the store key of final_version), and the
-    auxiliary ranks of a hybrid one, which serve until the last batch has been read (this step's)."""
-    last = step == run.cfg.steps
-    if run.cfg.rl_seconds and not last:
-        late = run.rank == 0 and run.log.rl_seconds(mark) >= run.cfg.rl_seconds
-        last = bool(all_sum({"late": float(late)}, run.device, run.train_group, dist.ReduceOp.MAX)["late"])
+def progress(run, step, mark):
+    """The share of the run done after `step`, by the limit that binds: the larger of step / --steps and rank 0's
+    RL seconds over --rl-seconds (every trainer agrees: one MAX all-reduce)."""
+    done = step / run.cfg.steps
+    if run.cfg.rl_seconds and done < 1:
+        clock = run.log.rl_seconds(mark) / run.cfg.rl_seconds if run.rank == 0 else 0.0
+        done = max(done, all_sum({"clock": clock}, run.device, run.train_group, dist.ReduceOp.MAX)["clock"])
+    return done
+
+
+def out_of_time(run, step, done):
+    """Whether this step is the last (its share of the run has reached 1). Trainer 0 tells the generators of a
+    separated run (the store key of final_version), and the auxiliary ranks of a hybrid one, which serve until
+    the last batch has been read (this step's)."""
+    last = done >= 1
     if last and run.rank == 0 and run.roles.hybrid:
         run.store.set(weights_key(run, "final"), str(step))
     return last
+
+
+def anneal_lr(run, done):
+    """The learning rate once `done` of the run is behind (0 to 1): a cosine from --lr down to --lr x --lr-decay,
+    so that the policy settles as the run ends rather than stopping mid-swing."""
+    cosine = 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))  # 1 at the start, 0 at the end
+    for group in run.optimizer.param_groups:
+        group["lr"] = run.cfg.lr * (run.cfg.lr_decay + (1 - run.cfg.lr_decay) * cosine)
+
+
+def resume_lr(run):
+    """Resumed, a trainer: the learning rate where the run stopped (the checkpoint applies this run's --lr; the
+    schedule's place is the share of the run behind, from its steps and RL seconds)."""
+    if run.resume_from is not None and run.optimizer is not None:
+        anneal_lr(run, run.log.share(run.log.start - 1))
 
 
 def final_version(run):

@@ -28,7 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import timeline  # noqa: E402
 
-PINNED = ["--kl-coef", "0", "--lr", "5e-4"]  # the RL config these figures are for, whatever the run's defaults
+# the RL config these figures are for, whatever the run's defaults
+PINNED = ["--kl-coef", "0", "--lr", "5e-4", "--lr-decay", "1"]
 OVERLAP_FLAGS = ["--d-model", "128", "--d-expert", "512", "--n-layers", "4",
                  "--warmup-steps", "20", "--eval-every", "1000", "--eval-prompts", "64", "--bucket-kb", "1024"]
 

@@ -48,9 +48,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import timeline  # noqa: E402
 
-FLAGS = ["--kl-coef", "0.05", "--lr", "5e-4", "--reward-model", "1", "--rm-samples", "512", "--rm-steps", "100",
-         "--filter-groups", "0", "--curriculum", "0", "--warmup-steps", "300", "--eval-every", "1000", "--eval-prompts",
-         "64", "--rl-seconds", "0"]
+FLAGS = ["--kl-coef", "0.05", "--lr", "5e-4", "--lr-decay", "1", "--reward-model", "1", "--rm-samples", "512",
+         "--rm-steps", "100", "--filter-groups", "0", "--curriculum", "0", "--warmup-steps", "300",
+         "--eval-every", "1000", "--eval-prompts", "64", "--rl-seconds", "0"]
 WAITS = ("queue", "idle")
 AUX_WORK = ("reference", "reward_model")
 

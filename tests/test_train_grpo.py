@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -36,6 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["--n-layers", "0"], "--n-layers 0 must be >= 1"),
     (["--group-size", "0", "--adv-estimator", "reinforce++", "--filter-groups", "0"], "--group-size 0 must be >= 1"),
     (["--lr", "nan"], "--lr nan must be a finite number"),
+    (["--lr-decay", "1.5"], "--lr-decay 1.5 must be in [0, 1] (1: a constant learning rate)"),
     (["--kl-coef", "nan"], "--kl-coef nan must be a finite number"),
     (["--clip-eps", "nan"], "--clip-eps nan must be a finite number"),
     (["--rl-seconds", "nan"], "--rl-seconds nan must be a finite number"),
@@ -164,7 +166,7 @@ def test_two_ranks_train_to_identical_parameters(tmp_path):
     lines = [json.loads(l) for l in open(tmp_path / "w2" / "metrics.jsonl")]
     assert [l["step"] for l in lines] == [0, 1, 2, 3]
     for a, b in zip(lines[1:], [json.loads(l) for l in open(tmp_path / "w1" / "metrics.jsonl")][1:]):
-        for key in ("loss", "clip_frac", "ratio_mean", "k3_mean"):  # means over the whole batch, whatever
+        for key in ("loss", "clip_frac", "ratio_mean", "k3_mean", "train/lr"):  # means over the whole batch, whatever
             assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(b[key])), (key, a[key], b[key])  # the split
     assert any(0 < l["reward/mean"] < 1 and abs(l["loss"]) > 1e-4 for l in lines[1:])  # real RL updates
     assert sum(l["rollout/filtered_groups"] for l in lines[1:]) > 0  # the refill by slot is exercised
@@ -173,6 +175,9 @@ def test_two_ranks_train_to_identical_parameters(tmp_path):
         assert all(key in l for l in lines[1:]), key
     assert all(0 < l["perf/queue_frac"] <= l["perf/idle_frac"] < 1 for l in lines[1:])  # the queue's share of a step
     assert "eval/accuracy" in lines[1] and "eval/accuracy" in lines[-1]
+    lr, decay = TINY["lr"], Config().lr_decay  # a cosine over the --steps: after 0, 1 and 2 of the 3 steps
+    assert [l["train/lr"] for l in lines[1:]] == pytest.approx([lr, lr * (decay + (1 - decay) * 0.75),
+                                                               lr * (decay + (1 - decay) * 0.25)])
     # the step's own switches (not an evaluation's): back in TRAIN at step 1, AdamW has no state yet
     assert lines[1]["mem/train_optim_bytes"] == 0 < lines[2]["mem/train_optim_bytes"]
     assert lines[2]["mem/rollout_optim_bytes"] == 0
@@ -549,6 +554,19 @@ def test_bounded_staleness_run_keeps_ages_within_s(tmp_path, world, infer_tp):
                                                args=(str(tmp_path / "apart"), dict(mode, shared_cut=False)))]
         lines = [json.loads(l) for l in open(tmp_path / "apart" / "metrics.jsonl")][1:]
         assert all(torch.equal(p, apart[0]) for p in apart) and all(l["stale/filled_in"] == 0 for l in lines)
+
+
+def test_the_learning_rate_follows_a_cosine_over_the_share_of_the_run_behind():
+    """anneal_lr: --lr at the start, --lr x --lr-decay at the end and after it (the step that passes --rl-seconds
+    ends past 1), halfway between at the middle; --lr-decay 1 keeps it constant."""
+    for decay in (0.1, 1.0):
+        cfg = Config(lr=1e-3, lr_decay=decay)
+        run = SimpleNamespace(cfg=cfg, optimizer=torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=cfg.lr))
+        lrs = []
+        for done in (0.0, 0.5, 1.0, 1.3):
+            T.anneal_lr(run, done)
+            lrs.append(run.optimizer.param_groups[0]["lr"])
+        assert lrs == pytest.approx([1e-3, 1e-3 * (1 + decay) / 2, 1e-3 * decay, 1e-3 * decay])
 
 
 @pytest.mark.parametrize("deploy", ["colocated", "separated", "hybrid"])
