@@ -14,7 +14,8 @@ One RL step, numbered as in the README's diagram:
   3. advantages  group-normalised (grpo.group_advantages); the rows go into distqueue.py
   4. reference   a trainer reads a token-balanced, packed share of the batch; the frozen initial
                  policy's log-probs of it, when kl_coef > 0 or under --deploy colocated-all
-  5. train       GRPO updates, data parallel with FSDP2 (grpo.grpo_update)
+  5. train       GRPO updates, data parallel with FSDP2 (grpo.grpo_update); the learning rate falls along
+                 a cosine over the share of the run behind (--lr-decay)
   6. switch      colocated: TRAIN -> ROLLOUT before 1 and back after it (fusion.py, and the experts'
                  EP re-shard of moe_switch.py); separated: the new weights pushed to the generators
 One loop per deployment: `colocated_loop` (any S, inference TP, EP, the reference on host), and
