@@ -45,17 +45,18 @@ unless --trust-checkpoint-perms 1; `write` leaves its files writable by their ow
   (SHAPE_FIELDS: the model's and the task's shapes, the batch, the seed, the staleness, filtering and KL
   settings): every rank fails with the name of the file, the field or the flag, and of the rank that
   found it; metrics.jsonl is cut back to the checkpoint's step only once everything has loaded.
-  The optimizer's state comes from the checkpoint, all its settings (--lr among them) from this run.
+  The optimizer's state comes from the checkpoint, all its settings (--lr among them) from this run, the
+  learning rate then annealed to the checkpoint's place (train_grpo.resume_lr).
 - A consistent cut: every rank saves at the same policy version. Colocated: at the end of RL step N.
   Separated: trainers after pushing version N (and writing its figures), generators right after receiving
   it, before they serve any read of the batches they made ahead; rows made ahead are saved by their owner.
-- Exact: with the same world size and deployment, a resumed run trains to the parameters of a run that
-  never stopped (CPU, fixed seed, a fixed --steps: --rl-seconds ends on the clock), as long as the new
-  weights reach the samplers at fixed points (colocated; separated with S = 0; tested: colocated S = 0 and
-  S = 2, separated S = 0). At another world size or deployment the model and optimizer reshard; the groups
-  that were in flight or queued are dropped, counted in stale/regenerated, and the new replicas start the
-  checkpoint's slots again, at their first attempts, drawn with the saved curriculum's counts (a slot's
-  prompt is a function of the slot and of those counts: task.SlotPrompts).
+- Exact: with the same world size and deployment, a resumed run trains to the parameters of a run that never
+  stopped (CPU, fixed seed, --steps with --rl-seconds 0: the clock would end the run and set its learning
+  rate), as long as the new weights reach the samplers at fixed points (colocated; separated with S = 0;
+  tested: colocated S = 0 and S = 2, separated S = 0). At another world size or deployment the model and
+  optimizer reshard; the groups that were in flight or queued are dropped, counted in stale/regenerated, and
+  the new replicas start the checkpoint's slots again, at their first attempts, drawn with the saved
+  curriculum's counts (a slot's prompt is a function of the slot and of those counts: task.SlotPrompts).
 
 Shapes: none; one dict per rank.
 """

@@ -51,8 +51,8 @@ class Config:
     steps: int = flag(2000, "RL steps, at most (--rl-seconds stops the default run first)")
     prompts_per_step: int = flag(16, "global prompts per step")
     group_size: int = flag(8, "responses per prompt (>= 2)")
-    lr: float = flag(7e-4, "RL learning rate")
-    lr_decay: float = flag(0.1, "the RL learning rate falls along a cosine from --lr to lr_decay x --lr at the run's "
+    lr: float = flag(7e-4, "RL learning rate at the start (--lr-decay anneals it)")
+    lr_decay: float = flag(0.1, "the RL learning rate falls along a cosine from --lr to --lr-decay x --lr at the run's "
                            "end (--steps or --rl-seconds, whichever binds first); 1: constant")
     adv_estimator: str = flag("grpo", "advantages: grpo (group-normalised), dr-grpo (no std scaling), rloo "
                                       "(leave-one-out baseline), reinforce++ (whole-batch baseline, normalised)")

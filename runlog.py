@@ -98,11 +98,11 @@ class RunLog:
         of --rl-seconds."""
         return self.seconds + time.perf_counter() - mark[1]
 
-    def share(self, step):
-        """The share of the run behind after `step`: the larger of step / --steps and the RL seconds over
-        --rl-seconds (the bar's; a resumed run's learning rate)."""
+    def share(self, step, seconds):
+        """The share of the run behind after `step` and `seconds` of RL: the larger of step / --steps and seconds
+        over --rl-seconds (the limit that binds first; the bar's, and the learning rate's)."""
         cfg = self.run.cfg
-        return max(step / cfg.steps, self.seconds / cfg.rl_seconds if cfg.rl_seconds else 0.0)
+        return max(step / cfg.steps, seconds / cfg.rl_seconds if cfg.rl_seconds else 0.0)
 
     def progress(self):
         """The RL steps, start .. --steps, with a bar on rank 0 that follows the limit that binds: its share is
@@ -113,7 +113,7 @@ class RunLog:
                    bar_format="{l_bar}{bar}| {postfix} [{elapsed}<{remaining}]")
 
         def advance(step):
-            share = self.share(step)
+            share = self.share(step, self.seconds)
             of_time = f", {self.seconds:.0f}/{cfg.rl_seconds:.0f} s of RL" if cfg.rl_seconds else ""
             bar.set_postfix_str(f"step {step}/{cfg.steps}{of_time}", refresh=False)
             bar.update(min(100.0, 100 * share) - bar.n)

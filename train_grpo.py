@@ -80,7 +80,7 @@ def train(cfg, out_dir=None):
     attach_reference(run)
     attach_reward_model(run)  # --reward-model: trained on the warmed-up policy's samples (resumed: the checkpoint's)
     checkpoint.resume(run)  # --resume: the checkpoint's state (nothing without one)
-    resume_lr(run)
+    resume_lr(run)  # --resume: the learning rate where the checkpoint's run was
     loop = {"colocated": colocated_loop, "trainer": trainer_loop, "generator": generator_loop,
             "actor": actor_loop, "aux": aux_loop}[run.roles.role(run.rank)]
     # What setup made (torch's modules, the model, the queue) lives as long as the loop: frozen, a full collection
@@ -137,7 +137,7 @@ def colocated_loop(run):
         figures = share_figures(run, step, rows)
         sched.update()  # the sampler now has the weights of version `step`
         learn_curriculum(run)  # the next prompts are drawn where this round's groups were informative
-        done = progress(run, step, mark)  # the share of the run behind: --steps or --rl-seconds, whichever binds
+        done = share_done(run, step, mark)  # of the run: --steps or --rl-seconds, whichever binds first
         last = out_of_time(run, step, done)
         record = run.log.figures(step, mark, sums | figures, actor.metrics())
         anneal_lr(run, done)  # the next step's learning rate (the record holds this one's)
@@ -179,7 +179,7 @@ def trainer_loop(run):
             sums = run.update(run.model, run.optimizer, samples, run.algo, run.device,
                               run.train_group, ref_logprobs, run.clip_grads)
         figures = share_figures(run, step, rows)
-        done = progress(run, step, mark)  # the share of the run behind: --steps or --rl-seconds, whichever binds
+        done = share_done(run, step, mark)  # of the run: --steps or --rl-seconds, whichever binds first
         last = out_of_time(run, step, done)
         # 6. push version `step` to the generators: they take it at their next decode-chunk boundary
         push_weights(run, step, last)
@@ -583,14 +583,13 @@ def is_eval_step(cfg, step):
     return step <= 1 or step % cfg.eval_every == 0 or step == cfg.steps
 
 
-def progress(run, step, mark):
-    """The share of the run done after `step`, by the limit that binds: the larger of step / --steps and rank 0's
-    RL seconds over --rl-seconds (every trainer agrees: one MAX all-reduce)."""
-    done = step / run.cfg.steps
-    if run.cfg.rl_seconds and done < 1:
-        clock = run.log.rl_seconds(mark) / run.cfg.rl_seconds if run.rank == 0 else 0.0
-        done = max(done, all_sum({"clock": clock}, run.device, run.train_group, dist.ReduceOp.MAX)["clock"])
-    return done
+def share_done(run, step, mark):
+    """The share of the run behind after `step` (RunLog.share), on rank 0's clock: every trainer agrees (one MAX
+    all-reduce, only while the steps alone leave the run unfinished and --rl-seconds is set)."""
+    if not run.cfg.rl_seconds or step >= run.cfg.steps:
+        return run.log.share(step, 0.0)
+    seconds = run.log.rl_seconds(mark) if run.rank == 0 else 0.0
+    return run.log.share(step, all_sum({"s": seconds}, run.device, run.train_group, dist.ReduceOp.MAX)["s"])
 
 
 def out_of_time(run, step, done):
@@ -604,18 +603,19 @@ def out_of_time(run, step, done):
 
 
 def anneal_lr(run, done):
-    """The learning rate once `done` of the run is behind (0 to 1): a cosine from --lr down to --lr x --lr-decay,
-    so that the policy settles as the run ends rather than stopping mid-swing."""
+    """Sets every param group's learning rate for `done` of the run behind (0 to 1): a cosine from --lr down to
+    --lr x --lr-decay, so that the policy settles as the run ends rather than stopping mid-swing."""
     cosine = 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))  # 1 at the start, 0 at the end
     for group in run.optimizer.param_groups:
         group["lr"] = run.cfg.lr * (run.cfg.lr_decay + (1 - run.cfg.lr_decay) * cosine)
 
 
 def resume_lr(run):
-    """Resumed, a trainer: the learning rate where the run stopped (the checkpoint applies this run's --lr; the
-    schedule's place is the share of the run behind, from its steps and RL seconds)."""
+    """Resumed, a trainer: the learning rate where the run stopped (the checkpoint applies this run's --lr), from
+    the steps and RL seconds it saved. Exact when the steps bind; on the clock, the saved seconds include the
+    step's last milliseconds (its record, a separated push) that its own share_done did not."""
     if run.resume_from is not None and run.optimizer is not None:
-        anneal_lr(run, run.log.share(run.log.start - 1))
+        anneal_lr(run, run.log.share(run.log.start - 1, run.log.seconds))
 
 
 def final_version(run):

@@ -119,7 +119,7 @@ def grpo_config(args, deploy, out):
                   max_new_tokens=args.max_new_tokens, max_digits=args.max_digits, eval_prompts=2,
                   eval_every=10 ** 6, deploy=deploy, bucket_kb=args.bucket_kb, seed=args.seed, out=out,
                   device="cpu", pg_timeout_s=180, staleness=0, filter_groups=False,  # the same work in each mode
-                  curriculum=False, kl_coef=0.0, lr=5e-4)  # no reference model; the lr its figures had
+                  curriculum=False, kl_coef=0.0, lr=5e-4, lr_decay=1.0)  # no reference; the lr its figures had
 
 
 def fresh_group(store, prefix, rank):

@@ -3,10 +3,10 @@
     python bench/queue_share.py                 # the four deployments, 40 RL steps each (about 5 min on 2 cores)
     python bench/queue_share.py --steps 20 --deploy colocated hybrid
 
-Each run: world 2 under torchrun, the default task and model with `--kl-coef 0.05` (so that colocated-all and the
-hybrid have a reference to place), a fixed number of RL steps (--steps, --rl-seconds 0). The figure is trainer 0's
-`perf/queue_frac` (its `queue` spans in a step over the step's time), weighted by the steps' times, the first step and
-the last (its evaluation) left out. What the spans hold differs by deployment:
+Each run: world 2 under torchrun, the default task and model with `--kl-coef 0.05` (so that colocated-all and the hybrid
+have a reference to place) and a constant `--lr 5e-4`, a fixed number of RL steps (--steps, --rl-seconds 0). The figure
+is trainer 0's `perf/queue_frac` (its `queue` spans in a step over the step's time), weighted by the steps' times, the
+first step and the last (its evaluation) left out. What the spans hold differs by deployment:
   colocated       the read of this rank's share of the batch at the cut (round trips, the rows that move)
   colocated-all   the same
   separated       the trainer's wait for the generator's rows as well: the queue is where it waits

@@ -54,7 +54,9 @@ def test_stopped_and_resumed_run_trains_to_the_same_parameters(tmp_path, mode):
         assert any(s["tokens"].numel() and not s["done"] for g in pool for s in g["samples"])
     if "nodes" in mode:  # the error-feedback residual: part of the cut, and not zero
         assert any(r.abs().sum() > 0 for r in own["grad_sync"].values())
+    straight_lr = [l["train/lr"] for l in _lines(tmp_path)[1:]]
     resumed = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path), dict(mode, resume=step_3)))
+    assert [l["train/lr"] for l in _lines(tmp_path)[1:]] == straight_lr  # resumed where it was: steps 4 to 6
     assert torch.equal(straight[0][1], resumed[0][1])
     assert straight[0][0]["params_sha256"] == resumed[0][0]["params_sha256"] is not None
     assert resumed[0][0]["resumed_at_step"] == 3
@@ -276,6 +278,7 @@ def _resumed_optimizer(rank, world_size, out_dir, overrides):
     run = T.build(Config(**dict(TINY, **overrides), out=out_dir), out_dir)
     T.attach_reference(run)
     checkpoint.resume(run)
+    T.resume_lr(run)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in run.optimizer.param_groups]
     return groups, sorted({float(s["step"]) for s in run.optimizer.state.values()})
 
@@ -285,7 +288,7 @@ def test_dcp_holds_only_tensors_and_the_optimizer_settings_are_this_runs(tmp_pat
     only, and the optimizer's settings (param_groups) go to the rank files, plain data. On resume the
     state (Adam's moments and step) comes from the checkpoint, every setting from this run: a checkpoint
     saved with foreach=None (before commit e9fabe9) and other betas resumes with foreach=True, the betas
-    train_grpo.py builds, and this run's --lr."""
+    train_grpo.py builds, and this run's --lr, annealed to the checkpoint's place (step 2 of 3)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     mode = dict(CKPT, steps=2, save_every=2)
@@ -293,12 +296,13 @@ def test_dcp_holds_only_tensors_and_the_optimizer_settings_are_this_runs(tmp_pat
     path = checkpoint.folder(str(tmp_path), 2)
     saved = FileSystemReader(path).read_metadata().state_dict_metadata  # DCP's pickle, written by this test
     assert [k for k, m in saved.items() if not isinstance(m, TensorStorageMetadata)] == []
-    groups = checkpoint.read_own(path, 0)["optim_groups"]  # the settings it trained with, kept as a record
+    groups = checkpoint.read_own(path, 0)["optim_groups"]  # its settings (the lr: the next step's), a record
     assert groups and all(g["foreach"] is None and g["betas"] == (0.5, 0.5) for g in groups)
     resumed = run_distributed(_resumed_optimizer, world_size=2, args=(str(tmp_path), dict(mode, steps=3, lr=1e-3,
                                                                                           resume=path)))
     for groups, steps in resumed:
-        assert all(g["foreach"] is True and g["betas"] == (0.9, 0.98) and g["lr"] == 1e-3 for g in groups)
+        lr = 1e-3 * (0.1 + 0.9 * 0.25)  # --lr-decay 0.1: a cosine of 2/3 of the way is 0.25
+        assert all(g["foreach"] is True and g["betas"] == (0.9, 0.98) and g["lr"] == pytest.approx(lr) for g in groups)
         assert steps == [2.0]  # two optimizer steps, from the checkpoint
 
 

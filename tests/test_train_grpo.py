@@ -124,7 +124,8 @@ def test_import_starts_no_training(tmp_path):
 # Short strings and a short warm-up, so that groups get mixed rewards and the GRPO updates are not zero.
 TINY = dict(max_digits=2, max_new_tokens=4, eval_prompts=8, d_model=32, d_expert=32, warmup_steps=30,
             warmup_batch=8, steps=3, prompts_per_step=4, group_size=4, eval_every=2, updates_per_batch=1,
-            kl_coef=0.05, lr=3e-3, device="cpu",  # gloo ranks on CPU, even where a GPU is present
+            kl_coef=0.05, lr=3e-3, lr_decay=0.1, rl_seconds=0,  # the lr annealed by the steps alone, not a clock
+            device="cpu",  # gloo ranks on CPU, even where a GPU is present
             staleness=0, threshold=0.5)  # synchronous: every world the same (dynamic sampling and curriculum on)
 
 
@@ -166,7 +167,7 @@ def test_two_ranks_train_to_identical_parameters(tmp_path):
     lines = [json.loads(l) for l in open(tmp_path / "w2" / "metrics.jsonl")]
     assert [l["step"] for l in lines] == [0, 1, 2, 3]
     for a, b in zip(lines[1:], [json.loads(l) for l in open(tmp_path / "w1" / "metrics.jsonl")][1:]):
-        for key in ("loss", "clip_frac", "ratio_mean", "k3_mean", "train/lr"):  # means over the whole batch, whatever
+        for key in ("loss", "clip_frac", "ratio_mean", "k3_mean"):  # means over the whole batch, whatever
             assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(b[key])), (key, a[key], b[key])  # the split
     assert any(0 < l["reward/mean"] < 1 and abs(l["loss"]) > 1e-4 for l in lines[1:])  # real RL updates
     assert sum(l["rollout/filtered_groups"] for l in lines[1:]) > 0  # the refill by slot is exercised
@@ -175,7 +176,7 @@ def test_two_ranks_train_to_identical_parameters(tmp_path):
         assert all(key in l for l in lines[1:]), key
     assert all(0 < l["perf/queue_frac"] <= l["perf/idle_frac"] < 1 for l in lines[1:])  # the queue's share of a step
     assert "eval/accuracy" in lines[1] and "eval/accuracy" in lines[-1]
-    lr, decay = TINY["lr"], Config().lr_decay  # a cosine over the --steps: after 0, 1 and 2 of the 3 steps
+    lr, decay = TINY["lr"], TINY["lr_decay"]  # a cosine over the --steps: after 0, 1 and 2 of the 3 steps
     assert [l["train/lr"] for l in lines[1:]] == pytest.approx([lr, lr * (decay + (1 - decay) * 0.75),
                                                                lr * (decay + (1 - decay) * 0.25)])
     # the step's own switches (not an evaluation's): back in TRAIN at step 1, AdamW has no state yet
@@ -558,15 +559,17 @@ def test_bounded_staleness_run_keeps_ages_within_s(tmp_path, world, infer_tp):
 
 def test_the_learning_rate_follows_a_cosine_over_the_share_of_the_run_behind():
     """anneal_lr: --lr at the start, --lr x --lr-decay at the end and after it (the step that passes --rl-seconds
-    ends past 1), halfway between at the middle; --lr-decay 1 keeps it constant."""
+    ends past 1), halfway between at the middle, in every param group (EP has two); --lr-decay 1 keeps it constant."""
     for decay in (0.1, 1.0):
         cfg = Config(lr=1e-3, lr_decay=decay)
-        run = SimpleNamespace(cfg=cfg, optimizer=torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=cfg.lr))
+        groups = [{"params": [torch.nn.Parameter(torch.zeros(2))]}, {"params": [torch.nn.Parameter(torch.zeros(3))]}]
+        run = SimpleNamespace(cfg=cfg, optimizer=torch.optim.AdamW(groups, lr=cfg.lr))
         lrs = []
         for done in (0.0, 0.5, 1.0, 1.3):
             T.anneal_lr(run, done)
-            lrs.append(run.optimizer.param_groups[0]["lr"])
-        assert lrs == pytest.approx([1e-3, 1e-3 * (1 + decay) / 2, 1e-3 * decay, 1e-3 * decay])
+            lrs.append([g["lr"] for g in run.optimizer.param_groups])
+        expected = [1e-3, 1e-3 * (1 + decay) / 2, 1e-3 * decay, 1e-3 * decay]
+        assert lrs == [pytest.approx([lr, lr]) for lr in expected]
 
 
 @pytest.mark.parametrize("deploy", ["colocated", "separated", "hybrid"])
