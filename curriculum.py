@@ -15,8 +15,10 @@ few groups of a key say little about a pass rate near 0 or 1, where the formula 
 few groups leans towards the share over every key (`prior` groups of it). `draw(base)` turns the task's
 own distribution over keys into the one to draw from: base times each key's share to the `power`
 (late in a run most keys are nearly solved, and only a few, at the frontier of what the policy can do,
-still disagree often), mixed with `explore` of base itself, so that every key keeps being measured and
-one that the policy forgets is noticed. Old counts decay by `decay` at each step, so that the draw
+still disagree often), mixed with `explore` spread evenly over the keys, so that every key keeps being
+measured: one that the policy forgets is noticed, and so is a rare one that it begins to solve (explored in
+the task's own proportions, a key that the task draws 3 times in 1,000 would be tried a handful of times
+in a run, and a frontier there would go unseen). Old counts decay by `decay` at each step, so that the draw
 follows the policy as it learns.
 
 Every replica scores other groups, so the counts are summed over the replicas at step boundaries
@@ -88,10 +90,10 @@ class Curriculum:
 
     def draw(self, base):
         """(K,) the draw over keys, from the task's own draw `base` (K,): base times each key's informative share
-        to the power, normalised, mixed with `explore` of base itself (every key keeps being drawn and measured,
-        and one that the policy forgets is seen again)."""
+        to the power, normalised, mixed with `explore` spread evenly over the keys (every key keeps being drawn
+        and measured, however rarely the task draws it)."""
         sharp = base * self.informative() ** self.power
-        return (1 - self.explore) * sharp / sharp.sum() + self.explore * base / base.sum()
+        return (1 - self.explore) * sharp / sharp.sum() + self.explore / len(base)
 
     def state_dict(self):
         return {"counts": self.counts.tolist(), "new": self.new.tolist()}
