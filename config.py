@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-import gradsync
+from options import gradsync
 import grpo
 import moe_switch
 import stalesync

@@ -52,22 +52,22 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import checkpoint
+from plumbing import checkpoint
 import curriculum
 import distqueue
 import expert_parallel
 import fusion
-import gradsync
+from options import gradsync
 import grpo
-import pipeline
-import reward_model
-import shm_transport
+from options import pipeline
+from options import push, reward_model
+from plumbing import shm_transport
 import stalesync
 import task
-import timeline
+from plumbing import timeline
 from config import Config, Roles, grpo_config, model_config, parse_args, setup_distributed, validate
 from model import LockStep, Policy, Sampler, TPLayout, generate
-from runlog import RunLog, all_sum
+from plumbing.runlog import RunLog, all_sum
 
 
 # ----------------------------------------------------------------------------- the run: one loop per deployment
@@ -638,7 +638,7 @@ def push_weights(run, version, last=False):
             run.store.set(weights_key(run, "final"), str(version))
         run.store.set(weights_key(run, version), "1")
     with run.spans("push"):
-        fusion.push_weights(run.model, None, 0, run.push_group, run.cfg.bucket_kb * 1024)
+        push.push_weights(run.model, None, 0, run.push_group, run.cfg.bucket_kb * 1024)
         if run.rank == 0:
             received = [f"{weights_key(run, version)}/got/{i}" for i in range(run.roles.replicas)]
             wait_for(run, received, f"the generators' receipt of version {version}")
@@ -650,7 +650,7 @@ def receive_weights(run, version, evaluate=True):
     held-out score of this replica to the store for trainer 0."""
     wait_for(run, [weights_key(run, version)], f"weights of version {version}")
     with run.spans("recv"):
-        fusion.push_weights(None, run.engine, 0, run.push_group, run.cfg.bucket_kb * 1024)
+        push.push_weights(None, run.engine, 0, run.push_group, run.cfg.bucket_kb * 1024)
     run.store.set(f"{weights_key(run, version)}/got/{run.roles.replica(run.rank)}", "1")
     run.sched.update(version)
     if evaluate and (is_eval_step(run.cfg, version) or version == final_version(run)):
@@ -1031,7 +1031,7 @@ def send_reference(run):
     """Hybrid: the warmed-up policy, gathered over the actor's ranks and broadcast by rank 0 to the auxiliary ranks,
     which keep it as the frozen reference, on their device all along (computing it is their job). Collective."""
     ref = Policy(model_config(run.cfg)).to(run.device).eval() if run.model is None else None
-    fusion.push_weights(run.model, ref, 0, run.push_group, run.cfg.bucket_kb * 1024)
+    push.push_weights(run.model, ref, 0, run.push_group, run.cfg.bucket_kb * 1024)
     if ref is not None:
         run.reference = fusion.HostOffloaded(ref.requires_grad_(False), offload=False)
 

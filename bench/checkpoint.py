@@ -129,7 +129,7 @@ def optim_sha256(opt):
 
 def fingerprint(model, opt):
     """(hash of the whole gathered model, hash of this rank's optimizer shards): collective."""
-    import checkpoint
+    from plumbing import checkpoint
     import expert_parallel
     return checkpoint.params_sha256(expert_parallel.dense_state_dict(model)), optim_sha256(opt)
 
@@ -142,7 +142,7 @@ def own_state():
 def save(args, out, step, rank, model, opt):
     """What checkpoint.save does for a trainer: get_state_dict, then checkpoint.write. Returns the folder."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    import checkpoint
+    from plumbing import checkpoint
     m, o = get_state_dict(model, opt)  # DCP gets tensors only; the param_groups go to the rank file
     meta = {"world": 2, "config": vars(args)}
     own = dict(own_state(), optim_groups=o["param_groups"])
@@ -153,7 +153,7 @@ def save(args, out, step, rank, model, opt):
 def load(path, model, opt):
     """What checkpoint.resume does for a trainer's DCP state."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    import checkpoint
+    from plumbing import checkpoint
     m, o = get_state_dict(model, opt)
     state = {"model": m, "optim": {"state": o["state"]}}  # this run's param_groups, as checkpoint.resume does
     checkpoint.read_dcp(path, state)
@@ -196,7 +196,7 @@ def clear(out, rank):
 def one_round(args, out, rep, rank, model, opt, buf):
     """A save and a plain write (alternating which first), then a load into a fresh pair, checked. Returns
     this round's figures (the slowest rank's)."""
-    import checkpoint
+    from plumbing import checkpoint
     fig = {}
     plain_path = os.path.join(out, f"plain_{rank}.bin")
     for what in (("save", "plain") if rep % 2 == 0 else ("plain", "save")):

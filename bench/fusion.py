@@ -216,7 +216,7 @@ def pp_actor(engine, opt, bucket_bytes, inplace, rank):
     kind. The transport as train_grpo.build picks it: SharedMemory declines stages, so Broadcasts."""
     import torch
     import fusion
-    import shm_transport
+    from plumbing import shm_transport
     from model import Policy
     torch.manual_seed(rank)
     stage = pipeline_stage(Policy(engine.cfg), rank)
@@ -238,7 +238,7 @@ def bench_switch(args, rank, tmp):
     import torch
     import torch.distributed as dist
     import fusion
-    import shm_transport
+    from plumbing import shm_transport
     import train_grpo
     from task import VOCAB
     cfg = train_grpo.Config(d_model=args.switch_d_model, d_expert=args.switch_d_expert, n_layers=args.n_layers,
@@ -305,7 +305,7 @@ def interleaved(timed, actors, reps):
 
 def pp_results(pp, med, sends):
     """The PP -> TP switch's figures: medians of the slower rank; bytes per rank ([rank 0, rank 1])."""
-    import shm_transport
+    from plumbing import shm_transport
     return {"pp_switch_round_trip_s": med["pp_trip"], "pp_memcpy_bound_s": med["pp_memcpy"],
             "pp_send_bound_s": med["pp_send"], **{f"pp_switch_{k}_s": med[f"pp_{k}"] for k in PARTS},
             "pp_switch_bytes": per_rank(pp.stats["switch/bytes"]),

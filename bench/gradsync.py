@@ -26,7 +26,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import timeline  # noqa: E402
+from plumbing import timeline  # noqa: E402
 
 # the RL config these figures are for, whatever the run's defaults
 PINNED = ["--kl-coef", "0", "--lr", "5e-4", "--lr-decay", "1"]

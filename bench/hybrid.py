@@ -46,7 +46,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import timeline  # noqa: E402
+from plumbing import timeline  # noqa: E402
 
 FLAGS = ["--kl-coef", "0.05", "--lr", "5e-4", "--lr-decay", "1", "--reward-model", "1", "--rm-samples", "512",
          "--rm-steps", "100", "--filter-groups", "0", "--curriculum", "0", "--warmup-steps", "300",

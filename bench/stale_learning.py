@@ -55,7 +55,7 @@ def main():
         w.writeheader()
         w.writerows(rows)
     sys.path.insert(0, ROOT)
-    import timeline
+    from plumbing import timeline
     runs = [os.path.join(args.out, f"stale_S{s}") for s in args.staleness]
     timeline.write_curves_svg(runs, args.svg, labels=[f"S = {s}" for s in args.staleness])
     print(f"wrote {path} and {args.svg}")

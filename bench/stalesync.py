@@ -106,7 +106,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 from grpo import grpo_loss, pad_responses, token_logprobs  # noqa: E402
 from model import KVCache, ModelConfig, Policy, Sampler  # noqa: E402
 from stalesync import AllReady, Batch, StaleConfig, StaleSync  # noqa: E402
-from timeline import Spans  # noqa: E402
+from plumbing.timeline import Spans  # noqa: E402
 
 
 def free_port():

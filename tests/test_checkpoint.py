@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
+from plumbing import checkpoint
 import train_grpo as T
 from config import Config
 from tests.distributed import free_port, run_distributed

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 
 import fusion
 from fusion import (ROLLOUT, TRAIN, FusedActor, HostOffloaded, held_bytes, plan_buckets,
-                    push_weights, rollout, weight_meta)
+                    rollout, weight_meta)
 from model import ModelConfig, Policy, TPLayout, generate
+from options.push import push_weights
 from tests.distributed import run_distributed
 
 CFG = ModelConfig(vocab_size=14, d_model=32, n_layers=2, n_heads=4, n_experts=4, top_k=2, d_expert=32,

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradsync import (GradSync, NodeLayout, average_payloads, decode, dense_bytes, encode, new_groups,
+from options.gradsync import (GradSync, NodeLayout, average_payloads, decode, dense_bytes, encode, new_groups,
                       quantize_int8)
 from tests.distributed import run_distributed
 

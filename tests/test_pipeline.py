@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import grpo
-import pipeline
+from options import pipeline
 from model import ModelConfig, Policy
 from tests.distributed import run_distributed
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import task
-from reward_model import RMConfig, RewardModel, agreement, class_weights, pack, score, train_reward_model
+from options.reward_model import RMConfig, RewardModel, agreement, class_weights, pack, score, train_reward_model
 
 # One layer, 800 steps of 64 on 8192 samples: the digit check is learnt late, at a step that varies with the seed,
 # and 2 layers at 300-400 steps on fewer samples fell below the bar on some seeds.

@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 import fusion
-import shm_transport
+from plumbing import shm_transport
 from fusion import TRAIN, FusedActor, rollout
 from model import Policy
-from shm_transport import SharedMemory
+from plumbing.shm_transport import SharedMemory
 from tests.distributed import run_distributed
 from tests.test_fusion import (CFG, _backward, _check_bit_identical, _check_exact_and_memory, _check_one_rank_fails,
                                _local, _reference, _tokens, _train_model)
@@ -214,7 +214,7 @@ def test_shared_memory(world):
 
 FREE_THEN_REUSE = """
 import resource, torch
-import shm_transport
+from plumbing import shm_transport
 def cycles(stores, nbytes, k):  # a switch's pattern: free every storage, then allocate and write them again
     faults = []
     for _ in range(k):

@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-import timeline as T
+from plumbing import timeline as T
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NS = "{http://www.w3.org/2000/svg}"
@@ -193,15 +193,15 @@ def test_write_all_survives_a_thin_run(tmp_path):
 def test_command_line(tmp_path):
     a = write_run(tmp_path / "a", make_spans())
     b = write_run(tmp_path / "b", make_spans())
-    r = subprocess.run([sys.executable, "-m", "timeline", a], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "plumbing.timeline", a], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert {"trace.json", "timeline.svg", "curves.svg"} <= set(os.listdir(a))
     out = str(tmp_path / "both.svg")
-    r = subprocess.run([sys.executable, "-m", "timeline", a, b, "--out", out, "--labels", "x,y"],
+    r = subprocess.run([sys.executable, "-m", "plumbing.timeline", a, b, "--out", out, "--labels", "x,y"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert len(polylines(svg_root(out))) == 2 * len(T.CURVES) and "curves.svg" not in os.listdir(b)
-    r = subprocess.run([sys.executable, "timeline.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "plumbing/timeline.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "RUN_DIR" in r.stdout
 
 

@@ -185,7 +185,7 @@ def test_two_ranks_train_to_identical_parameters(tmp_path):
     summary = json.load(open(tmp_path / "w2" / "summary.json"))
     assert {"eval_accuracy_before", "eval_accuracy_after", "wall_s", "tokens_per_s", "config"} <= set(summary)
     assert os.path.exists(tmp_path / "w2" / "spans_rank1.jsonl")
-    import timeline  # the run drew itself: a trace with a track per rank, properly nested spans, pictures
+    from plumbing import timeline  # the run drew itself: a trace with a track per rank, properly nested spans, pictures
     spans = timeline.load_spans(tmp_path / "w2")
     timeline.check_nesting(spans)
     trace = json.load(open(tmp_path / "w2" / "trace.json"))
@@ -287,7 +287,7 @@ def test_nodes_average_gradients_across_nodes_as_one_world_and_compressed_stay_i
     assert torch.equal(p, q) and not torch.equal(p, p_one)
     last = [json.loads(l) for l in open(tmp_path / "topk" / "metrics.jsonl")][-1]
     assert 0 < 4 * last["gradsync/sent_bytes"] < last["gradsync/dense_bytes"]
-    import timeline
+    from plumbing import timeline
     assert "grad_sync_wait" in {s["name"] for s in timeline.load_spans(tmp_path / "topk")}
 
 
@@ -304,7 +304,7 @@ def test_a_learned_reward_model_scores_the_same_on_every_deployment(tmp_path):
     lines = [json.loads(l) for l in open(tmp_path / "w2" / "metrics.jsonl")]
     assert 0 <= lines[0]["rm/held_out_accuracy"] <= 1 and lines[0]["rm/held_out_n"] == TINY["eval_prompts"]
     assert all(0 <= l["reward/rule_mean"] <= 1 for l in lines[1:])
-    import timeline
+    from plumbing import timeline
     assert {"reward_model_fit", "reward_model"} <= {s["name"] for s in timeline.load_spans(tmp_path / "w2")}
 
 
@@ -327,7 +327,7 @@ def test_hybrid_places_the_reference_on_an_auxiliary_rank_and_trains_as_colocate
     assert any(l["k3_mean"] > 0 for l in lines)  # the reference's log-probs reached the loss
     per_step = TINY["prompts_per_step"] * TINY["group_size"]
     assert all(0 <= l["queue/rows_ahead"] <= S * per_step for l in lines)  # S = 0: nothing put for a later batch
-    import timeline
+    from plumbing import timeline
     spans = timeline.load_spans(tmp_path / "h")
     assert {"reference", "idle"} <= {s["name"] for s in spans if s["rank"] == 2}
     assert not any(s["name"] == "reference" for s in spans if s["rank"] < 2)  # the actor computes no reference
@@ -348,7 +348,7 @@ def test_hybrid_with_a_reward_model_on_the_auxiliary_rank_trains_as_colocated_al
     (_, p), _, _ = run_distributed(_train_tiny, world_size=3, args=(str(tmp_path / "h"), dict(mode, deploy="hybrid")))
     (_, c), _ = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "ca"), dict(mode, deploy="colocated-all")))
     assert_same_training(p, c, "hybrid with a reward model against colocated-all")
-    import timeline
+    from plumbing import timeline
     assert "reward_model" in {s["name"] for s in timeline.load_spans(tmp_path / "h") if s["rank"] == 2}
     lines = [json.loads(l) for l in open(tmp_path / "h" / "metrics.jsonl")]
     assert 0 <= lines[0]["rm/held_out_accuracy"] <= 1 and all(0 <= l["reward/rule_agreement"] <= 1 for l in lines[1:])
@@ -363,7 +363,7 @@ def test_world_4_hybrid_with_two_auxiliary_ranks_trains_as_colocated_all(tmp_pat
     assert [p is None for _, p in out] == [False, False, True, True]
     (_, c), _ = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "ca"), {"deploy": "colocated-all"}))
     assert_same_training(out[0][1], c, "hybrid at world 4 (2 auxiliary ranks) against colocated-all at world 2")
-    import timeline
+    from plumbing import timeline
     assert {2, 3} <= {s["rank"] for s in timeline.load_spans(tmp_path / "h") if s["name"] == "reference"}
 
 

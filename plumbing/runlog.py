@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import checkpoint
+from plumbing import checkpoint
 import expert_parallel
 import grpo
-import pipeline
-import timeline
+from options import pipeline
+from plumbing import timeline
 
 # time/<key>_s in metrics.jsonl: the seconds a step spent in spans of these names
 PHASES = {"rollout": "rollout", "train": "train", "reference": "reference", "score": "score",

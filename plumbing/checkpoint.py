@@ -296,7 +296,7 @@ def _choose(cfg, out_dir):
 def _check(cfg, path):
     """(path, meta) if this rank can resume this run from `path`; else an error naming the file, the field
     or the flag."""
-    from runlog import SAVED
+    from plumbing.runlog import SAVED
     fields = {"world": int, "reference": bool, "log": dict, **{f"log.{k}": object for k in SAVED},
               "config": dict, **{f"config.{k}": object for k in SHAPE_FIELDS + LAYOUT_FIELDS}}
     try:

@@ -12,10 +12,10 @@ in its folder one spans_rank<N>.jsonl per rank (every timed phase:
                  which no phase was open, grey hatched bars are waits (queue, idle); hover a bar for its step
   curves.svg     held-out accuracy, mean reward and the yield of kept groups against wall time, a line per run
 
-    python -m timeline runs/RUN                            # the three files, into runs/RUN
-    python -m timeline runs/RUN --first-step 10 --steps 2  # the chart shows steps 10 and 11
-    python -m timeline runs/A runs/B --out curves.svg --labels S0,S1   # one comparison of several runs
-    python timeline.py --help
+    python -m plumbing.timeline runs/RUN                            # the three files, into runs/RUN
+    python -m plumbing.timeline runs/RUN --first-step 10 --steps 2  # the chart shows steps 10 and 11
+    python -m plumbing.timeline runs/A runs/B --out curves.svg --labels S0,S1   # one comparison of several runs
+    python -m plumbing.timeline --help
 
 Contents: Spans and DeviceClock (recording), load_spans, check_nesting, trace_events / write_trace, pick_window,
 write_timeline_svg, load_metrics, curve_points, write_curves_svg, write_all, main.
@@ -520,7 +520,7 @@ def write_all(out_dir, first_step=None, n_steps=3, curves_path=None, labels=None
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m timeline", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m plumbing.timeline", description=__doc__.split("\n")[0],
                                 epilog="One RUN_DIR: trace.json, timeline.svg and curves.svg into it. Several: one "
                                        "curves.svg comparing them (--out), their folders left alone.")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="a folder written by train_grpo.py")
