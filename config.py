@@ -1,30 +1,27 @@
 """The run's configuration: every flag of train_grpo.py, grouped, with its help, and the checks that
-refuse a bad value before any process group is touched, naming the value and what is valid.
+refuse a bad value before any process group exists, naming the value and what is valid.
 
     python train_grpo.py --help
     python -c "import config; print(config.Config())"
 
-`Roles` says which ranks train and which generate under a deployment; `validate` checks a Config
-against the world size (every error at once); `setup_distributed` joins torchrun's process group, or
-makes a world of one.
+`resolve` turns the flags that say `auto` into numbers for the world at hand; `validate` checks a
+Config against the world size (every error at once; an option's own checks live in its file, asked
+only when the option is on); `Roles` says which ranks train and which generate.
 """
 import argparse
 import dataclasses
-import datetime
 import math
 import os
-import types
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from options import gradsync
 import grpo
 import moe_switch
 import stalesync
 import task
 from model import ModelConfig, Policy
+from plumbing.distributed import device_errors
 
 
 def flag(default, help_):
@@ -52,76 +49,97 @@ class Config:
     prompts_per_step: int = flag(16, "global prompts per step")
     group_size: int = flag(8, "responses per prompt (>= 2)")
     lr: float = flag(7e-4, "RL learning rate at the start (--lr-decay anneals it)")
-    lr_decay: float = flag(0.1, "the RL learning rate falls along a cosine from --lr to --lr-decay x --lr at the run's "
-                           "end (--steps or --rl-seconds, whichever binds first); 1: constant")
-    adv_estimator: str = flag("grpo", "advantages: grpo (group-normalised), dr-grpo (no std scaling), rloo "
-                                      "(leave-one-out baseline), reinforce++ (whole-batch baseline, normalised)")
-    loss_agg: str = flag("auto", "token-mean, seq-mean-token-mean or seq-mean-token-sum-norm (over the response "
-                                 "budget: Dr. GRPO's); auto: seq-mean-token-sum-norm for dr-grpo, else token-mean")
+    lr_decay: float = flag(0.1, "the RL learning rate falls along a cosine from --lr to --lr-decay x "
+                                "--lr at the run's end (--steps or --rl-seconds, whichever binds "
+                                "first); 1: constant")
+    adv_estimator: str = flag("grpo", "advantages: grpo (group-normalised), dr-grpo (no std scaling), "
+                                      "rloo (leave-one-out baseline), reinforce++ (whole-batch baseline, "
+                                      "normalised)")
+    loss_agg: str = flag("auto", "token-mean, seq-mean-token-mean or seq-mean-token-sum-norm (over the "
+                                 "response budget: Dr. GRPO's); auto: seq-mean-token-sum-norm for "
+                                 "dr-grpo, else token-mean")
     clip_eps: float = flag(0.2, "PPO clip range: the ratio clipped to [1 - clip_eps, 1 + clip_eps_high]")
     clip_eps_high: float = flag(None, "upper clip (DAPO's clip-higher); default: --clip-eps")
-    kl_coef: float = flag(0.1, "k3 KL penalty weight against the frozen warm-up policy (0: no reference model); it "
-                                "keeps the policy's entropy up, so that groups keep disagreeing and few are dropped")
-    filter_groups: bool = flag(True, "1: dynamic sampling, drop groups whose rewards are all equal and generate "
-                                      "more, so every step trains on prompts_per_step informative groups")
-    filter_limit: int = flag(128, "dynamic sampling's brake: the run stops once a replica has dropped more than this "
-                                  "many groups per prompt of its share while making one batch (a policy that "
-                                  "solves, or fails, everything)")
-    curriculum: bool = flag(True, "1: draw the RL prompts' lengths where groups are informative (pass rates per "
-                                  "length, learned from every scored group: curriculum.py); 0: the task's own draw")
+    kl_coef: float = flag(0.1, "k3 KL penalty weight against the frozen warm-up policy (0: no "
+                               "reference model); it keeps the policy's entropy up, so that groups keep "
+                               "disagreeing and few are dropped")
+    filter_groups: bool = flag(True, "1: dynamic sampling, drop groups whose rewards are all equal and "
+                                     "generate more, so every step trains on prompts_per_step "
+                                     "informative groups")
+    filter_limit: int = flag(128, "dynamic sampling's brake: the run stops once a replica has dropped "
+                                  "more than this many groups per prompt of its share while making one "
+                                  "batch (a policy that solves, or fails, everything)")
+    curriculum: bool = flag(True, "1: draw the RL prompts' lengths where groups are informative (pass "
+                                  "rates per length, learned from every scored group: curriculum.py); "
+                                  "0: the task's own draw")
     mask_truncated: bool = flag(False, "1: responses cut by the token budget contribute no loss")
-    tis_cap: float = flag(None, "truncated importance sampling: weight each token by min(pi_train / pi_rollout, "
-                                "C), pi_train recomputed before the update (the decoupled objective, capped)")
-    routing_replay: bool = flag(False, "1: each response token's MoE layers use, in training, the experts the rollout "
-                                       "chose for it (recorded as it was generated, gated by the trained router): "
-                                       "Rollout Routing Replay; moe/routing_mismatch is logged either way")
-    reward_model: bool = flag(False, "1: a learned outcome reward model scores the responses instead of the rule "
-                                     "(reward_model.py): trained after the warm-up on the policy's own samples, "
-                                     "labelled by the rule, then frozen; the rule is still logged (reward/rule_mean)")
+    tis_cap: float = flag(None, "truncated importance sampling: weight each token by min(pi_train / "
+                                "pi_rollout, C), pi_train recomputed before the update (the decoupled "
+                                "objective, capped)")
+    routing_replay: bool = flag(False, "1: each response token's MoE layers use, in training, the "
+                                       "experts the rollout chose for it (recorded as it was generated, "
+                                       "gated by the trained router): Rollout Routing Replay "
+                                       "(options/routing_replay.py); moe/routing_mismatch is logged")
+    reward_model: bool = flag(False, "1: a learned outcome reward model scores the responses instead "
+                                     "of the rule (options/reward_model.py): trained after the warm-up "
+                                     "on the policy's own samples, labelled by the rule, then frozen; "
+                                     "the rule is still logged (reward/rule_mean)")
     rm_samples: int = flag(2048, "--reward-model: the policy's samples it is trained on")
     rm_steps: int = flag(300, "--reward-model: its training steps (batches of 64)")
     updates_per_batch: int = flag(1, "optimizer steps per rollout batch")
-    micro_batches: int = flag(4, "length-sorted chunks per mini-batch (less padding; hybrid: in put order), "
-                                     "gradients accumulated")
+    micro_batches: int = flag(4, "length-sorted chunks per mini-batch (less padding; hybrid: in put "
+                                 "order), gradients accumulated")
     grad_clip: float = flag(1.0, "gradient norm clip")
     # staleness (stalesync.py)
     staleness: int = flag(1, "S: most policy versions a trained sample may lag (0: synchronous)")
-    threshold: float = flag(0.5, "in (0, 1]: decode pool of prompts_per_step / threshold groups; a round ends "
-                                 "when prompts_per_step groups are complete")
+    threshold: float = flag(0.5, "in (0, 1]: decode pool of prompts_per_step / threshold groups; a "
+                                 "round ends when prompts_per_step groups are complete")
     chunk_steps: int = flag(8, "decode steps between checks for a finished batch (S > 0)")
-    shared_cut: bool = flag(True, "colocated: 1, the replicas cut each batch from all their pools (a replica held back "
-                                  "by dropped groups gives fewer); 0, each its own share once all are ready")
-    decoupled: bool = flag(False, "1: decoupled objective (AReaL), clip around recomputed proximal log-probs")
+    shared_cut: bool = flag(True, "colocated: 1, the replicas cut each batch from all their pools (a "
+                                  "replica held back by dropped groups gives fewer); 0, each its own "
+                                  "share once all are ready")
+    decoupled: bool = flag(False, "1: decoupled objective (AReaL), clip around recomputed proximal "
+                                  "log-probs")
     # rollout
     temperature: float = flag(1.0, "sampling temperature (> 0)")
     top_p: float = flag(1.0, "nucleus mass, in (0, 1]")
     max_new_tokens: int = flag(40, "response budget in tokens")
-    # deployment (fusion.py, moe_switch.py)
-    deploy: str = flag("colocated", "colocated: every rank trains and generates, switching phases (fusion.py); "
-                                    "separated: half the ranks train, half generate; colocated-all: colocated "
-                                    "plus the reference model, kept on host except while it computes; hybrid: "
-                                    "the actor colocated on ranks [0, W - aux), the reference and the reward model "
-                                    "on --aux-ranks ranks, a queue stage between rollout and training")
-    aux_ranks: int = flag(None, "--deploy hybrid: ranks holding the reference and the reward model (default 1)")
-    infer_tp: int = flag(1, "tensor-parallel degree of the rollout engine: 1, 2 or 4 (colocated modes)")
+    # deployment (fusion.py, moe_switch.py, options/)
+    deploy: str = flag("colocated", "colocated: every rank trains and generates, switching phases "
+                                    "(fusion.py); separated: half the ranks train, half generate; "
+                                    "colocated-all: colocated plus the reference model, kept on host "
+                                    "except while it computes; hybrid: the actor colocated on ranks "
+                                    "[0, W - aux), the reference and the reward model on --aux-ranks "
+                                    "ranks, a queue stage between rollout and training")
+    aux_ranks: int = flag(None, "--deploy hybrid: ranks holding the reference and the reward model "
+                                "(default 1)")
+    infer_tp: int = flag(1, "tensor-parallel degree of the rollout engine: 1, 2 or 4 (colocated modes; "
+                            "options/tensor_parallel.py)")
     bucket_kb: int = flag(256, "bucket size in KiB for building and pushing inference weights")
-    train_pp: int = flag(1, "pipeline stages in training (pipeline.py): each holds n_layers / train_pp blocks on "
-                            "world / train_pp ranks (FSDP2 over them); 1: no pipeline")
-    train_ep: int = flag(0, "expert-parallel degree in training, re-sharded at each phase change "
-                            "(moe_switch.py); 0: the experts are FSDP-sharded like every weight")
-    infer_ep: int = flag(0, "expert-parallel degree of the rollout engine (with --train-ep); above 1 its ranks decode "
-                            "in lock-step (model.LockStep)")
-    # gradient sync (gradsync.py)
-    nodes: int = flag(1, "training's nodes: FSDP2 shards within each of --nodes groups of world / nodes ranks and the "
-                         "gradients are averaged across them (HSDP's layout, gradsync.py); 1: FSDP2 over every rank")
-    grad_compress: str = flag("none", "the cross-node gradient average: none (full precision), int8 (a scale per 128 "
-                                      "values) or topk-int8 (the --grad-topk largest, int8), with error feedback")
+    train_pp: int = flag(1, "pipeline stages in training (options/pipeline.py): each holds n_layers / "
+                            "train_pp blocks on world / train_pp ranks (FSDP2 over them); 1: no "
+                            "pipeline")
+    train_ep: str = flag("auto", "expert-parallel degree in training, re-sharded at each phase change "
+                                 "(moe_switch.py); 0: the experts are FSDP-sharded like every weight; "
+                                 "auto: on where the layout allows it (colocated, world > 1, TP 1, no "
+                                 "PP or nodes), as wide as the world and the experts allow")
+    infer_ep: str = flag("auto", "expert-parallel degree of the rollout engine (with --train-ep); above "
+                                 "1 its ranks decode in lock-step (options/lockstep.py); auto: 1 where "
+                                 "EP is on")
+    # gradient sync (options/gradsync.py)
+    nodes: int = flag(1, "training's nodes: FSDP2 shards within each of --nodes groups of world / nodes "
+                         "ranks and the gradients are averaged across them (HSDP's layout, "
+                         "options/nodes.py); 1: FSDP2 over every rank")
+    grad_compress: str = flag("none", "the cross-node gradient average: none (full precision), int8 (a "
+                                      "scale per 128 values) or topk-int8 (the --grad-topk largest, "
+                                      "int8), with error feedback")
     grad_topk: float = flag(0.1, "share of each gradient shard that topk-int8 sends, in (0, 1]")
-    grad_overlap: bool = flag(False, "1: each FSDP unit's cross-node sync starts as its gradients are reduced and "
-                                     "is waited before the clip (overlaps earlier blocks' backward with "
-                                     "--fsdp-units block)")
-    fsdp_units: str = flag("model", "model: one FSDP2 unit (one gather, one reduce-scatter per step); block: one per "
-                                    "transformer block and one for the rest, with forward and backward prefetch")
+    grad_overlap: bool = flag(False, "1: each FSDP unit's cross-node sync starts as its gradients are "
+                                     "reduced and is waited before the clip (overlaps earlier blocks' "
+                                     "backward with --fsdp-units block)")
+    fsdp_units: str = flag("model", "model: one FSDP2 unit (one gather, one reduce-scatter per step); "
+                                    "block: one per transformer block and one for the rest, with "
+                                    "forward and backward prefetch")
     # run
     seed: int = flag(0, "seed of prompts, init and sampling")
     eval_every: int = flag(20, "steps between held-out evaluations (also the first and the last)")
@@ -129,24 +147,32 @@ class Config:
     rl_seconds: float = flag(200.0, "stop after the RL step that passes this many seconds of RL steps "
                                     "(evaluations excluded), and evaluate it; 0: run --steps")
     out: str = flag("", "output folder (default runs/<timestamp>)")
-    save_every: int = flag(0, "RL steps between checkpoints in <out>/checkpoints (0: none; checkpoint.py)")
+    save_every: int = flag(0, "RL steps between checkpoints in <out>/checkpoints (0: none; "
+                              "plumbing/checkpoint.py)")
     keep_last: int = flag(2, "checkpoints kept, the newest (0: every one)")
-    resume: str = flag("", "auto (the newest complete checkpoint in --out, or a fresh start if none) or a "
-                           "checkpoint folder")
-    trust_checkpoint_perms: bool = flag(False, "1: resume from a checkpoint that another user owns or may write "
-                                               "(group- or world-writable, e.g. a group-shared disk); loading one "
-                                               "runs its pickled code (checkpoint.py)")
-    device: str = flag("auto", "auto (the accelerator if there is one, else cpu), cpu, or the accelerator's type "
-                               "that torch.accelerator finds (cuda, xpu, npu with its plugin; not mps: gloo only)")
+    resume: str = flag("", "auto (the newest complete checkpoint in --out, or a fresh start if none) or "
+                           "a checkpoint folder")
+    trust_checkpoint_perms: bool = flag(False, "1: resume from a checkpoint that another user owns or "
+                                               "may write (group- or world-writable, e.g. a "
+                                               "group-shared disk); loading one runs its pickled code")
+    device: str = flag("auto", "auto (the accelerator if there is one, else cpu), cpu, or the "
+                               "accelerator's type that torch.accelerator finds (cuda, xpu, npu with its "
+                               "plugin; not mps: gloo only)")
     pg_timeout_s: int = flag(300, "timeout in seconds of every process group")
 
 
-SECTIONS = {"task": "max_digits", "model": "d_model", "supervised warm-up": "warmup_steps", "GRPO": "steps",
-            "staleness": "staleness", "rollout": "temperature", "deployment": "deploy", "gradient sync": "nodes",
-            "run": "seed"}
+SECTIONS = {"task": "max_digits", "model": "d_model", "supervised warm-up": "warmup_steps",
+            "GRPO": "steps", "staleness": "staleness", "rollout": "temperature",
+            "deployment": "deploy", "gradient sync": "nodes", "run": "seed"}
+COMPRESS = ("none", "int8", "topk-int8")  # options/gradsync.py's (a test holds them equal)
 CHOICES = {"loss_agg": ("auto",) + grpo.LOSS_AGGS, "adv_estimator": grpo.ESTIMATORS,
            "deploy": ("colocated", "separated", "colocated-all", "hybrid"),
-           "grad_compress": gradsync.COMPRESS, "fsdp_units": ("model", "block")}
+           "grad_compress": COMPRESS, "fsdp_units": ("model", "block")}
+
+
+def ep_degree(text):
+    """--train-ep / --infer-ep: an integer, or auto."""
+    return text if text == "auto" else int(text)
 
 
 def parse_args(argv=None, description="GRPO post-training of a tiny MoE policy"):
@@ -156,11 +182,14 @@ def parse_args(argv=None, description="GRPO post-training of a tiny MoE policy")
     for f in dataclasses.fields(Config):
         if f.name in starts:
             group = p.add_argument_group(starts[f.name])
-        kind = (lambda s: bool(int(s))) if f.type is bool else f.type
+        kind = {bool: lambda s: bool(int(s)), str: str}.get(f.type, f.type)
+        if f.name in ("train_ep", "infer_ep"):
+            kind = ep_degree
         group.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default,
                            help=f.metadata["help"], choices=CHOICES.get(f.name))
     for old, new in RENAMED.items():  # an old name is refused with a pointer to the new one
-        p.add_argument(old, help=argparse.SUPPRESS, default=argparse.SUPPRESS, action=_Renamed, new=new)
+        p.add_argument(old, help=argparse.SUPPRESS, default=argparse.SUPPRESS, action=_Renamed,
+                       new=new)
     return p, Config(**vars(p.parse_args(argv)))
 
 
@@ -182,25 +211,26 @@ def grpo_config(cfg):
     agg = cfg.loss_agg
     if agg == "auto":
         agg = "seq-mean-token-sum-norm" if cfg.adv_estimator == "dr-grpo" else "token-mean"
-    return grpo.GRPOConfig(clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, kl_coef=cfg.kl_coef,
-                           loss_agg=agg, norm_len=cfg.max_new_tokens, temperature=cfg.temperature,
-                           updates_per_batch=cfg.updates_per_batch, micro_batches=cfg.micro_batches,
-                           grad_clip=cfg.grad_clip, decoupled=cfg.decoupled, tis_cap=cfg.tis_cap,
+    return grpo.GRPOConfig(clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high,
+                           kl_coef=cfg.kl_coef, loss_agg=agg, norm_len=cfg.max_new_tokens,
+                           temperature=cfg.temperature, updates_per_batch=cfg.updates_per_batch,
+                           micro_batches=cfg.micro_batches, grad_clip=cfg.grad_clip,
+                           decoupled=cfg.decoupled, tis_cap=cfg.tis_cap,
                            mask_truncated=cfg.mask_truncated, routing_replay=cfg.routing_replay)
 
 
 def model_config(cfg):
-    return ModelConfig(vocab_size=task.VOCAB, d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
-                       n_experts=cfg.n_experts, top_k=cfg.top_k, d_expert=cfg.d_expert,
-                       max_seq_len=cfg.max_digits + 2 + cfg.max_new_tokens)
+    return ModelConfig(vocab_size=task.VOCAB, d_model=cfg.d_model, n_layers=cfg.n_layers,
+                       n_heads=cfg.n_heads, n_experts=cfg.n_experts, top_k=cfg.top_k,
+                       d_expert=cfg.d_expert, max_seq_len=cfg.max_digits + 2 + cfg.max_new_tokens)
 
 
 @dataclass(frozen=True)
 class Roles:
-    """Who does what. colocated: every rank trains and generates, in rollout replicas of infer_tp ranks.
-    separated: ranks [0, W/2) train, ranks [W/2, W) generate. hybrid: ranks [0, W - aux) train and generate
-    (the actor, colocated), ranks [W - aux, W) hold the frozen reference and the reward model (the auxiliary
-    stage between rollout and training)."""
+    """Who does what. colocated: every rank trains and generates, in rollout replicas of infer_tp
+    ranks. separated: ranks [0, W/2) train, ranks [W/2, W) generate. hybrid: ranks [0, W - aux) train
+    and generate (the actor, colocated), ranks [W - aux, W) hold the frozen reference and the reward
+    model (the auxiliary stage between rollout and training)."""
     world: int
     separated: bool
     infer_tp: int
@@ -237,18 +267,59 @@ class Roles:
     def writers(self):  # one rank per TP group puts the (identical) samples into the queue
         return self.generators[::self.infer_tp]
 
-    def role(self, rank):
-        """Which loop of train_grpo.py this rank runs: colocated, trainer, generator, or (hybrid) actor or aux."""
-        if rank in self.auxiliaries:
-            return "aux"
-        if not self.separated:
-            return "actor" if self.hybrid else "colocated"
-        return "trainer" if rank in self.trainers else "generator"
+
+# ----------------------------------------------------------------------------- auto, resolved
+def ep_allowed(cfg, world):
+    """Whether this layout can run the experts expert-parallel: colocated (the experts switch layouts on
+    the ranks that hold them), more than one rank, the engine at TP 1 (it cuts experts by expert, not
+    by hidden unit), no pipeline stages and no nodes (their gradients bypass the experts' sync)."""
+    colocated = cfg.deploy in ("colocated", "colocated-all")
+    return colocated and world > 1 and cfg.infer_tp == 1 and cfg.train_pp == 1 and cfg.nodes == 1
 
 
+def auto_train_ep(cfg, world):
+    """The widest EP degree that divides both the world and the experts (1: none wider)."""
+    return max(p for p in range(1, world + 1) if world % p == 0 and cfg.n_experts % p == 0)
+
+
+def resolve(cfg, world):
+    """The Config with --train-ep and --infer-ep auto made numbers: EP on where the layout allows it
+    (ep_allowed), the experts as widely sharded in training as the world and the experts allow, the
+    engine holding them all (EP 1: decoding needs no all-to-all). Resuming, auto follows the
+    checkpoint: EP on if it was saved with EP, off if not (the experts are saved under other names)."""
+    if "auto" not in (cfg.train_ep, cfg.infer_ep):
+        return cfg
+    saved = saved_train_ep(cfg)  # a checkpoint saved with EP resumes with it, even at world 1
+    on = ep_allowed(cfg, world if saved is None else 2) and saved != 0
+    train_ep = cfg.train_ep if cfg.train_ep != "auto" else auto_train_ep(cfg, world) if on else 0
+    infer_ep = cfg.infer_ep if cfg.infer_ep != "auto" else 1 if train_ep else 0
+    return dataclasses.replace(cfg, train_ep=train_ep, infer_ep=infer_ep)
+
+
+def saved_train_ep(cfg):
+    """The --train-ep of the checkpoint --resume names (auto: the newest in --out), None without one.
+    Read on every rank from its meta.json, before any process group."""
+    from plumbing import checkpoint
+    if not cfg.resume:
+        return None
+    path = cfg.resume
+    if cfg.resume == "auto":
+        found = checkpoint.complete_checkpoints(cfg.out) if cfg.out else []
+        path = found[-1][1] if found else None
+    try:
+        return checkpoint.read_meta(path)["config"]["train_ep"] if path else None
+    except (OSError, ValueError, KeyError):  # checkpoint.find names what is wrong with it
+        return None
+
+
+# ----------------------------------------------------------------------------- the checks
 def validate(cfg, world_size):
-    """Check the config against the world size before any collective; raise one ValueError naming every
-    bad value and what is valid."""
+    """Check the config against the world size before any collective; raise one ValueError naming
+    every bad value and what is valid."""
+    try:
+        cfg = resolve(cfg, world_size)
+    except ValueError as e:
+        raise ValueError(f"bad arguments:\n  {e}") from None
     errors = layout_errors(cfg, world_size) + value_errors(cfg)
     if errors:
         raise ValueError("bad arguments:\n  " + "\n  ".join(errors))
@@ -256,130 +327,97 @@ def validate(cfg, world_size):
 
 def layout_errors(cfg, world):
     errors = []
-    separated = cfg.deploy == "separated"
-    if separated and (world < 2 or world % 2 or cfg.infer_tp != 1):
-        errors.append(f"--deploy separated needs an even world size >= 2 (got {world}) and --infer-tp 1 "
-                      f"(got {cfg.infer_tp})")
     if cfg.infer_tp not in (1, 2, 4) or world % cfg.infer_tp or cfg.n_heads % cfg.infer_tp:
-        errors.append(f"--infer-tp {cfg.infer_tp} must be 1, 2 or 4 and divide both the world size "
-                      f"{world} and --n-heads {cfg.n_heads}")
-        return errors
-    if (cfg.train_ep > 0) != (cfg.infer_ep > 0):
-        errors.append(f"--train-ep {cfg.train_ep} and --infer-ep {cfg.infer_ep}: set both (EP on) or neither")
-    elif cfg.train_ep:
-        for name, ep in (("--train-ep", cfg.train_ep), ("--infer-ep", cfg.infer_ep)):
-            try:
-                moe_switch.EPLayout(ep, world, cfg.n_experts)
-            except ValueError as e:
-                errors.append(f"{name} {ep}: {e}")
-        if separated or cfg.infer_tp != 1:
-            errors.append(f"--train-ep needs a colocated deployment with --infer-tp 1 (got --deploy {cfg.deploy}, "
-                          f"--infer-tp {cfg.infer_tp}): the experts switch layouts on the ranks that hold them, "
-                          "and the engine cuts them by expert, not by hidden unit")
-        low, high = sorted((cfg.train_ep, cfg.infer_ep))
-        if high % low:  # layouts that nest switch at target + one bucket (moe_switch.py, note 2)
-            errors.append(f"--train-ep {cfg.train_ep} and --infer-ep {cfg.infer_ep}: one must divide the other, so "
-                          "that the two expert layouts nest and the switch holds no more than its target and one "
-                          "bucket")
-    errors += pipeline_errors(cfg, world) + node_errors(cfg, world) + hybrid_errors(cfg, world)
-    if cfg.reward_model and separated:
-        errors.append("--reward-model 1 with --deploy separated is not supported (the reward model is trained on the "
-                      "policy's samples and scores on the ranks that generate: a colocated deployment)")
+        return [f"--infer-tp {cfg.infer_tp} must be 1, 2 or 4 and divide both the world size "
+                f"{world} and --n-heads {cfg.n_heads}"]
+    errors += expert_errors(cfg, world) + resume_errors(cfg) + option_errors(cfg, world)
     roles = Roles.of(cfg, world)
     trainers = max(1, len(roles.trainers))
     if cfg.prompts_per_step < 1 or cfg.prompts_per_step % max(roles.replicas, 1):
         errors.append(f"--prompts-per-step {cfg.prompts_per_step} must be a positive multiple of the "
-                      f"{roles.replicas} rollout replicas (world size {world}, --deploy {cfg.deploy}, "
-                      f"--infer-tp {cfg.infer_tp})")
+                      f"{roles.replicas} rollout replicas (world size {world}, --deploy "
+                      f"{cfg.deploy}, --infer-tp {cfg.infer_tp})")
     if not 1 <= cfg.updates_per_batch <= cfg.prompts_per_step * cfg.group_size // trainers:
-        errors.append(f"--updates-per-batch {cfg.updates_per_batch} must be in [1, samples per trainer]")
+        errors.append(f"--updates-per-batch {cfg.updates_per_batch} must be in [1, samples per "
+                      "trainer]")
     if cfg.warmup_steps and (cfg.warmup_batch < trainers or cfg.warmup_batch % trainers):
-        errors.append(f"--warmup-batch {cfg.warmup_batch} must be a positive multiple of the {trainers} "
-                      "training ranks")
+        errors.append(f"--warmup-batch {cfg.warmup_batch} must be a positive multiple of the "
+                      f"{trainers} training ranks")
     if cfg.eval_prompts < world:
         errors.append(f"--eval-prompts {cfg.eval_prompts} must be at least the world size {world}")
     return errors
 
 
-def hybrid_errors(cfg, world):
-    """--deploy hybrid and --aux-ranks, checked before any collective."""
-    if cfg.deploy != "hybrid":
-        return [] if cfg.aux_ranks is None else [f"--aux-ranks {cfg.aux_ranks} places the auxiliary stage of "
-                                                 f"--deploy hybrid (got --deploy {cfg.deploy})"]
-    aux = 1 if cfg.aux_ranks is None else cfg.aux_ranks
-    if not 1 <= aux < world:
-        return [f"--aux-ranks {aux} must be in [1, world size {world}): the actor keeps at least one rank"]
-    errors = []
-    if cfg.prompts_per_step < aux:
-        errors.append(f"--prompts-per-step {cfg.prompts_per_step} must be at least --aux-ranks {aux}: each auxiliary "
-                      "rank serves whole groups, a batch's groups round robin")
-    unsupported = {f"--staleness {cfg.staleness}": cfg.staleness > 1,  # a group put early could age out, never read
-                   f"--infer-tp {cfg.infer_tp}": cfg.infer_tp > 1, f"--train-ep {cfg.train_ep}": cfg.train_ep > 0,
-                   f"--train-pp {cfg.train_pp}": cfg.train_pp > 1, f"--nodes {cfg.nodes}": cfg.nodes > 1,
-                   f"--save-every {cfg.save_every}": cfg.save_every > 0, f"--resume {cfg.resume}": bool(cfg.resume)}
-    for what, bad in unsupported.items():
-        if bad:
-            errors.append(f"--deploy hybrid with {what} is not supported yet (the actor colocated with --infer-tp 1, "
-                          "FSDP2 over its ranks, S <= 1, no checkpoints)")
-    if cfg.reward_model and (cfg.filter_groups or cfg.curriculum):
-        errors.append("--deploy hybrid with --reward-model 1 needs --filter-groups 0 and --curriculum 0: both judge each "
-                      "group by its rewards as it completes, on the actor's ranks, and the hybrid's reward model "
-                      "scores on the auxiliary ranks, which the round does not wait for")
-    return errors
-
-
-def pipeline_errors(cfg, world):
-    """--train-pp: what pipeline.py supports, checked before any collective."""
-    pp = cfg.train_pp
-    if pp == 1:
+def expert_errors(cfg, world):
+    """--train-ep and --infer-ep (moe_switch.py): layouts that fit the world and the experts, and
+    nest."""
+    if (cfg.train_ep > 0) != (cfg.infer_ep > 0):
+        return [f"--train-ep {cfg.train_ep} and --infer-ep {cfg.infer_ep}: set both (EP on) or "
+                "neither"]
+    if not cfg.train_ep:
         return []
-    if pp < 1 or world % pp or cfg.n_layers % pp:
-        return [f"--train-pp {pp} must divide the world size {world} and --n-layers {cfg.n_layers}"]
-    if pp > 2:
-        return [f"--train-pp {pp}: 1 or 2 (a stage in the middle of a pipeline, neither first nor last, is untested)"]
-    errors, dp = [], world // pp
-    unsupported = {"--deploy separated": cfg.deploy == "separated", f"--train-ep {cfg.train_ep}": cfg.train_ep > 0,
-                   "--routing-replay 1": cfg.routing_replay}
-    for what, bad in unsupported.items():
-        if bad:
-            errors.append(f"--train-pp {pp} with {what} is not supported yet (colocated, without EP and without "
-                          "routing replay)")
-    per_pipe, chunks = cfg.prompts_per_step * cfg.group_size // dp, cfg.micro_batches * cfg.updates_per_batch
-    if (cfg.prompts_per_step * cfg.group_size) % dp or per_pipe % chunks:
-        errors.append(f"--train-pp {pp}: each of the {dp} pipelines trains prompts_per_step x group_size / {dp} = "
-                      f"{per_pipe} rows, which must split into --micro-batches x --updates-per-batch = {chunks} "
-                      "micro-batches of one size (a stage's shapes are fixed)")
-    if cfg.warmup_steps and (cfg.warmup_batch % dp or (cfg.warmup_batch // dp) % cfg.micro_batches):
-        errors.append(f"--train-pp {pp}: --warmup-batch {cfg.warmup_batch} must split over {dp} pipelines into "
-                      f"--micro-batches {cfg.micro_batches} micro-batches of one size")
-    return errors
-
-
-def node_errors(cfg, world):
-    """--nodes and the cross-node gradient sync (gradsync.py), checked before any collective."""
-    if cfg.nodes == 1:
-        unused = {"--grad-compress " + cfg.grad_compress: cfg.grad_compress != "none", "--grad-overlap 1": cfg.grad_overlap}
-        return [f"{what} acts on the gradient average across nodes: it needs --nodes > 1" for what, bad in unused.items()
-                if bad]
     errors = []
-    if cfg.nodes < 1 or world % cfg.nodes:
-        errors.append(f"--nodes {cfg.nodes} must divide the world size {world} (nodes of world / nodes ranks)")
-    unsupported = {"--deploy separated": cfg.deploy == "separated", f"--train-pp {cfg.train_pp}": cfg.train_pp > 1,
-                   f"--train-ep {cfg.train_ep}": cfg.train_ep > 0}
-    for what, bad in unsupported.items():
-        if bad:  # the experts' own gradient sync (expert_parallel.py) does not go through gradsync.py
-            errors.append(f"--nodes {cfg.nodes} with {what} is not supported (colocated, FSDP2 within each node, "
-                          "without PP and without EP)")
-    if not 0 < cfg.grad_topk <= 1:
-        errors.append(f"--grad-topk {cfg.grad_topk} must be in (0, 1]")
+    for name, ep in (("--train-ep", cfg.train_ep), ("--infer-ep", cfg.infer_ep)):
+        try:
+            moe_switch.EPLayout(ep, world, cfg.n_experts)
+        except ValueError as e:
+            errors.append(f"{name} {ep}: {e}")
+    if cfg.deploy == "separated" or cfg.infer_tp != 1:
+        errors.append(f"--train-ep needs a colocated deployment with --infer-tp 1 (got --deploy "
+                      f"{cfg.deploy}, --infer-tp {cfg.infer_tp}): the experts switch layouts on the "
+                      "ranks that hold them, and the engine cuts them by expert, not by hidden unit")
+    low, high = sorted((cfg.train_ep, cfg.infer_ep))
+    if high % low:  # layouts that nest switch at target + one bucket (moe_switch.py)
+        errors.append(f"--train-ep {cfg.train_ep} and --infer-ep {cfg.infer_ep}: one must divide "
+                      "the other, so that the two expert layouts nest and the switch holds no more "
+                      "than its target and one bucket")
     return errors
 
 
-# Sizes: every count that a shape, a batch or a loop divides by or runs over, >= 1; counts that may be 0, >= 0.
-POSITIVE = ("max_digits", "eval_prompts", "d_model", "n_layers", "n_heads", "n_experts", "top_k", "d_expert",
-            "warmup_batch", "steps", "prompts_per_step", "group_size", "filter_limit", "updates_per_batch",
-            "micro_batches", "chunk_steps", "max_new_tokens", "bucket_kb", "eval_every", "log_every", "pg_timeout_s",
-            "train_pp", "nodes", "rm_samples", "rm_steps")
+def resume_errors(cfg):
+    """A checkpoint saved with the experts expert-parallel holds them one tensor per expert, and one
+    saved without holds them stacked: it resumes with EP on (at any degree) or off, as it was saved."""
+    saved = saved_train_ep(cfg)
+    if saved is None or (saved != 0) == (cfg.train_ep != 0):
+        return []
+    how = ("on (a colocated deployment, --infer-tp 1, no --train-pp or --nodes)" if saved else
+           "off (--train-ep 0)")
+    return [f"--train-ep {cfg.train_ep}: the checkpoint to resume was saved with --train-ep {saved}, "
+            f"its experts under other names: resume it with expert parallelism {how}"]
+
+
+def option_errors(cfg, world):
+    """Each option's own checks, in its file, asked only when it is on; a flag that only acts under an
+    option that is off is refused here."""
+    errors = []
+    if cfg.deploy == "separated":
+        from options import separated
+        errors += separated.errors(cfg, world)
+    if cfg.deploy == "hybrid":
+        from options import hybrid
+        errors += hybrid.errors(cfg, world)
+    elif cfg.aux_ranks is not None:
+        errors.append(f"--aux-ranks {cfg.aux_ranks} places the auxiliary stage of --deploy hybrid "
+                      f"(got --deploy {cfg.deploy})")
+    if cfg.train_pp != 1:
+        from options import pipeline_run
+        errors += pipeline_run.errors(cfg, world)
+    if cfg.nodes != 1:
+        from options import nodes
+        errors += nodes.errors(cfg, world)
+    unused = {"--grad-compress " + cfg.grad_compress: cfg.grad_compress != "none",
+              "--grad-overlap 1": cfg.grad_overlap}
+    errors += [f"{what} acts on the gradient average across nodes: it needs --nodes > 1"
+               for what, bad in unused.items() if bad and cfg.nodes == 1]
+    return errors
+
+
+# Sizes: every count that a shape, a batch or a loop divides by or runs over, >= 1; counts that may
+# be 0, >= 0.
+POSITIVE = ("max_digits", "eval_prompts", "d_model", "n_layers", "n_heads", "n_experts", "top_k",
+            "d_expert", "warmup_batch", "steps", "prompts_per_step", "group_size", "filter_limit",
+            "updates_per_batch", "micro_batches", "chunk_steps", "max_new_tokens", "bucket_kb",
+            "eval_every", "log_every", "pg_timeout_s", "train_pp", "nodes", "rm_samples", "rm_steps")
 NON_NEGATIVE = ("warmup_steps", "train_ep", "infer_ep", "seed", "save_every", "keep_last")
 
 
@@ -387,7 +425,8 @@ def number_errors(cfg):
     """Every size >= 1 (or >= 0 where 0 means "none"), every float finite: a NaN learning rate or an
     infinite temperature would train on, or a NaN --rl-seconds never stop, without an error."""
     errors = [f"--{_flag(k)} {getattr(cfg, k)} must be >= 1" for k in POSITIVE if getattr(cfg, k) < 1]
-    errors += [f"--{_flag(k)} {getattr(cfg, k)} must be >= 0" for k in NON_NEGATIVE if getattr(cfg, k) < 0]
+    errors += [f"--{_flag(k)} {getattr(cfg, k)} must be >= 0" for k in NON_NEGATIVE
+               if getattr(cfg, k) < 0]
     floats = [f.name for f in dataclasses.fields(Config) if f.type is float]
     errors += [f"--{_flag(k)} {getattr(cfg, k)} must be a finite number" for k in floats
                if getattr(cfg, k) is not None and not math.isfinite(getattr(cfg, k))]
@@ -399,17 +438,17 @@ def _flag(name):
 
 
 def shape_errors(cfg):
-    """The model's shapes: heads of even width (RoPE), top-k within the experts, and the rollout engine's TP
-    cut (heads and each expert's hidden width split over --infer-tp ranks)."""
+    """The model's shapes: heads of even width (RoPE), top-k within the experts, and the rollout
+    engine's TP cut (heads and each expert's hidden width split over --infer-tp ranks)."""
     errors = []
     if cfg.d_model % cfg.n_heads or (cfg.d_model // cfg.n_heads) % 2:
-        errors.append(f"--d-model {cfg.d_model} must split into --n-heads {cfg.n_heads} heads of even width "
-                      "(d_model / n_heads even, for the rotary embedding)")
+        errors.append(f"--d-model {cfg.d_model} must split into --n-heads {cfg.n_heads} heads of "
+                      "even width (d_model / n_heads even, for the rotary embedding)")
     if cfg.top_k > cfg.n_experts:
         errors.append(f"--top-k {cfg.top_k} must be at most --n-experts {cfg.n_experts}")
     if cfg.infer_tp >= 1 and cfg.d_expert % cfg.infer_tp:
-        errors.append(f"--d-expert {cfg.d_expert} must be a multiple of --infer-tp {cfg.infer_tp} (each TP rank "
-                      "holds an equal share of every expert's hidden units)")
+        errors.append(f"--d-expert {cfg.d_expert} must be a multiple of --infer-tp {cfg.infer_tp} "
+                      "(each TP rank holds an equal share of every expert's hidden units)")
     return errors
 
 
@@ -419,35 +458,42 @@ def value_errors(cfg):
         return errors
     errors = shape_errors(cfg)
     if cfg.group_size < 2 and (cfg.adv_estimator != "reinforce++" or cfg.filter_groups):
-        errors.append(f"--group-size {cfg.group_size}: a group baseline (and --filter-groups) needs at least 2 "
-                      "responses per prompt; only --adv-estimator reinforce++ takes 1")
+        errors.append(f"--group-size {cfg.group_size}: a group baseline (and --filter-groups) needs "
+                      "at least 2 responses per prompt; only --adv-estimator reinforce++ takes 1")
     try:
-        stalesync.StaleConfig(cfg.staleness, 1, max(cfg.group_size, 1), cfg.threshold, cfg.chunk_steps)
+        stalesync.StaleConfig(cfg.staleness, 1, max(cfg.group_size, 1), cfg.threshold,
+                              cfg.chunk_steps)
     except (ValueError, TypeError) as e:
         errors.append(f"--staleness {cfg.staleness} / --threshold {cfg.threshold} / --chunk-steps "
                       f"{cfg.chunk_steps}: {e}")
     if cfg.max_digits > 32:
         errors.append(f"--max-digits {cfg.max_digits} must be in [1, 32]")
-    elif len(task.held_out(cfg.max_digits, cfg.eval_prompts)[1]) >= task.n_possible_prompts(cfg.max_digits):
-        errors.append(f"--eval-prompts {cfg.eval_prompts} with --max-digits {cfg.max_digits}: the held-out set "
-                      "takes every possible prompt and leaves none to train on; allow more digits or fewer prompts")
+    elif len(task.held_out(cfg.max_digits, cfg.eval_prompts)[1]) >= \
+            task.n_possible_prompts(cfg.max_digits):
+        errors.append(f"--eval-prompts {cfg.eval_prompts} with --max-digits {cfg.max_digits}: the "
+                      "held-out set takes every possible prompt and leaves none to train on; allow "
+                      "more digits or fewer prompts")
     if cfg.max_new_tokens < cfg.max_digits + 1:
         errors.append(f"--max-new-tokens {cfg.max_new_tokens} cannot hold the longest answer "
                       f"({cfg.max_digits + 1} tokens); use at least {cfg.max_digits + 1}")
     if not cfg.temperature > 0 or not 0 < cfg.top_p <= 1:
-        errors.append(f"--temperature {cfg.temperature} must be > 0 and --top-p {cfg.top_p} in (0, 1]")
+        errors.append(f"--temperature {cfg.temperature} must be > 0 and --top-p {cfg.top_p} in "
+                      "(0, 1]")
     if cfg.kl_coef < 0 or cfg.clip_eps <= 0 or cfg.lr <= 0:
-        errors.append(f"--kl-coef {cfg.kl_coef} must be >= 0, --clip-eps {cfg.clip_eps} and --lr {cfg.lr} > 0")
+        errors.append(f"--kl-coef {cfg.kl_coef} must be >= 0, --clip-eps {cfg.clip_eps} and --lr "
+                      f"{cfg.lr} > 0")
     if not 0 <= cfg.lr_decay <= 1:
         errors.append(f"--lr-decay {cfg.lr_decay} must be in [0, 1] (1: a constant learning rate)")
     if any(v is not None and not v > 0 for v in (cfg.clip_eps_high, cfg.tis_cap)):
-        errors.append(f"--clip-eps-high {cfg.clip_eps_high} and --tis-cap {cfg.tis_cap} must be > 0 when given")
+        errors.append(f"--clip-eps-high {cfg.clip_eps_high} and --tis-cap {cfg.tis_cap} must be > 0 "
+                      "when given")
     if not cfg.grad_clip > 0 or not cfg.warmup_lr > 0:
         errors.append(f"--grad-clip {cfg.grad_clip} and --warmup-lr {cfg.warmup_lr} must be > 0")
     if cfg.rl_seconds < 0:
         errors.append(f"--rl-seconds {cfg.rl_seconds} must be >= 0 (0: run --steps)")
     if cfg.resume == "auto" and not cfg.out:
-        errors.append(f"--resume auto needs --out (the folder whose checkpoints it looks for; got {cfg.out!r})")
+        errors.append(f"--resume auto needs --out (the folder whose checkpoints it looks for; got "
+                      f"{cfg.out!r})")
     errors += device_errors(cfg.device)
     if errors:  # the bucket check builds the model's shapes
         return errors
@@ -455,127 +501,17 @@ def value_errors(cfg):
 
 
 def bucket_errors(cfg):
-    """A bucket must hold the largest weight it moves (the experts move separately under EP)."""
+    """A bucket must hold the largest weight it moves (under EP, one expert's slice of a stack)."""
     try:
         with torch.device("meta"):  # shapes only
             params = dict(Policy(model_config(cfg)).named_parameters())
     except ValueError as e:
         return [str(e)]
-    moved = [(p.nbytes, n) for n, p in params.items() if not (cfg.train_ep and ".moe.w_" in n)]
+    expert = bool(cfg.train_ep)  # under EP an expert moves alone: one slice of a stack
+    moved = [(p.nbytes // cfg.n_experts, f"{n}[e], one expert's,") if expert and ".moe.w_" in n else
+             (p.nbytes, n) for n, p in params.items()]
     nbytes, name = max(moved, key=lambda x: x[0])  # the first of the largest
     if cfg.bucket_kb * 1024 < nbytes:
-        return [f"--bucket-kb {cfg.bucket_kb} is smaller than the largest weight, {name} ({nbytes} bytes); "
-                f"use at least {-(-nbytes // 1024)}"]
+        return [f"--bucket-kb {cfg.bucket_kb} is smaller than the largest weight, {name} ({nbytes} "
+                f"bytes); use at least {-(-nbytes // 1024)}"]
     return []
-
-
-def _accelerator_api():
-    """torch.accelerator (torch >= 2.6: CUDA, XPU, MPS, or a plugin's device such as Ascend's NPU), or, in older
-    torch, its calls this file uses taken from torch.cuda (CUDA was the only accelerator): the one place this file
-    names torch.cuda."""
-    api = getattr(torch, "accelerator", None)
-    if api is not None and hasattr(api, "set_device_index"):
-        return api
-    return types.SimpleNamespace(is_available=torch.cuda.is_available, device_count=torch.cuda.device_count,
-                                 current_accelerator=lambda: torch.device("cuda"),
-                                 set_device_index=torch.cuda.set_device)
-
-
-def accelerator():
-    """This machine's accelerator type ("cuda", "xpu", "npu", "mps", ...), or None: a CPU-only build, no driver or no
-    device. Asks is_available() first: current_accelerator() names the build's accelerator, present or not, in torch
-    >= 2.7 (check_available=True aside), and raises where there is none in 2.6."""
-    api = _accelerator_api()
-    return api.current_accelerator().type if api.is_available() else None
-
-
-def device_type(choice):
-    """The device type that --device <choice> runs on: "cpu", or this machine's accelerator where torch has a process
-    group backend of its own for it (nccl, xccl, hccl: backend_for). MPS has only gloo, which moves CPU and CUDA
-    tensors: auto runs on the CPU there, as does a CPU-only machine. Any other choice: a ValueError naming what the
-    machine has."""
-    if choice == "cpu":
-        return "cpu"
-    found = accelerator()
-    backend = _backend_or_none(found) if found is not None else None
-    usable = backend not in (None, "gloo")
-    if (choice == "auto" or choice == found) and usable:
-        return found
-    if choice == "auto":
-        return "cpu"
-    if found is None:
-        raise ValueError(f"--device {choice}: this machine has no accelerator (torch.accelerator found none); use "
-                         "--device cpu or auto")
-    if choice == found and backend is None:
-        raise ValueError(f"--device {found}: torch has no process group backend for {found} (its plugin not "
-                         "loaded?); use --device cpu or auto")
-    if choice == found:
-        raise ValueError(f"--device {found}: torch's process group backend for {found} is {backend}, which moves CPU "
-                         "and CUDA tensors only; use --device cpu or auto")
-    raise ValueError(f"--device {choice}: this machine's accelerator is {found} (torch.accelerator); use --device "
-                     f"{found + ', ' if usable else ''}cpu or auto")
-
-
-def device_errors(choice):
-    """--device: auto and cpu always run; an accelerator's type only on a machine that has it (device_type)."""
-    if choice in ("auto", "cpu"):  # nothing to ask the machine
-        return []
-    try:
-        device_type(choice)
-    except ValueError as e:
-        return [str(e)]
-    return []
-
-
-def backend_for(device):
-    """The process group's backend for a device: torch's default for its type (torch >= 2.6,
-    dist.get_default_backend_for_device: cpu gloo, cuda nccl, xpu xccl, mps gloo, a plugin's device what the
-    plugin registered, e.g. npu hccl), else the table below (older torch: CUDA or the CPU)."""
-    if hasattr(dist, "get_default_backend_for_device"):
-        return dist.get_default_backend_for_device(device)
-    return {"cpu": "gloo", "cuda": "nccl"}[device.type]
-
-
-def _backend_or_none(kind):
-    try:
-        return backend_for(torch.device(kind))
-    except (ValueError, KeyError, RuntimeError):  # no backend registered for that type
-        return None
-
-
-def local_gpu(env, n_gpus):
-    """The accelerator device of this process: LOCAL_RANK, its index on its node, as torchrun sets it (n_gpus: the
-    node's devices, torch.accelerator.device_count()). A launcher that sets RANK for several processes but no
-    LOCAL_RANK would put every one on device 0: refused, as is an index the node does not have."""
-    if "LOCAL_RANK" not in env:
-        if int(env.get("WORLD_SIZE", "1")) > 1:
-            raise ValueError(f"RANK {env.get('RANK')} of WORLD_SIZE {env['WORLD_SIZE']} and no LOCAL_RANK: set "
-                             "LOCAL_RANK to this process's index on its node (torchrun does), or every rank takes "
-                             "device 0")
-        return 0
-    index = int(env["LOCAL_RANK"])
-    if not 0 <= index < n_gpus:
-        raise ValueError(f"LOCAL_RANK {index}, but this node has {n_gpus} GPUs (accelerator devices): start at most "
-                         "one process per device")
-    return index
-
-
-def setup_distributed(cfg):
-    """torchrun's environment, or a world of one. Returns rank, world size, device (device_type: --device auto takes
-    the accelerator if there is one, else the CPU); on an accelerator, each process the device of its LOCAL_RANK."""
-    kind = device_type(cfg.device)  # a ValueError: validate() refuses it first, with the others
-    device = torch.device("cpu")
-    if kind != "cpu":
-        api = _accelerator_api()
-        device = torch.device(kind, local_gpu(os.environ, api.device_count()))
-        api.set_device_index(device)  # before init_process_group
-    timeout = datetime.timedelta(seconds=cfg.pg_timeout_s)
-    if not dist.is_initialized():  # plain `python train_grpo.py`, no RANK: a world of one, no rendezvous
-        where = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's own store outlives a restart
-            agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                  timeout=timeout)  # the group's keys under this attempt's prefix, never a dead one's
-            where = dict(store=dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", agent),
-                         rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-        dist.init_process_group(backend_for(device), timeout=timeout, **where)
-    return dist.get_rank(), dist.get_world_size(), device

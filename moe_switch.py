@@ -1,85 +1,71 @@
-# Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (the LICENSE file).
+# Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (see LICENSE).
 """Expert-parallel MoE whose EP degree changes between training and rollout, re-sharded in buckets.
 
-RL Fusion's zero-redundancy memory switching for MoE: training and inference share
-the devices but want different expert-parallel (EP) degrees, so at each phase change the expert weights
-move from one EP layout to the other. Parameters are managed in buckets and no rank ever holds a
-redundant copy of an expert: only the experts whose owner changes move, one bucket at a time, and each
-source slice is freed as soon as it has been sent.
+RL Fusion's zero-redundancy memory switching for MoE. Training and rollout share the devices but
+want different expert-parallel (EP) degrees, so at each phase change the experts move from one EP
+layout to the other. The naive switch gathers all E experts onto every rank and keeps the target's.
+Here only the experts whose owner changes move, one bucket at a time, each source slice freed once
+sent: no rank ever holds a redundant copy of an expert.
 
-Contents, primitives first:
-  moe_reference      the single-process MoE (router, top-k, experts): the math the EP layer must match
-  DenseMoE           the dense layout converted from, stacks in x @ w orientation (orientation= says so);
-                     DenseMoE.from_linear takes per-expert nn.Linear layers (no biases: this MoE has none)
-  all_to_all_rows    all_to_all_single with uneven splits; backward is the reverse all_to_all
-  EPLayout           validated layout: EP degree, world size, which experts each rank owns; new_groups()
-  reshard_naive      naive switch: materialise every expert on every rank, keep what the target needs
-  reshard            the switch: move only changed-owner slices, bucket by bucket, free each once sent
-  EPMoE              EP layer: route, dispatch (counts, then packed tokens), local experts, combine; switch(),
-                     collective over the layout's ranks: they first agree on the target (agree_on_switch, once
-                     per layer: a model of L MoE layers agrees L times at each phase change)
-A whole model's MoE layers made EP (the phase-change mover, grads, dense_state_dict) is expert_parallel.py,
-which imports this file; this file needs nothing else.
+Contents, primitives first, then one layer, then a whole model:
+  moe_reference, DenseMoE   the single-process MoE the EP layer must match (from_linear: nn.Linears)
+  all_to_all_rows           uneven all_to_all_single; its backward is the reverse all_to_all
+  EPLayout, new_groups      which rank owns which expert, validated; ranks= spans part of the job
+  reshard_naive, reshard    the naive switch, then the bucketed one (plan_reshard, agree_on_switch)
+  EPMoE                     route, send counts then packed tokens, local experts, combine; switch()
+  ExpertParallel            a model's MoE layers: apply, to_rollout, to_train, clip_grads
+  dense_state_dict          the whole model in the dense model's names, order and values
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
-  1. Each expert slice (name, e) is its own tensor, not a view of a stacked (E, D, H) parameter (the
-     dense MoE's layout, model.py's: EPMoE.from_dense cuts the stack): a slice of a stacked tensor cannot
-     be freed alone, which would make the memory bound impossible. A bucket is one round of batched
-     isend/irecv, at most B bytes out and B in per rank, going straight from the source storage into the
-     final one: no staging copy, not a persistent flat parameter bucket.
-  2. Memory is the module's own accounting of the storages it holds (and, on 2+ GPUs, a test with
-     torch.cuda.max_memory_allocated). On entry a rank holds its source layout: the previous phase's
-     own memory, more than the target when the EP degree goes up. The switch's first step frees what it
-     neither keeps nor sends; from then on it holds at most target + one bucket for nesting layouts
-     (note 3: every pair of degrees in {1, 2, 4}), stats["peak_switch_bytes"]. Counting the entry too,
-     the peak is max(source, target) + one bucket (peak_bytes, peak_extra_bytes); for layouts that do
-     not nest it is reported, not guaranteed.
-  3. Ranks are laid out EP-outer, rank grid arange(W).view(P, W // P): a block's replicas are adjacent.
-     Layouts whose degrees divide each other then nest: a switch to a higher degree moves nothing, one to
-     a lower degree only receives. (EP-inner, a 4 -> 2 switch would move half the experts.)
-  4. Optimizer states and gradients stay outside: the caller offloads them and clears grads before a
-     switch. The Parameter objects survive every switch, so an optimizer built on them keeps its state.
+  1. Each expert slice (name, e) is its own tensor, not a view of a stacked (E, D, H) parameter: a
+     view cannot be freed alone. A bucket is one round of batched isend/irecv, at most B bytes out
+     and B in per rank, from the source storage straight into the final one.
+  2. Memory is the module's own count of the storages it holds. Once a switch has freed what it
+     neither keeps nor sends, it holds at most target + one bucket for layouts that nest
+     (stats["peak_switch_bytes"]). Counting the entry, the peak is max(source, target) + one bucket.
+  3. Ranks are laid out EP-outer, grid arange(W).view(P, W // P), so degrees that divide each other
+     nest: a switch to a higher degree moves nothing, one to a lower degree only receives.
+  4. Grads and optimizer states stay outside: the caller clears grads before a switch, and the
+     Parameter objects survive it. The experts stay out of FSDP: clip_grads syncs and clips them.
   5. No capacity factor, token dropping or load-balancing loss: every token reaches its k experts.
 
-Run: python -m pytest tests/test_moe_switch.py   (exactness, round trips, training, memory, bad input)
-     python bench/moe_switch.py                  (bytes moved vs minimum, peak memory, switch time)
+Run: python -m pytest tests/test_moe_switch.py; python bench/moe_switch.py (bytes, memory, time).
+Using this file elsewhere: torch only. A dense MoE layer is found by attributes: router (E, D),
+w_gate and w_up (E, D, H), w_down (E, H, D) in x @ w orientation, and top_k (SwiGLU experts, no
+biases). Every rank of a layout calls switch() together, with the same target, or the others
+raise. On 2 gloo processes (tests/test_copy_alone.py runs it in a folder holding only this file):
 
-Using this file elsewhere: torch (tested with 2.13; gloo on CPU, nccl on CUDA; all_to_all_single with uneven splits and
-batched isend/irecv). The dense MoE it converts from, by attributes: router (an nn.Linear, weight
-(E, D)), w_gate and w_up (E, D, H), w_down (E, H, D), in x @ w orientation (nn.Linear's transposed):
-SwiGLU experts y = (silu(x @ w_gate) * (x @ w_up)) @ w_down, no biases, combined by the softmax top_k
-gates renormalised over the chosen k. Per-expert nn.Linear layers (Llama, Qwen, Mixtral style:
-gate_proj/up_proj/down_proj or w1/w3/w2, weights (H, D), (H, D), (D, H)) convert with DenseMoE.from_linear;
-stacks of their weights, (E, H, D), (E, H, D), (E, D, H), with DenseMoE(..., orientation="nn.Linear").
-A layout spans ranks 0..W-1 of the job, or any list of them (ranks=), a subgroup of a larger job; every
-rank of the job calls new_groups, and every rank of a layout calls switch() together, with the same
-target (a rank left out would hang the next forward: the others raise instead). Example, on 2 gloo processes
-(tests/test_copy_alone.py runs it in a folder that holds only this file):
-
-    import datetime, os, socket
+    import copy, datetime, os, socket
     import torch, torch.distributed as dist, torch.multiprocessing as mp
-    from moe_switch import DenseMoE, EPLayout, EPMoE, moe_reference, new_groups
+    from moe_switch import EXPERT_NAMES, DenseMoE, ExpertParallel, dense_state_dict, moe_reference
 
-    class Expert(torch.nn.Module):  # the common per-expert format
-        def __init__(self, d, h):
-            super().__init__()
-            self.gate_proj, self.up_proj = torch.nn.Linear(d, h, bias=False), torch.nn.Linear(d, h, bias=False)
-            self.down_proj = torch.nn.Linear(h, d, bias=False)
+    def moe_layer(E=4, D=8, H=16):  # stacks in x @ w orientation: (E, D, H), (E, D, H), (E, H, D)
+        w = [torch.randn(E, D, H) / 4, torch.randn(E, D, H) / 4, torch.randn(E, H, D) / 4]
+        return DenseMoE(torch.randn(E, D), *w, top_k=2, orientation="x @ w")
 
     def rank_main(rank, world, port):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-        torch.manual_seed(0)  # the same dense weights on every rank
-        dense = DenseMoE.from_linear(torch.nn.Linear(8, 4, bias=False), [Expert(8, 16) for _ in range(4)], top_k=2)
-        train, infer = EPLayout(2, world, 4), EPLayout(1, world, 4)  # EP 2 to train, EP 1 to generate
-        train_group, infer_group = new_groups(train)[0], new_groups(infer)[0]
-        moe = EPMoE.from_dense(dense, train, train_group)  # each rank holds 2 of the 4 experts
+        timeout = datetime.timedelta(seconds=60)
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+        torch.manual_seed(0)  # the same dense model on every rank: two MoE layers
+        dense = torch.nn.Sequential(moe_layer(), moe_layer())
+        model = copy.deepcopy(dense)  # trained, at EP 2: two experts a rank
+        engine = copy.deepcopy(dense).requires_grad_(False)  # generates, at EP 1: every expert
+        ep = ExpertParallel(train_ep=2, infer_ep=1, world_size=world, n_experts=4,
+                            bucket_bytes=1 << 16)
+        ep.apply(model, engine)  # their dense MoE layers become EPMoE layers
         x = torch.randn(5 + rank, 8)  # this rank's tokens
-        want = moe_reference(x, dense.router.weight, {n: getattr(dense, n) for n in ("w_gate", "w_up", "w_down")}, 2)
-        assert torch.allclose(moe(x), want, atol=1e-5)  # tokens crossed ranks to their experts and back
-        stats = moe.switch(infer, infer_group, bucket_bytes=1 << 16)  # now every rank holds all 4
-        assert torch.allclose(moe(x), want, atol=1e-5)
-        print(f"rank {rank}: EP 2 -> 1 moved {stats['bytes_moved']} bytes, the minimum {stats['bytes_min']}")
+        one = dense[0]  # one layer: the tokens cross ranks to their experts and come back
+        want = moe_reference(x, one.router.weight, {n: getattr(one, n) for n in EXPERT_NAMES}, 2)
+        with torch.no_grad():
+            assert torch.allclose(model[0](x), want, atol=1e-5)
+            ep.to_rollout()  # every rank, together: EP 2 -> 1; the engine's experts alias the moved
+            assert torch.allclose(engine(x), dense(x), atol=1e-5)
+            ep.to_train()  # EP 1 -> 2
+        full = dense_state_dict(model)  # collective: the dense model's names and values
+        assert all(torch.equal(full[k], v) for k, v in dense.state_dict().items())  # bit for bit
+        moved = ep.stats["ep/to_rollout_bytes_moved"]
+        print(f"rank {rank}: EP 2 -> 1 -> 2, {moved} bytes moved to roll out")
         dist.barrier()  # every rank done before any tears down
         dist.destroy_process_group()
 
@@ -93,6 +79,7 @@ Shapes: N tokens, D model width, H expert hidden width, E experts, k experts per
 W world size, L = E / P local experts, M tokens received by this rank, B bucket bytes.
 """
 import datetime
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -104,16 +91,16 @@ import torch.nn.functional as F
 EXPERT_NAMES = ("w_gate", "w_up", "w_down")  # (E, D, H), (E, D, H), (E, H, D) in the dense MoE
 
 
-# ----------------------------------------------------------------------------- the MoE math
+# ----------------------------------------------------------------------- the MoE, in one process
 def route(x, router_weight, top_k, routing=None):
-    """Softmax router and top-k: (N, D) -> gates (N, k) renormalised over the k chosen, experts (N, k).
-    routing, optional: a hook experts (N, k) -> experts (N, k) that may record the choice or replace it (routing
-    replay: the experts an earlier forward chose); the gates are then this router's probabilities of those."""
-    probs = F.linear(x, router_weight).float().softmax(-1)                    # (N, E)
-    top_p, top_e = probs.topk(top_k, dim=-1)                                  # (N, k), (N, k)
+    """Softmax router and top-k: (N, D) -> gates (N, k) renormalised over the k chosen, experts
+    (N, k). routing, optional: a hook on the experts chosen that may record or replace them
+    (routing replay). The gates are then this router's probabilities of the experts it returns."""
+    probs = F.linear(x, router_weight).float().softmax(-1)          # (N, E)
+    top_p, top_e = probs.topk(top_k, dim=-1)                        # (N, k), (N, k)
     if routing is not None:
         top_e = routing(top_e)
-        top_p = probs.gather(-1, top_e)                                       # (N, k)
+        top_p = probs.gather(-1, top_e)                             # (N, k)
     return top_p / top_p.sum(-1, keepdim=True), top_e
 
 
@@ -124,11 +111,11 @@ def expert_mlp(x, w_gate, w_up, w_down):
 
 def moe_reference(x, router_weight, experts, top_k):
     """Single-process MoE, slow loop over experts. experts: name -> stacked (E, ...) tensor."""
-    gates, top_e = route(x, router_weight, top_k)                             # (N, k)
-    out = torch.zeros_like(x)                                                 # (N, D)
+    gates, top_e = route(x, router_weight, top_k)                   # (N, k)
+    out = torch.zeros_like(x)                                       # (N, D)
     for e in range(router_weight.shape[0]):
-        tok, slot = (top_e == e).nonzero(as_tuple=True)                       # tokens that chose e
-        y = expert_mlp(x[tok], *(experts[n][e] for n in EXPERT_NAMES))        # (n_e, D)
+        tok, slot = (top_e == e).nonzero(as_tuple=True)             # tokens that chose e
+        y = expert_mlp(x[tok], *(experts[n][e] for n in EXPERT_NAMES))  # (n_e, D)
         out = out.index_add(0, tok, y * gates[tok, slot, None].to(x.dtype))
     return out
 
@@ -140,56 +127,60 @@ def check_dense(router_weight, w_gate, w_up, w_down, top_k):
     got = {"router.weight": router_weight, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
     bad = {n: tuple(t.shape) for n, t in got.items() if tuple(t.shape) != want[n]}
     if bad or E == 0 or not 1 <= top_k <= E:
-        raise ValueError(f"a dense MoE needs, in x @ w orientation, router.weight (E, D), w_gate and w_up "
-                         f"(E, D, H), w_down (E, H, D) and 1 <= top_k <= E (E, D, H = {E}, {D}, {H} from w_gate); "
-                         f"got shapes {bad or None}, top_k {top_k} (per-expert nn.Linear layers: "
-                         f"DenseMoE.from_linear; stacks of nn.Linear weights: DenseMoE(..., orientation='nn.Linear'))")
+        raise ValueError(f"a dense MoE needs, in x @ w orientation, router.weight (E, D), w_gate "
+                         f"and w_up (E, D, H), w_down (E, H, D) and 1 <= top_k <= E (E, D, H = "
+                         f"{E}, {D}, {H} from w_gate); got shapes {bad or None}, top_k {top_k} "
+                         "(per-expert nn.Linear layers: DenseMoE.from_linear; stacks of nn.Linear "
+                         "weights: DenseMoE(..., orientation='nn.Linear'))")
 
 
-ORIENTATIONS = ("x @ w", "nn.Linear")  # w_gate (E, D, H) used as x @ w; or nn.Linear's (E, H, D), x @ w.T
+ORIENTATIONS = ("x @ w", "nn.Linear")  # w_gate (E, D, H) used as x @ w; or (E, H, D), x @ w.T
 
 
 class DenseMoE(nn.Module):
-    """The dense layout this file converts from (see 'Using this file elsewhere'), as a module: router
-    (E, D), w_gate and w_up (E, D, H), w_down (E, H, D), in x @ w orientation. No biases."""
+    """The dense MoE as a module: router (E, D), w_gate and w_up (E, D, H), w_down (E, H, D).
+    orientation is required: "x @ w" takes the stacks as they are; "nn.Linear" takes stacks of
+    nn.Linear weights (E, out, in) and transposes them (a copy). A square stack (H == D) fits both,
+    so no default could catch the wrong one."""
 
     def __init__(self, router_weight, w_gate, w_up, w_down, top_k, *, orientation):
-        """orientation, required: "x @ w" takes the stacks as they are, (E, D, H), (E, D, H), (E, H, D);
-        "nn.Linear" takes stacks of nn.Linear weights, (out, in): (E, H, D), (E, H, D), (E, D, H), and
-        transposes them (a copy). A square stack (H == D) fits both, so no default could catch the wrong one."""
         super().__init__()
         if orientation not in ORIENTATIONS:
-            raise ValueError(f"orientation {orientation!r} must be one of {ORIENTATIONS}: 'x @ w' for w_gate, w_up "
-                             "(E, D, H) and w_down (E, H, D); 'nn.Linear' for stacks of nn.Linear weights (out, in)")
+            raise ValueError(f"orientation {orientation!r} must be one of {ORIENTATIONS}: 'x @ w' "
+                             "for w_gate, w_up (E, D, H) and w_down (E, H, D); 'nn.Linear' for "
+                             "stacks of nn.Linear weights (out, in)")
         if orientation == "nn.Linear":  # (E, out, in) -> (E, in, out)
             w_gate, w_up, w_down = (w.transpose(1, 2).contiguous() for w in (w_gate, w_up, w_down))
         check_dense(router_weight, w_gate, w_up, w_down, top_k)
         E, D = router_weight.shape
         self.router = nn.Linear(D, E, bias=False)
-        self.router.weight = nn.Parameter(router_weight)                      # (E, D)
-        self.w_gate, self.w_up, self.w_down = nn.Parameter(w_gate), nn.Parameter(w_up), nn.Parameter(w_down)
+        self.router.weight = nn.Parameter(router_weight)            # (E, D)
+        self.w_gate, self.w_up, self.w_down = (nn.Parameter(w) for w in (w_gate, w_up, w_down))
         self.top_k = top_k
 
     @classmethod
     def from_linear(cls, router, experts, top_k, names=("gate_proj", "up_proj", "down_proj")):
-        """router: nn.Linear(D, E); experts: E modules holding nn.Linear gate (D -> H), up (D -> H) and
-        down (H -> D) under `names` (Mixtral: ("w1", "w3", "w2")), all without bias: this MoE has none, so a
-        bias is refused (ValueError naming it) rather than dropped. Copies: (E, D, H) x2, (E, H, D)."""
-        biased = [f"experts[{e}].{n}" for e, m in enumerate(experts) for n in names if getattr(m, n).bias is not None]
+        """router: nn.Linear(D, E); experts: E modules holding nn.Linear gate (D -> H), up (D -> H)
+        and down (H -> D) under `names` (Mixtral: ("w1", "w3", "w2")). A bias is refused by name,
+        not dropped. Copies: (E, D, H) x2, (E, H, D)."""
+        biased = [f"experts[{e}].{n}" for e, m in enumerate(experts) for n in names
+                  if getattr(m, n).bias is not None]
         biased = ["router"] * (getattr(router, "bias", None) is not None) + biased
         if biased:
-            raise ValueError(f"{biased[0]} has a bias; this file's MoE has no biases, it would drop them and compute "
-                             f"something else ({len(biased)} biased Linear layers in all): build them with "
-                             "bias=False, or keep this MoE out of a model that has them")
-        gate, up, down = (torch.stack([getattr(m, n).weight.detach() for m in experts]) for n in names)  # (E, out, in)
-        return cls(router.weight.detach().clone(), gate, up, down, top_k, orientation="nn.Linear")
+            raise ValueError(f"{biased[0]} has a bias; this file's MoE has no biases, it would "
+                             f"drop them and compute something else ({len(biased)} biased Linear "
+                             "layers in all): build them with bias=False, or keep this MoE out of "
+                             "a model that has them")
+        stacks = [torch.stack([getattr(m, n).weight.detach() for m in experts]) for n in names]
+        return cls(router.weight.detach().clone(), *stacks, top_k, orientation="nn.Linear")
 
     def forward(self, x):
         experts = {n: getattr(self, n) for n in EXPERT_NAMES}
-        return moe_reference(x.reshape(-1, x.shape[-1]), self.router.weight, experts, self.top_k).view_as(x)
+        y = moe_reference(x.reshape(-1, x.shape[-1]), self.router.weight, experts, self.top_k)
+        return y.view_as(x)
 
 
-# ----------------------------------------------------------------------------- communication primitive
+# ----------------------------------------------------------------------- communication primitive
 def _a2a(x, out_splits, in_splits, group):
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
@@ -211,32 +202,34 @@ class _AllToAll(torch.autograd.Function):
 
 
 def all_to_all_rows(x, out_splits, in_splits, group):
-    """Send rows x[sum(in_splits[:j]) : ...] to group rank j; differentiable; a group of one is a no-op."""
+    """Send rows x[sum(in_splits[:j]):...] to group rank j; differentiable; in a group of 1, x."""
     return x if len(in_splits) == 1 else _AllToAll.apply(x, out_splits, in_splits, group)
 
 
-# ----------------------------------------------------------------------------- layouts
+# ----------------------------------------------------------------------- layouts
 @dataclass(frozen=True)
 class EPLayout:
-    """Who owns which expert. Rank grid arange(W).view(P, W // P): row p owns expert block p, and the
-    W // P ranks of a row are data-parallel replicas. An EP group takes one rank from each row. Ranks here
-    are the layout's own, 0 .. W-1; `ranks` names the process group ranks they are (default 0 .. W-1),
-    so that a layout can span part of a larger job."""
-    ep: int            # P, the expert-parallel degree: the experts split into P blocks of L = E / P
-    world_size: int    # W ranks, each holding one block
-    n_experts: int     # E
+    """Who owns which expert. Rank grid arange(W).view(P, W // P): row p owns expert block p, and
+    the W // P ranks of a row are its data-parallel replicas. An EP group takes one rank from each
+    row. Ranks here are the layout's own, 0 .. W-1: `ranks` names the global ranks they are."""
+    ep: int              # P, the EP degree: the experts split into P blocks of L = E / P
+    world_size: int      # W ranks, each holding one block
+    n_experts: int       # E
     ranks: tuple = None  # the global rank of each layout rank (None: the same numbers)
 
     def __post_init__(self):
-        bad = [f"{name} {n}" for name, n in (("n_experts", self.n_experts), ("world size", self.world_size))
-               if self.ep < 1 or n % self.ep]
+        sizes = (("n_experts", self.n_experts), ("world size", self.world_size))
+        bad = [f"{name} {n}" for name, n in sizes if self.ep < 1 or n % self.ep]
         if bad:
-            raise ValueError(f"EP degree {self.ep} does not divide {' or '.join(bad)}; it must divide both "
-                             f"n_experts {self.n_experts} and world size {self.world_size}")
-        if self.ranks is not None and (len(self.ranks) != self.world_size or min(self.ranks) < 0
-                                       or list(self.ranks) != sorted(set(self.ranks))):
-            raise ValueError(f"ranks {self.ranks} must be {self.world_size} distinct global ranks in increasing "
-                             f"order (torch.distributed.new_group orders a group's ranks so)")
+            raise ValueError(f"EP degree {self.ep} does not divide {' or '.join(bad)}; it must "
+                             f"divide both n_experts {self.n_experts} and world size "
+                             f"{self.world_size}")
+        ranks = self.ranks
+        if ranks is not None and (len(ranks) != self.world_size or min(ranks) < 0
+                                  or list(ranks) != sorted(set(ranks))):
+            raise ValueError(f"ranks {ranks} must be {self.world_size} distinct global ranks in "
+                             "increasing order (torch.distributed.new_group orders a group's "
+                             "ranks so)")
 
     def global_rank(self, r):
         return r if self.ranks is None else self.ranks[r]
@@ -246,7 +239,8 @@ class EPLayout:
         if self.ranks is None:
             return global_rank
         if global_rank not in self.ranks:
-            raise ValueError(f"rank {global_rank} is not one of the layout's ranks {list(self.ranks)}")
+            raise ValueError(f"rank {global_rank} is not one of the layout's ranks "
+                             f"{list(self.ranks)}")
         return self.ranks.index(global_rank)
 
     @property
@@ -270,16 +264,18 @@ class EPLayout:
 
 
 def new_groups(layout, timeout_s=60.0):
-    """(EP group, DP group) of this rank, None for a rank outside the layout; every rank of the job must
-    call it (new_group is collective), in the same order."""
+    """(EP group, DP group) of this rank, None for a rank outside the layout. Every rank of the job
+    calls it, in the same order: new_group is collective."""
     if not dist.is_initialized():
         if layout.world_size != 1:
-            raise ValueError(f"layout has world size {layout.world_size} but no process group is initialised")
+            raise ValueError(f"layout has world size {layout.world_size} but no process group is "
+                             "initialised")
         return None, None
     spans = list(range(layout.world_size)) if layout.ranks is None else list(layout.ranks)
-    if max(spans) >= dist.get_world_size() or (layout.ranks is None and dist.get_world_size() != layout.world_size):
-        raise ValueError(f"layout world size {layout.world_size} (ranks {spans}) does not fit the process group "
-                         f"of {dist.get_world_size()} ranks; pass ranks= to span part of it")
+    world = dist.get_world_size()
+    if max(spans) >= world or (layout.ranks is None and world != layout.world_size):
+        raise ValueError(f"layout world size {layout.world_size} (ranks {spans}) does not fit the "
+                         f"process group of {world} ranks; pass ranks= to span part of it")
     rank, timeout, mine = dist.get_rank(), datetime.timedelta(seconds=timeout_s), [None, None]
     for kind, ranks_of in enumerate((layout.ep_group_ranks, layout.dp_group_ranks)):
         for local in sorted({tuple(ranks_of(r)) for r in range(layout.world_size)}):
@@ -291,7 +287,7 @@ def new_groups(layout, timeout_s=60.0):
 
 
 def shard_experts(full, layout, rank):
-    """A dense MoE's stacked tensors (name -> (E, ...)) -> this rank's slices: name -> {e: (...)}."""
+    """A dense MoE's stacks (name -> (E, ...)) -> this rank's slices: name -> {e: (...)}."""
     return {n: {e: t[e].detach().clone() for e in layout.owned(rank)} for n, t in full.items()}
 
 
@@ -300,27 +296,12 @@ def stack_local(experts):
     return {n: torch.stack([s[e] for e in sorted(s)]) for n, s in experts.items()}
 
 
-# ----------------------------------------------------------------------------- re-sharding
-def _rank(group, layout=None):
-    """This process's rank: in `group` if given, else in the layout (its own numbering), else global."""
+# ----------------------------------------------------------------------- re-sharding, naive first
+def _rank(group, layout):
+    """This process's rank: in `group` if given, else in the layout's own numbering."""
     if not dist.is_initialized():
         return 0
-    if group is not None:
-        return dist.get_rank(group)
-    return dist.get_rank() if layout is None else layout.local_rank(dist.get_rank())
-
-
-def _check_ep_group(layout, group, rank):
-    """The group an EP layer's all-to-alls run on must be this rank's EP group of the layout: another group of
-    the same size (the DP group, say) would route rows to the wrong experts, silently. None: the world."""
-    if layout.ep == 1:  # no all-to-all
-        return
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    have = dist.get_process_group_ranks(group) if group is not None else list(range(world))
-    want = [layout.global_rank(r) for r in layout.ep_group_ranks(rank)]
-    if have != want:
-        raise ValueError(f"EP group ranks {have} are not rank {layout.global_rank(rank)}'s EP group {want} "
-                         f"under {layout}; pass the first group new_groups(layout) returns")
+    return dist.get_rank(group) if group is not None else layout.local_rank(dist.get_rank())
 
 
 def _held_bytes(*dicts):
@@ -335,36 +316,42 @@ def _held_bytes(*dicts):
 
 
 def _check(experts, src, dst, rank, group):
+    """Refuse layouts, a group or experts that do not fit together, before any collective."""
     if (src.world_size, src.n_experts, src.ranks) != (dst.world_size, dst.n_experts, dst.ranks):
-        raise ValueError(f"layouts differ in world size ({src.world_size} vs {dst.world_size}), n_experts "
-                         f"({src.n_experts} vs {dst.n_experts}) or ranks ({src.ranks} vs {dst.ranks})")
-    if dist.is_initialized() and group is not None and dist.get_world_size(group) != src.world_size:
-        raise ValueError(f"layout world size {src.world_size} != group size {dist.get_world_size(group)}")
-    if dist.is_initialized() and group is None and src.ranks is None and dist.get_world_size() != src.world_size:
-        raise ValueError(f"layout world size {src.world_size} != process group size {dist.get_world_size()}; "
-                         "a layout over part of the job names its ranks (EPLayout(..., ranks=...))")
+        raise ValueError(f"layouts differ in world size ({src.world_size} vs {dst.world_size}), "
+                         f"n_experts ({src.n_experts} vs {dst.n_experts}) or ranks ({src.ranks} "
+                         f"vs {dst.ranks})")
+    if dist.is_initialized():
+        size = dist.get_world_size(group)  # group None: the whole job
+        if group is not None and size != src.world_size:
+            raise ValueError(f"layout world size {src.world_size} != group size {size}")
+        if group is None and src.ranks is None and size != src.world_size:
+            raise ValueError(f"layout world size {src.world_size} != process group size {size}; "
+                             "a layout over part of the job names its ranks (EPLayout(..., "
+                             "ranks=...))")
     for n, s in experts.items():
         if sorted(s) != list(src.owned(rank)):
-            raise ValueError(f"rank {rank} holds experts {sorted(s)} of {n}, layout says {list(src.owned(rank))}")
+            raise ValueError(f"rank {rank} holds experts {sorted(s)} of {n}, layout says "
+                             f"{list(src.owned(rank))}")
 
 
 def reshard_naive(experts, src, dst, group=None):
-    """Naive switch: all_reduce every expert onto every rank (one contributor each), keep the target's.
-    Moves and briefly holds all E experts per name on every rank: the redundancy the source removes."""
+    """The naive switch: all_reduce every expert onto every rank (one contributor each), keep the
+    target's. It moves and briefly holds all E experts per name on every rank."""
     if src.ranks is not None and group is None:
-        raise ValueError(f"a layout over ranks {list(src.ranks)} needs the group of those ranks (the naive "
-                         "switch all-reduces over it)")
+        raise ValueError(f"a layout over ranks {list(src.ranks)} needs the group of those ranks "
+                         "(the naive switch all-reduces over it)")
     rank = _rank(group, src)
     _check(experts, src, dst, rank, group)
     stats = dict(bytes_moved=0, peak_bytes=_held_bytes(experts))
     new = {}
     for n in list(experts):
         like = next(iter(experts[n].values()))
-        full = like.new_zeros((src.n_experts,) + tuple(like.shape))            # (E, ...) every expert
+        full = like.new_zeros((src.n_experts,) + tuple(like.shape))    # (E, ...) every expert
         for e, t in experts[n].items():
             if src.holders(e)[0] == rank:
                 full[e] = t
-        dist.all_reduce(full, group=group)                                    # x + 0 + ... + 0 == x exactly
+        dist.all_reduce(full, group=group)                              # x + 0 + ... == x exactly
         new[n] = {e: full[e].clone() for e in dst.owned(rank)}
         stats["bytes_moved"] += full.nbytes
         stats["peak_bytes"] = max(stats["peak_bytes"], _held_bytes(experts, new) + full.nbytes)
@@ -373,22 +360,25 @@ def reshard_naive(experts, src, dst, group=None):
 
 
 def plan_reshard(src, dst, slice_bytes, bucket_bytes):
-    """Transfers (name, e, from rank, to rank) of every slice a rank needs and lacks, packed first-fit into
-    rounds where each rank sends at most bucket_bytes and receives at most bucket_bytes.
-    Pure: every rank computes the same plan, so no counts need to be exchanged."""
+    """Transfers (name, e, from rank, to rank) of every slice a rank needs and lacks, packed
+    first-fit into rounds where each rank sends at most bucket_bytes and receives at most
+    bucket_bytes. Pure: every rank computes the same plan, so no counts are exchanged."""
     W, biggest = src.world_size, max(slice_bytes.values())
     if biggest > bucket_bytes:
-        raise ValueError(f"bucket_bytes {bucket_bytes} is smaller than one expert slice ({biggest} bytes)")
-    load, rounds, out, inn = [0] * W, [], [], []  # bytes each rank sends; per round: transfers, bytes out/in
+        raise ValueError(f"bucket_bytes {bucket_bytes} is smaller than one expert slice "
+                         f"({biggest} bytes)")
+    load = [0] * W  # bytes each rank sends in all
+    rounds, out, inn = [], [], []  # per round: its transfers, bytes each rank sends, receives
     for r in range(W):
         for e in dst.owned(r):
             if e in src.owned(r):
                 continue  # kept in place: never moves
-            s = min(src.holders(e), key=lambda h: (load[h], (h - r) % W))  # least-loaded replica sends
+            s = min(src.holders(e), key=lambda h: (load[h], (h - r) % W))  # least-loaded replica
             for n, nb in slice_bytes.items():
                 load[s] += nb
-                i = next((i for i in range(len(rounds)) if max(out[i][s], inn[i][r]) + nb <= bucket_bytes),
-                         len(rounds))
+                room = (i for i in range(len(rounds))
+                        if max(out[i][s], inn[i][r]) + nb <= bucket_bytes)
+                i = next(room, len(rounds))  # the first round with room at both ends, or a new one
                 if i == len(rounds):
                     rounds.append([]), out.append([0] * W), inn.append([0] * W)
                 rounds[i].append((n, e, s, r))
@@ -397,45 +387,43 @@ def plan_reshard(src, dst, slice_bytes, bucket_bytes):
     return rounds
 
 
-def _peer(group, r, layout):
-    """Layout rank r's global rank: P2POp wants global ranks."""
-    return layout.global_rank(r) if group is None else dist.get_global_rank(group, r)
-
-
 def reshard(experts, src, dst, bucket_bytes, group=None):
-    """Move this rank's expert slices from layout src to layout dst, one bucket-sized round at a time.
-    experts: name -> {global expert id: tensor}, exactly src.owned(rank); it is consumed (the caller must
-    hold no other reference, or freed slices stay alive). Returns (name -> {e: tensor} for dst, stats)."""
+    """Move this rank's expert slices from layout src to dst, one bucket-sized round at a time.
+    experts: name -> {global expert id: tensor}, exactly src.owned(rank). It is consumed: hold no
+    other reference, or freed slices stay alive. Returns (name -> {e: tensor} for dst, stats)."""
     rank = _rank(group, src)
     _check(experts, src, dst, rank, group)
-    meta = {n: (t.shape, t.dtype, t.device, t.nbytes) for n, s in experts.items() for t in [next(iter(s.values()))]}
-    slice_bytes = {n: m[3] for n, m in meta.items()}
+    like = {n: next(iter(s.values())) for n, s in experts.items()}  # one slice per name
+    meta = {n: dict(size=t.shape, dtype=t.dtype, device=t.device) for n, t in like.items()}
+    slice_bytes = {n: t.nbytes for n, t in like.items()}
+    del like  # no reference may outlive the slice it points to
     rounds = plan_reshard(src, dst, slice_bytes, bucket_bytes)  # raises before any collective
+    peer = [src.global_rank(r) if group is None else dist.get_global_rank(group, r)
+            for r in range(src.world_size)]  # P2POp wants global ranks
     per_expert, need, have = sum(slice_bytes.values()), set(dst.owned(rank)), set(src.owned(rank))
     stats = dict(bytes_moved=0, bytes_min=len(need - have) * per_expert, rounds=len(rounds),
                  from_bytes=len(have) * per_expert, to_bytes=len(need) * per_expert,
                  peak_bytes=_held_bytes(experts), bucket_bytes=bucket_bytes)
-    pending = Counter((n, e) for rnd in rounds for n, e, s, _ in rnd if s == rank)  # sends left per slice
-    new = {n: {e: s.pop(e) for e in sorted(need & have)} for n, s in experts.items()}  # kept: no copy
+    pending = Counter((n, e) for rnd in rounds for n, e, s, _ in rnd if s == rank)  # sends left
+    new = {n: {e: s.pop(e) for e in sorted(need & have)} for n, s in experts.items()}  # no copy
     for n, s in experts.items():  # neither kept nor sent by me: free at once
         for e in [e for e in s if not pending[(n, e)]]:
             del s[e]
-    stats["peak_switch_bytes"] = _held_bytes(experts, new)  # from here on: target + one bucket (note 2)
+    stats["peak_switch_bytes"] = _held_bytes(experts, new)  # from here: target + a bucket (note 2)
     for rnd in rounds:  # one bucket: <= bucket_bytes out and <= bucket_bytes in per rank
         ops, sent = [], []
         for tag, (n, e, s, r) in enumerate(rnd):
             if s == rank:  # straight from the source storage, no staging copy
-                t = experts[n][e] if e in experts[n] else new[n][e]  # a kept slice already sits in new
-                ops.append(dist.P2POp(dist.isend, t.contiguous(), _peer(group, r, src), group, tag))
+                t = experts[n][e] if e in experts[n] else new[n][e]  # a kept slice sits in new
+                ops.append(dist.P2POp(dist.isend, t.contiguous(), peer[r], group, tag))
                 sent.append((n, e))
-            elif r == rank:  # straight into its final storage, one tensor per slice: freeable alone
-                shape, dtype, device, nb = meta[n]
-                new[n][e] = torch.empty(shape, dtype=dtype, device=device)
-                ops.append(dist.P2POp(dist.irecv, new[n][e], _peer(group, s, src), group, tag))
-                stats["bytes_moved"] += nb
+            elif r == rank:  # straight into its final storage, a tensor per slice: freeable alone
+                new[n][e] = torch.empty(**meta[n])
+                ops.append(dist.P2POp(dist.irecv, new[n][e], peer[s], group, tag))
+                stats["bytes_moved"] += slice_bytes[n]
         held = _held_bytes(experts, new)  # the round's receives allocated, its sends not yet freed
-        stats["peak_bytes"], stats["peak_switch_bytes"] = max(stats["peak_bytes"], held), \
-            max(stats["peak_switch_bytes"], held)
+        stats["peak_bytes"] = max(stats["peak_bytes"], held)
+        stats["peak_switch_bytes"] = max(stats["peak_switch_bytes"], held)
         for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait()
         ops = t = work = None  # they hold the round's sent slices: let the frees below free them
@@ -450,58 +438,79 @@ def reshard(experts, src, dst, bucket_bytes, group=None):
 
 
 def agree_on_switch(src, dst, group=None, device="cpu"):
-    """Every rank of the layout says which switch it makes, (source EP, target EP), in one all_gather over
-    `group` (the layout's ranks; None: the default group). Ranks that disagree all raise a ValueError naming
-    every rank's; a rank that never calls makes the others raise at the group's timeout, not return alone
-    (on nesting layouts a rank may move no bytes, and would otherwise leave the rest hanging). EPMoE.switch calls
-    it for its own layer: once per layer at each phase change, not once per switch of the model."""
+    """Every rank of the layout says which switch it makes, (source EP, target EP), in one
+    all_gather over `group` (the layout's ranks; None: the default group). Ranks that disagree all
+    raise, naming every rank's. A rank that never calls makes the others raise at the timeout,
+    not return alone: on nesting layouts a rank may move no bytes."""
     if not dist.is_initialized() or src.world_size == 1:
         return
-    mine = torch.tensor([src.ep, dst.ep], device=device)                      # (2,)
-    every = [torch.empty_like(mine) for _ in range(src.world_size)]           # W x (2,)
+    mine = torch.tensor([src.ep, dst.ep], device=device)                # (2,)
+    every = [torch.empty_like(mine) for _ in range(src.world_size)]     # W x (2,)
+    ranks = [src.global_rank(r) for r in range(src.world_size)]
     try:
         dist.all_gather(every, mine, group=group)
-    except RuntimeError as err:  # gloo and nccl report a timeout as a RuntimeError (DistBackendError)
-        raise RuntimeError(f"EP switch {src.ep} -> {dst.ep}: the ranks' agreement collective failed; every rank "
-                           f"of the layout (ranks {[src.global_rank(r) for r in range(src.world_size)]}) must call "
-                           f"switch() together, with the same target layout ({err})") from err
-    asked = [tuple(t.tolist()) for t in every]  # .tolist(): a device-to-host sync, once per layer's switch
+    except RuntimeError as err:  # gloo and nccl report a timeout as a RuntimeError
+        raise RuntimeError(f"EP switch {src.ep} -> {dst.ep}: the ranks' agreement collective "
+                           f"failed; every rank of the layout (ranks {ranks}) must call switch() "
+                           f"together, with the same target layout ({err})") from err
+    asked = [tuple(t.tolist()) for t in every]  # .tolist(): a device-to-host sync, once per layer
     if len(set(asked)) > 1:
-        said = ", ".join(f"rank {src.global_rank(r)}: EP {a} -> {b}" for r, (a, b) in enumerate(asked))
-        raise ValueError(f"the ranks of the layout disagree on the switch ({said}); every rank of the layout must "
-                         "call switch() together, with the same target layout")
+        said = ", ".join(f"rank {g}: EP {a} -> {b}" for g, (a, b) in zip(ranks, asked))
+        raise ValueError(f"the ranks of the layout disagree on the switch ({said}); every rank of "
+                         "the layout must call switch() together, with the same target layout")
 
 
-# ----------------------------------------------------------------------------- the EP layer
+# ----------------------------------------------------------------------- the EP layer
+def _check_ep_group(layout, group, rank):
+    """The group of an EP layer's all-to-alls must be this rank's EP group of the layout: another
+    group of the same size (the DP group, say) would route rows to the wrong experts, silently."""
+    if layout.ep == 1:  # no all-to-all
+        return
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    have = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    want = [layout.global_rank(r) for r in layout.ep_group_ranks(rank)]
+    if have != want:
+        raise ValueError(f"EP group ranks {have} are not rank {layout.global_rank(rank)}'s EP "
+                         f"group {want} under {layout}; pass the first group new_groups(layout) "
+                         "returns")
+
+
+def _untie(moe):
+    """Make every expert Parameter of an EP layer an empty tensor, dropping its reference."""
+    for n in EXPERT_NAMES:
+        for p in getattr(moe, n):
+            p.data = p.data.new_empty(0)
+
+
 class EPMoE(nn.Module):
-    """The MoE with its experts split over an EP group; a drop-in for a dense MoE with router (E, D) and
-    stacked w_gate/w_up (E, D, H), w_down (E, H, D): build it with EPMoE.from_dense(moe, layout, group).
-    w_gate/w_up/w_down hold one Parameter per global expert, empty (numel 0) where this rank does not own
-    it, so the Parameter set, and an optimizer built on it, is the same under every layout.
-    Gradients: an owned expert's grad sums over its EP group's tokens; sum it over layout.dp_group_ranks
-    (the replicas), and the replicated router's grad over the world."""
+    """The MoE with its experts split over an EP group: a drop-in for a dense MoE (from_dense).
+    w_gate, w_up and w_down hold one Parameter per global expert, empty (numel 0) where this rank
+    does not own it, so the Parameter set, and an optimizer built on it, is the same under every
+    layout. An owned expert's grad sums over its EP group's tokens: sum it over the replicas
+    (layout.dp_group_ranks), and the replicated router's grad over the world."""
 
     def __init__(self, d_model, d_hidden, n_experts, top_k, layout, group=None):
-        """Uninitialised (and the global RNG untouched): fill it with load_dense, or build it with from_dense,
-        so that every layout starts from the same weights."""
+        """Uninitialised, the global RNG untouched: fill it with load_dense, or use from_dense."""
         super().__init__()
-        self.top_k, self.layout, self.group, self.rank = top_k, layout, group, _rank(None, layout)
-        self.routing = None  # optional hook on the experts chosen (route()): record them, or replay recorded ones
+        self.top_k, self.layout, self.group = top_k, layout, group
+        self.rank = _rank(None, layout)
+        self.routing = None  # optional hook on the experts chosen: see route()
         _check_ep_group(layout, group, self.rank)
-        self.router = nn.utils.skip_init(nn.Linear, d_model, n_experts, bias=False)  # (E, D), replicated
-        shapes = dict(w_gate=(d_model, d_hidden), w_up=(d_model, d_hidden), w_down=(d_hidden, d_model))
+        self.router = nn.utils.skip_init(nn.Linear, d_model, n_experts, bias=False)  # (E, D)
         own = set(layout.owned(self.rank))
-        for n, shape in shapes.items():  # (D, H), (D, H), (H, D) per owned expert, (0,) per other expert
-            setattr(self, n, nn.ParameterList(nn.Parameter(torch.empty(shape if e in own else (0,)))
-                                              for e in range(n_experts)))
+        shapes = dict(w_gate=(d_model, d_hidden), w_up=(d_model, d_hidden),
+                      w_down=(d_hidden, d_model))
+        for n, shape in shapes.items():  # (D, H), (D, H), (H, D) per owned expert, (0,) per other
+            experts = [torch.empty(shape if e in own else (0,)) for e in range(n_experts)]
+            setattr(self, n, nn.ParameterList(nn.Parameter(t) for t in experts))
 
     @classmethod
     def from_dense(cls, moe, layout, group=None):
-        """Copy a dense MoE (attributes router, w_gate, w_up, w_down, top_k; x @ w orientation) into an EP layer."""
+        """Copy a dense MoE (router, w_gate, w_up, w_down, top_k; x @ w) into an EP layer."""
         check_dense(moe.router.weight, moe.w_gate, moe.w_up, moe.w_down, moe.top_k)
         if getattr(moe.router, "bias", None) is not None:
-            raise ValueError("router has a bias; this file's MoE has no biases: it would drop it and compute "
-                             "something else")
+            raise ValueError("router has a bias; this file's MoE has no biases: it would drop it "
+                             "and compute something else")
         E, D, H = moe.w_gate.shape
         ep = cls(D, H, E, moe.top_k, layout, group).to(moe.w_gate.device, moe.w_gate.dtype)
         ep.load_dense(moe.router.weight, {n: getattr(moe, n) for n in EXPERT_NAMES})
@@ -510,67 +519,225 @@ class EPMoE(nn.Module):
     @torch.no_grad()
     def load_dense(self, router_weight, full):
         self.router.weight.copy_(router_weight)
-        for n, slices in shard_experts(full, self.layout, self.rank).items():
-            for e, t in slices.items():
-                getattr(self, n)[e].data = t
-
-    def local_experts(self):
-        """name -> {e: tensor} of the experts this rank owns (the Parameters' data, no copy)."""
-        return {n: {e: getattr(self, n)[e].data for e in self.layout.owned(self.rank)} for n in EXPERT_NAMES}
-
-    def forward(self, x):
-        shape, (P, E), k = x.shape, (self.layout.ep, self.layout.n_experts), self.top_k
-        L, x = E // P, x.reshape(-1, shape[-1])                                # (N, D)
-        gates, top_e = route(x, self.router.weight, k, self.routing)          # (N, k)
-        flat_e = top_e.reshape(-1)                                            # (N*k,) expert per assignment
-        order = flat_e.argsort(stable=True)                                   # (N*k,) grouped by expert = by EP rank
-        x_sorted = x[order // k]                                              # (N*k, D)
-        counts = torch.bincount(flat_e, minlength=E)                          # (E,) rows I send to each expert
-        # step 1: the counts, so that every rank knows how many rows it receives per (source, local expert)
-        counts_in = counts if P == 1 else _a2a(counts, [L] * P, [L] * P, self.group)  # (P*L,)
-        # .tolist() is a device-to-host sync: the payload's split sizes must live on the host
-        in_splits = counts.view(P, L).sum(1).tolist()
-        out_splits = counts_in.view(P, L).sum(1).tolist()
-        # step 2: the packed rows, uneven splits
-        x_in = all_to_all_rows(x_sorted, out_splits, in_splits, self.group)   # (M, D) by source, then expert
-        local_e = torch.arange(L, device=x.device).repeat(P).repeat_interleave(counts_in)  # (M,)
-        perm = local_e.argsort(stable=True)                                   # (M,) grouped by local expert
-        ws = [[getattr(self, n)[e] for n in EXPERT_NAMES] for e in self.layout.owned(self.rank)]
-        segs = x_in[perm].split(counts_in.view(P, L).sum(0).tolist())        # L x (m_e, D)
-        y_in = torch.cat([expert_mlp(s, *w) for s, w in zip(segs, ws)])[perm.argsort()]  # (M, D) arrival order
-        y = all_to_all_rows(y_in, in_splits, out_splits, self.group)          # (N*k, D) back home, by expert
-        y = y[order.argsort()].view(-1, k, shape[-1])                         # (N, k, D) per token and slot
-        return (y * gates.unsqueeze(-1).to(x.dtype)).sum(1).reshape(shape)
-
-    def switch(self, layout, group, bucket_bytes, world_group=None):
-        """Re-shard the experts in place to `layout` (EP group `group`). Grads must be None.
-        Collective: every rank of the layout calls it together, with the same target. world_group is the
-        group of exactly the layout's ranks (None: the default group, for a layout over the whole job).
-        1. local checks (groups, grads, layouts, bucket): a ValueError before any collective, nothing moved;
-        2. agree_on_switch: one all_gather of this layer's (source EP, target EP), so one per layer at each
-           phase change; ranks that disagree all raise, naming both, and a rank that does not call makes
-           the others raise at the timeout;
-        3. reshard."""
-        _check_ep_group(layout, group, self.rank)
-        own = self.layout.owned(self.rank)
-        if any(getattr(self, n)[e].grad is not None for n in EXPERT_NAMES for e in own):
-            raise ValueError("expert grads are set: clear or offload them before a switch")
-        if world_group is None and self.layout.ranks is not None and dist.is_initialized():
-            raise ValueError(f"a layout over ranks {list(self.layout.ranks)} needs world_group, the group of those "
-                             "ranks: the switch's agreement collective runs over it")
-        taken = self.local_experts()  # name -> {e: tensor}, the Parameters' data
-        _check(taken, self.layout, layout, _rank(world_group, self.layout), world_group)
-        plan_reshard(self.layout, layout, {n: s[own[0]].nbytes for n, s in taken.items()}, bucket_bytes)
-        agree_on_switch(self.layout, layout, world_group, self.router.weight.device)
-        for n in EXPERT_NAMES:  # the switch must own the only reference, or nothing could be freed
-            for e in own:
-                getattr(self, n)[e].data = taken[n][e].new_empty(0)
-        new, stats = reshard(taken, self.layout, layout, bucket_bytes, world_group)
-        self._put(new)
-        self.layout, self.group = layout, group
-        return stats
+        self._put(shard_experts(full, self.layout, self.rank))
 
     def _put(self, experts):
         for n, slices in experts.items():
             for e, t in slices.items():
                 getattr(self, n)[e].data = t
+
+    def local_experts(self):
+        """name -> {e: tensor} of the experts this rank owns (the Parameters' data, no copy)."""
+        own = self.layout.owned(self.rank)
+        return {n: {e: getattr(self, n)[e].data for e in own} for n in EXPERT_NAMES}
+
+    def forward(self, x):
+        shape, (P, E), k = x.shape, (self.layout.ep, self.layout.n_experts), self.top_k
+        L, x = E // P, x.reshape(-1, shape[-1])                         # (N, D)
+        gates, top_e = route(x, self.router.weight, k, self.routing)    # (N, k)
+        flat_e = top_e.reshape(-1)                                      # (N*k,) expert per row
+        order = flat_e.argsort(stable=True)                             # (N*k,) by expert = rank
+        x_sorted = x[order // k]                                        # (N*k, D)
+        counts = torch.bincount(flat_e, minlength=E)                    # (E,) rows to each expert
+        # step 1: the counts, so every rank knows how many rows it gets per (source, local expert)
+        counts_in = all_to_all_rows(counts, [L] * P, [L] * P, self.group)  # (P*L,)
+        # .tolist() is a device-to-host sync: the payload's split sizes must live on the host
+        in_splits = counts.view(P, L).sum(1).tolist()
+        out_splits = counts_in.view(P, L).sum(1).tolist()
+        # step 2: the packed rows, uneven splits
+        x_in = all_to_all_rows(x_sorted, out_splits, in_splits, self.group)  # (M, D) by source
+        local_e = torch.arange(L, device=x.device).repeat(P).repeat_interleave(counts_in)  # (M,)
+        perm = local_e.argsort(stable=True)                             # (M,) by local expert
+        ws = [[getattr(self, n)[e] for n in EXPERT_NAMES] for e in self.layout.owned(self.rank)]
+        segs = x_in[perm].split(counts_in.view(P, L).sum(0).tolist())  # L x (m_e, D)
+        y_in = torch.cat([expert_mlp(s, *w) for s, w in zip(segs, ws)])[perm.argsort()]  # (M, D)
+        y = all_to_all_rows(y_in, in_splits, out_splits, self.group)    # (N*k, D) back home
+        y = y[order.argsort()].view(-1, k, shape[-1])                   # (N, k, D)
+        return (y * gates.unsqueeze(-1).to(x.dtype)).sum(1).reshape(shape)
+
+    def switch(self, layout, group, bucket_bytes, world_group=None):
+        """Re-shard the experts in place to `layout`, EP group `group`. Grads must be None.
+        Collective over world_group, the group of exactly the layout's ranks (None: the whole job).
+        First the local checks (a ValueError, nothing moved), then agree_on_switch, then reshard."""
+        _check_ep_group(layout, group, self.rank)
+        own = self.layout.owned(self.rank)
+        if any(getattr(self, n)[e].grad is not None for n in EXPERT_NAMES for e in own):
+            raise ValueError("expert grads are set: clear or offload them before a switch")
+        if world_group is None and self.layout.ranks is not None and dist.is_initialized():
+            raise ValueError(f"a layout over ranks {list(self.layout.ranks)} needs world_group, "
+                             "the group of those ranks: the switch's agreement collective runs "
+                             "over it")
+        taken = self.local_experts()  # name -> {e: tensor}, the Parameters' data
+        _check(taken, self.layout, layout, _rank(world_group, self.layout), world_group)
+        slice_bytes = {n: s[own[0]].nbytes for n, s in taken.items()}
+        plan_reshard(self.layout, layout, slice_bytes, bucket_bytes)
+        agree_on_switch(self.layout, layout, world_group, self.router.weight.device)
+        _untie(self)  # the switch must own the only reference, or nothing could be freed
+        new, stats = reshard(taken, self.layout, layout, bucket_bytes, world_group)
+        self._put(new)
+        self.layout, self.group = layout, group
+        return stats
+
+
+# ----------------------------------------------------------------------- a whole model
+def is_dense_moe(m):
+    """A dense MoE layer, by attributes: router, top_k, w_gate, w_up and w_down; not an EPMoE."""
+    has_all = all(hasattr(m, a) for a in ("router", "top_k", *EXPERT_NAMES))
+    return has_all and not isinstance(m, EPMoE)
+
+
+def swap_layers(module, make):
+    """Replace each dense MoE submodule m of module by make(m): returns the new layers, in order."""
+    layers = []
+    for name, child in list(module.named_modules()):
+        if is_dense_moe(child):
+            parent, _, attr = name.rpartition(".")
+            layers.append(make(child))
+            setattr(module.get_submodule(parent), attr, layers[-1])
+    return layers
+
+
+class ExpertParallel:
+    """Every MoE layer of a model expert-parallel: EP train_ep in training, infer_ep in rollout.
+    apply(model, engine) makes the model's dense MoE layers EPMoE layers of the training layout,
+    keeping their weights: leave params(model) out of FSDP. The engine's become layers of the
+    inference layout, with the router of the layer each replaces and no experts yet.
+    to_rollout() re-shards the model's experts, and the engine's alias them (no copy). to_train()
+    moves them back. Every rank calls them together, once the experts' grads and optimizer states
+    are off the device: as a mover of fusion.FusedActor. to_rollout moves only the experts: the
+    engine's other weights are the caller's to load (`names`: the expert parameters to skip)."""
+
+    def __init__(self, train_ep, infer_ep, world_size, n_experts, bucket_bytes, timeout_s=300.0,
+                 ranks=None):
+        self.train_layout = EPLayout(train_ep, world_size, n_experts, ranks)
+        self.infer_layout = EPLayout(infer_ep, world_size, n_experts, ranks)
+        self.train_groups = new_groups(self.train_layout, timeout_s)  # (EP, DP); collective
+        self.infer_groups = new_groups(self.infer_layout, timeout_s)
+        self.group = None  # the layout's ranks, when part of the job: switch(), the norm's sum
+        if ranks is not None and dist.is_initialized():
+            timeout = datetime.timedelta(seconds=timeout_s)
+            self.group = dist.new_group(list(ranks), timeout=timeout)
+        self.bucket_bytes, self.world, self.stats = bucket_bytes, world_size, {}
+        self.model_layers, self.engine_layers, self.names = [], [], set()
+
+    def apply(self, model, engine=None):
+        self.model_layers = self.shard(model)
+        if not self.model_layers:
+            raise ValueError("the model has no dense MoE layer (a module with router, top_k, "
+                             "w_gate, w_up and w_down; see moe_switch.py's 'Using this file "
+                             "elsewhere') to make expert-parallel")
+        self.names = {n for n, _ in model.named_parameters() if n.split(".")[-2] in EXPERT_NAMES}
+        if engine is not None:
+            self.engine_layers = swap_layers(engine, self._empty_like)
+
+    def shard(self, module):
+        """module's dense MoE layers -> EPMoE layers of the training layout, keeping their weights.
+        Also for a frozen copy (the reference): it then runs the policy's own EP forward and
+        computes what the policy does, bit for bit (a dense forward rounds differently)."""
+        group = self.train_groups[0]
+        return swap_layers(module, lambda m: EPMoE.from_dense(m, self.train_layout, group))
+
+    def _empty_like(self, moe):
+        """An engine's EP layer: the dense layer's router Parameter itself (a loader filling the
+        engine by name still finds it), and no experts until to_rollout aliases the moved ones."""
+        E, D, H = moe.w_gate.shape
+        ep = EPMoE(D, H, E, moe.top_k, self.infer_layout, self.infer_groups[0])
+        ep = ep.to(moe.router.weight.device)
+        ep.router.weight = moe.router.weight                            # (E, D)
+        ep.requires_grad_(False)
+        _untie(ep)
+        return ep
+
+    def params(self, model):
+        """The model's expert Parameters: one per global expert, empty where this rank owns none."""
+        return [p for n, p in model.named_parameters() if n in self.names]
+
+    @torch.no_grad()
+    def to_rollout(self):
+        t0, moved, ep_group = time.perf_counter(), [], self.infer_groups[0]
+        for m, e in zip(self.model_layers, self.engine_layers):
+            moved.append(m.switch(self.infer_layout, ep_group, self.bucket_bytes, self.group))
+            for n in EXPERT_NAMES:
+                for pm, pe in zip(getattr(m, n), getattr(e, n)):
+                    pe.data = pm.data  # the engine's experts are the moved tensors themselves
+        self._record("to_rollout", t0, moved)
+
+    @torch.no_grad()
+    def to_train(self):
+        t0, moved, ep_group = time.perf_counter(), [], self.train_groups[0]
+        for m, e in zip(self.model_layers, self.engine_layers):
+            _untie(e)  # the switch must hold the only reference, or nothing could be freed
+            moved.append(m.switch(self.train_layout, ep_group, self.bucket_bytes, self.group))
+        self._record("to_train", t0, moved)
+
+    def _record(self, key, t0, moved):
+        self.stats.update({
+            f"time/ep_{key}_s": time.perf_counter() - t0,
+            f"ep/{key}_bytes_moved": sum(s["bytes_moved"] for s in moved),
+            f"ep/{key}_bytes_min": sum(s["bytes_min"] for s in moved),
+            f"ep/{key}_peak_extra_bytes": max(s["peak_extra_bytes"] for s in moved),
+            f"ep/{key}_layer_peak_switch_bytes": max(s["peak_switch_bytes"] for s in moved),
+            f"ep/{key}_layer_target_bytes": moved[0]["to_bytes"]})  # one layer at a time
+
+    def sync_grads(self, model):
+        """After backward: an owned expert's grad sums its EP group's tokens. Summed over the
+        replicas and divided by the world, it is the mean over all ranks, as FSDP's grads are."""
+        grads = [p.grad for p in self.params(model) if p.numel()]
+        flat = torch.cat([g.flatten() for g in grads]) / self.world
+        if self.train_layout.dp > 1:
+            dist.all_reduce(flat, group=self.train_groups[1])
+        for g, f in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(f.view_as(g))
+
+    def clip_grads(self, model, max_norm):
+        """sync_grads, then clip_grad_norm_ over the FSDP shards and the owned experts together."""
+        self.sync_grads(model)
+        experts = set(map(id, self.params(model)))
+        dense = [p.grad for p in model.parameters() if id(p) not in experts and p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(dense)
+        sq = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).double() ** 2
+        squares = [p.grad.double().pow(2).sum() for p in self.params(model) if p.numel()]
+        own = sum(squares).reshape(1)  # this rank's experts' squared norm
+        dist.all_reduce(own, group=self.group)  # every expert counted once per replica
+        total = (sq + own[0] / self.train_layout.dp).sqrt()
+        coef = min(1.0, max_norm / (float(total) + 1e-6))
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+        return total
+
+
+def optimizer_groups(model):
+    """The parameters in two groups, FSDP2 shards (DTensors) and plain tensors (the EP experts):
+    a multi-tensor (foreach) optimizer step, CUDA's default, refuses to mix the two kinds."""
+    from torch.distributed.tensor import DTensor
+    params = list(model.parameters())
+    shards = [p for p in params if isinstance(p, DTensor)]
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    return [{"params": g} for g in (shards, plain) if g]
+
+
+def dense_state_dict(model, group=None):
+    """The whole model on every rank, in the dense model's names and order: what a checkpoint or a
+    dense reference loads. Collective over `group` (the EP layout's ranks; None: all). FSDP2 shards
+    are gathered; each expert is broadcast by its first holder, then stacked (E, ...)."""
+    state = model.state_dict()
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
+    ep = {name: m for name, m in model.named_modules() if isinstance(m, EPMoE)}
+    out = {}
+    for k, v in full.items():
+        name = k.rsplit(".", 2)[0]
+        # the dense MoE's order: its own w_gate, w_up and w_down, then its router.weight
+        if name in ep and f"{name}.w_gate" not in out:
+            m = ep[name]
+            for n in EXPERT_NAMES:
+                like = getattr(m, n)[m.layout.owned(m.rank)[0]]
+                experts = [p.detach().clone() if p.numel() else torch.empty_like(like)
+                           for p in getattr(m, n)]
+                for e, t in enumerate(experts):
+                    src = m.layout.global_rank(m.layout.holders(e)[0])
+                    dist.broadcast(t, src=src, group=group)
+                out[f"{name}.{n}"] = torch.stack(experts)              # (E, ...)
+        if name not in ep or k.endswith(".router.weight"):
+            out[k] = v
+    return out

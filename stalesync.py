@@ -1,103 +1,39 @@
-# Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (the LICENSE file).
-"""StaleSync: bounded-staleness, quasi-asynchronous rollout, with partial rollouts.
+# Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (see LICENSE).
+"""StaleSync: bounded-staleness rollout, with partial rollouts.
 
-Synchronous RL waits, at every step, for the longest sample of the rollout. StaleSync lets generation run
-ahead of training as long as no sample is trained on a policy more than S versions newer than the one
-that started it (the "staleness threshold"). A rollout round ends as soon as `groups_per_step` complete
-prompt groups are ready; those flow on to training at once, and the long-tail sequences still in flight
-are kept and continued next round from their prefix, under the new weights (a partial rollout: one
-response, tokens from more than one policy version).
+The problem: a synchronous round (sync_rollout) samples a step's responses in one sampler call,
+so every step waits for its longest sample while the other rows are long done.
 
-Contents, naive first:
-  sync_rollout      the naive round: one sampler call that waits for its longest sample
-  StaleConfig       validated knobs: S, groups per step, group size, threshold, decode chunk, the brakes
-  StaleSync         the scheduler: slots, admission, decode chunks, cut at threshold, age bound, accounting
-  FilterLimitError  the brake on dynamic sampling
-  AllReady          colocated, naive: each rank cuts its own share, once every rank is ready (a flag's all-reduce)
-  SharedCut         colocated: one cut over every replica's pool, so that one replica's bad luck is not the step's
+The idea: decode in chunks, and end a round as soon as enough prompt groups are complete. They go
+to training at once. The tail still in flight continues next round under the new weights (a
+partial rollout: one response, tokens of several policy versions). Admission is bounded so that
+no trained sample started more than S versions (the staleness bound) before the version it is
+trained at, and a group that would age past S is regenerated, never trained. At S = 0 this is the
+synchronous path, bit for bit.
 
-The rules (v = policy version = optimizer steps taken; k = index of the next batch, trained at version k):
-  slots      every group fills a slot: slots are numbered 0, 1, 2, ... in the order they open, and each
-             slot ends up with exactly one trained group. A group's prompt and seeds are functions of its
-             (slot, attempt): attempt 0 first, one more each time the slot's group is dropped (filtered:
-             a new prompt) or restarted (aged out: the same prompt, fresh samples). Where the caller's
-             prompt_fn and seed_fn map slots to a global batch, the same slot gets the same prompt and
-             samples however the batch is split over replicas;
-  admission  a new slot may open only while slots_opened < (S + v + 1) * groups_per_step, so that after
-             it opens slots_opened <= (S + v + 1) * groups_per_step (AReaL's capacity) always holds; a
-             slot whose group was filtered reopens at once (it is within the capacity already);
-  cut        batch k is emitted once groups_per_step groups are complete AND the oldest groups_per_step of
-             those that started at a version <= k - S (their last chance to be trained with age <= S: the
-             needed ones) are complete; the batch takes the needed groups first, then the lowest-slot complete
-             ones. Colocated replicas may apply the rule to the union of their pools (SharedCut): each gives its
-             needed groups (more than its groups_per_step where the batch has room), the lowest slots of all
-             fill the rest, so a replica's share varies, the batch's not;
-  age        a sample's age is k - start_version, start_version being the version of its first token;
-             a group that would be older than S at the next batch (a due group that did not fit in batch k)
-             is regenerated from scratch with fresh samples, never trained, and counted
-             (stale/regenerated). Dropping it instead would lose its prompt: the prompts with long answers
-             are the ones that age out. A retry keeps the prompt mix, though for each prompt it still
-             favours the attempts that finish in time. With the cut rule above a group ages out only when
-             more than groups_per_step groups fall due at once, which needs S >= 2.
-  brakes     a row still unfinished at max_len response tokens is the sampler's fault, and more than
-             max_filtered groups dropped while one batch is made means the filter refuses nearly every group
-             (a policy that solves, or fails, everything): each raises, naming the count, never spins;
-  S = 0      capacity admits exactly one batch per version and the cut waits for all of it; the sampler
-             is then called with no cut (max_steps=None), once per round (and once per refill of dropped
-             groups): the very call sync_rollout makes, so the samples, updates and parameters are those
-             of the synchronous path, bit for bit. chunk_s0 decodes it in chunks instead, so that a caller
-             can work between them (on_group: stream each group as it completes); a counter-based sampler
-             makes the same tokens, its log-probs equal up to the batch shapes' float rounding.
+The file reads naive first: sync_rollout and the sampler's contract; StaleConfig and StaleSync,
+the scheduler (admission, decoding, the cut, the rounds, the checkpoint); the colocated cuts,
+AllReady (naive: each rank its own share, once all are ready) and SharedCut (one shared cut);
+last, the checks on what the callables return.
 
-Public relatives: AReaL (admission capacity (S + v + 1) * B, decoupled PPO objective), MindSpeed-RL /
-Kimi k1.5 (partial rollout, per-sample age cap), Pangu Embedded (stale-synchronous stages, S = 4).
+Shapes: B samples in a batch, G group size, R rows in flight, n_i tokens of sample i,
+S staleness bound, v policy version (optimizer steps taken), k batch index (trained at v = k).
 
-Departures from the source system (Huawei's RL post-training on CloudMatrix 384) and its kin:
-1. Whole groups are the unit of admission, age and regeneration: GRPO's advantage needs every sample of
-   a group, and all of a group's samples start together.
-2. The scheduler is a plain object driven by the caller (colocated: `rollout(spans, cut)` then `update()`, the
-   cut deciding with the peers when batch k is cut and how many groups each gives, so that a rank ready first
-   keeps decoding its tail; separated: `admit/decode/ready/take` on the generator and `update(v)` when weights
-   arrive); transport of samples and weights is the caller's (a queue, p2p). The only collectives here are
-   the cuts' (AllReady, SharedCut).
-3. The sampler is a callable step_fn(contexts, seeds, n_done, max_steps) -> (tokens, logprobs, done), and
-   optionally per-token fields (out.per_token, see the contract below: each token's experts, say),
-   called once per decode chunk on every in-flight row; a stateless sampler re-prefills the prefix each
-   chunk, a cached one keeps its KV cache between chunks. Its reset() is called whenever new weights
-   arrive (update(): every cached prefix is stale) and at the end of a colocated round (the cache is
-   rollout memory, freed before training).
-4. Ages are counted in optimizer steps of the trainer (batch index), not wall time.
+Relatives: AReaL (admission capacity (S + v + 1) * B), MindSpeed-RL and Kimi k1.5 (partial
+rollout, per-sample age cap), Pangu Embedded (stale-synchronous stages, S = 4). Departures from
+the source system (Huawei's RL post-training on CloudMatrix 384) and its kin:
+1. Whole groups are the unit of admission, age and regeneration: GRPO's advantage needs every
+   sample of a group, and all of a group's samples start together.
+2. The scheduler is a plain object that the caller drives: colocated, rollout(spans, cut) then
+   update(); separated, admit/decode/ready/take on the generator and update(v) as weights arrive.
+   Moving samples and weights is the caller's job: the only collectives here are the cuts'.
+3. Ages are counted in optimizer steps (batch indices), not wall time.
 
     python -m pytest tests/test_stalesync.py
     python bench/stalesync.py --lengths lognormal:3,1
 
-Using this file elsewhere: torch only (tested with 2.13; CPU or CUDA); a process group only for the cuts (any backend).
-The callables StaleSync takes, checked at each call with an error that names the fix:
-  step_fn(contexts, seeds, n_done, max_steps) -> (tokens, logprobs, done), or an object with those three
-      attributes. In: contexts, R int64 tensors (a prompt and its response so far); seeds (R,) int64,
-      one per sample and the same at every call on it; n_done (R,) int64, response tokens each row
-      already has; max_steps, at most this many new tokens per row (None: to the end). Out: tokens and
-      logprobs, R sequences (tensors or lists, possibly empty) of the new tokens and their log-probs;
-      done, R bools, True once a row has ended; optionally out.per_token, name -> R sequences of one entry
-      per new token (say each token's experts, (n, L, K)), kept with the sample like its log-probs and handed
-      on in Batch.per_token: a field must come with every call (a sample whose field does not cover each of
-      its tokens is refused at take() and state_dict(), naming it). Every call makes a token or ends each row.
-      Every row must be done by max_len tokens (StaleConfig.max_len, the response budget, if given).
-      Tokens are integers; a padded (R, T) tensor is refused (its pads would become response tokens).
-  prompt_fn(slot, attempt) -> the prompt of a group, an int64 tensor (P,) or a list of ints.
-  seed_fn(slot, attempt, member) -> int, optional: the sampling seed of member j of that group (default: the
-      sample's id, unique in this scheduler).
-  reset, state (optional): the sampler's cache reset (see 3. above), and an object with
-      state_dict()/load_state_dict() saved in the scheduler's checkpoint. Default: step_fn's, or its
-      owner's when step_fn is a bound method: reset() if it has one; itself as the state if it has
-      state_dict() and is not an nn.Module (a model's weights do not belong in this checkpoint).
-  idle (optional): called by decode() in place of step_fn when no row is in flight. A sampler whose ranks
-      decode in lock-step (an expert-parallel engine: every forward meets the peers' in all-to-alls) joins
-      its peers' call there with no rows of its own. Default: step_fn's (or its owner's) idle() if it has one.
-  What state_dict() does not hold: prompt_fn's and seed_fn's own state. Functions of (slot, attempt) alone,
-      or of state the caller restores with its own checkpoint, resume exactly; a prompt_fn that reads an
-      unsaved stream serves its prompts again after a resume.
-Example (tests/test_copy_alone.py runs it in a folder that holds only this file):
+Using this file elsewhere: torch only, and a process group only for the cuts. Example (the test
+tests/test_copy_alone.py runs it in a folder that holds only this file):
 
     import torch
     from stalesync import StaleConfig, StaleSync
@@ -105,19 +41,19 @@ Example (tests/test_copy_alone.py runs it in a folder that holds only this file)
     def toy_sampler(contexts, seeds, n_done, max_steps):  # row s ends after s % 5 + 1 tokens
         left = [s % 5 + 1 - n for s, n in zip(seeds.tolist(), n_done.tolist())]
         made = [k if max_steps is None else min(k, max_steps) for k in left]
-        return [[7] * m for m in made], [[-0.1] * m for m in made], [m == k for m, k in zip(made, left)]
+        done = [m == k for m, k in zip(made, left)]
+        return [[7] * m for m in made], [[-0.1] * m for m in made], done
 
-    cfg = StaleConfig(staleness=1, groups_per_step=2, group_size=4, threshold=0.5, chunk_steps=2)
+    cfg = StaleConfig(staleness=1, groups_per_step=2, group_size=4, threshold=0.5,
+                      chunk_steps=2)
     sched = StaleSync(cfg, toy_sampler, prompt_fn=lambda slot, attempt: torch.tensor([1, 2, 3]))
     for step in range(6):
-        batch = sched.rollout()             # 2 complete groups of 4, for the weights of version `step`
+        batch = sched.rollout()   # 2 complete groups of 4, for the weights of version `step`
         assert max(step - v for v in batch.start_versions) <= cfg.staleness
-        sched.update()                      # an optimizer step on `batch` made version step + 1
+        sched.update()            # an optimizer step on `batch` made version step + 1
     print("trained", len(sched.accounting()["trained"]), "samples")
-
-Shapes: B samples in a batch, G group size, T response tokens (n_i per sample), S staleness bound,
-v policy version, k batch index, R rows in flight.
 """
+import functools
 import math
 import numbers
 from contextlib import nullcontext
@@ -127,78 +63,45 @@ import torch
 import torch.distributed as dist
 
 
-def _prompt(p):
-    """prompt_fn's prompt as a 1-D int64 tensor (a list of ints is fine); refuses anything else, naming it."""
-    t = torch.as_tensor(p) if isinstance(p, (list, tuple)) else p
-    if not (torch.is_tensor(t) and t.dim() == 1 and len(t) > 0 and not t.is_floating_point()):
-        raise ValueError(f"prompt_fn() returned {type(p).__name__} {getattr(p, 'shape', '')}: it must return one "
-                         f"non-empty prompt, a 1-D integer tensor of token ids (or a list of ints)")
-    return t.long()
-
-
-def _tokens(t, row):
-    """One row's new tokens as a 1-D int64 tensor; floats (which a cast would truncate) are refused."""
-    t = torch.as_tensor(t)
-    if t.numel() and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
-        raise ValueError(f"row {row}: the sampler returned tokens of dtype {t.dtype}; token ids are integers")
-    return t.long().reshape(-1)
-
-
-def _unpack(out, rows):
-    """A sampler's output for `rows` rows: (tokens, logprobs, done), or an object with those attributes
-    (a dataclass, say), each of R items; tokens and logprobs as tensors. Refuses anything else, naming
-    the contract."""
-    tokens, logprobs, done = (out.tokens, out.logprobs, out.done) if hasattr(out, "tokens") else tuple(out)
-    if torch.is_tensor(tokens) and tokens.dim() == 2:
-        raise ValueError(f"the sampler returned tokens as one {tuple(tokens.shape)} tensor: return one 1-D sequence "
-                         "per row (a list of tensors or of lists), or its padding becomes response tokens")
-    if not len(tokens) == len(logprobs) == len(done) == rows:
-        raise ValueError(f"the sampler returned {len(tokens)} token rows, {len(logprobs)} log-prob rows and "
-                         f"{len(done)} done flags for {rows} rows; it must return one of each per row "
-                         "(see 'Using this file elsewhere' in stalesync.py)")
-    tokens = [_tokens(t, i) for i, t in enumerate(tokens)]
-    logprobs = [torch.as_tensor(lp, dtype=torch.float32).reshape(-1) for lp in logprobs]
-    bad = [i for i, (t, lp) in enumerate(zip(tokens, logprobs)) if len(t) != len(lp)]
-    if bad:
-        raise ValueError(f"rows {bad[:8]}: the sampler returned a different number of tokens and log-probs")
-    return tokens, logprobs, [bool(d) for d in done]
-
-
-def _per_token(out, tokens):
-    """The sampler's optional per-token fields (out.per_token: name -> one sequence per row, an entry per new
-    token, e.g. (n, L, K) experts), as tensors; refuses a row whose length is not its tokens'."""
-    fields = getattr(out, "per_token", None) or {}
-    fields = {name: [torch.as_tensor(v) for v in rows] for name, rows in fields.items()}
-    for name, rows in fields.items():
-        bad = [i for i, (v, t) in enumerate(zip(rows, tokens)) if len(v) != len(t)]
-        bad = bad if len(rows) == len(tokens) else [-1]
-        if bad:
-            raise ValueError(f"per_token[{name!r}]: rows {bad[:8]} do not hold one entry per new token "
-                             f"({len(rows)} rows for {len(tokens)})")
-    return fields
-
-
-# ----------------------------------------------------------------------------- the naive round
+# ---------------------------------------------------------------------------------- the naive round
 def sync_rollout(step_fn, prompts, group_size, seeds):
-    """Naive synchronous round: G responses per prompt in one sampler call that waits for the longest.
-    prompts: list of (P_i,); seeds (B,) with B = len(prompts) * G. Returns tokens, logprobs, done (lists)."""
+    """G responses per prompt in one sampler call with no cut: it returns when the longest is done.
+    prompts: list of (P_i,); seeds (B,), B = len(prompts) * G. Returns tokens, logprobs, done."""
     contexts = [p for p in prompts for _ in range(group_size)]
-    return _unpack(step_fn(contexts, seeds, torch.zeros(len(contexts), dtype=torch.long), None), len(contexts))
+    n_done = torch.zeros(len(contexts), dtype=torch.long)                             # (B,)
+    return _unpack(step_fn(contexts, seeds, n_done, None), len(contexts))
 
 
-# ----------------------------------------------------------------------------- the scheduler
+# -------------------------------------------------------------------------------------- the sampler
+# The sampler's contract: step_fn(contexts, seeds, n_done, max_steps) -> (tokens, logprobs, done),
+# or an object with those attributes, called once per decode chunk on every row in flight.
+#   contexts   R int64 tensors, a prompt and its response so far
+#   seeds      (R,) int64, one per sample, the same at every call on it
+#   n_done     (R,) int64, the response tokens each row already has
+#   max_steps  at most this many new tokens per row (None: to the end)
+#   tokens     R sequences (tensors or lists, possibly empty) of new token ids; not a padded
+#              (R, T) tensor, whose pads would become response tokens
+#   logprobs   R sequences, the log-prob of each new token
+#   done       R bools, True once a row has ended
+#   per_token  optional attribute: name -> R sequences of one entry per new token (each token's
+#              experts, say: (n, L, K)), kept with the sample and handed on in Batch.per_token.
+#              A field must come with every call.
+# Every call makes a token or ends each row, and every row ends by StaleConfig.max_len tokens.
+# A cached sampler keeps its KV cache between chunks; StaleSync calls its reset() when it is stale.
+
+
+# ------------------------------------------------------------------------------------ the scheduler
 @dataclass
 class StaleConfig:
-    staleness: int = 0               # S: the most versions a trained sample may lag (0: synchronous)
-    groups_per_step: int = 2         # prompt groups in one optimizer step's batch (this replica's; SharedCut varies it)
-    group_size: int = 8              # G: responses per prompt
-    threshold: float = 1.0           # in (0, 1]: the decode pool holds groups_per_step / threshold groups
-                                     #   and a round ends when groups_per_step of them are complete
-    chunk_steps: int = 8             # decode steps per sampler call between cut checks (S > 0, or chunk_s0)
-    max_len: int = None              # the response budget: a row not done at this many tokens raises (None: no check)
-    max_filtered: int = None         # keep_group may drop at most this many groups while one batch is made
-    chunk_s0: bool = False           # S = 0 decodes in chunks too (the caller works between them: on_group); S > 0
-                                     #   always does
+    staleness: int = 0          # S: the most versions a trained sample may lag (0: synchronous)
+    groups_per_step: int = 2    # groups in a step's batch (this replica's; SharedCut varies it)
+    group_size: int = 8         # G: responses per prompt
+    threshold: float = 1.0      # in (0, 1]: a round ends once this share of the pool is complete
+                                #   (the pool: groups_per_step / threshold groups decoding at once)
+    chunk_steps: int = 8        # decode steps per sampler call (S > 0, or chunk_s0)
+    max_len: int = None         # brake: a row not done at this many tokens raises (None: off)
+    max_filtered: int = None    # brake: keep_group drops at most this many per batch (None: off)
+    chunk_s0: bool = False      # S = 0 decodes in chunks too, so that the caller works between them
 
     def __post_init__(self):
         if not _is_int(self.staleness) or self.staleness < 0:
@@ -212,8 +115,12 @@ class StaleConfig:
                 raise ValueError(f"{name}={x!r} must be an integer >= 1")
 
     @property
-    def pool_groups(self):
+    def pool_groups(self):  # the 1e-9: 21 / 0.7 is 30.000000000000004 in floats
         return math.ceil(self.groups_per_step / self.threshold - 1e-9)
+
+
+class FilterLimitError(RuntimeError):
+    """keep_group dropped more than max_filtered groups while one batch was made (StaleConfig)."""
 
 
 @dataclass
@@ -230,254 +137,292 @@ class Batch:
     start_versions: list  # (B,) version of each sample's first token
     done: list            # (B,) always True
     metrics: dict         # stale/* counters of this batch
-    per_token: dict = field(default_factory=dict)  # name -> (B,) of (n_i, ...): the sampler's per-token fields
+    per_token: dict = field(default_factory=dict)  # name -> (B,) of (n_i, ...): sampler's fields
+
+
+def _complete(g):
+    return all(s["done"] for s in g["samples"])
 
 
 class StaleSync:
-    """Bounded-staleness scheduler over prompt groups, one per slot (see the rules above).
-    prompt_fn(slot, attempt) -> (P,) int64 gives a group's prompt; seed_fn(slot, attempt, member) -> int the
-    sampling seed of each of its G samples (default: the sample's id; ids are 0, 1, 2, ... in order).
-    keep_group(prompt, responses) -> bool, optional (dynamic sampling): called once on every group as it
-    completes; a group it refuses (say, every reward equal: no advantage) is dropped, counted
-    (stale/filtered), and its slot reopens for a new prompt. on_group(batch), optional: called once on every group
-    that completes and is kept, with a Batch of that group alone (version None, no metrics), during the round: a
-    caller that streams groups to a next stage as they complete (one that scores them while the tail decodes)
-    puts them there; take() later emits them, each in exactly one batch (regenerated: shown again, new samples)."""
+    """The scheduler. Its unit is a group, G samples of one prompt, which fills a slot.
 
-    def __init__(self, cfg: StaleConfig, step_fn, prompt_fn, seed_fn=None, keep_group=None, reset=None, state=None,
-                 idle=None, on_group=None):
+    Slots are numbered 0, 1, 2, ... as they open, and each ends up with exactly one trained group.
+    A group's prompt and seeds are functions of its (slot, attempt): attempt 0 first, one more
+    each time the filter drops the slot's group (a new prompt) or its age restarts it (the same
+    prompt, fresh samples). So where prompt_fn and seed_fn map slots into a global batch, a slot
+    gets the same prompt and samples however the batch is split over replicas.
+
+    prompt_fn(slot, attempt) -> a group's prompt, (P,) int64 or a list of ints. The optional ones:
+    seed_fn(slot, attempt, member) -> int (default: the sample's id, 0, 1, 2, ... as made);
+    keep_group(prompt, responses) -> bool, dynamic sampling (_filter); on_group(batch) (decode);
+    the sampler's reset() (update), idle() (decode) and state (state_dict), by default step_fn's
+    own, or its owner's for a bound method."""
+
+    def __init__(self, cfg: StaleConfig, step_fn, prompt_fn, seed_fn=None, keep_group=None,
+                 reset=None, state=None, idle=None, on_group=None):
         self.cfg, self.step_fn, self.prompt_fn, self.seed_fn = cfg, step_fn, prompt_fn, seed_fn
         self.keep_group, self.on_group = keep_group, on_group
-        owner = getattr(step_fn, "__self__", step_fn)  # a bound method's object: where reset, idle and state are
+        owner = getattr(step_fn, "__self__", step_fn)  # a bound method's object
         self.reset_fn = reset if reset is not None else getattr(owner, "reset", None)
         self.idle_fn = idle if idle is not None else getattr(owner, "idle", None)
-        plain = hasattr(owner, "state_dict") and hasattr(owner, "load_state_dict") and \
-            not isinstance(owner, torch.nn.Module)
+        # the sampler itself as the state, if it has one; a model's weights stay out of it
+        stateful = hasattr(owner, "state_dict") and hasattr(owner, "load_state_dict")
+        plain = stateful and not isinstance(owner, torch.nn.Module)
         self.sampler_state = state if state is not None else (owner if plain else None)
-        self.version = 0          # v: weights the sampler uses now
+        self.version = 0          # v: the weights the sampler uses now
         self.batches_out = 0      # k: batches emitted; the next one is trained at version k
-        self.slots_opened = 0     # slots opened so far (a reopened one not counted again)
+        self.slots_opened = 0     # slots opened so far (a reopened one is not counted again)
         self.reopen = []          # (slot, attempt) of filtered groups' slots, to refill first
-        self.next_id = 0          # next sample id
-        self.pool = []            # groups not yet emitted (in flight or complete), admission order
+        self.next_id = 0          # the next sample id
+        self.pool = []            # groups not yet emitted (in flight or complete), admission order:
+                                  #   dicts of slot, attempt, prompt, start_version, samples
         self.fate = {}            # sample id -> "trained" | "regenerated" | "filtered"
-        self.regenerated = 0      # groups regenerated because they would have aged past S
-        self.filtered = 0         # complete groups keep_group dropped
-        self.filtered_reported = 0  # of those, reported in a batch's metrics so far (an empty batch reports none)
-        self.filtered_at_take = 0   # of those, dropped before the last take(): the brake counts the rest
-        self.max_admitted_over = -10**9  # max over time of slots_opened - capacity (tests: <= 0)
+        self.regenerated = 0      # groups restarted because they would have aged past S
+        self.filtered = 0         # complete groups that keep_group dropped
+        self.filtered_reported = 0  # of those, reported in a batch's metrics so far
+        self.filtered_at_take = 0   # of those, dropped before the last take()
+        self.max_admitted_over = -10**9  # the most slots_opened ever exceeded capacity() (<= 0)
 
     # --- admission
     def capacity(self):
+        """AReaL's bound on the slots opened at version v: (S + v + 1) * groups_per_step."""
         return (self.cfg.staleness + self.version + 1) * self.cfg.groups_per_step
 
-    def _new_samples(self, g):
-        """A fresh attempt's G samples for group g (its slot and attempt set), not yet started."""
-        ids = range(self.next_id, self.next_id + self.cfg.group_size)
-        self.next_id += self.cfg.group_size
-        seeds = list(ids) if self.seed_fn is None else [int(self.seed_fn(g["slot"], g["attempt"], j))
-                                                        for j in range(self.cfg.group_size)]
-        g.update(start_version=None, samples=[dict(id=i, seed=seed, tokens=[], logprobs=[], versions=[], per_token={},
-                                                   done=False)
-                                              for i, seed in zip(ids, seeds)])
-
     def admit(self):
-        """Start new groups while capacity and the decode pool allow: reopened slots first (a new prompt for a
-        filtered group's slot), then new slots. Returns how many started."""
-        n = 0
-        while self.in_flight() < self.cfg.pool_groups and (self.reopen or self.slots_opened < self.capacity()):
+        """Start groups while fewer than pool_groups are in flight: reopened slots first (within
+        the capacity already), then new ones while slots_opened < capacity(), so that
+        slots_opened <= capacity() always holds. At S = 0 that is one batch per version."""
+        started = 0
+        while self.in_flight() < self.cfg.pool_groups:
             if self.reopen:
                 slot, attempt = self.reopen.pop(0)
-            else:
+            elif self.slots_opened < self.capacity():
                 slot, attempt = self.slots_opened, 0
                 self.slots_opened += 1
+            else:
+                break
             g = dict(slot=slot, attempt=attempt, prompt=_prompt(self.prompt_fn(slot, attempt)))
             self._new_samples(g)
             self.pool.append(g)
-            n += 1
-            self.max_admitted_over = max(self.max_admitted_over, self.slots_opened - self.capacity())
-        return n
+            started += 1
+            over = self.slots_opened - self.capacity()
+            self.max_admitted_over = max(self.max_admitted_over, over)
+        return started
+
+    def _new_samples(self, g):
+        """Group g's attempt as G fresh samples; its age starts at its first token."""
+        ids = range(self.next_id, self.next_id + self.cfg.group_size)
+        self.next_id += self.cfg.group_size
+        seeds = [i if self.seed_fn is None else int(self.seed_fn(g["slot"], g["attempt"], j))
+                 for j, i in enumerate(ids)]
+        g["start_version"] = None
+        g["samples"] = [dict(id=i, seed=seed, tokens=[], logprobs=[], versions=[], per_token={},
+                             done=False) for i, seed in zip(ids, seeds)]
 
     def in_flight(self):
-        """Groups admitted and not yet complete: what a decode() call would advance."""
+        """Groups admitted and not yet complete: what decode() advances."""
         return sum(not _complete(g) for g in self.pool)
 
     # --- decoding
     def decode(self):
-        """One sampler call on every in-flight row (a chunk of chunk_steps decode steps; S = 0: to the
-        end). Appends tokens, behaviour log-probs and the current version. Returns tokens generated."""
+        """One sampler call on every row in flight (idle() if none): up to chunk_steps new tokens
+        each, kept with their log-probs and the current version. Returns the tokens made.
+        At S = 0 the call has no cut (max_steps=None): once per round, and once per refill of
+        dropped groups, the very call sync_rollout makes, so the samples, updates and parameters
+        are the synchronous path's, bit for bit. chunk_s0 decodes S = 0 in chunks instead, so that
+        a caller can work between them; a counter-based sampler then makes the same tokens, its
+        log-probs equal up to float rounding."""
         rows = [(g, s) for g in self.pool for s in g["samples"] if not s["done"]]
-        if not rows:  # a lock-step engine's rank still takes its part in its peers' call
+        if not rows:  # a rank of a lock-step engine (expert parallel) joins its peers' call
             if self.idle_fn is not None:
                 self.idle_fn()
             return 0
         for g, _ in rows:
-            if g["start_version"] is None:  # first token of the group: its age starts now
+            if g["start_version"] is None:  # the group's first token: its age starts now
                 g["start_version"] = self.version
-        contexts = [torch.cat([g["prompt"], torch.tensor(s["tokens"], dtype=torch.long)]) for g, s in rows]
-        seeds = torch.tensor([s["seed"] for _, s in rows], dtype=torch.long)                    # (R,)
-        n_done = torch.tensor([len(s["tokens"]) for _, s in rows], dtype=torch.long)            # (R,)
-        max_steps = None if self.cfg.staleness == 0 and not self.cfg.chunk_s0 else self.cfg.chunk_steps
+        contexts = [torch.cat([g["prompt"], torch.tensor(s["tokens"], dtype=torch.long)])
+                    for g, s in rows]                                          # R of (P + n,)
+        seeds = torch.tensor([s["seed"] for _, s in rows], dtype=torch.long)             # (R,)
+        n_done = torch.tensor([len(s["tokens"]) for _, s in rows], dtype=torch.long)     # (R,)
+        synchronous = self.cfg.staleness == 0 and not self.cfg.chunk_s0
+        max_steps = None if synchronous else self.cfg.chunk_steps
         out = self.step_fn(contexts, seeds, n_done, max_steps)
         tokens, logprobs, done = _unpack(out, len(rows))
-        extra = _per_token(out, tokens)
+        fields = _per_token(out, tokens)
         if not any(len(t) for t in tokens) and not any(done):
-            raise RuntimeError(f"the sampler made no token and ended no row of the {len(rows)} in flight "
-                               f"(max_steps={max_steps}): every call must make a token or end each row")
-        n = 0
+            raise RuntimeError(f"the sampler made no token and ended no row of the {len(rows)} in "
+                               f"flight (max_steps={max_steps}): every call must make a token or "
+                               "end each row")
         for r, ((_, s), t, lp, d) in enumerate(zip(rows, tokens, logprobs, done)):
-            for name, values in extra.items():
+            for name, values in fields.items():
                 s["per_token"].setdefault(name, []).append(values[r])
             s["tokens"] += t.tolist()
-            s["logprobs"] += lp.float().tolist()  # float32 values, exact in a Python float
+            s["logprobs"] += lp.tolist()  # float32 values, exact in a Python float
             s["versions"] += [self.version] * len(t)
-            s["done"] = bool(d)
-            n += len(t)
-        touched = list({id(g): g for g, _ in rows}.values())
+            s["done"] = d
         self._check_budget(rows)
-        self._filter(touched)
-        kept = {id(g) for g in self.pool}
-        self._show([g for g in touched if _complete(g) and id(g) in kept])  # just completed, not filtered
-        return n
-
-    def _show(self, groups):
-        """on_group: each group that just completed and was kept, once, as a Batch of it alone."""
-        for g in groups if self.on_group is not None else ():
+        completed = [g for g in {id(g): g for g, _ in rows}.values() if _complete(g)]
+        kept = self._filter(completed)
+        for g in kept if self.on_group is not None else []:  # each shown once, as it completes
             self.on_group(self._as_batch([g], version=None, metrics={}))
+        return sum(len(t) for t in tokens)
 
     def _check_budget(self, rows):
-        """Brake: a row past the response budget and not done would be decoded forever."""
-        over = [s["id"] for _, s in rows if not s["done"] and self.cfg.max_len and len(s["tokens"]) >= self.cfg.max_len]
+        """Brake: a row still not done at max_len tokens is the sampler's fault."""
+        max_len = self.cfg.max_len
+        if not max_len:
+            return
+        over = [s["id"] for _, s in rows if not s["done"] and len(s["tokens"]) >= max_len]
         if over:
             name = getattr(self.step_fn, "__qualname__", type(self.step_fn).__name__)
-            raise RuntimeError(f"the sampler {name} returned samples {over[:8]} with {self.cfg.max_len} or more "
-                               f"tokens and not done: it must end every row (done=True) by max_len "
-                               f"{self.cfg.max_len}, the response budget")
+            raise RuntimeError(f"the sampler {name} returned samples {over[:8]} with {max_len} or "
+                               f"more tokens and not done: it must end every row (done=True) by "
+                               f"max_len {max_len}, the response budget")
 
-    def _filter(self, groups):
-        """Dynamic sampling: drop the groups that just completed and that keep_group refuses; their slots reopen."""
+    def _filter(self, completed):
+        """Dynamic sampling: keep_group (say, not every reward equal) drops some of the groups that
+        just completed, counted (stale/filtered), and their slots reopen for a new prompt. Returns
+        the kept ones. Brake: more than max_filtered dropped while one batch is made means that
+        the filter refuses nearly every group."""
         if self.keep_group is None:
-            return
-        for g in [g for g in groups if _complete(g)]:
-            if not self.keep_group(g["prompt"], [torch.tensor(s["tokens"], dtype=torch.long) for s in g["samples"]]):
-                self.pool = [h for h in self.pool if h is not g]
-                for s in g["samples"]:
-                    self.fate[s["id"]] = "filtered"
-                self.filtered += 1
-                self.reopen.append((g["slot"], g["attempt"] + 1))
+            return completed
+        kept = []
+        for g in completed:
+            responses = [torch.tensor(s["tokens"], dtype=torch.long) for s in g["samples"]]
+            if self.keep_group(g["prompt"], responses):
+                kept.append(g)
+                continue
+            self.pool = [h for h in self.pool if h is not g]
+            for s in g["samples"]:
+                self.fate[s["id"]] = "filtered"
+            self.filtered += 1
+            self.reopen.append((g["slot"], g["attempt"] + 1))
         self.reopen.sort()
         dropped = self.filtered - self.filtered_at_take
         if self.cfg.max_filtered and dropped > self.cfg.max_filtered:
-            raise FilterLimitError(f"dynamic sampling dropped {dropped} groups while making batch {self.batches_out}, "
-                               f"past the limit of {self.cfg.max_filtered}: nearly every group's rewards are equal "
-                               "(a policy that solves, or fails, nearly every prompt); train or warm up differently, "
-                               "or turn the filter off")
+            raise FilterLimitError(f"dynamic sampling dropped {dropped} groups while making batch "
+                                   f"{self.batches_out}, past the limit of "
+                                   f"{self.cfg.max_filtered}: nearly every group's rewards are "
+                                   "equal (a policy that solves, or fails, nearly every prompt); "
+                                   "train or warm up differently, or turn the filter off")
+        return kept
 
-    # --- cut at threshold, age bound
+    # --- the cut of batch k, trained at version k
+    # A sample's age is k - start_version, the version of its group's first token. A group that
+    # started at a version <= k - S is due: batch k is its last chance. Batch k needs the first
+    # groups_per_step due groups, and is ready once those are complete and groups_per_step are
+    # complete in all. It takes the needed groups, then the lowest-slot complete ones. A due group
+    # left out (more fell due at once than a batch holds, which needs S >= 2) is regenerated:
+    # restarted with fresh samples, counted (stale/regenerated), never trained. Dropping it would
+    # lose its prompt, and the prompts with long answers are the ones that age out. A retry keeps
+    # the prompt mix, though for each prompt it still favours the attempts that finish in time.
+    # At S = 0 every started group is due, so the cut waits for all of them.
     def _due(self):
-        """Groups whose last chance is batch k: started at a version <= k - S, oldest first."""
-        k, S = self.batches_out, self.cfg.staleness
-        return [g for g in self.pool if g["start_version"] is not None and g["start_version"] <= k - S]
-
-    def _needed(self, n=None):
-        """The due groups batch k must take, oldest first: n of them (default: up to groups_per_step; a shared cut may
-        ask for more). A due group left out ages out at this cut."""
-        due = self._due()
-        return due[:min(len(due), self.cfg.groups_per_step) if n is None else n]
-
-    def _spare(self, needed):
-        """The complete groups batch k may take beyond `needed`, lowest slot first."""
-        ids = {id(g) for g in needed}
-        return sorted((g for g in self.pool if _complete(g) and id(g) not in ids), key=lambda g: g["slot"])
-
-    def ready(self):
-        """True when batch k can be emitted: its needed groups complete, and groups_per_step complete in all."""
-        needed = self._needed()
-        return all(map(_complete, needed)) and len(needed) + len(self._spare(needed)) >= self.cfg.groups_per_step
-
-    def take(self, n=None, needed=None):
-        """Emit batch k of n groups (default groups_per_step): the oldest `needed` due groups (default: up to
-        groups_per_step), then the lowest-slot complete ones; regenerate those now too old. A cut's share gives both."""
-        k, n = self.batches_out, self.cfg.groups_per_step if n is None else n
-        needed = self._needed(needed)
-        spare = self._spare(needed)
-        if not all(map(_complete, needed)) or not len(needed) <= n <= len(needed) + len(spare):
-            raise RuntimeError(f"take({n}) at batch {k}: its {len(needed)} needed groups must be complete, and there "
-                               f"are {len(needed) + len(spare)} complete groups (take() before ready(), or a cut's "
-                               "share this scheduler cannot give)")
-        chosen = sorted(needed + spare[:n - len(needed)], key=lambda g: g["slot"])
-        _per_token_names([s for g in chosen for s in g["samples"]])  # each covers its tokens, or raises
-        chosen_ids = {id(g) for g in chosen}
-        self.pool = [g for g in self.pool if id(g) not in chosen_ids]
-        self.batches_out += 1
-        self.filtered_at_take = self.filtered
-        regenerated_before = self.regenerated
-        for g in self.pool:  # trained at >= k + 1 they would be older than S: restart them now
-            if g["start_version"] is not None and g["start_version"] <= k - self.cfg.staleness:
-                for s in g["samples"]:
-                    self.fate[s["id"]] = "regenerated"
-                g["attempt"] += 1
-                self._new_samples(g)
-                self.regenerated += 1
-        samples = [(g, s) for g in chosen for s in g["samples"]]
-        for _, s in samples:
-            self.fate[s["id"]] = "trained"
-        return self._as_batch(chosen, k, self._metrics(k, samples, self.regenerated - regenerated_before))
+        """The due groups of batch k, in admission order."""
+        last = self.batches_out - self.cfg.staleness  # started at or before it: due
+        started = [g for g in self.pool if g["start_version"] is not None]
+        return [g for g in started if g["start_version"] <= last]
 
     def offer(self):
-        """What this scheduler brings to a shared cut of batch k (SharedCut): its due groups, how many of them, oldest
-        first, are complete before the first that is not, its complete groups, and whether it has work left (a group
-        in flight, or one it may start)."""
+        """The counts of the rule: batch k's due groups, how many of them are complete before the
+        first that is not, the complete groups, and whether there is work left (a group in flight,
+        or one to start). SharedCut gathers every replica's."""
         due = self._due()
         done = next((i for i, g in enumerate(due) if not _complete(g)), len(due))
         work = self.in_flight() > 0 or bool(self.reopen) or self.slots_opened < self.capacity()
         return dict(due=len(due), done=done, complete=sum(map(_complete, self.pool)), work=work)
 
+    def ready(self):
+        """Whether this scheduler alone can cut batch k."""
+        offer, gps = self.offer(), self.cfg.groups_per_step
+        needed_complete = offer["done"] >= min(offer["due"], gps)  # the first gps due groups
+        return needed_complete and offer["complete"] >= gps
+
     def spare_slots(self, needed):
-        """The slots of the complete groups beyond the oldest `needed` due ones, lowest first (SharedCut)."""
+        """The slots of the complete groups beyond the first `needed` due ones, lowest first."""
         return [g["slot"] for g in self._spare(self._needed(needed))]
 
+    def _needed(self, n=None):  # a shared cut may ask for more than groups_per_step
+        return self._due()[:self.cfg.groups_per_step if n is None else n]
+
+    def _spare(self, needed):
+        return sorted((g for g in self.pool if _complete(g) and all(g is not h for h in needed)),
+                      key=lambda g: g["slot"])
+
+    def take(self, n=None, needed=None):
+        """Emit batch k: n groups (default groups_per_step), the first `needed` due ones (default:
+        up to groups_per_step), then the lowest-slot complete ones; regenerate the due ones left."""
+        k, n = self.batches_out, self.cfg.groups_per_step if n is None else n
+        needed = self._needed(needed)
+        spare = self._spare(needed)
+        if not all(map(_complete, needed)) or not len(needed) <= n <= len(needed) + len(spare):
+            raise RuntimeError(f"take({n}) at batch {k}: its {len(needed)} needed groups must be "
+                               f"complete, and there are {len(needed) + len(spare)} complete "
+                               "groups (take() before ready(), or a cut's share this scheduler "
+                               "cannot give)")
+        chosen = sorted(needed + spare[:n - len(needed)], key=lambda g: g["slot"])
+        _per_token_names([s for g in chosen for s in g["samples"]])  # raises before any change
+        too_old = [g for g in self._due() if all(g is not c for c in chosen)]
+        self.pool = [g for g in self.pool if all(g is not c for c in chosen)]
+        self.batches_out += 1
+        self.filtered_at_take = self.filtered  # the brake counts from here
+        for g in too_old:
+            for s in g["samples"]:
+                self.fate[s["id"]] = "regenerated"
+            g["attempt"] += 1
+            self._new_samples(g)
+        self.regenerated += len(too_old)
+        samples = [(g, s) for g in chosen for s in g["samples"]]
+        for _, s in samples:
+            self.fate[s["id"]] = "trained"
+        return self._as_batch(chosen, k, self._metrics(k, samples, len(too_old)))
+
     def _as_batch(self, groups, version, metrics):
-        samples = [(g, s) for g in groups for s in g["samples"]]
-        fields = _per_token_names([s for _, s in samples])  # each covers its tokens, or raises
-        return Batch(version=version, ids=[s["id"] for _, s in samples], slots=[g["slot"] for g, _ in samples],
-                     seeds=[s["seed"] for _, s in samples], prompts=[g["prompt"] for g, _ in samples],
-                     responses=[torch.tensor(s["tokens"], dtype=torch.long) for _, s in samples],
-                     logprobs=[torch.tensor(s["logprobs"], dtype=torch.float32) for _, s in samples],
-                     token_versions=[torch.tensor(s["versions"], dtype=torch.long) for _, s in samples],
-                     start_versions=[g["start_version"] for g, _ in samples], done=[True] * len(samples),
-                     metrics=metrics, per_token={name: [_joined(s, name) for _, s in samples] for name in fields})
+        pairs = [(g, s) for g in groups for s in g["samples"]]
+        samples = [s for _, s in pairs]
+
+        def as_tensors(key, dtype):  # (B,) of (n_i,)
+            return [torch.tensor(s[key], dtype=dtype) for s in samples]
+        return Batch(version=version, ids=[s["id"] for s in samples],
+                     slots=[g["slot"] for g, _ in pairs], seeds=[s["seed"] for s in samples],
+                     prompts=[g["prompt"] for g, _ in pairs],
+                     responses=as_tensors("tokens", torch.long),
+                     logprobs=as_tensors("logprobs", torch.float32),
+                     token_versions=as_tensors("versions", torch.long),
+                     start_versions=[g["start_version"] for g, _ in pairs],
+                     done=[True] * len(samples), metrics=metrics,
+                     per_token={name: [_joined(s, name) for s in samples]
+                                for name in _per_token_names(samples)})
 
     def _metrics(self, k, samples, regenerated_at_cut):
-        """stale/* figures of batch k (samples: its (group, sample) pairs; none: a shared cut's empty share, whose
-        dropped groups the next batch reports)."""
+        """The stale/* figures of batch k. An empty share (a shared cut's) reports no dropped
+        groups: the next batch with samples does."""
         filtered_at_cut = self.filtered - self.filtered_reported if samples else 0
         self.filtered_reported += filtered_at_cut
-        ages = [k - g["start_version"] for g, _ in samples]                                        # (B,)
-        return {"stale/age_max": max(ages, default=0), "stale/age_mean": sum(ages) / max(len(ages), 1),
+        ages = [k - g["start_version"] for g, _ in samples]                                # (B,)
+        groups = len(samples) // self.cfg.group_size
+        return {"stale/age_max": max(ages, default=0),
+                "stale/age_mean": sum(ages) / max(len(ages), 1),
                 "stale/regenerated": self.regenerated,  # so far; at this cut:
                 "stale/regenerated_at_cut": regenerated_at_cut,
                 "stale/filtered": self.filtered, "stale/filtered_at_cut": filtered_at_cut,
-                # a shared cut: the groups this scheduler gave beyond its groups_per_step, for a held-back peer
-                "stale/filled_in_at_cut": max(0, len(samples) // self.cfg.group_size - self.cfg.groups_per_step),
+                # a shared cut: the groups given beyond groups_per_step, for a held-back peer
+                "stale/filled_in_at_cut": max(0, groups - self.cfg.groups_per_step),
                 "stale/partial_continued": sum(len(set(s["versions"])) > 1 for _, s in samples),
                 "rollout/response_tokens": sum(len(s["tokens"]) for _, s in samples)}
 
+    # --- the rounds and the weights
     def rollout(self, spans=None, cut=None):
-        """Colocated round: admit (refilling the pool), decode chunks until batch k = version can be cut, emit it.
-        spans(name), optional: a context manager that times the round ("rollout").
-
-        cut(sched) -> (n, needed) or None, optional: the ranks that train together deciding the cut (called exactly
-        once per loop turn on every rank): None while batch k is not ready, else this scheduler's share, take()'s
-        arguments: n groups, its oldest `needed` due groups among them (None: up to groups_per_step). Default: this
-        scheduler alone (cut_alone). AllReady: every rank's own groups_per_step, once every rank is ready; SharedCut:
-        one cut over all the replicas' pools. A rank ready before its peers keeps decoding its in-flight long tail
-        instead of idling at the gradient all-reduce. S = 0 is unchanged (every open group is needed, so each gives
-        groups_per_step). The round ends with the sampler's reset(): what it cached was read under weights that the
-        step about to train replaces, and it is rollout memory."""
+        """Colocated round: admit and decode until batch k (k = version) is cut; emit it.
+        spans(name) times it ("rollout"). cut(sched) -> None, or this scheduler's share (take()'s
+        arguments), is called once per loop turn on every rank (default: cut_alone; see AllReady,
+        SharedCut). The round ends with the sampler's reset(): its cache is rollout memory, and
+        stale once the step is trained."""
         if self.batches_out != self.version:
-            raise RuntimeError(f"colocated rollout at version {self.version} but {self.batches_out} batches out: "
-                               "call update() once after each optimizer step")
+            raise RuntimeError(f"colocated rollout at version {self.version} but "
+                               f"{self.batches_out} batches out: call update() once after each "
+                               "optimizer step")
         cut = cut or StaleSync.cut_alone
         with (spans("rollout") if spans else nullcontext()):
             while (share := cut(self)) is None:
@@ -489,85 +434,89 @@ class StaleSync:
         return batch
 
     def cut_alone(self):
-        """The cut of this scheduler alone: (groups_per_step, None: its needed groups) once ready(), else None (never a
-        spin: with no group in flight and none to start, it raises)."""
+        """(groups_per_step, None) once ready(), else None; it raises rather than spin."""
         if self.ready():
             return self.cfg.groups_per_step, None
         if not self.offer()["work"]:
-            raise RuntimeError(f"batch {self.batches_out}: no group in flight, none to start, and no batch ready: "
-                               "check the sampler's done flags")
+            raise RuntimeError(f"batch {self.batches_out}: no group in flight, none to start, and "
+                               "no batch ready: check the sampler's done flags")
         return None
 
     def update(self, version=None):
-        """New weights reached the sampler: version + 1 (colocated, after the optimizer step on the batch
-        rollout() returned), or the version received (separated). A sampler that keeps a KV cache between
-        calls drops it here (see `reset`): every in-flight prefix is read again under the new weights."""
+        """New weights reached the sampler: version + 1 (colocated, after the optimizer step), or
+        the version received (separated). The sampler's cache is stale: reset()."""
         if version is None and self.version >= self.batches_out:
-            raise RuntimeError(f"update() at version {self.version} with {self.batches_out} batches out: weights of "
-                               "version v + 1 are trained on batch v, so call update() once per batch that "
-                               "rollout() returned, after its optimizer step")
-        if version is not None and not (_is_int(version) and self.version <= version <= self.batches_out):
-            raise ValueError(f"update(version={version!r}): weights of version v are trained on batches < v, so "
-                             f"v must be an integer in [{self.version}, {self.batches_out}] (the sampler's version "
-                             "up to the batches emitted)")
+            raise RuntimeError(f"update() at version {self.version} with {self.batches_out} "
+                               "batches out: weights of version v + 1 are trained on batch v, so "
+                               "call update() once per batch that rollout() returned, after its "
+                               "optimizer step")
+        valid = _is_int(version) and self.version <= version <= self.batches_out
+        if version is not None and not valid:
+            raise ValueError(f"update(version={version!r}): weights of version v are trained on "
+                             f"batches < v, so v must be an integer in [{self.version}, "
+                             f"{self.batches_out}] (the sampler's version up to the batches "
+                             "emitted)")
         self.version = self.version + 1 if version is None else int(version)
         if self.reset_fn is not None:
             self.reset_fn()
 
     def start_at(self, version):
-        """Nothing in flight, at `version`, with as many batches emitted, as if the earlier rounds had run
-        here (the slots of those batches opened): a resume that cannot keep the groups in flight (another
-        world size) starts the next slots again, their first attempts."""
+        """Empty, at `version` with as many batches out: a resume that cannot keep the groups in
+        flight (another world size) opens the next slots again, their first attempts."""
         if self.batches_out or self.pool:
-            raise RuntimeError("start_at() on a scheduler that has already emitted or admitted groups")
+            raise RuntimeError("start_at() on a scheduler that has already emitted or admitted "
+                               "groups")
         self.version = self.batches_out = version
         self.slots_opened = version * self.cfg.groups_per_step
 
     # --- accounting and checkpoint
     def accounting(self):
-        """Sample ids by fate: trained (emitted in a batch), regenerated or filtered (never trained), in
-        flight (pool)."""
+        """Sample ids by fate: trained, regenerated, filtered, in flight."""
         out = {"trained": set(), "regenerated": set(), "filtered": set(), "in_flight": set()}
         for i, f in self.fate.items():
             out[f].add(i)
         out["in_flight"] = {s["id"] for g in self.pool for s in g["samples"]}
         return out
 
-    COUNTERS = ("version", "batches_out", "slots_opened", "next_id", "regenerated", "filtered", "filtered_reported",
-                "filtered_at_take", "max_admitted_over")
+    COUNTERS = ("version", "batches_out", "slots_opened", "next_id", "regenerated", "filtered",
+                "filtered_reported", "filtered_at_take", "max_admitted_over")
 
     def state_dict(self):
-        """The groups in flight (partial responses, their versions and log-probs), the slots to reopen, the
-        counters and sample fates, and the sampler's state if it has one (see the contract above for what
-        it does not hold)."""
-        _per_token_names([s for g in self.pool for s in g["samples"]])  # each field covers its samples' tokens
-        pool = [dict(slot=g["slot"], attempt=g["attempt"], prompt=g["prompt"].clone(),
-                     start_version=g["start_version"],
-                     samples=[dict(id=s["id"], seed=s["seed"], done=s["done"],
-                                   tokens=torch.tensor(s["tokens"], dtype=torch.long),
-                                   logprobs=torch.tensor(s["logprobs"], dtype=torch.float32),
-                                   versions=torch.tensor(s["versions"], dtype=torch.long),
-                                   per_token={n: _joined(s, n) for n in s["per_token"]})
-                              for s in g["samples"]]) for g in self.pool]
+        """The groups in flight, the slots to reopen, the counters, the fates, and the sampler's
+        state. Not prompt_fn's or seed_fn's: a function of (slot, attempt) alone, or of state the
+        caller restores, resumes exactly; one that reads an unsaved stream serves it again."""
+        _per_token_names([s for g in self.pool for s in g["samples"]])  # each covers its tokens
+
+        def saved(s):  # a sample, its lists as tensors
+            return dict(s, tokens=torch.tensor(s["tokens"], dtype=torch.long),
+                        logprobs=torch.tensor(s["logprobs"], dtype=torch.float32),
+                        versions=torch.tensor(s["versions"], dtype=torch.long),
+                        per_token={n: _joined(s, n) for n in s["per_token"]})
+        pool = [dict(g, prompt=g["prompt"].clone(), samples=[saved(s) for s in g["samples"]])
+                for g in self.pool]
+        sampler = self.sampler_state.state_dict() if self.sampler_state is not None else None
         return dict(cfg=vars(self.cfg).copy(), **{k: getattr(self, k) for k in self.COUNTERS},
                     reopen=[list(r) for r in self.reopen], fate=dict(self.fate), pool=pool,
-                    sampler=self.sampler_state.state_dict() if self.sampler_state is not None else None)
+                    sampler=sampler)
 
     def load_state_dict(self, sd):
-        brakes = ("max_len", "max_filtered")  # they bound a run, they do not shape its state: free to change
-        saved, mine = ({k: v for k, v in c.items() if k not in brakes} for c in (sd["cfg"], vars(self.cfg)))
+        brakes = ("max_len", "max_filtered")  # they bound a run, not its state: free to change
+        saved, mine = ({k: v for k, v in c.items() if k not in brakes}
+                       for c in (sd["cfg"], vars(self.cfg)))
         if saved != mine:
             raise ValueError(f"checkpoint config {saved} differs from this scheduler's {mine}")
-        pool = [dict(slot=g["slot"], attempt=g["attempt"], prompt=g["prompt"].clone(),
-                     start_version=g["start_version"],
-                     samples=[dict(id=s["id"], seed=s["seed"], done=s["done"], tokens=s["tokens"].tolist(),
-                                   logprobs=s["logprobs"].tolist(), versions=s["versions"].tolist(),
-                                   per_token={n: [v] for n, v in s.get("per_token", {}).items()})
-                              for s in g["samples"]]) for g in sd["pool"]]
-        _per_token_names([s for g in pool for s in g["samples"]])  # a sample saved without a field its peers hold
-        for key in self.COUNTERS:  # a checkpoint of older code has no filtered_at_take: its filtered_reported
-            setattr(self, key, sd.get(key, sd["filtered_reported"]) if key == "filtered_at_take" else sd[key])
-        if sd["sampler"] is not None:  # the held rows' KV cache too, if the sampler saves it: bit-exact
+
+        def loaded(s):  # a saved sample, its tensors as lists (older checkpoints: no per_token)
+            return dict(s, tokens=s["tokens"].tolist(), logprobs=s["logprobs"].tolist(),
+                        versions=s["versions"].tolist(),
+                        per_token={n: [v] for n, v in s.get("per_token", {}).items()})
+        pool = [dict(g, prompt=g["prompt"].clone(), samples=[loaded(s) for s in g["samples"]])
+                for g in sd["pool"]]
+        _per_token_names([s for g in pool for s in g["samples"]])  # a field some samples lack
+        for key in self.COUNTERS:  # older checkpoints have no filtered_at_take
+            fallback = sd["filtered_reported"] if key == "filtered_at_take" else sd[key]
+            setattr(self, key, sd.get(key, fallback))
+        if sd["sampler"] is not None:  # the held rows' KV cache too, if it saves it: bit-exact
             self.sampler_state.load_state_dict(sd["sampler"])
         elif self.reset_fn is not None:  # a cache not checkpointed: the prefixes are read again
             self.reset_fn()
@@ -576,91 +525,92 @@ class StaleSync:
         self.pool = pool
 
 
-class FilterLimitError(RuntimeError):
-    """keep_group dropped more than max_filtered groups while one batch was made (StaleConfig)."""
+# ----------------------------------------------------------------------------------------- the cuts
+def _post_or_wait(cut, collective, tensors, wait):
+    """One collective of a cut, collective(async_op=...). A rank that knows the answer already
+    (no) posts its part and decodes on. One that waits (spanned "idle") also waits for its posts,
+    paired by now (collectives pair in order), so that an error surfaces."""
+    if not wait:
+        cut.posted.append((collective(async_op=True), tensors))
+        return
+    with (cut.spans("idle") if cut.spans else nullcontext()):
+        collective(async_op=False)
+        for work, _ in cut.posted:
+            work.wait()
+    cut.posted.clear()
 
 
 class AllReady:
-    """Colocated rounds, the naive cut: each rank gives its own groups_per_step, once every rank that trains together
-    is ready (StaleSync.rollout's cut). One all-reduce MIN of a flag per decode chunk on every rank. A rank that is not
-    ready knows the answer (the MIN is 0), so it posts its flag without waiting and decodes on; a rank that is ready
-    waits for the answer (idle time, spanned "idle") and keeps decoding its in-flight tail while the answer is no.
-    One replica's bad luck (a chain of dropped groups) is the whole step's time: SharedCut below."""
+    """Colocated, the naive cut: each rank gives its own groups_per_step once every rank that
+    trains together is ready, an all-reduce MIN of a flag per loop turn. A ready rank decodes its
+    tail while the answer is no. One replica's bad luck (a chain of dropped groups) is then the
+    whole step's time: SharedCut fixes that."""
 
-    def __init__(self, group=None, device="cpu", spans=None):  # spans: times the waits ("idle"), optional
+    def __init__(self, group=None, device="cpu", spans=None):  # spans: times the waits
         self.group, self.device, self.spans = group, device, spans
-        self.posted = []  # not-ready flags in flight: (work, tensor)
+        self.posted = []  # collectives in flight: (work, tensor)
 
     def __call__(self, sched):
         mine = sched.cut_alone() is not None
-        flag = torch.tensor([float(mine)], device=self.device)
-        if not mine:
-            self.posted.append((dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True), flag))
-            return None
-        with (self.spans("idle") if self.spans else nullcontext()):
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-            for work, _ in self.posted:  # paired by now (collectives match in order): surface any error
-                work.wait()
-        self.posted.clear()
-        return (sched.cfg.groups_per_step, None) if flag.item() else None
+        flag = torch.tensor([float(mine)], device=self.device)                          # (1,)
+        all_reduce = functools.partial(dist.all_reduce, flag, op=dist.ReduceOp.MIN,
+                                       group=self.group)
+        _post_or_wait(self, all_reduce, flag, wait=mine)
+        return (sched.cfg.groups_per_step, None) if mine and flag.item() else None
 
 
 class SharedCut:
-    """Colocated rounds: the replicas that train together cut one batch from all their pools, the cut rule over their
-    union (StaleSync.rollout's cut). With R replicas of groups_per_step each, the batch holds R x groups_per_step
-    groups. Needed: every replica's oldest due groups, up to its groups_per_step, then, while the batch has room, its
-    further due ones (the lower replica first; at S = 1 this is every due group, so none ages out). Batch k is ready
-    once every replica's needed groups are complete and, together, the replicas hold as many complete groups as the
-    batch; each gives its needed groups, and the lowest (local slot, replica) among all their other complete groups
-    fill the rest. A replica held back (its groups dropped again and again) no longer holds the step: its peers'
-    complete groups of later slots take its place, so the share a replica gives varies from step to step; the batch
-    does not. Every slot is still trained once, within S, and no replica opens a slot beyond its capacity. S = 0:
-    each replica's open groups are all needed, so each gives groups_per_step, as under AllReady.
+    """Colocated: the replicas that train together cut one batch, R * groups_per_step groups,
+    from the union of their pools, by StaleSync's rule. A replica's needed groups are its first
+    due ones, up to its groups_per_step, then more while the batch has room (the lower replica
+    first; at S = 1 that is every due group, so none ages out). The batch is ready once every
+    replica's needed groups are complete and together they hold as many complete groups as the
+    batch. Each gives its needed groups, and the lowest (slot, replica) of all the others fill the
+    rest. So a replica held back (its groups dropped again and again) no longer holds the step:
+    its peers' complete groups of later slots take its place. A replica's share varies, the batch
+    does not; every slot is still trained once, within S. At S = 0 each replica gives
+    groups_per_step, as under AllReady.
+    Per loop turn, one all-gather of offer()'s counts; at the cut, one of the spare slots. A
+    replica of several ranks (inference TP) is named by `replica` on each of them, and one of
+    them, the `leader`, speaks for it: the others hold the same pool."""
 
-    Per loop turn, one all-gather of a few counts; a rank still missing one of its first groups_per_step due groups
-    knows the answer (no) and posts without waiting. At the cut, one all-gather of the spare slots. Replicas of
-    several ranks (inference TP): `replica` names this rank's, and one rank of each (`leader`) speaks for it; its
-    peers hold the same pool."""
+    FACTS = ("leader", "replica", "due", "done", "complete", "work", "gps")  # posted per turn
 
     def __init__(self, group=None, replica=None, leader=True, device="cpu", spans=None):
         self.group, self.device, self.spans = group, device, spans
         self.replica = dist.get_rank(group) if replica is None else replica
         self.leader = leader
-        self.posted = []  # gathers in flight from turns this rank knew the answer: (work, tensors)
+        self.posted = []  # collectives in flight: (work, tensors)
 
     def __call__(self, sched):
         offer, gps = sched.offer(), sched.cfg.groups_per_step
-        mine = torch.tensor([self.leader, self.replica, offer["due"], offer["done"], offer["complete"], offer["work"],
-                             gps], dtype=torch.long, device=self.device)                        # (7,): FACTS
+        facts = dict(offer, leader=self.leader, replica=self.replica, gps=gps)
+        mine = torch.tensor([facts[f] for f in self.FACTS], dtype=torch.long,
+                            device=self.device)                                    # (7,): FACTS
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
-        if offer["done"] < min(offer["due"], gps):  # one of its first needed groups is not complete: not ready
-            self.posted.append((dist.all_gather(everyone, mine, group=self.group, async_op=True), everyone))
+        all_gather = functools.partial(dist.all_gather, everyone, mine, group=self.group)
+        ready = offer["done"] >= min(offer["due"], gps)  # its first needed groups are complete
+        _post_or_wait(self, all_gather, everyone, wait=ready)
+        if not ready:
             return None
-        with (self.spans("idle") if self.spans else nullcontext()):
-            dist.all_gather(everyone, mine, group=self.group)
-            for work, _ in self.posted:  # paired by now (collectives match in order): surface any error
-                work.wait()
-        self.posted.clear()
-        rows = sorted((dict(zip(self.FACTS, r.tolist())) for r in everyone if r[0]), key=lambda r: r["replica"])
+        rows = [dict(zip(self.FACTS, r.tolist())) for r in everyone if r[0]]  # the leaders'
+        rows.sort(key=lambda r: r["replica"])
         batch = sum(r["gps"] for r in rows)
-        needed = self._needed(rows, batch)                                                      # (R,)
-        if any(r["done"] < n for r, n in zip(rows, needed)) or sum(r["complete"] for r in rows) < batch:
+        needed = self._needed(rows, batch)                                                 # (R,)
+        complete = sum(r["complete"] for r in rows)
+        if any(r["done"] < n for r, n in zip(rows, needed)) or complete < batch:
             if not any(r["work"] for r in rows):
-                raise RuntimeError(f"batch {sched.batches_out}: the replicas hold {sum(r['complete'] for r in rows)} "
-                                   f"complete groups of {batch} and none has a group in flight or one it may start: "
-                                   "check the sampler's done flags")
+                raise RuntimeError(f"batch {sched.batches_out}: the replicas hold {complete} "
+                                   f"complete groups of {batch} and none has a group in flight or "
+                                   "one it may start: check the sampler's done flags")
             return None
         my_needed = needed[[r["replica"] for r in rows].index(self.replica)]
-        widest = max(r["complete"] - n for r, n in zip(rows, needed))
-        taken = self._spares_taken(sched.spare_slots(my_needed), batch - sum(needed), widest)
-        return my_needed + taken, my_needed
-
-    FACTS = ("leader", "replica", "due", "done", "complete", "work", "gps")  # what each rank posts, per turn
+        quota = batch - sum(needed)
+        return my_needed + self._spares_taken(sched.spare_slots(my_needed), quota), my_needed
 
     @staticmethod
     def _needed(rows, batch):
-        """Each replica's needed groups: its oldest due ones up to its groups_per_step, then more while the batch has
-        room, the lower replica first."""
+        """Each replica's needed groups, the lower replica first."""
         base = [min(r["due"], r["gps"]) for r in rows]
         room, out = batch - sum(base), []
         for r, b in zip(rows, base):
@@ -669,43 +619,89 @@ class SharedCut:
             out.append(b + more)
         return out
 
-    def _spares_taken(self, spare, quota, widest):
-        """How many of this replica's spare groups the batch takes: the `quota` lowest (slot, replica) of all."""
-        width = min(widest, quota)
-        mine = torch.full((width + 1,), -1, dtype=torch.long, device=self.device)          # (1 + width,)
+    def _spares_taken(self, spare, quota):
+        """How many of this replica's spare groups are among the `quota` lowest (slot, replica)."""
+        mine = torch.full((quota + 1,), -1, dtype=torch.long, device=self.device)  # (1 + quota,)
         mine[0] = self.replica if self.leader else -1
-        mine[1:1 + min(len(spare), width)] = torch.tensor(spare[:width], dtype=torch.long)
+        mine[1:1 + min(len(spare), quota)] = torch.tensor(spare[:quota], dtype=torch.long)
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(everyone, mine, group=self.group)
-        slots = sorted((slot, int(t[0])) for t in everyone if t[0] >= 0 for slot in t[1:].tolist() if slot >= 0)
+        slots = sorted((slot, int(t[0])) for t in everyone if t[0] >= 0
+                       for slot in t[1:].tolist() if slot >= 0)
         return sum(replica == self.replica for _, replica in slots[:quota])
 
 
+# --------------------------------------------------------------------------- checking the callables
+def _unpack(out, rows):
+    """A sampler's output for `rows` rows: R of (n,) int64 tokens, R of (n,) float32, R bools."""
+    if hasattr(out, "tokens"):
+        out = out.tokens, out.logprobs, out.done
+    tokens, logprobs, done = out
+    if torch.is_tensor(tokens) and tokens.dim() == 2:
+        raise ValueError(f"the sampler returned tokens as one {tuple(tokens.shape)} tensor: return "
+                         "one 1-D sequence per row (a list of tensors or of lists), or its padding "
+                         "becomes response tokens")
+    if not len(tokens) == len(logprobs) == len(done) == rows:
+        raise ValueError(f"the sampler returned {len(tokens)} token rows, {len(logprobs)} log-prob "
+                         f"rows and {len(done)} done flags for {rows} rows; it must return one of "
+                         "each per row (see the sampler's contract in stalesync.py)")
+    tokens = [torch.as_tensor(t) for t in tokens]
+    for row, t in enumerate(tokens):  # a cast would truncate floats
+        if t.numel() and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+            raise ValueError(f"row {row}: the sampler returned tokens of dtype {t.dtype}; token "
+                             "ids are integers")
+    tokens = [t.long().reshape(-1) for t in tokens]
+    logprobs = [torch.as_tensor(lp, dtype=torch.float32).reshape(-1) for lp in logprobs]
+    bad = [i for i, (t, lp) in enumerate(zip(tokens, logprobs)) if len(t) != len(lp)]
+    if bad:
+        raise ValueError(f"rows {bad[:8]}: the sampler returned a different number of tokens and "
+                         "log-probs")
+    return tokens, logprobs, [bool(d) for d in done]
+
+
+def _per_token(out, tokens):
+    """The per-token fields of one call: name -> R tensors, one entry per new token."""
+    fields = {name: [torch.as_tensor(v) for v in rows]
+              for name, rows in (getattr(out, "per_token", None) or {}).items()}
+    for name, rows in fields.items():
+        bad = [i for i, (v, t) in enumerate(zip(rows, tokens)) if len(v) != len(t)]
+        bad = bad if len(rows) == len(tokens) else [-1]
+        if bad:
+            raise ValueError(f"per_token[{name!r}]: rows {bad[:8]} do not hold one entry per new "
+                             f"token ({len(rows)} rows for {len(tokens)})")
+    return fields
+
+
 def _per_token_names(samples):
-    """The per-token fields these samples hold, in order; refuses, naming the sample and the field, a sample whose
-    field (one that any of them holds) has not one entry per token: a sampler that returned it on some calls only,
-    or a resume from a checkpoint saved without it (a sample not started yet holds none, and needs none)."""
+    """The per-token fields these samples hold. Refuses a sample whose field misses some of its
+    tokens (returned on some calls only, or a checkpoint saved without it)."""
     names = list(dict.fromkeys(n for s in samples for n in s["per_token"]))
     for s in samples:
         for name in names:
             n = sum(len(piece) for piece in s["per_token"].get(name, []))
             if n != len(s["tokens"]):
-                raise ValueError(f"sample {s['id']}: per_token[{name!r}] holds {n} entries for its {len(s['tokens'])} "
-                                 "tokens; the sampler must return the field on every call (a checkpoint saved without "
-                                 "it cannot continue samples that need it)")
+                raise ValueError(f"sample {s['id']}: per_token[{name!r}] holds {n} entries for its "
+                                 f"{len(s['tokens'])} tokens; the sampler must return the field on "
+                                 "every call (a checkpoint saved without it cannot continue "
+                                 "samples that need it)")
     return names
 
 
 def _joined(s, name):
-    """A sample's per-token field `name`, its calls' pieces joined: (n_i, ...); a sample with no token may hold no
-    piece: (0,)."""
+    """A sample's per-token field, its calls' pieces joined: (n_i, ...); no piece: (0,)."""
     pieces = s["per_token"].get(name, [])
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
 
 
+def _prompt(p):
+    """prompt_fn's prompt as (P,) int64 (a list of ints is fine); anything else is refused."""
+    t = torch.as_tensor(p) if isinstance(p, (list, tuple)) else p
+    if not (torch.is_tensor(t) and t.dim() == 1 and len(t) > 0 and not t.is_floating_point()):
+        raise ValueError(f"prompt_fn() returned {type(p).__name__} {getattr(p, 'shape', '')}: it "
+                         "must return one non-empty prompt, a 1-D integer tensor of token ids (or "
+                         "a list of ints)")
+    return t.long()
+
+
 def _is_int(x):
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)  # numpy integers too
-
-
-def _complete(g):
-    return all(s["done"] for s in g["samples"])

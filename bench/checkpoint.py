@@ -5,7 +5,7 @@
 
 One process tree: 2 spawned ranks, gloo, 1 thread each. The policy (model.Policy, at least 10M parameters)
 is sharded with FSDP2 as train_grpo.build_policy does (each block, then the root, over both ranks) with AdamW
-over expert_parallel.optimizer_groups; one forward/backward/step on random tokens makes the Adam state exist.
+over moe_switch.optimizer_groups; one forward/backward/step on random tokens makes the Adam state exist.
 Then, --repeats rounds, each:
 
   save_s        get_state_dict(model, optimizer) + checkpoint.write(...): DCP shards, each rank's own file,
@@ -21,7 +21,7 @@ The save and the plain write alternate which goes first, each after an untimed o
 neighbour on the cores or the disk hits both alike and neither writes back the other's dirty pages;
 each figure is the median over the rounds, and save_over_disk_bound is save_s / disk_bound_s, the
 target's own terms (paired_ratio_median, the median of the rounds' own ratios, is printed beside it).
-Every load is checked: the gathered parameters (expert_parallel.dense_state_dict) and this rank's
+Every load is checked: the gathered parameters (moe_switch.dense_state_dict) and this rank's
 optimizer shards must hash to the saved ones, or the run fails. bytes is the size of the step_<N> folder.
 One untimed save and load first warms the imports and DCP's first calls. The checkpoints go to a temporary
 folder under --dir (default: the system's temporary folder), removed at the end.
@@ -91,7 +91,7 @@ def build(args, seed):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    import expert_parallel
+    import moe_switch
     from config import model_config
     from model import Policy
     torch.manual_seed(seed)  # the same initial weights on every rank
@@ -100,7 +100,7 @@ def build(args, seed):
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(expert_parallel.optimizer_groups(model), lr=LR, betas=BETAS, weight_decay=0.0)
+    opt = torch.optim.AdamW(moe_switch.optimizer_groups(model), lr=LR, betas=BETAS, weight_decay=0.0)
     return model, opt
 
 
@@ -130,8 +130,8 @@ def optim_sha256(opt):
 def fingerprint(model, opt):
     """(hash of the whole gathered model, hash of this rank's optimizer shards): collective."""
     from plumbing import checkpoint
-    import expert_parallel
-    return checkpoint.params_sha256(expert_parallel.dense_state_dict(model)), optim_sha256(opt)
+    import moe_switch
+    return checkpoint.params_sha256(moe_switch.dense_state_dict(model)), optim_sha256(opt)
 
 
 def own_state():

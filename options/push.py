@@ -1,16 +1,25 @@
 # Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (the LICENSE file).
-"""The separated deployment's weight push: after each step, the trainers' new weights go to the generators,
-bucket by bucket (the hybrid deployment sends its auxiliary ranks the frozen reference the same way, once).
+"""What the deployments of two roles share (separated: trainers and generators; hybrid: the actor and
+its auxiliary ranks): the weight push, and waits on the store that never hang.
 
-Every trainer gathers a bucket of full weights from its FSDP2 shards (fusion.py's gather), trainer `src`
-broadcasts it over a group of itself and the generators, and each generator hands it to its engine's
-load_weights, as vLLM's weight update does. No rank holds more than one bucket beyond its own weights.
+push_weights: after each step, the trainers' new weights go to the generators, bucket by bucket (the
+hybrid sends its auxiliary ranks the frozen reference the same way, once). Every trainer gathers a
+bucket of full weights from its FSDP2 shards (fusion.py's gather), trainer `src` broadcasts it over a
+group of itself and the generators, and each generator hands it to its engine's load_weights, as vLLM's
+weight update does. No rank holds more than one bucket beyond its own weights.
+wait_for: a rank of one role waits for the other's post in the store, serving the queue meanwhile, and
+times out naming what it waited for; warm_up_or_wait: a rank that does not train waits out the
+trainers' warm-up on a heartbeat, not in a collective that a long warm-up would time out.
 
     python -m pytest tests/test_fusion.py -k distributed  (world 4: two trainers push to two TP generators)
 """
+import itertools
+import time
+
 import torch
 import torch.distributed as dist
 
+import grpo
 from fusion import Broadcasts, bucket_views, plan_buckets, reshard_all, weight_meta
 
 
@@ -41,3 +50,36 @@ def push_weights(model, engine, src, group, bucket_bytes):
             engine.load_weights(pairs)
         del flat, pairs  # the bucket is freed before the next one is allocated
     return sent
+
+
+def wait_for(run, keys, what, moving=None):
+    """Poll the store until every key exists, serving the queue all along. A peer that posts nothing
+    (or, with `moving`, a key it updates as it works, leaves it unchanged) for pg_timeout_s times out."""
+    seen, deadline = None, time.monotonic() + run.cfg.pg_timeout_s
+    while not run.store.check(keys):
+        run.queue.serve()
+        now = run.store.get(moving) if moving and run.store.check([moving]) else None
+        if now != seen:  # progress: the deadline moves
+            seen, deadline = now, time.monotonic() + run.cfg.pg_timeout_s
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {run.rank}: no {what} after {run.cfg.pg_timeout_s}s (keys {keys}, "
+                               f"last progress {seen!r}): is the peer alive?")
+        time.sleep(0.001)
+
+
+def warm_up_or_wait(run):
+    """The supervised warm-up on the trainers (train_grpo.warm_up), trainer 0 counting its steps in the
+    store; a rank that does not train waits on that heartbeat."""
+    import train_grpo
+    heartbeat, done = f"w:{run.key}/warmup_steps", f"w:{run.key}/warmup_done"
+    if run.rank not in run.roles.trainers:
+        return wait_for(run, [done], "end of trainer 0's warm-up", moving=heartbeat)
+    count = itertools.count()
+
+    def counted(*args):  # one supervised step, its count posted first
+        if run.rank == 0:
+            run.store.set(heartbeat, str(next(count)))
+        return grpo.supervised_step(*args)
+    train_grpo.warm_up(run, supervised=counted)
+    if run.rank == 0:
+        run.store.set(done, "1")

@@ -2,8 +2,9 @@
 evaluation; metrics.jsonl (one object per step), summary.json, spans_rank<N>.jsonl (every timed phase
 of every rank), and from them (timeline.py) trace.json for Perfetto, timeline.svg and curves.svg.
 
-A step's figures are sums over each trainer's rows, added over the trainers in one collective and then
-divided: the logged means are over the whole batch, whatever the split.
+A step's figures are sums over each trainer's rows (share_figures, from the "stale" facts each row carries:
+stale_facts), added over the trainers in one collective and then divided: the logged means are over the whole
+batch, whatever the split.
 """
 import dataclasses
 import json
@@ -14,11 +15,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from plumbing import checkpoint
-import expert_parallel
 import grpo
-from options import pipeline
-from plumbing import timeline
+import moe_switch
+from plumbing import checkpoint, timeline
 
 # time/<key>_s in metrics.jsonl: the seconds a step spent in spans of these names
 PHASES = {"rollout": "rollout", "train": "train", "reference": "reference", "score": "score",
@@ -40,6 +39,41 @@ def _step(line):
         return None
 
 
+AT_CUT = ("regenerated", "filtered", "filled_in")  # a batch's facts of its cut (stalesync's stale/*_at_cut)
+STALE_FACTS = ("sample_id", "start_version", "versions", *AT_CUT)  # a row's "stale" column; AT_CUT: its first row
+
+
+def stale_facts(batch, at_cut):
+    """Each row's STALE_FACTS, put into the queue with it: its sample id, the version its first token was made at,
+    how many versions its tokens span (> 1: a partial rollout), and on the first row the batch's AT_CUT (groups
+    regenerated, dropped, and given for a held-back peer at its cut)."""
+    none = [0] * len(AT_CUT)
+    return [torch.tensor([i, start, len(set(v.tolist())), *(at_cut if j == 0 else none)])
+            for j, (i, start, v) in enumerate(zip(batch.ids, batch.start_versions, batch.token_versions))]
+
+
+def cut_facts(batch):
+    """A batch's AT_CUT, from StaleSync's figures of its cut."""
+    return [batch.metrics[f"stale/{name}_at_cut"] for name in AT_CUT]
+
+
+def share_figures(step, rows):
+    """The step's sums over this trainer's rows (a distqueue Rows), for RunLog.figures."""
+    width = len(STALE_FACTS)  # a row that older code put (a resumed queue) lacks the last facts: zeros
+    facts = [torch.nn.functional.pad(f, (0, width - len(f))) for f in rows.cols["stale"]]
+    table = torch.stack(facts) if facts else torch.zeros(0, width, dtype=torch.long)             # (B, STALE_FACTS)
+    stale = dict(zip(STALE_FACTS, table.unbind(1)))                                         # name -> (B,)
+    ages = (step - 1) - stale["start_version"]                                              # (B,)
+    reward, rule = rows.stack("reward"), rows.stack("rule_reward")                         # (B,)
+    return {"reward": float(reward.sum()), "rule_reward": float(rule.sum()),
+            "rule_agree": float((reward == rule).sum()), "rows": len(rows.ids),
+            "prompt_digits": float(sum(len(p) - 2 for p in rows.cols["prompt"])),
+            "response_tokens": float(sum(len(r) for r in rows.cols["response"])),
+            "age_sum": float(ages.sum()), "age_max": float(ages.max()) if len(ages) else 0.0,
+            "partial_continued": float((stale["versions"] > 1).sum()),
+            **{name: float(stale[name].sum()) for name in AT_CUT}}
+
+
 def lockstep_counts(run):
     """The engine's lock-step counts so far, this rank's (rank 0's in metrics.jsonl): forwards of zero rows run for
     its peers, and agreements (one all-reduce each); 0 without a lock-step engine (--infer-ep 1, a trainer rank)."""
@@ -54,8 +88,9 @@ class RunLog:
     writes spans_rank<N>.jsonl, trace.json, timeline.svg and curves.svg (timeline.py). Collective: every
     rank builds one (the ranks agree on the time the run started) and closes it."""
 
-    def __init__(self, run, start=1):
+    def __init__(self, run, start=1, gather=moe_switch.dense_state_dict):
         self.run, self.t_start, self.start = run, run.spans.t0, start  # start: the first RL step of this run
+        self.gather = gather  # the trained model, whole on every rank (collective): its hash in summary.json
         t0 = [time.time() - (time.perf_counter() - self.t_start)]  # the run's start in wall-clock time
         dist.broadcast_object_list(t0, src=0)  # rank 0's: every rank's spans on one time axis
         self.offset = time.time() - time.perf_counter() - t0[0]  # perf_counter -> seconds since the start
@@ -103,6 +138,15 @@ class RunLog:
         over --rl-seconds (the limit that binds first; the bar's, and the learning rate's)."""
         cfg = self.run.cfg
         return max(step / cfg.steps, seconds / cfg.rl_seconds if cfg.rl_seconds else 0.0)
+
+    def done(self, step, mark):
+        """The share of the run behind after `step` (begun at `mark`), on rank 0's clock, so that every trainer
+        agrees (one MAX all-reduce over the trainers, while the steps alone leave the run unfinished)."""
+        run = self.run
+        if not run.cfg.rl_seconds or step >= run.cfg.steps:
+            return self.share(step, 0.0)
+        seconds = self.rl_seconds(mark) if run.rank == 0 else 0.0
+        return self.share(step, all_sum({"s": seconds}, run.device, run.train_group, dist.ReduceOp.MAX)["s"])
 
     def progress(self):
         """The RL steps, start .. --steps, with a bar on rank 0 that follows the limit that binds: its share is
@@ -162,9 +206,9 @@ class RunLog:
                 "rollout/filtered_groups": s["filtered"], "rollout/extra_groups": self.extra_groups,
                 "rollout/yield": kept / (kept + s["filtered"] + s["regenerated"]),
                 "rollout/prompt_digits_mean": s["prompt_digits"] / rows,
-                "queue/rows_ahead": s["rows_ahead"],  # hybrid: rows put for later batches (at most S batches' worth)
                 "train/lr": run.optimizer.param_groups[0]["lr"],  # this step's (--lr-decay anneals it)
                 "train/skipped_steps": self.skipped,  # optimizer steps skipped for a non-finite gradient, so far
+                **({"queue/rows_ahead": s["rows_ahead"]} if "rows_ahead" in s else {}),  # hybrid: put for later
                 **lockstep_counts(run), **(run.queue.metrics() if self.file else {}), **extra}  # rank 0 writes it
 
     def warmed_up(self, evaluation):
@@ -205,8 +249,7 @@ class RunLog:
         collective over the trainers), to compare runs by; wall_s: this run's seconds, plus, after a resume,
         those up to the checkpoint."""
         run = self.run
-        gather = pipeline.full_state_dict if run.pipe is not None else expert_parallel.dense_state_dict
-        full = gather(run.model) if run.model is not None else None
+        full = self.gather(run.model) if run.model is not None else None
         params_sha256 = checkpoint.params_sha256(full) if full is not None else None
         q = run.queue.metrics()
         kept = self.last_step * run.cfg.prompts_per_step  # the groups trained, in every step so far

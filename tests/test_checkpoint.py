@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from plumbing import checkpoint
+from plumbing.runlog import STALE_FACTS
 import train_grpo as T
 from config import Config
 from tests.distributed import free_port, run_distributed
@@ -74,14 +75,14 @@ def _train_recording(rank, world_size, out_dir, overrides):
     """_train_tiny, also returning the sample ids this rank read from the queue at each step, and its
     scheduler's accounting of every sample id (generators)."""
     import distqueue
-    reads, runs, get, build = [], [], distqueue.DistQueue.get, T.build
+    reads, runs, get, new_run = [], [], distqueue.DistQueue.get, T.new_run
 
     def recording_get(self, *args, **kwargs):
         rows = get(self, *args, **kwargs)
-        reads.append([int(t[T.STALE_FACTS.index("sample_id")]) for t in rows.cols["stale"]])
+        reads.append([int(t[STALE_FACTS.index("sample_id")]) for t in rows.cols["stale"]])
         return rows
     distqueue.DistQueue.get = recording_get  # this rank's process only
-    T.build = lambda *a, **k: runs.append(build(*a, **k)) or runs[-1]
+    T.new_run = lambda *a, **k: runs.append(new_run(*a, **k)) or runs[-1]  # every deployment's
     summary, params = _train_tiny(rank, world_size, out_dir, overrides)
     sched = runs[0].sched
     return summary, params, reads, sched.accounting() if sched else None, sched.next_id if sched else None
@@ -129,7 +130,17 @@ def _loaded_state(rank, world_size, out_dir, overrides):
     T.attach_reference(run)
     checkpoint.resume(run)
     model, optim = get_state_dict(run.model, run.optimizer, options=StateDictOptions(full_state_dict=True))
-    return model, optim["state"], run.log.regenerated, (run.sched.slots_opened, run.curriculum.counts)
+    model, optim = _merged(model), _merged(optim["state"])  # EP: each expert where it is held
+    return model, optim, run.log.regenerated, (run.sched.slots_opened, run.curriculum.counts)
+
+
+def _merged(state):
+    """A full state dict with each EP expert (held by some ranks, an empty tensor or no entry on the others) taken
+    from a rank that holds it: every rank's entries gathered (collective)."""
+    held = {k: v for k, v in state.items() if not (torch.is_tensor(v) and v.numel() == 0)}
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, held)
+    return {k: v for part in everyone for k, v in part.items()}
 
 
 def _saved_state(rank, world_size, out_dir, overrides):

@@ -1,9 +1,9 @@
-"""config.py's --device: what the machine has (torch.accelerator) decides what runs; faked here, as this machine has
+"""--device (plumbing/distributed.py): what the machine has (torch.accelerator) decides what runs; faked here, as this machine has
 no accelerator."""
 import pytest
 import torch
 
-import config
+from plumbing import distributed as config
 
 
 def test_device_cpu_only_machine_runs_auto_and_cpu_and_names_what_it_lacks():

@@ -1,8 +1,7 @@
 """Copy one file and it works: each mechanism file, copied alone into an empty folder, runs the usage
 example its docstring gives (real code, on 1 or 2 gloo processes), so the example cannot drift from
 the code. Also: the files import nothing of this project. A file meant to be copied with another
-(expert_parallel.py with moe_switch.py, which it imports) runs its example in a folder holding only
-the two, and imports nothing else of the project."""
+(TOGETHER: none today) would run its example in a folder holding only the two."""
 import ast
 import os
 import shutil
@@ -15,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MECHANISMS = ["fusion.py", "stalesync.py", "distqueue.py", "moe_switch.py", "curriculum.py", "options/gradsync.py",
               "options/reward_model.py"]
 STANDALONE = MECHANISMS + ["grpo.py", "task.py", "plumbing/timeline.py", "plumbing/shm_transport.py"]
-TOGETHER = {"expert_parallel.py": ["moe_switch.py"]}  # a file -> the files copied with it (it imports them)
+TOGETHER = {}  # a file -> the files copied with it (it imports them)
 FOLDERS = ("", "plumbing", "options")  # the core at the top level, the plumbing and the options beside it
 PROJECT = {os.path.splitext(f)[0] for d in FOLDERS for f in os.listdir(os.path.join(ROOT, d)) if f.endswith(".py")}
 PROJECT |= {d for d in FOLDERS if d}  # `from options import ...`

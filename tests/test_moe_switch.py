@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from expert_parallel import ExpertParallel, dense_state_dict
-from moe_switch import DenseMoE, EPLayout, EPMoE, moe_reference, new_groups, reshard, reshard_naive, shard_experts
+from moe_switch import (DenseMoE, EPLayout, EPMoE, ExpertParallel, dense_state_dict, moe_reference, new_groups,
+                        reshard, reshard_naive, shard_experts)
 from tests.distributed import run_distributed
 
 E, D, H, K, W = 8, 16, 24, 2, 4

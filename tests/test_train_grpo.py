@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+import moe_switch
 import train_grpo as T
+from options import hybrid
 from config import Config, parse_args, validate
 from tests.distributed import run_distributed
 
@@ -45,12 +47,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["--infer-tp", "2", "--d-expert", "33"], "--d-expert 33 must be a multiple of --infer-tp 2"),
     (["--d-model", "62"], "--d-model 62 must split into --n-heads 4 heads of even width"),
     (["--top-k", "5"], "--top-k 5 must be at most --n-experts 4"),
-    (["--bucket-kb", "1"], "--bucket-kb 1 is smaller than the largest weight, blocks.0.moe.w_gate (131072 bytes)"),
+    (["--bucket-kb", "1", "--train-ep", "0"], "--bucket-kb 1 is smaller than the largest weight, blocks.0.moe.w_gate "
+                                               "(131072 bytes)"),
+    # EP on (auto, at world 2): an expert moves alone, one slice of its stack
+    (["--bucket-kb", "1"], "--bucket-kb 1 is smaller than the largest weight, blocks.0.attn.qkv.weight (49152 bytes)"),
+    (["--bucket-kb", "50", "--d-expert", "256"], "--bucket-kb 50 is smaller than the largest weight, "
+                                                 "blocks.0.moe.w_gate[e], one expert's, (65536 bytes)"),
     (["--infer-tp", "4"], "--infer-tp 4 must be 1, 2 or 4 and divide both the world size 2"),
     (["--top-p", "1.5"], "--top-p 1.5"),
     (["--max-new-tokens", "10"], "--max-new-tokens 10 cannot hold"),
     (["--n-heads", "3"], "--d-model 64 must split into --n-heads 3 heads"),
-    (["--train-ep", "2"], "--train-ep 2 and --infer-ep 0: set both"),
+    (["--train-ep", "2", "--infer-ep", "0"], "--train-ep 2 and --infer-ep 0: set both"),
     (["--train-ep", "3", "--infer-ep", "1"], "--train-ep 3: EP degree 3 does not divide n_experts 4 or world size 2"),
     (["--train-ep", "2", "--infer-ep", "2", "--infer-tp", "2"], "--train-ep needs a colocated deployment with "
                                                                  "--infer-tp 1"),
@@ -104,7 +111,7 @@ def test_cli_rejects_bad_arguments_before_starting(capsys):
 
 
 def test_each_rank_takes_its_own_gpu_or_the_launch_is_refused():
-    from config import local_gpu
+    from plumbing.distributed import local_gpu
     assert local_gpu({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3"}, n_gpus=8) == 3
     assert local_gpu({}, n_gpus=1) == 0  # a world of one
     with pytest.raises(ValueError, match="RANK 1 of WORLD_SIZE 2 and no LOCAL_RANK"):
@@ -129,19 +136,27 @@ TINY = dict(max_digits=2, max_new_tokens=4, eval_prompts=8, d_model=32, d_expert
             staleness=0, threshold=0.5)  # synchronous: every world the same (dynamic sampling and curriculum on)
 
 
+def full_state_dict(model):
+    """The whole trained policy on every rank, in the dense model's names and order (collective)."""
+    from options import pipeline
+    if isinstance(model, pipeline.Stage):
+        return pipeline.full_state_dict(model)
+    return moe_switch.dense_state_dict(model)
+
+
 def _train_tiny(rank, world_size, out_dir, overrides=None):
     summary, model = T.train(Config(**dict(TINY, **(overrides or {})), out=out_dir), out_dir=out_dir)
     if model is None:  # a generator rank of the separated deployment holds no training model
         return summary, None
-    full = T.full_state_dict(model)  # every stage's (PP), shards and experts gathered
+    full = full_state_dict(model)  # every stage's (PP), shards and experts gathered
     return summary, torch.cat([v.flatten() for v in full.values()])
 
 
 def _train_learning(rank, world_size, out_dir, overrides=None):
     """_train_tiny, also returning the curriculum's counts this rank ends with (a generator's: the counts every
     rollout replica sums; a separated trainer's stay empty)."""
-    runs, build = [], T.build
-    T.build = lambda *a, **k: runs.append(build(*a, **k)) or runs[-1]  # this rank's process only
+    runs, new_run = [], T.new_run
+    T.new_run = lambda *a, **k: runs.append(new_run(*a, **k)) or runs[-1]  # this rank's process only
     summary, params = _train_tiny(rank, world_size, out_dir, overrides)
     return summary, params, runs[0].curriculum.counts
 
@@ -371,19 +386,19 @@ def _train_counting_rows(rank, world_size, out_dir, overrides=None):
     """_train_tiny, also returning the (writer, sample id) of every row this rank's trainer read, the ids of the rows
     whose auxiliary columns it read, and the sample ids its scheduler emitted in batches (an actor rank's; an
     auxiliary rank's: none)."""
-    runs, build, read, read_aux, seen, seen_aux = [], T.build, T.read_rows, T.read_from_aux, [], []
-    T.build = lambda *a, **k: runs.append(build(*a, **k)) or runs[-1]
+    runs, build, read, read_aux, seen, seen_aux = [], hybrid.build, hybrid.read_share, hybrid.read_from_aux, [], []
+    hybrid.build = lambda *a, **k: runs.append(build(*a, **k)) or runs[-1]
 
     def counting(run, *args):
-        rows = read(run, *args)
+        samples, rows, queued = read(run, *args)
         seen.extend((r, r % world_size, int(s[0])) for r, s in zip(rows.ids, rows.cols["stale"]))  # STALE_FACTS[0]
-        return rows
+        return samples, rows, queued
 
     def counting_aux(run, *args):
         rows = read_aux(run, *args)
         seen_aux.extend(rows.ids)
         return rows
-    T.read_rows, T.read_from_aux = counting, counting_aux
+    hybrid.read_share, hybrid.read_from_aux = counting, counting_aux
     _train_tiny(rank, world_size, out_dir, overrides)
     sched = runs[0].sched
     return seen, seen_aux, sorted(sched.accounting()["trained"]) if sched is not None else []
@@ -411,9 +426,9 @@ def _train_with_a_silent_aux(rank, world_size, out_dir, overrides=None, how="sil
     (how="no columns") hung once it has taken every group of the first batch, before it puts the last ones' columns,
     or (how="dead") its process gone at that point, holding the columns it put of that batch's other groups."""
     if rank == world_size - 1 and how == "silent":
-        T.aux_loop = lambda run: time.sleep(120)
+        hybrid.aux_loop = lambda run: time.sleep(120)
     if rank == world_size - 1 and how in ("no columns", "dead"):
-        taken, columns = [], T.aux_columns
+        taken, columns = [], hybrid.aux_columns
 
         def stopped_at_the_batch_end(run, rows, ids):
             taken.extend(ids)
@@ -422,7 +437,7 @@ def _train_with_a_silent_aux(rank, world_size, out_dir, overrides=None, how="sil
                     os._exit(9)  # as a SIGKILL would: no exception, no goodbye to the store or to gloo
                 time.sleep(120)
             return columns(run, rows, ids)
-        T.aux_columns = stopped_at_the_batch_end
+        hybrid.aux_columns = stopped_at_the_batch_end
     return _train_tiny(rank, world_size, out_dir, overrides)
 
 
@@ -440,7 +455,7 @@ def test_hybrid_with_a_silent_auxiliary_rank_fails_naming_the_stage(tmp_path, ho
 def _train_with_a_silent_actor(rank, world_size, out_dir, overrides=None):
     """_train_tiny, the actor's ranks hung after the warm-up: they never put a group."""
     if rank < world_size - 1:
-        T.actor_loop = lambda run: time.sleep(120)
+        hybrid.actor_loop = lambda run: time.sleep(120)
     return _train_tiny(rank, world_size, out_dir, overrides)
 
 

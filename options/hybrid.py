@@ -1,0 +1,381 @@
+"""--deploy hybrid --aux-ranks K: the actor colocated on ranks [0, W-K), the frozen reference (and the
+reward model) on ranks [W-K, W) as a queue stage between rollout and training.
+
+    torchrun --standalone --nproc_per_node=3 train_grpo.py --deploy hybrid --filter-groups 0 --curriculum 0
+
+The actor runs the colocated step (actor_loop), with three changes: it puts each group into the queue
+the moment it completes (put_group, StaleSync's on_group; at S = 0 the round decodes in chunks too),
+answering the queue's requests between decode forwards; the batch StaleSync cuts is then only named
+(announce_batch); and the update reads each micro-batch's reference log-probs (and, with a reward
+model, rewards and advantages) as it reaches them (AuxColumns), the micro-batches in the order the
+rows were put. The auxiliary ranks (aux_loop) take their share of the groups as they come, whole
+groups, and add those columns in pieces of a micro-batch's groups, while the actor still decodes the
+round's tail. Each group goes to one auxiliary rank, round robin by its place in its writer's puts.
+
+It trains to colocated-all's parameters (the reference on host, computed on the actor).
+
+    python -m pytest tests/test_train_grpo.py -k hybrid
+"""
+import datetime
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+import fusion
+import grpo
+import stalesync
+import task
+import train_grpo as T
+from config import model_config
+from model import Policy, Sampler
+from options.push import push_weights, wait_for, warm_up_or_wait
+from plumbing.runlog import RunLog, cut_facts, share_figures, stale_facts
+
+
+def errors(cfg, world):
+    """--deploy hybrid and --aux-ranks, checked before any process group."""
+    aux = 1 if cfg.aux_ranks is None else cfg.aux_ranks
+    if not 1 <= aux < world:
+        return [f"--aux-ranks {aux} must be in [1, world size {world}): the actor keeps at least one "
+                "rank"]
+    out = []
+    if cfg.prompts_per_step < aux:
+        out.append(f"--prompts-per-step {cfg.prompts_per_step} must be at least --aux-ranks {aux}: "
+                   "each auxiliary rank serves whole groups, a batch's groups round robin")
+    unsupported = {f"--staleness {cfg.staleness}": cfg.staleness > 1,  # an early put could age out
+                   f"--infer-tp {cfg.infer_tp}": cfg.infer_tp > 1,
+                   f"--train-ep {cfg.train_ep}": cfg.train_ep not in (0, "auto"),
+                   f"--train-pp {cfg.train_pp}": cfg.train_pp > 1, f"--nodes {cfg.nodes}": cfg.nodes > 1,
+                   f"--save-every {cfg.save_every}": cfg.save_every > 0,
+                   f"--resume {cfg.resume}": bool(cfg.resume)}
+    for what, bad in unsupported.items():
+        if bad:
+            out.append(f"--deploy hybrid with {what} is not supported yet (the actor colocated with "
+                       "--infer-tp 1, FSDP2 over its ranks, S <= 1, no checkpoints)")
+    if cfg.reward_model and (cfg.filter_groups or cfg.curriculum):
+        out.append("--deploy hybrid with --reward-model 1 needs --filter-groups 0 and --curriculum 0: "
+                   "both judge each group by its rewards as it completes, on the actor's ranks, and the "
+                   "hybrid's reward model scores on the auxiliary ranks, which the round does not wait "
+                   "for")
+    return out
+
+
+@dataclass
+class HybridRun(T.Run):
+    push_group: object = None     # rank 0 and the auxiliary ranks: the reference goes out on it
+    rows_ahead: dict = field(default_factory=dict)  # sample id -> row id, put, not yet in a batch
+    at_cut: tuple = (0, 0, 0)     # this rank's last cut's facts (not in the rows: put before it)
+
+
+def train(cfg, out_dir=None):
+    run = build(cfg, out_dir)
+    loop = aux_loop if run.rank in run.roles.auxiliaries else actor_loop
+    return T.run_loop(run, loop, warm=warm_up_or_wait, attach=send_reference)
+
+
+def build(cfg, out_dir=None):
+    """FSDP2 over the actor's ranks, the queue with the auxiliary stage's columns, the actor's
+    scheduler streaming each group as it completes."""
+    run = T.new_run(cfg, out_dir, cls=HybridRun)
+    cfg = run.cfg  # --train-ep auto resolved
+    columns = {"ref_logprobs": "float32"}  # (n_i,)
+    added = ("ref_logprobs", "reward", "advantage") if cfg.reward_model else ("ref_logprobs",)
+    names = ("prompt", "response", "old_logprobs", "reward", "rule_reward", "advantage", "stale",
+             "routes", "ref_logprobs")
+    stages = {"aux": ("prompt", "response"), "train": tuple(c for c in names if c not in added),
+              "from_aux": added}  # the actor puts; the auxiliary ranks read "aux", add "from_aux"
+    run.queue = T.build_queue(cfg, run.key, run.store, run.rank, run.roles.world, run.device,
+                              columns, stages, poll_s=0.0005)  # each step waits on its round trips
+    roles, timeout = run.roles, datetime.timedelta(seconds=cfg.pg_timeout_s)
+    run.train_group = run.rollout_group = dist.new_group(roles.trainers, timeout=timeout)
+    run.push_group = dist.new_group([0] + roles.auxiliaries, timeout=timeout)
+    actor = run.rank in roles.trainers
+    T.build_policy(run, DeviceMesh.from_group(run.train_group, run.device.type) if actor else None)
+    if actor:
+        sampler = Sampler(run.engine, cfg.max_new_tokens, task.EOS, task.PAD, cfg.temperature,
+                          cfg.top_p, routes=True, on_step=run.queue.serve)  # pulls between forwards
+        T.build_rollout(run, sampler, chunk_s0=True, on_group=lambda group: put_group(run, group))
+        run.actor = fusion.FusedActor(run.model, run.optimizer, run.engine,
+                                      bucket_bytes=cfg.bucket_kb * 1024, inplace=True,
+                                      group=run.rollout_group)
+        cut = stalesync.SharedCut(run.rollout_group, replica=roles.replica(run.rank),
+                                  leader=run.rank in roles.writers(), device=run.device,
+                                  spans=run.spans) if cfg.shared_cut else \
+            stalesync.AllReady(run.rollout_group, device=run.device, spans=run.spans)
+        run.cut = lambda sched: serve_then(run.queue, cut, sched)
+        if run.rank == 0:
+            print(f"switch: {run.actor.path}", flush=True)
+    run.log = RunLog(run, start=1)
+    return run
+
+
+def send_reference(run):
+    """The warmed-up policy, gathered over the actor's ranks and broadcast by rank 0 to the auxiliary
+    ranks, which keep it as the frozen reference, on their device all along. Collective."""
+    ref = Policy(model_config(run.cfg)).to(run.device).eval() if run.model is None else None
+    push_weights(run.model, ref, 0, run.push_group, run.cfg.bucket_kb * 1024)
+    if ref is not None:
+        run.reference = fusion.HostOffloaded(ref.requires_grad_(False), offload=False)
+
+
+# ----------------------------------------------------------------------------- the actor
+def actor_loop(run):
+    """An actor rank: the colocated step, each group put as it completes; then it answers the
+    auxiliary ranks' last pulls until each says it is done, so that none waits on it."""
+    spans, sched, actor = run.spans, run.sched, run.actor
+    run.log.warmed_up(T.evaluate(run) | run.step0)
+    for step in run.log.progress():
+        mark = run.log.mark(step=step, version=step - 1)
+        # 6. switch to ROLLOUT
+        with spans("switch_to_rollout"):
+            actor.to_rollout()
+        # 1. generate: each group goes into the queue as it completes (put_group)
+        batch = sched.rollout(spans, run.cut)
+        # 6. switch back to TRAIN
+        with spans("switch_to_train"):
+            actor.to_train()
+        # 2-3. the batch is already in the queue, group by group: its row ids, from every writer
+        with spans("score"):
+            announce_batch(run, batch)
+        # 4. this rank's share; its reference columns (and rewards) arrive during the update
+        samples, rows, queued = read_share(run, step)
+        # 5. GRPO updates, micro-batches in put order, each waiting for its rows' columns
+        with spans("train"):
+            sums = grpo.grpo_update(run.model, run.optimizer, samples, run.algo, run.device,
+                                    run.train_group, queued.ref_logprobs, run.clip_grads,
+                                    arrive=queued)
+        sched.update()
+        T.learn_curriculum(run)
+        figures = share_figures(step, rows)
+        figures.update({name: figures[name] + fact for name, fact in zip(
+            ("regenerated", "filtered", "filled_in"), run.at_cut)}, rows_ahead=len(run.rows_ahead))
+        last = T.end_step(run, step, mark, sums | figures, actor.metrics())
+        if last and run.rank == 0:  # the auxiliary ranks serve until the last batch has been read
+            run.store.set(final_key(run), str(step))
+        if last:
+            break
+    wait_for(run, [aux_done_key(run, r) for r in run.roles.auxiliaries], "the auxiliary ranks' end")
+
+
+def put_group(run, group):
+    """StaleSync's on_group: a group into the queue the moment it completes (and is kept), for the
+    auxiliary ranks to work on while the round decodes on; its rows' ids wait for the batch that takes
+    it (announce_batch). Without a reward model its rewards and advantages go in with it."""
+    rule = T.rule_rewards(run, group.prompts, group.responses)
+    scored = {}
+    if not run.cfg.reward_model:  # else the auxiliary stage scores it
+        rewards = run.score(run, group.prompts, group.responses)                         # (G,)
+        advantages = grpo.group_advantages(rewards, run.cfg.group_size, run.cfg.adv_estimator)
+        scored = {"reward": rewards.tolist(), "advantage": advantages.tolist()}
+    ids = [None] * len(group.ids)
+    if run.rank in run.roles.writers():
+        ids = run.queue.put({"prompt": group.prompts, "response": group.responses,
+                             "old_logprobs": group.logprobs, "rule_reward": rule.tolist(),
+                             "stale": stale_facts(group, (0, 0, 0)), "routes": T.routes_of(group)}
+                            | scored)
+    run.rows_ahead.update(zip(group.ids, ids))
+
+
+def serve_then(queue, cut, sched):
+    """StaleSync's cut, which a round calls once per decode chunk, answering the queue's requests first:
+    a group put in one chunk is pulled by an auxiliary rank during the next, not at the round's end."""
+    queue.serve()
+    return cut(sched)
+
+
+def announce_batch(run, batch):
+    """The batch StaleSync cut is in the queue already, group by group; its row ids, gathered from every
+    writer, are what the trainers read, and its cut's facts count in this rank's figures. Collective."""
+    run.batch_ids = T.announce_rows(run, [run.rows_ahead.pop(i) for i in batch.ids])
+    run.at_cut = cut_facts(batch)
+
+
+def read_share(run, step):
+    """4. This trainer's share, the micro-batches in the order the rows were put (a row's place in its
+    writer's puts), which is the order the auxiliary stage completes them; the columns from the
+    auxiliary stage come through an AuxColumns, during the update."""
+    per_step = run.cfg.prompts_per_step * run.cfg.group_size
+    with run.spans("queue"):
+        rows = run.queue.get("train", per_step, dp_group=run.train_group, only=run.batch_ids)
+    if "advantage" not in rows.cols:  # the reward model's: filled in as the columns arrive
+        rows.cols["advantage"] = [torch.full((1,), float("nan"))] * len(rows.ids)
+    samples = T.samples_of(run, rows)
+    samples.order = [r // run.queue.world for r in rows.ids]
+    queued = AuxColumns(run, step, rows, samples)
+    if "advantage" in queued.names and run.cfg.adv_estimator == "reinforce++":
+        queued(range(len(rows.ids)))  # batch-normalised below: every row's advantage first
+    samples.advantages = grpo.finish_advantages(samples.advantages, run.cfg.adv_estimator,
+                                                run.device, run.train_group)
+    return samples, rows, queued
+
+
+class AuxColumns:
+    """A trainer: the auxiliary stage's columns of its rows (the reference's log-probs; with a reward
+    model, rewards and advantages), read micro-batch by micro-batch as the update reaches them
+    (grpo_update's arrive). A row's ref_logprobs still None marks its columns as not yet arrived."""
+
+    def __init__(self, run, step, rows, samples):
+        self.run, self.step, self.rows, self.samples = run, step, rows, samples
+        self.names = run.queue.spec.stages["from_aux"]
+        for name in self.names:  # filled in place as they arrive
+            rows.cols[name] = [None] * len(rows.ids)
+        self.ref_logprobs = rows.cols["ref_logprobs"]                               # (B,) of (n_i,)
+        self.calls = 0  # arrive calls so far: the same count on every trainer (the barrier's name)
+
+    def __call__(self, which):
+        """Rows `which` complete: their columns read if they are not yet (with those of any other row
+        the auxiliary stage has finished), then every trainer waits for its peers' (serving the queue:
+        a peer's rows may need this rank's groups pulled first) before the micro-batch's collectives."""
+        if any(self.ref_logprobs[i] is None for i in which):
+            with self.run.spans("queue"):
+                self._take([i for i, lp in enumerate(self.ref_logprobs) if lp is None], at_least=0)
+                self._take([i for i in which if self.ref_logprobs[i] is None])
+        self.calls += 1
+        serve_until_all(self.run, f"{self.step}/{self.calls}")
+
+    def _take(self, idx, at_least=None):
+        """Read the columns of these rows (indices into the share): all of them, or what there is."""
+        if not idx:
+            return
+        got = read_from_aux(self.run, self.step, [self.rows.ids[i] for i in idx], at_least)
+        where = {r: j for j, r in enumerate(got.ids)}
+        for i in [i for i in idx if self.rows.ids[i] in where]:
+            for name in self.names:
+                self.rows.cols[name][i] = got.cols[name][where[self.rows.ids[i]]]
+            if "advantage" in self.names:
+                self.samples.advantages[i] = self.rows.cols["advantage"][i]
+
+
+def serve_until_all(run, name):
+    """A barrier of the trainers, through the store, that serves the queue while it waits. It waits
+    up to 2 x the timeout, so that a peer's own wait for the auxiliary stage is the failure raised."""
+    n = len(run.roles.trainers)
+    if n == 1:
+        run.queue.serve()
+        return
+    key = f"w:{run.key}/arrived/{name}"
+    run.store.add(key, 1)
+    deadline = time.monotonic() + 2 * run.cfg.pg_timeout_s
+    with run.spans("queue"):
+        while int(run.store.add(key, 0)) < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {run.rank}: a trainer did not reach micro-batch barrier "
+                                   f"{name} (step/call) in {2 * run.cfg.pg_timeout_s}s: is it alive?")
+            run.queue.serve()
+            time.sleep(run.queue.spec.poll_s)
+
+
+def read_from_aux(run, step, ids, min_rows=None):
+    """The auxiliary stage's columns of rows `ids`, once it has put them (at least min_rows: default
+    all); rows that still lack them past the timeout name that stage, with the rows."""
+    try:
+        return run.queue.get("from_aux", len(ids), min_rows=min_rows, only=set(ids))
+    except TimeoutError as e:
+        raise TimeoutError(f"the auxiliary stage (ranks {run.roles.auxiliaries}) did not add its "
+                           "columns (the reference's log-probs; with a reward model, rewards and "
+                           f"advantages) to rows {sorted(ids)} of step {step}'s batch in "
+                           f"{run.cfg.pg_timeout_s}s: is it alive? ({e})") from e
+
+
+# ----------------------------------------------------------------------------- the auxiliary ranks
+def final_key(run):
+    return f"w:{run.key}/final"
+
+
+def aux_done_key(run, rank):
+    return f"w:{run.key}/aux_done/{rank}"
+
+
+def aux_loop(run):
+    """An auxiliary rank: the queue stage between rollout and training. It takes its share of the
+    groups as the actor puts them, whole groups, and adds their columns (aux_columns) in pieces of a
+    micro-batch's groups, the earliest put first; each put serves the queue, so that a trainer waits
+    on this rank for at most a piece. Runs until trainer 0 says the last batch has been read."""
+    seen = dict.fromkeys(run.roles.writers(), 0)  # per writer: this rank's groups of it done, in order
+    done = set()                                  # (writer, k): its k-th group, done out of order
+    piece = aux_piece(run)                        # rows per piece of work
+    while True:
+        pending = aux_groups(run, seen, done)
+        with run.spans("idle"):
+            rows = wait_for_groups(run, pending)
+        if rows is None:  # the run is over: every batch it trains has been read
+            break
+        got = set(rows.ids)
+        groups = [g for g in sorted(pending, key=lambda g: g[::-1]) if set(pending[g]) <= got]
+        ids = [r for g in groups for r in pending[g]]  # group by group, in put order
+        if len(ids) != len(rows.ids):  # a put publishes a whole group: a part of one is a bug
+            raise RuntimeError(f"rank {run.rank}: read rows {sorted(set(rows.ids) - set(ids))} "
+                               "without the rest of their group")
+        for j in range(0, len(ids), piece):
+            aux_columns(run, rows, ids[j:j + piece])
+        done.update(groups)
+        for w in seen:
+            while (w, seen[w]) in done:
+                done.discard((w, seen[w]))
+                seen[w] += 1
+    run.queue.serve()  # retire the transfers the trainers acknowledged
+    run.store.set(aux_done_key(run, run.rank), "1")
+
+
+def aux_piece(run):
+    """Rows per piece of an auxiliary rank's work: its share of one micro-batch, in whole groups."""
+    cfg = run.cfg
+    micro_batches = cfg.micro_batches * cfg.updates_per_batch * len(run.roles.auxiliaries)
+    return max(1, cfg.prompts_per_step // micro_batches) * cfg.group_size
+
+
+def aux_columns(run, rows, ids):
+    """4 (and 2-3 with a reward model): the frozen reference's log-probs of rows `ids` (whole groups,
+    in order; one forward), and the reward model's rewards and group advantages, put back as columns
+    of the same rows."""
+    cfg = run.cfg
+    run.spans.args = {"rows": len(ids)}
+    where = {r: i for i, r in enumerate(rows.ids)}  # the queue returns ids ascending
+    prompts, responses = ([rows.cols[c][where[r]] for r in ids] for c in ("prompt", "response"))
+    samples = grpo.Samples(prompts, responses, None, None)
+    with run.spans("reference"), run.reference.on_device() as ref:
+        ref_logprobs = grpo.chunk_logprobs(ref, samples, replace(run.algo, micro_batches=1),
+                                           run.device)
+    columns = {"ref_logprobs": ref_logprobs}
+    run.queue.serve()  # between the two models: a trainer may wait for columns put before
+    if run.reward_model is not None:
+        rewards = run.score(run, prompts, responses)                                      # (B,)
+        advantages = grpo.group_advantages(rewards, cfg.group_size, cfg.adv_estimator)
+        columns |= {"reward": rewards.tolist(), "advantage": advantages.tolist()}
+    run.queue.put(columns, ids=ids)
+
+
+def aux_groups(run, seen, done):
+    """This rank's next groups of each writer, (writer, k) -> the G row ids of its k-th, not yet done:
+    as many as StaleSync lets a replica complete ahead of training (S + 1 batches' share). Round
+    robin: the m-th group a writer puts goes to auxiliary rank (m + the writer's index) % aux_ranks."""
+    cfg, G, aux = run.cfg, run.cfg.group_size, run.roles.auxiliaries
+    ahead = (cfg.staleness + 1) * cfg.prompts_per_step // run.roles.replicas
+    out = {}
+    for i, (w, k0) in enumerate(seen.items()):
+        first = (aux.index(run.rank) - i) % len(aux)  # this rank's first m of writer w
+        for k in range(k0, k0 + ahead):
+            m = first + k * len(aux)
+            if (w, k) not in done:
+                out[(w, k)] = [run.queue.row_id(m * G + j, w) for j in range(G)]
+    return out
+
+
+def wait_for_groups(run, groups):
+    """The rows of whichever of `groups` ((writer, k) -> row ids) the actor has put, once there is
+    one; None once trainer 0 has said the run is over. An actor that puts nothing for pg_timeout_s
+    times out, naming the groups waited for."""
+    only = {r for ids in groups.values() for r in ids}
+    deadline = time.monotonic() + run.cfg.pg_timeout_s
+    while not run.store.check([final_key(run)]):
+        rows = run.queue.get("aux", len(only), min_rows=0, only=only)  # what there is
+        if rows.ids:
+            return rows
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {run.rank}: the actor put none of groups {sorted(groups)[:8]} "
+                               f"(writer, index) in {run.cfg.pg_timeout_s}s: is the actor alive?")
+        time.sleep(run.queue.spec.poll_s)
+    return None

@@ -1,0 +1,97 @@
+"""--reward-model 1: a learned outcome reward model scores the responses instead of the task's rule.
+
+    torchrun --standalone --nproc_per_node=2 train_grpo.py --reward-model 1
+
+Fit once, after the warm-up, on --rm-samples of the warmed-up policy's own responses to the task's
+prompts (never held-out ones), labelled by the rule (options/reward_model.py: the model and its fit);
+every rank fits the same one on the same samples, rank 0's weights broadcast. Then it is frozen and
+kept in host memory except while it scores (fusion.HostOffloaded), and the run's scorer (run.score)
+is its verdict, P(correct) >= 0.5. The rule is still logged beside it (reward/rule_mean), and its
+agreement with the rule on the held-out prompts' samples goes into step 0's record (rm/*). The hybrid
+deployment keeps it on the auxiliary ranks, on their device, which score with it.
+
+    python -m pytest tests/test_train_grpo.py -k reward_model
+"""
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import fusion
+import task
+import train_grpo as T
+from model import generate
+from options import reward_model
+
+
+def attach(run):
+    """Build (or, resumed, take the checkpoint's weights later) and fit the reward model; it scores."""
+    cfg = run.cfg
+    with torch.random.fork_rng(devices=[]):  # its initial weights a function of the seed alone
+        torch.manual_seed(cfg.seed)
+        rm = reward_model.RewardModel(rm_config(cfg)).to(run.device)
+    if run.resume_from is None:
+        if run.rank in run.roles.generators:  # the ranks that sample (hybrid: not the auxiliary ones)
+            with run.spans("reward_model_fit"):
+                run.step0.update(fit(run, rm))  # rm/*: in step 0's record
+        for t in rm.state_dict().values():  # rank 0's fit on every rank (kernels need not be
+            dist.broadcast(t, src=0)         # deterministic on a device)
+    rm.eval().requires_grad_(False)
+    if run.roles.hybrid:  # the auxiliary ranks keep it on their device and score with it
+        held = run.rank in run.roles.auxiliaries
+        run.reward_model = fusion.HostOffloaded(rm, offload=False) if held else None
+    else:
+        run.reward_model = fusion.HostOffloaded(rm, offload=True)
+    run.score = model_rewards
+
+
+def model_rewards(run, prompts, responses):
+    """2. The reward model's verdict, P(correct) >= 0.5 as 1.0, else 0.0. (B,) The rows come group by
+    group, and each group is scored as a batch of its own: the same tensors, so the same verdicts,
+    whether the filter scores it as it completes or the batch scores it for training."""
+    with run.spans("reward_model"), run.reward_model.on_device() as rm:
+        probs = reward_model.score(rm, prompts, responses, batch_size=run.cfg.group_size)
+    return (probs >= 0.5).float()
+
+
+def rm_config(cfg):
+    return reward_model.RMConfig(vocab_size=task.VOCAB, pad=task.PAD, steps=cfg.rm_steps,
+                                 max_len=cfg.max_digits + 2 + cfg.max_new_tokens, seed=cfg.seed)
+
+
+def fit(run, rm):
+    """The reward model trained on rm_samples of the policy's responses, labelled by the rule; its
+    agreement with the rule on the policy's responses to the held-out prompts. rm/*."""
+    cfg = run.cfg
+    held_out = {tuple(p.tolist()) for p in run.eval_prompts}
+    prompts = task.PromptStream(cfg.seed + 1, cfg.max_digits, exclude=held_out).next(cfg.rm_samples)
+    responses = sample_responses(run, prompts, first_seed=0)
+    labels = T.rule_rewards(run, prompts, responses)
+    figures = reward_model.train_reward_model(rm, rm_config(cfg), prompts, responses, labels,
+                                              run.device)
+    held = sample_responses(run, run.eval_prompts, first_seed=len(prompts))
+    probs = reward_model.score(rm, run.eval_prompts, held)
+    agree = reward_model.agreement(probs, T.rule_rewards(run, run.eval_prompts, held))
+    return {**figures, **{f"rm/held_out_{k}": float(v) for k, v in agree.items()}}
+
+
+def fit_seed(seed, i):
+    """The sampling seed of the reward model's i-th sample: a stream of its own (a 3-number key; the
+    RL samples' have 4: train_grpo.sample_seed)."""
+    return int(np.random.SeedSequence([seed, i, 1]).generate_state(1)[0])
+
+
+def sample_responses(run, prompts, first_seed):
+    """The current policy's sampled response to each prompt (seed first_seed + i), every rank getting
+    all of them: each rollout replica generates its slice, the writers' slices gathered in order.
+    Collective."""
+    i, n = run.roles.replica(run.rank), run.roles.replicas
+    lo, hi = i * len(prompts) // n, (i + 1) * len(prompts) // n
+    seeds = torch.tensor([fit_seed(run.cfg.seed, first_seed + j) for j in range(lo, hi)])
+    with fusion.rollout(run.actor):
+        mine = generate(run.engine, prompts[lo:hi], seeds, run.cfg.max_new_tokens, task.EOS, task.PAD,
+                        temperature=run.cfg.temperature, top_p=run.cfg.top_p,
+                        lockstep=run.sampler.lockstep).tokens
+    everyone = [None] * dist.get_world_size(run.rollout_group)
+    mine = [r.cpu() for r in mine] if run.rank in run.roles.writers() else None
+    dist.all_gather_object(everyone, mine, group=run.rollout_group)
+    return [r for part in everyone if part is not None for r in part]
