@@ -216,7 +216,7 @@ def grpo_config(cfg):
                            temperature=cfg.temperature, updates_per_batch=cfg.updates_per_batch,
                            micro_batches=cfg.micro_batches, grad_clip=cfg.grad_clip,
                            decoupled=cfg.decoupled, tis_cap=cfg.tis_cap,
-                           mask_truncated=cfg.mask_truncated, routing_replay=cfg.routing_replay)
+                           mask_truncated=cfg.mask_truncated)
 
 
 def model_config(cfg):

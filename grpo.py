@@ -15,8 +15,6 @@ then the update, which any data-parallel model (FSDP2 or plain) can use:
   length_chunks        rows split into k micro-batches of similar length (less padding)
   chunk_logprobs       a model's log-probs of every response token, chunk by chunk, no grad (the frozen
                        reference's, or the current weights' for the decoupled objective)
-  ReplayRoutes, routed the training forward's routing hook on each MoE layer: the rollout's experts per
-                       response token compared (moe/routing_mismatch) or, with routing_replay, used
   grpo_update          optimizer steps on a batch: micro-batches accumulated, the mean over the global
                        batch whatever each rank holds, then clip and step
   supervised_step      one cross-entropy step on reference answers (the warm-up)
@@ -34,7 +32,7 @@ Departures from the GRPO paper, on purpose:
 
 Shapes: N samples, G group size, B rows on this rank, T padded tokens, n_i response tokens of row i.
 """
-from contextlib import contextmanager
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -177,7 +175,9 @@ class Samples:
     old_logprobs: list       # (B,) of (n_i,) float32, the behaviour log-probs
     advantages: torch.Tensor  # (B,)
     truncated: list = None   # (B,) bool: cut by the token budget, not ended by the model (mask_truncated)
-    routes: list = None      # (B,) of (n_i, L, K): each response token's experts as the rollout chose them
+    per_token: dict = None   # the sampler's per-token fields, name -> (B,) of (n_i, ...) (routes: options/)
+    around: object = None    # around(model, samples, rows, T, mask, sums): a context around each forward
+    #                          over these rows (options/routing_replay.py's replay); None: none
     order: list = None       # (B,) the update's micro-batches are cut from the rows sorted by this key (default:
     #                          their lengths, the least padding; where inputs arrive late, the order they arrive in)
 
@@ -202,7 +202,6 @@ class GRPOConfig:
     decoupled: bool = False        # clip around recomputed proximal log-probs (off_policy_logprobs)
     tis_cap: float = None          # decoupled, with pi_prox / pi_behaviour capped at this (truncated IS)
     mask_truncated: bool = False   # responses cut by the budget contribute no loss (DAPO's overlong filter)
-    routing_replay: bool = False   # response tokens use the experts the rollout chose (Samples.routes)
 
     def __post_init__(self):
         if self.loss_agg not in LOSS_AGGS:
@@ -277,17 +276,20 @@ def _reshard(model):
 
 
 # ----------------------------------------------------------------------------- the update
+def _plain(model, samples, rows, T, mask=None, sums=None):
+    """No context around a forward (Samples.around's default)."""
+    return nullcontext()
+
+
 @torch.no_grad()
-def chunk_logprobs(model, samples, cfg, device, replay=False):
+def chunk_logprobs(model, samples, cfg, device, around=None):
     """Log-probs of every response token under `model`, in cfg.micro_batches chunks by length: (B,) of (n_i,).
-    replay: the response tokens take the rollout's experts (the policy's proximal log-probs under routing replay;
-    the frozen reference routes freely)."""
+    around: a context around each forward (the policy's proximal log-probs take samples.around; the frozen
+    reference, none)."""
     out = [None] * len(samples.prompts)
     for rows, _ in length_chunks(range(len(out)), samples.lengths(), cfg.micro_batches):
         tokens, mask, _ = pad_responses([samples.prompts[i] for i in rows], [samples.responses[i] for i in rows])
-        routes = None if samples.routes is None or not replay else pad_routes(
-            [samples.prompts[i] for i in rows], [samples.routes[i] for i in rows], tokens.shape[1]).to(device)
-        with routed(model, routes, replay=True):
+        with (around or _plain)(model, samples, rows, tokens.shape[1]):
             lp = sequence_logprobs(model, tokens.to(device), cfg.temperature)       # (b, T-1)
         for j, i in enumerate(rows):
             out[i] = lp[j][mask[j].to(device)].cpu()                                 # (n_i,)
@@ -310,10 +312,9 @@ def grpo_update(model, optimizer, samples, cfg, device, group=None, ref_logprobs
     divided (`batch_means`)."""
     if cfg.kl_coef > 0 and ref_logprobs is None:
         raise ValueError(f"kl_coef={cfg.kl_coef} needs ref_logprobs")
-    prox_logprobs = chunk_logprobs(model, samples, cfg, device, cfg.routing_replay) if cfg.recompute else None
+    prox_logprobs = chunk_logprobs(model, samples, cfg, device, samples.around) if cfg.recompute else None
     sums = dict.fromkeys(("loss", "clip_frac", "ratio_mean", "k3_mean", "entropy", "items", "tokens",
-                          "gap", "gap_tokens", "gap_max", "skipped_max", "route_tokens", "route_mismatch",
-                          "route_free_mismatch"), 0.0)
+                          "gap", "gap_tokens", "gap_max", "skipped_max"), 0.0)
     for i, mini in enumerate(np.array_split(np.arange(len(samples.prompts)), cfg.updates_per_batch)):
         _accumulate(model, samples, mini, cfg, device, group, ref_logprobs, prox_logprobs, sums, i == 0, arrive)
         if clip_grads is None:
@@ -370,11 +371,9 @@ def _accumulate(model, samples, mini, cfg, device, group, ref_lp, prox_lp, sums,
         fields = {name: f.to(device) for name, f in fields.items()}                  # (b, T-1) each
         behaviour, ref = fields["behaviour"], fields.get("reference")
         old, weights = off_policy_logprobs(behaviour, fields.get("proximal"), cfg.recompute, cfg.tis_cap)
-        routes = fields.get("routes")                                                # (b, T-1, L, K)
-        with routed(model, routes, cfg.routing_replay) as hooks:
+        measure = mask if first and not stand_in else None  # the first mini-batch's figures
+        with (samples.around or _plain)(model, samples, rows, tokens.shape[1], measure, sums):
             lp, entropy = logprobs_and_entropy(model, tokens, cfg.temperature)      # (b, T-1) each
-        if first and hooks and not stand_in:
-            _routing_figures(sums, hooks, routes, mask)
         loss, m = grpo_loss(lp, old, ref, samples.advantages[rows].to(device), mask, cfg.clip_eps,
                             cfg.kl_coef, cfg.loss_agg, weights, cfg.clip_eps_high, cfg.norm_len)
         n_items = _items(mask, cfg)
@@ -393,81 +392,12 @@ def _loss_mask(samples, rows, cfg):
 
 def _padded(samples, rows, cfg, ref_lp, prox_lp):
     """Tokens (b, T), the loss mask (b, T-1) and the per-token fields by name: behaviour, and reference
-    and proximal when given, each (b, T-1); and the rollout's routes, (b, T-1, L, K), if the samples have them."""
+    and proximal when given, each (b, T-1)."""
     given = {"behaviour": samples.old_logprobs, "reference": ref_lp, "proximal": prox_lp}
     given = {name: f for name, f in given.items() if f is not None}
     tokens, mask, per_token = pad_responses([samples.prompts[i] for i in rows], [samples.responses[i] for i in rows],
                                             *[[f[i] for i in rows] for f in given.values()])
-    fields = dict(zip(given, per_token))
-    if samples.routes is not None:
-        fields["routes"] = pad_routes([samples.prompts[i] for i in rows], [samples.routes[i] for i in rows],
-                                      tokens.shape[1])
-    return tokens, loss_mask(samples, rows, mask, cfg), fields
-
-
-def pad_routes(prompts, routes, T):
-    """(b, T-1, L, K): at each position of a forward over tokens[:, :-1], the experts the rollout chose for the
-    token read there: response token j (0-based) sits at P_i + j; -1 elsewhere (prompt tokens route freely)."""
-    L, K = routes[0].shape[1:] if routes else (0, 0)
-    out = torch.full((len(prompts), T - 1, L, K), -1, dtype=torch.long)
-    for b, (p, r) in enumerate(zip(prompts, routes)):
-        n = min(len(r), T - 1 - len(p))  # the last response token is read by no forward that is trained
-        out[b, len(p):len(p) + n] = r[:n]
-    return out
-
-
-class ReplayRoutes:
-    """A MoE layer's routing hook for a training forward. recorded (N, K): the experts the engine chose for each
-    token, -1 for a token it did not record (a prompt token routes freely). The router's own choice is compared
-    with the record (mismatch (N,): the top-k sets differ); with replay=True (Rollout Routing Replay) a recorded
-    token uses its recorded experts, gated by this router's probabilities of them, and `mismatch` (the experts
-    used against the record) is 0 by construction; `free_mismatch` is the router's own choice against it. Like
-    the log-prob gap, the figures come from the batch's first mini-batch only, before any optimizer step on it
-    (later mini-batches' routers have moved)."""
-
-    def __init__(self, recorded, replay):
-        self.recorded, self.replay, self.mismatch, self.free_mismatch = recorded, replay, None, None
-
-    def __call__(self, top_e):
-        has = self.recorded[:, 0] >= 0                                            # (N,)
-        used = torch.where(has[:, None], self.recorded, top_e) if self.replay else top_e
-        self.free_mismatch = has & _differ(top_e, self.recorded)                  # (N,) the router's own choice
-        self.mismatch = has & _differ(used, self.recorded)                        # (N,) what the forward used
-        return used
-
-
-def _differ(a, b):
-    """(N,): rows of two (N, K) expert choices that are different sets."""
-    return (a.sort(-1).values != b.sort(-1).values).any(-1)
-
-
-@contextmanager
-def routed(model, routes, replay):
-    """The training forward's routing: a ReplayRoutes hook on each MoE layer (a module with a `routing` attribute,
-    model.py's and moe_switch.py's), comparing with the rollout's experts and, with replay, taking them for the
-    response tokens. routes (b, T-1, L, K), or None: free routing, no hook. Yields the hooks."""
-    layers = [m for m in model.modules() if hasattr(m, "routing")] if routes is not None else []
-    if routes is not None and len(layers) != routes.shape[2]:
-        raise ValueError(f"routes hold {routes.shape[2]} MoE layers, the model has {len(layers)}")
-    flat = None if routes is None else routes.flatten(0, 1)                         # (b * (T-1), L, K)
-    hooks = [ReplayRoutes(flat[:, i], replay) for i in range(len(layers))]
-    for layer, hook in zip(layers, hooks):
-        layer.routing = hook
-    try:
-        yield hooks
-    finally:
-        for layer in layers:
-            layer.routing = None
-
-
-def _routing_figures(sums, hooks, routes, mask):
-    """Response tokens with a recorded route, and those whose experts differ from it in some layer (used; free).
-    Called on the first mini-batch only, before any optimizer step, as the log-prob gap is measured."""
-    has = (routes[..., 0, 0] >= 0) & mask                                        # (b, T-1)
-    for key, attr in (("route_mismatch", "mismatch"), ("route_free_mismatch", "free_mismatch")):
-        differ = torch.stack([getattr(h, attr) for h in hooks]).any(0).view_as(has)
-        sums[key] += float((differ & has).sum())
-    sums["route_tokens"] += float(has.sum())
+    return tokens, loss_mask(samples, rows, mask, cfg), dict(zip(given, per_token))
 
 
 def _add_figures(sums, loss, m, mask, entropy, gap, n_items):
@@ -491,14 +421,7 @@ def batch_means(sums):
     return {"loss": sums["loss"] / items, "clip_frac": sums["clip_frac"] / tokens,
             "ratio_mean": sums["ratio_mean"] / tokens, "k3_mean": sums["k3_mean"] / tokens,
             "entropy": sums["entropy"] / tokens, "rollout/logprob_gap_mean": sums["gap"] / max(sums["gap_tokens"], 1.0),
-            "rollout/logprob_gap_max": sums["gap_max"], "train/skipped_updates": sums["skipped_max"],
-            # response tokens whose experts differ, in some layer, from the rollout's: those the training forward
-            # used (0 under routing replay), and its router's own choice (what replay overrides); over the
-            # response tokens with a recorded route (routed_tokens), in the first mini-batch only (before any
-            # optimizer step), as the log-prob gap
-            "moe/routing_mismatch": sums["route_mismatch"] / max(sums["route_tokens"], 1.0),
-            "moe/router_mismatch_free": sums["route_free_mismatch"] / max(sums["route_tokens"], 1.0),
-            "moe/routed_tokens": sums["route_tokens"]}
+            "rollout/logprob_gap_max": sums["gap_max"], "train/skipped_updates": sums["skipped_max"]}
 
 
 def supervised_step(model, optimizer, prompts, targets, device, grad_clip, group=None, clip_grads=None):

@@ -53,7 +53,7 @@ import moe_switch
 import stalesync
 import task
 from config import Config, Roles, grpo_config, model_config, parse_args, resolve, validate
-from model import LockStep, Policy, Sampler, generate
+from model import Policy, Sampler
 from plumbing import checkpoint, shm_transport
 from plumbing.distributed import setup_distributed, world_size
 from plumbing.evaluation import curriculum_figures, eval_figures, held_out_correct, is_eval_step
@@ -179,12 +179,15 @@ def score_and_enqueue(run, batch, at_cut=None):
     return run.queue.put({"prompt": batch.prompts, "response": batch.responses,
                           "old_logprobs": batch.logprobs, "rule_reward": rule.tolist(),
                           "reward": rewards.tolist(), "advantage": advantages.tolist(),
-                          "stale": stale_facts(batch, at_cut), "routes": routes_of(batch)})
+                          "stale": stale_facts(batch, at_cut), **per_token(run, batch)})
 
 
-def routes_of(batch):
-    """Each row's recorded experts, (n_i, L, K) packed flat (an empty share: none)."""
-    return [r.flatten().int() for r in batch.per_token.get("routes", [])]
+def per_token(run, batch):
+    """The sampler's per-token fields (options/routing_replay.py's routes), each row's flat, in its
+    queue column's dtype."""
+    dtypes = {name: distqueue.DTYPES[run.queue.spec.columns[name]] for name in batch.per_token}
+    return {name: [t.reshape(-1).to(dtypes[name]) for t in values]
+            for name, values in batch.per_token.items()}
 
 
 def announce_rows(run, mine):
@@ -210,13 +213,14 @@ def read_share(run, rows=None):
 
 
 def samples_of(run, rows):
-    """The rows read, as grpo.Samples."""
-    L, K = run.cfg.n_layers, run.cfg.top_k
-    routes = [r.long().view(len(t), L, K)                                          # (n_i, L, K)
-              for r, t in zip(rows.cols["routes"], rows.cols["response"])]
-    truncated = [bool(r[-1] != task.EOS) for r in rows.cols["response"]]
-    return grpo.Samples(rows.cols["prompt"], rows.cols["response"], rows.cols["old_logprobs"],
-                        rows.stack("advantage"), truncated=truncated, routes=routes)
+    """The rows read, as grpo.Samples (a per-token field back to one entry per token, (n_i, ...))."""
+    responses = rows.cols["response"]
+    fields = {name: [v.view(len(r), -1) for v, r in zip(rows.cols[name], responses)]
+              for name in run.per_token}
+    truncated = [bool(r[-1] != task.EOS) for r in responses]
+    return grpo.Samples(rows.cols["prompt"], responses, rows.cols["old_logprobs"],
+                        rows.stack("advantage"), truncated=truncated, per_token=fields,
+                        around=run.around)
 
 
 def reference_logprobs(run, samples):
@@ -337,6 +341,8 @@ class Run:
     cut: object = None            # how the replicas cut each batch: SharedCut (AllReady: apart)
     batch_ids: set = None         # the row ids of the batch this step trains
     score: object = rule_rewards  # (run, prompts, responses) -> (B,) rewards (options: a model's)
+    per_token: dict = None        # the sampler's per-token fields: name -> their queue column's dtype
+    around: object = None         # grpo's context around each forward (Samples.around)
     step0: dict = None            # figures an option adds to step 0's record (the reward model's fit)
     grad_sync: object = None      # --nodes (options/nodes.py): the gradients' average across nodes
     reward_model: fusion.HostOffloaded = None  # --reward-model (options/learned_reward.py)
@@ -355,7 +361,7 @@ def build(cfg, out_dir=None):
     build_policy(run, mesh)
     if cfg.infer_tp > 1:  # the engine tensor-parallel over groups of infer_tp ranks
         from options import tensor_parallel
-        tensor_parallel.apply(run)
+        tensor_parallel.apply_to_run(run)
     build_rollout(run)
     # the actor: one phase switch moves everything (shards, Adam state, experts); the gather reads
     # the peers' shards in shared memory on one CPU host, else broadcasts (collective)
@@ -368,6 +374,9 @@ def build(cfg, out_dir=None):
     if run.rank == 0:
         print(f"switch: {run.actor.path} | experts: {experts_said(cfg)}", flush=True)
     run.log = RunLog(run, start=run.resume_from[1]["step"] + 1 if run.resume_from else 1)
+    if cfg.routing_replay:  # the trainers replay the recorded experts; moe/* in the log
+        from options import routing_replay
+        routing_replay.apply(run)
     return run
 
 
@@ -408,9 +417,11 @@ def new_run(cfg, out_dir=None, roles=None, cls=None):
     learned = curriculum.Curriculum(cfg.max_digits)
     eval_prompts, warm_stream, rl_prompts = task.prompt_streams(  # --curriculum: weighted by length
         cfg.seed, cfg.max_digits, cfg.eval_prompts, learned.draw if cfg.curriculum else None)
-    queue = build_queue(cfg, key, store, rank, world, device)
+    per_token = {"routes": "int32"} if cfg.routing_replay else {}  # each token's experts, (L K,)
+    queue = build_queue(cfg, key, store, rank, world, device, per_token)
     return (cls or Run)(cfg, rank, roles, device, out_dir, key, resume_from, Spans(device=device),
-               store, queue, eval_prompts, warm_stream, rl_prompts, learned, algo=grpo_config(cfg), step0={})
+                        store, queue, eval_prompts, warm_stream, rl_prompts, learned,
+                        algo=grpo_config(cfg), step0={}, per_token=per_token)
 
 
 def build_queue(cfg, key, store, rank, world, device, columns=(), stages=None, poll_s=0.002):
@@ -418,7 +429,7 @@ def build_queue(cfg, key, store, rank, world, device, columns=(), stages=None, p
     store under this start's prefix. `columns` and `stages`: a deployment's own (the hybrid's)."""
     columns = {"prompt": "int64", "response": "int64", "old_logprobs": "float32",
                "reward": "float32", "rule_reward": "float32", "advantage": "float32",
-               "stale": "int64", "routes": "int32", **dict(columns)}  # routes: (n_i * L * K,)
+               "stale": "int64", **dict(columns)}
     spec = distqueue.QueueSpec(columns=columns, scalars=("reward", "rule_reward", "advantage"),
                                stages=stages or {"train": tuple(columns)}, poll_s=poll_s,
                                timeout_s=cfg.pg_timeout_s, name=f"dq:{key}")
@@ -476,20 +487,27 @@ def global_slot(local, replica, n_prompts, prompts_per_step):
     return step * prompts_per_step + replica * n_prompts + j
 
 
-def build_rollout(run, sampler=None, **stale):
-    """The engine's sampler (its KV cache kept between decode chunks, each token's experts recorded)
-    and StaleSync over this replica's slots of the global batches. `stale`: the hybrid's own knobs."""
+def build_rollout(run, wrap=None, **stale):
+    """The engine's sampler (its KV cache kept between decode chunks) and StaleSync over this
+    replica's slots of the global batches. wrap(sampler class) -> class and `stale`: a deployment's
+    own (the hybrid's)."""
     cfg, roles = run.cfg, run.roles
     n_prompts = cfg.prompts_per_step // roles.replicas
     replica = roles.replica(run.rank)
 
     def to_global(slot):
         return global_slot(slot, replica, n_prompts, cfg.prompts_per_step)
-    lockstep = None  # --infer-ep > 1: every forward meets the EP group's, so its ranks decode together
-    if cfg.infer_ep > 1:
-        lockstep = LockStep(run.experts.infer_groups[0], run.device, every=cfg.chunk_steps)
-    run.sampler = sampler or Sampler(run.engine, cfg.max_new_tokens, task.EOS, task.PAD,
-                                     cfg.temperature, cfg.top_p, lockstep=lockstep, routes=True)
+    make = Sampler
+    if cfg.infer_ep > 1:  # every forward meets the EP group's: its ranks decode in lock-step
+        from options import lockstep
+        group = run.experts.infer_groups[0]
+        make = lockstep.sampler_class(make, lockstep.LockStep(group, run.device, cfg.chunk_steps))
+    if cfg.routing_replay:  # each token's experts recorded, for training to replay
+        from options import routing_replay
+        make = routing_replay.sampler_class(make)
+    make = wrap(make) if wrap else make
+    run.sampler = make(run.engine, cfg.max_new_tokens, task.EOS, task.PAD, cfg.temperature,
+                       cfg.top_p)
     config = stalesync.StaleConfig(cfg.staleness, n_prompts, cfg.group_size, cfg.threshold,
                                    cfg.chunk_steps, max_len=cfg.max_new_tokens,
                                    max_filtered=cfg.filter_limit * n_prompts,

@@ -225,7 +225,9 @@ def pp_actor(engine, opt, bucket_bytes, inplace, rank):
     sum(p.square().sum() for p in stage.parameters()).backward()
     stage_opt.step()
     stage_opt.zero_grad(set_to_none=True)
-    pp_engine = Policy(engine.cfg, engine.tp_group).eval().requires_grad_(False)
+    from options.tensor_parallel import apply as tensor_parallel
+    pp_engine = tensor_parallel(Policy(engine.cfg), getattr(engine, "tp_group", None))
+    pp_engine.eval().requires_grad_(False)
     transport = shm_transport.SharedMemory.connect(stage) or fusion.Broadcasts()
     return fusion.FusedActor(stage, stage_opt, pp_engine, bucket_bytes=bucket_bytes, inplace=inplace,
                              transport=transport)

@@ -47,7 +47,7 @@ model.Policy at train_grpo.py's default sizes (vocab 14, D 64, 2 layers, 4 heads
 temperature 1, at most 40 new tokens, stopping at task.EOS; one Sampler(keep=False) call per rank. Engines: the
 dense model.MoE (the baseline), and moe_switch.EPMoE (EPMoE.from_dense under EPLayout(P, W, E), EP group from
 new_groups) at P = 1 (routed, no all-to-all), 2 and 4; above 1 the EP group's ranks decode in lock-step
-(model.LockStep(group, "cpu", every=8)). Per engine:
+(options/lockstep.py's LockStep(group, "cpu", every=8)). Per engine:
   - wall time of the call, prefill + decode, barrier to the slowest rank, median of --repeats (3), the engines
     interleaved; response tokens (all ranks) and tokens per second;
   - per rank: decode forwards (Sampler.steps), dummy forwards of zero rows and agreements (LockStep's counts);
@@ -91,7 +91,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere: moe_switch is one level up
 import task  # noqa: E402
-from model import LockStep, ModelConfig, Policy, Sampler  # noqa: E402
+from model import ModelConfig, Policy, Sampler  # noqa: E402
+from options.lockstep import LockStep, sampler_class  # noqa: E402
 from moe_switch import (EXPERT_NAMES, EPLayout, EPMoE, new_groups, reshard, reshard_naive, route,  # noqa: E402
                         shard_experts)
 
@@ -391,8 +392,8 @@ def decode_runs(engines, contexts, seeds, args):
     for rep in range(1 + args.repeats):
         for name, (engine, P, group) in engines.items():
             lockstep = None if group is None else LockStep(group, "cpu", every=LOCKSTEP_EVERY)
-            sampler = Sampler(engine, args.max_new_tokens, task.EOS, task.PAD, temperature=1.0, keep=False,
-                              lockstep=lockstep)
+            make = Sampler if lockstep is None else sampler_class(Sampler, lockstep)
+            sampler = make(engine, args.max_new_tokens, task.EOS, task.PAD, temperature=1.0, keep=False)
             recorder = A2ARecorder()
             with recorder.installed(engine) if rep == 0 else contextlib.nullcontext():
                 dt, out = timed(lambda: sampler(contexts, seeds))  # prefill + decode, barrier to slowest rank

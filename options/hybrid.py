@@ -30,7 +30,7 @@ import stalesync
 import task
 import train_grpo as T
 from config import model_config
-from model import Policy, Sampler
+from model import Policy
 from options.push import push_weights, wait_for, warm_up_or_wait
 from plumbing.runlog import RunLog, cut_facts, share_figures, stale_facts
 
@@ -81,10 +81,10 @@ def build(cfg, out_dir=None):
     scheduler streaming each group as it completes."""
     run = T.new_run(cfg, out_dir, cls=HybridRun)
     cfg = run.cfg  # --train-ep auto resolved
-    columns = {"ref_logprobs": "float32"}  # (n_i,)
+    columns = {"ref_logprobs": "float32", **run.per_token}  # ref_logprobs: (n_i,)
     added = ("ref_logprobs", "reward", "advantage") if cfg.reward_model else ("ref_logprobs",)
     names = ("prompt", "response", "old_logprobs", "reward", "rule_reward", "advantage", "stale",
-             "routes", "ref_logprobs")
+             *columns)
     stages = {"aux": ("prompt", "response"), "train": tuple(c for c in names if c not in added),
               "from_aux": added}  # the actor puts; the auxiliary ranks read "aux", add "from_aux"
     run.queue = T.build_queue(cfg, run.key, run.store, run.rank, run.roles.world, run.device,
@@ -94,10 +94,9 @@ def build(cfg, out_dir=None):
     run.push_group = dist.new_group([0] + roles.auxiliaries, timeout=timeout)
     actor = run.rank in roles.trainers
     T.build_policy(run, DeviceMesh.from_group(run.train_group, run.device.type) if actor else None)
-    if actor:
-        sampler = Sampler(run.engine, cfg.max_new_tokens, task.EOS, task.PAD, cfg.temperature,
-                          cfg.top_p, routes=True, on_step=run.queue.serve)  # pulls between forwards
-        T.build_rollout(run, sampler, chunk_s0=True, on_group=lambda group: put_group(run, group))
+    if actor:  # the queue served between decode forwards: a group put is pulled within a forward
+        T.build_rollout(run, lambda base: serving(base, run.queue), chunk_s0=True,
+                        on_group=lambda group: put_group(run, group))
         run.actor = fusion.FusedActor(run.model, run.optimizer, run.engine,
                                       bucket_bytes=cfg.bucket_kb * 1024, inplace=True,
                                       group=run.rollout_group)
@@ -109,7 +108,19 @@ def build(cfg, out_dir=None):
         if run.rank == 0:
             print(f"switch: {run.actor.path}", flush=True)
     run.log = RunLog(run, start=1)
+    if cfg.routing_replay:  # the trainers replay the recorded experts; moe/* in the log
+        from options import routing_replay
+        routing_replay.apply(run)
     return run
+
+
+def serving(base, queue):
+    """`base`, a Sampler class, that answers the queue's requests before each decode forward."""
+    class ServingSampler(base):
+        def _decode_forward(self, tok, pos, valid, cache, rows):
+            queue.serve()
+            return super()._decode_forward(tok, pos, valid, cache, rows)
+    return ServingSampler
 
 
 def send_reference(run):
@@ -174,7 +185,7 @@ def put_group(run, group):
     if run.rank in run.roles.writers():
         ids = run.queue.put({"prompt": group.prompts, "response": group.responses,
                              "old_logprobs": group.logprobs, "rule_reward": rule.tolist(),
-                             "stale": stale_facts(group, (0, 0, 0)), "routes": T.routes_of(group)}
+                             "stale": stale_facts(group, (0, 0, 0)), **T.per_token(run, group)}
                             | scored)
     run.rows_ahead.update(zip(group.ids, ids))
 

@@ -19,7 +19,6 @@ import torch.distributed as dist
 import fusion
 import task
 import train_grpo as T
-from model import generate
 from options import reward_model
 
 
@@ -88,9 +87,7 @@ def sample_responses(run, prompts, first_seed):
     lo, hi = i * len(prompts) // n, (i + 1) * len(prompts) // n
     seeds = torch.tensor([fit_seed(run.cfg.seed, first_seed + j) for j in range(lo, hi)])
     with fusion.rollout(run.actor):
-        mine = generate(run.engine, prompts[lo:hi], seeds, run.cfg.max_new_tokens, task.EOS, task.PAD,
-                        temperature=run.cfg.temperature, top_p=run.cfg.top_p,
-                        lockstep=run.sampler.lockstep).tokens
+        mine = run.sampler.fresh()(prompts[lo:hi], seeds).tokens
     everyone = [None] * dist.get_world_size(run.rollout_group)
     mine = [r.cpu() for r in mine] if run.rank in run.roles.writers() else None
     dist.all_gather_object(everyone, mine, group=run.rollout_group)

@@ -67,6 +67,9 @@ def build(cfg, out_dir=None):
     if run.rank in roles.generators:
         T.build_rollout(run)
     run.log = RunLog(run, start=run.resume_from[1]["step"] + 1 if run.resume_from else 1)
+    if cfg.routing_replay:  # the trainers replay the recorded experts; moe/* in the log
+        from options import routing_replay
+        routing_replay.apply(run)
     return run
 
 

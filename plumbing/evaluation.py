@@ -6,7 +6,6 @@ so that a sum over the ranks counts each prompt once.
 import torch
 
 import task
-from model import generate
 
 
 def held_out_correct(run):
@@ -14,8 +13,8 @@ def held_out_correct(run):
     it answers exactly} (0 on a rank that is not its replica's writer)."""
     i, n = run.roles.replica(run.rank), run.roles.replicas  # replica i of n
     mine = run.eval_prompts[i * len(run.eval_prompts) // n:(i + 1) * len(run.eval_prompts) // n]
-    gen = generate(run.engine, mine, torch.zeros(len(mine), dtype=torch.long), run.cfg.max_new_tokens,
-                   task.EOS, task.PAD, temperature=0, lockstep=run.sampler.lockstep)
+    greedy = run.sampler.fresh(temperature=0)  # the run's kind of sampler (its peers too), greedy
+    gen = greedy(mine, torch.zeros(len(mine), dtype=torch.long))
     writer = run.rank in run.roles.writers()
     correct = dict.fromkeys(range(1, run.cfg.max_digits + 1), 0.0)
     for p, r in zip(mine, gen.tokens):

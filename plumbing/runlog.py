@@ -77,7 +77,7 @@ def share_figures(step, rows):
 def lockstep_counts(run):
     """The engine's lock-step counts so far, this rank's (rank 0's in metrics.jsonl): forwards of zero rows run for
     its peers, and agreements (one all-reduce each); 0 without a lock-step engine (--infer-ep 1, a trainer rank)."""
-    lockstep = run.sampler.lockstep if run.sampler is not None else None
+    lockstep = getattr(run.sampler, "lockstep", None)  # options/lockstep.py's sampler has one
     return {"lockstep/dummy_forwards": lockstep.dummy_forwards if lockstep is not None else 0,
             "lockstep/agreements": lockstep.agreements if lockstep is not None else 0}
 
@@ -91,6 +91,7 @@ class RunLog:
     def __init__(self, run, start=1, gather=moe_switch.dense_state_dict):
         self.run, self.t_start, self.start = run, run.spans.t0, start  # start: the first RL step of this run
         self.gather = gather  # the trained model, whole on every rank (collective): its hash in summary.json
+        self.means = [grpo.batch_means]  # sums over the trainers -> a step's figures (options add theirs)
         t0 = [time.time() - (time.perf_counter() - self.t_start)]  # the run's start in wall-clock time
         dist.broadcast_object_list(t0, src=0)  # rank 0's: every rank's spans on one time axis
         self.offset = time.time() - time.perf_counter() - t0[0]  # perf_counter -> seconds since the start
@@ -192,7 +193,7 @@ class RunLog:
         self.skipped += s["skipped_max"]
         return {"step": step, "reward/mean": s["reward"] / rows, "reward/rule_mean": s["rule_reward"] / rows,
                 "reward/rule_agreement": s["rule_agree"] / rows,  # rows whose reward is the rule's (a learned one's)
-                **grpo.batch_means(s),
+                **{k: v for means in self.means for k, v in means(s).items()},
                 "rollout/response_tokens": s["response_tokens"], "perf/tokens_per_s": s["response_tokens"] / step_s,
                 "time/step_s": step_s, **{f"time/{k}_s": spans.total(names, first) for k, names in PHASES.items()},
                 # waiting: for samples (queue), or, ready first, for the other ranks' rollouts (idle)

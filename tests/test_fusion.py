@@ -15,7 +15,8 @@ import torch.nn.functional as F
 import fusion
 from fusion import (ROLLOUT, TRAIN, FusedActor, HostOffloaded, held_bytes, plan_buckets,
                     rollout, weight_meta)
-from model import ModelConfig, Policy, TPLayout, generate
+from model import ModelConfig, Policy, generate
+from options.tensor_parallel import TPLayout, engine as tp_engine
 from options.push import push_weights
 from tests.distributed import run_distributed
 
@@ -82,7 +83,7 @@ def _check_exact_and_memory(rank, world, model, opt, ref, connect=None):
         # load_weights, which cuts the TP pieces
         for kind in ("inplace", "bucket", "naive") if tp == 1 else ("bucket",):
             transport = connect(model) if connect else None
-            actor = FusedActor(model, opt, Policy(CFG, tp_group), bucket_bytes=1 << 30 if kind == "naive" else BUCKET,
+            actor = FusedActor(model, opt, tp_engine(CFG, tp_group), bucket_bytes=1 << 30 if kind == "naive" else BUCKET,
                                inplace=kind == "inplace", transport=transport)
             assert actor.path == f"{'in place' if kind == 'inplace' else 'load_weights'}, " \
                                  f"{type(transport or fusion.Broadcasts()).__name__}"
@@ -118,7 +119,7 @@ def _check_bit_identical(rank, world, offload_params, round_trips, connect=None)
     b, opt_b = _train_model(world)
     layout = TPLayout(world, 2 if world > 1 else 1, n_heads=CFG.n_heads)
     tp_group, _ = layout.new_groups(timeout_s=60)
-    actor = FusedActor(a, opt_a, Policy(CFG, tp_group), bucket_bytes=BUCKET, offload_params=offload_params,
+    actor = FusedActor(a, opt_a, tp_engine(CFG, tp_group), bucket_bytes=BUCKET, offload_params=offload_params,
                        transport=connect(a) if connect else None)
     for step in range(3):
         for model, opt in ((a, opt_a), (b, opt_b)):
@@ -313,10 +314,10 @@ def _check_pp_switch(rank, world, model, opt):
     ref.load_weights(full.items())
     for tp in [t for t in (1, 2, 4) if world % t == 0]:
         tp_group, _ = TPLayout(world, tp, n_heads=CFG.n_heads).new_groups(timeout_s=60)
-        want = Policy(CFG, tp_group)
+        want = tp_engine(CFG, tp_group)
         want.load_weights(full.items())
         for inplace in (True, False) if tp == 1 else (False,):
-            actor = FusedActor(model, opt, Policy(CFG, tp_group), bucket_bytes=BUCKET, inplace=inplace)
+            actor = FusedActor(model, opt, tp_engine(CFG, tp_group), bucket_bytes=BUCKET, inplace=inplace)
             assert [w.name for w in actor.layout.values()] == list(full)  # stage by stage, the model's order
             with rollout(actor) as engine, torch.no_grad():
                 for (name, p), q in zip(engine.named_parameters(), want.parameters()):
@@ -422,9 +423,9 @@ def _nodes(rank, world):
     lacks = sum(t.nbytes for t in full.values()) - sum(_local(p).nbytes for p in model.parameters())
     for tp in (1, world):
         tp_group, _ = TPLayout(world, tp, n_heads=CFG.n_heads).new_groups(timeout_s=60)
-        want = Policy(CFG, tp_group)
+        want = tp_engine(CFG, tp_group)
         want.load_weights(full.items())
-        actor = FusedActor(model, opt, Policy(CFG, tp_group), bucket_bytes=BUCKET, inplace=tp == 1)
+        actor = FusedActor(model, opt, tp_engine(CFG, tp_group), bucket_bytes=BUCKET, inplace=tp == 1)
         assert all(w.replicas == 2 and len(w.owners) == per for w in actor.layout.values())
         with rollout(actor) as engine:
             assert all(torch.equal(p, q) for p, q in zip(engine.parameters(), want.parameters())), tp

@@ -269,70 +269,6 @@ def test_greedy_is_argmax():
         assert torch.equal(model(seq)[0, len(c) - 1:-1].argmax(-1), toks)
 
 
-def _free_routes(model, seq):
-    """The experts each token of seq (T,) picks per MoE layer in a forward that routes freely: (T, L, K), as sets."""
-    from model import RecordRoutes, moe_layers, routing
-    hooks = [RecordRoutes() for _ in moe_layers(model)]
-    with torch.no_grad(), routing(model, hooks):
-        model(seq[None, :])
-    return torch.stack([h.chosen for h in hooks], 1).sort(-1).values
-
-
-def test_a_prefix_read_again_under_new_weights_keeps_its_recorded_routes():
-    """Sampler(routes=True) keeps each row's recorded experts per seed through reset(): under new weights, the
-    prefill that reads a cut row's context again routes its response tokens with them (prompt tokens freely), so the
-    continued tokens' log-probs are those of a training forward that replays the record, not of free routing. The
-    record survives a state_dict round trip (a resumed sampler continues the same) and leaves with a finished row."""
-    import io
-    from grpo import GRPOConfig, Samples, chunk_logprobs
-    model, ctxs, seeds = _model(), _contexts([3, 9, 5]), torch.tensor([4, 5, 6])
-    sampler = Sampler(model, 14, eos_id=None, routes=True)  # no EOS: every row is cut, then runs to its budget
-    first = sampler(ctxs, seeds, max_steps=4)
-    assert not any(first.done) and all((r >= 0).all() for r in first.per_token["routes"])  # keep=True: all read
-    sampler.reset()  # new weights are coming: the cache goes, the record stays
-    buf = io.BytesIO()
-    torch.save(sampler.state_dict(), buf)
-    resumed = Sampler(model, 14, eos_id=None, routes=True)
-    resumed.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
-    assert resumed.recorded.keys() == {4, 5, 6} and all(
-        torch.equal(resumed.recorded[s][1], r) for s, r in zip([4, 5, 6], first.per_token["routes"]))
-    with torch.no_grad():  # new weights: every router's preferences reversed
-        for block in model.blocks:
-            block.moe.router.weight.mul_(-1.0)
-    ctxs2 = [torch.cat([c, t]) for c, t in zip(ctxs, first.tokens)]
-    free = [_free_routes(model, c)[len(c) - 4:] for c in ctxs2]  # what a free prefill would pick for the response
-    assert any(not torch.equal(f, r.sort(-1).values) for f, r in zip(free, first.per_token["routes"]))
-    rest, again = sampler(ctxs2, seeds, n_done=[4, 4, 4]), resumed(ctxs2, seeds, n_done=[4, 4, 4])
-    assert all(rest.done) and sampler.recorded == {}  # done: the record is dropped
-    assert all(torch.equal(a, b) for a, b in zip(rest.tokens + rest.logprobs, again.tokens + again.logprobs))
-    samples = Samples(ctxs, [torch.cat([a, b]) for a, b in zip(first.tokens, rest.tokens)], None, None,
-                      routes=[torch.cat([a, b]) for a, b in zip(first.per_token["routes"], rest.per_token["routes"])])
-    cfg = GRPOConfig(micro_batches=1)
-    replayed = chunk_logprobs(model, samples, cfg, "cpu", replay=True)  # the record at every response token
-    freely = chunk_logprobs(model, samples, cfg, "cpu")
-    for lp, rep in zip(rest.logprobs, replayed):
-        torch.testing.assert_close(lp, rep[4:], atol=1e-5, rtol=0)
-    assert any((lp - fr[4:]).abs().max() > 1e-4 for lp, fr in zip(rest.logprobs, freely))  # replay mattered
-
-
-def test_a_token_no_forward_read_is_recorded_by_the_prefill_that_first_reads_it():
-    """keep=False with max_steps: the call ends before any forward reads a cut row's last token (-1 in its routes);
-    the next call's prefill reads it first, records its choice, and replays the recorded ones."""
-    model, ctxs, seeds = _model(), _contexts([3, 9]), torch.tensor([4, 5])
-    sampler = Sampler(model, 14, eos_id=None, keep=False, routes=True)
-    first = sampler(ctxs, seeds, max_steps=3)
-    assert all((r[-1] == -1).all() and (r[:-1] >= 0).all() for r in first.per_token["routes"])
-    ctxs2 = [torch.cat([c, t]) for c, t in zip(ctxs, first.tokens)]
-    second = sampler(ctxs2, seeds, n_done=[3, 3], max_steps=3)
-    for c, s, r, t in zip(ctxs2, [4, 5], first.per_token["routes"], second.tokens):
-        tokens, recorded = sampler.recorded[s]
-        assert torch.equal(tokens[:3], c[-3:]) and torch.equal(tokens[3:], t) and len(recorded) == 6
-        assert torch.equal(recorded[:2], r[:2])  # kept
-        assert torch.equal(recorded[2].sort(-1).values, _free_routes(model, c)[-1])  # the prefill's own choice
-    with pytest.raises(RuntimeError, match="seed 4's recorded routes are for a response of 6 tokens"):
-        sampler([torch.cat([ctxs[0], (first.tokens[0] + 1) % 14])], seeds[:1], n_done=[3])  # another response
-
-
 def _lockstep_rank(rank, world_size):
     """Rank 0 decodes rows of very different lengths in chunks of 3 steps: its first call prefills two length buckets
     (a long continued row among short prompts) where rank 1's prefills one; its second call merges new rows into
@@ -342,8 +278,8 @@ def _lockstep_rank(rank, world_size):
     its dummy forwards, the buckets of its first prefill, whether a call mixed held and new rows, and greedy
     decoding's tokens against the dense engine's."""
     import torch.distributed as dist
-    from model import LockStep
     from moe_switch import EPLayout, EPMoE, new_groups
+    from options.lockstep import LockStep, sampler_class
     model = _model()
     ctxs, seeds = _contexts([3, 58, 6, 5, 2, 4, 3, 2, 5, 20, 4, 4]), list(range(11, 23))
     n_done = [0, 27, 30, 29] + [0] * 8  # row 1: a long prefix with 3 tokens left; row 2: none left; row 3: one
@@ -354,7 +290,7 @@ def _lockstep_rank(rank, world_size):
     for block in model.blocks:
         block.moe = EPMoE.from_dense(block.moe, layout, group)
     lockstep = LockStep(group, "cpu", every=2)
-    sampler, got, mixed = Sampler(model, 30, EOS, temperature=1.2, lockstep=lockstep), {i: [] for i in mine}, False
+    sampler, got, mixed = sampler_class(Sampler, lockstep)(model, 30, EOS, temperature=1.2), {i: [] for i in mine}, False
     buckets = len(_length_buckets([len(ctxs[i]) for i in live]))
     while True:  # one call per turn on every rank, until every rank is done (the cut's role in a run)
         held = set(sampler.state["seeds"]) if sampler.state is not None else set()
@@ -370,8 +306,8 @@ def _lockstep_rank(rank, world_size):
         if not busy.item():
             break
     rows = mine if rank == 0 else []  # rank 1: no rows at all
-    greedy = generate(model, [ctxs[i] for i in rows], torch.zeros(len(rows)), 30, EOS, temperature=0,
-                      n_done=[n_done[i] for i in rows], lockstep=lockstep)
+    greedy = sampler.fresh(temperature=0)([ctxs[i] for i in rows], torch.zeros(len(rows)),
+                                          n_done=[n_done[i] for i in rows])
     want_greedy = generate(_model(), [ctxs[i] for i in rows], torch.zeros(len(rows)), 30, EOS, temperature=0,
                            n_done=[n_done[i] for i in rows]) if rows else greedy
     return ([got[i] for i in mine], [whole.tokens[i].tolist() for i in mine], lockstep.dummy_forwards, buckets,

@@ -221,12 +221,12 @@ def test_two_ranks_train_to_identical_parameters(tmp_path):
         assert_same_training(p, p_one, str(mode))
         assert s["eval_accuracy_after"] == s_one["eval_accuracy_after"]
         lines = [json.loads(l) for l in open(tmp_path / str(mode) / "metrics.jsonl")][1:]
-        assert all(l["moe/routed_tokens"] > 0 for l in lines), mode  # the rollout's routes reached the trainers
-        if mode is replay:  # the record used: 0 by construction; the router's own choice agrees (the same weights)
+        if mode is replay:  # the rollout's routes reached the trainers; the record used: 0 by construction; the
+            assert all(l["moe/routed_tokens"] > 0 for l in lines), mode  # router's own choice agrees (same weights)
             assert all(l["moe/routing_mismatch"] == 0 and l["moe/router_mismatch_free"] == 0 for l in lines)
             assert lines[-1]["lockstep/dummy_forwards"] > 0  # EP 2 in rollout: rank 0 idled through rank 1's forwards
-        else:  # the training forward's own choice: a near-tied top-k could flip on another CPU or BLAS
-            assert all(l["moe/routing_mismatch"] <= 1e-3 for l in lines), mode
+        else:  # nothing recorded without routing replay
+            assert not any(k.startswith("moe/") for l in lines for k in l), mode
     assert torch.equal(p, p1)  # under EP too, both ranks end with the same model
     ep = [json.loads(l) for l in open(tmp_path / str(mode) / "metrics.jsonl")][1]
     half = ep["ep/to_rollout_bytes_min"]  # each rank lacks the other half of the experts
@@ -271,10 +271,10 @@ def test_world_4_expert_parallel_rollout_trains_as_one(tmp_path):
         lines = [json.loads(l) for l in open(tmp_path / name / "metrics.jsonl")][1:]
         assert sum(l["rollout/filtered_groups"] for l in lines) > 0, "no refill: no rank idled"
         assert lines[0]["ep/to_rollout_bytes_moved"] == lines[0]["ep/to_rollout_bytes_min"]
-        assert all(l["moe/routed_tokens"] > 0 for l in lines), name
         # rank 0 ran forwards of zero rows for its peers (a decode's rows end before its first agreement, 8 forwards)
         assert lines[-1]["lockstep/dummy_forwards"] > 0, name
-        if replay:
+        if replay:  # the rollout's routes reached the trainers, and the record was used
+            assert all(l["moe/routed_tokens"] > 0 for l in lines), name
             assert all(l["moe/routing_mismatch"] == 0 and l["moe/router_mismatch_free"] == 0 for l in lines), name
     stale = dict(train_ep=2, staleness=1, chunk_steps=2, steps=4)
     (_, p_ep1), *_ = run_distributed(_train_tiny, world_size=4, timeout_s=240,
@@ -283,7 +283,7 @@ def test_world_4_expert_parallel_rollout_trains_as_one(tmp_path):
                                      args=(str(tmp_path / "s1ep4"), dict(stale, infer_ep=4)))
     lines = [json.loads(l) for l in open(tmp_path / "s1ep4" / "metrics.jsonl")][1:]
     assert max(l["stale/age_max"] for l in lines) == 1  # samples that started a version earlier were trained
-    assert all(l["moe/routed_tokens"] > 0 for l in lines) and lines[-1]["lockstep/agreements"] > 0
+    assert lines[-1]["lockstep/agreements"] > 0
     assert_same_training(p_ep4, p_ep1, "S = 1, EP 4 against EP 1 in rollout")
 
 
