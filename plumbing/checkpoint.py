@@ -321,6 +321,9 @@ def _check(cfg, path):
     if cfg.reward_model != bool(meta.get("reward_model")):
         raise ValueError(f"checkpoint {path} was saved with --reward-model {int(bool(meta.get('reward_model')))}: "
                          f"resume it with the same (here --reward-model {int(cfg.reward_model)}), the reward it trains on")
+    if saved.get("train_ep") and meta.get("experts") != "stacked":
+        raise ValueError(f"checkpoint {path} was saved by older code with --train-ep {saved['train_ep']}, each "
+                         "expert under a name of its own: resume it with that code")
     if meta["step"] >= cfg.steps:
         raise ValueError(f"checkpoint {path} is at step {meta['step']}: --steps {cfg.steps} leaves nothing to run")
     return path, meta
@@ -344,7 +347,8 @@ def save(run, step):
             own["grad_sync"] = run.grad_sync.state_dict()
         dcp_state, own["optim_groups"] = _dcp_state(run)
         meta = {"world": run.roles.world, "config": dataclasses.asdict(cfg), "log": run.log.state_dict(),
-                "reference": run.reference is not None, "reward_model": run.reward_model is not None}
+                "reference": run.reference is not None, "reward_model": run.reward_model is not None,
+                "experts": "stacked"}  # under EP too (_dcp_state)
         write(run.out_dir, step, run.rank, own, meta, dcp_state=dcp_state, dcp_group=run.train_group,
               keep_last=cfg.keep_last)
 
@@ -353,30 +357,65 @@ def _dcp_state(run):
     """(state, param_groups). The state, DCP's part, is tensors only (a non-tensor entry, DCP would pickle and
     its load unpickle): the trainers' model and optimizer state as FSDP shards (DTensors), and the reference
     model. The optimizer's param_groups (its settings, and its parameters' names: plain data) go to the rank
-    files. Under EP an expert is a plain tensor on the ranks that hold it and an empty one elsewhere: only
-    its holders name it (identical copies on its replicas, written once), so that a load finds it by name
-    whatever the layout, EP degree or world size it loads into. (None, None) on a generator."""
+    files. Under EP the experts (a tensor per expert, on the ranks that hold it) are saved as the dense model
+    stacks them, (E, ...) under the dense names (_stacked), so that a load finds them whatever the layout it
+    loads into: EP at any degree, or none, at any world size. (None, None) on a generator."""
     if run.model is None:
         return None, None
     from torch.distributed.checkpoint.state_dict import get_state_dict
     model, optim = get_state_dict(run.model, run.optimizer)
-    state = {"model": _held(model), "optim": {"state": _held(optim["state"], model)}}
+    state = {"model": _stacked(model, run.model), "optim": {"state": _stacked(optim["state"], run.model)}}
     if run.reference is not None:
         with run.reference.on_device() as ref:  # host copies: an offloaded reference frees its storages on exit
-            state["reference"] = _held({k: v.detach().to("cpu", copy=True) for k, v in ref.state_dict().items()})
+            state["reference"] = _stacked({k: v.detach().to("cpu", copy=True) for k, v in ref.state_dict().items()},
+                                          ref)
     if run.reward_model is not None:  # --reward-model: frozen after its fit, the same on every rank
         with run.reward_model.on_device() as rm:
             state["reward_model"] = {k: v.detach().to("cpu", copy=True) for k, v in rm.state_dict().items()}
     return state, optim["param_groups"]
 
 
-def _held(entries, model=None):
-    """The entries of a state dict whose tensor (or, given `model`, whose parameter there) is not empty:
-    an EP expert this rank does not hold is left out."""
-    def empty(k, v):
-        t = model[k] if model is not None else v
-        return torch.is_tensor(t) and t.numel() == 0
-    return {k: v for k, v in entries.items() if not empty(k, v)}
+def _expert_layers(module):
+    """{name: EPMoE} of a module's expert-parallel MoE layers (none without EP)."""
+    import moe_switch
+    return {name: m for name, m in module.named_modules() if isinstance(m, moe_switch.EPMoE)}
+
+
+def _stacked(entries, module):
+    """A state dict of `module` (its parameters' tensors, or the optimizer's state per parameter: a dict of
+    tensors) with each EP expert entry, `<layer>.w_gate.<e>` held by some ranks, made the dense model's stack
+    `<layer>.w_gate` (E, ...), whole on every rank: each expert broadcast by its first holder (collective over
+    the default group). The optimizer's step, the same for every expert, stays one scalar."""
+    import moe_switch
+    out = dict(entries)
+    for name, layer in _expert_layers(module).items():
+        for n in moe_switch.EXPERT_NAMES:
+            parts = []
+            for e in range(layer.layout.n_experts):
+                box = [out.pop(f"{name}.{n}.{e}", None) if e in layer.layout.owned(layer.rank) else None]
+                out.pop(f"{name}.{n}.{e}", None)  # an expert this rank does not hold: an empty tensor
+                dist.broadcast_object_list(box, src=layer.layout.global_rank(layer.layout.holders(e)[0]))
+                parts.append(box[0])
+            if torch.is_tensor(parts[0]):
+                out[f"{name}.{n}"] = torch.stack(parts)                                  # (E, ...)
+            else:
+                out[f"{name}.{n}"] = {k: v if v.dim() == 0 else torch.stack([p[k] for p in parts])
+                                      for k, v in parts[0].items()}
+    return out
+
+
+def _unstacked(entries, module):
+    """_stacked's inverse on a load: each stack's slices of the experts this rank holds, under their EP names."""
+    import moe_switch
+    out = dict(entries)
+    for name, layer in _expert_layers(module).items():
+        for n in moe_switch.EXPERT_NAMES:
+            stack = out.pop(f"{name}.{n}")
+            for e in layer.layout.owned(layer.rank):
+                out[f"{name}.{n}.{e}"] = stack[e].clone() if torch.is_tensor(stack) else \
+                    {k: (v if v.dim() == 0 else v[e]).clone() for k, v in stack.items()}  # own storage each:
+                # an optimizer steps each expert's state in place, its step count too
+    return out
 
 
 def resume(run):
@@ -396,12 +435,13 @@ def resume(run):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
         state, groups = _dcp_state(run)  # groups: this run's settings
         read_dcp(path, state, run.train_group)  # an older checkpoint's param_groups in DCP are not read
-        set_state_dict(run.model, run.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=dict(state["optim"], param_groups=groups),
+        set_state_dict(run.model, run.optimizer, model_state_dict=_unstacked(state["model"], run.model),
+                       optim_state_dict=dict(state["optim"], state=_unstacked(state["optim"]["state"], run.model),
+                                             param_groups=groups),
                        options=StateDictOptions(strict=run.experts is None))  # EP: the experts held here only
         if run.reference is not None:
             with run.reference.on_device() as ref:
-                ref.load_state_dict(state["reference"], strict=run.experts is None)
+                ref.load_state_dict(_unstacked(state["reference"], ref), strict=run.experts is None)
         if run.reward_model is not None:
             with run.reward_model.on_device() as rm:
                 rm.load_state_dict(state["reward_model"])

@@ -165,7 +165,7 @@ def _check_separated(rank, world):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     else:
-        engine = Policy(CFG, gens)
+        engine = tp_engine(CFG, gens)
         for p in engine.parameters():
             p.data.zero_()
     sent = push_weights(model, engine, 0, push_group, BUCKET)  # meta: sent by trainer 0
