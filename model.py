@@ -1,36 +1,41 @@
 # Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (see LICENSE).
 """The tiny MoE policy: a decoder-only transformer, and batched sampling with a KV cache.
 
-Architecture, Qwen-MoE / DeepSeek-MoE style: token embedding -> L x [RMSNorm -> causal attention with
-RoPE -> RMSNorm -> MoE of SwiGLU experts behind a softmax top-k router] -> RMSNorm -> vocabulary head.
-The expert weights are stacked tensors (E, ...), so that one einsum runs every expert (departure 2);
-moe_switch.py's expert-parallel layers cut the stack into a tensor per expert, each moved alone.
+Architecture, Qwen-MoE / DeepSeek-MoE style: token embedding -> L x [RMSNorm -> causal attention
+with RoPE -> RMSNorm -> MoE of SwiGLU experts behind a softmax top-k router] -> RMSNorm ->
+vocabulary head. The expert weights are stacked tensors (E, ...), so that one einsum runs every
+expert (departure 2). moe_switch.py's expert-parallel layers cut the stack into a tensor per
+expert, each moved alone.
 
-Sampling (`Sampler`, `generate`) is batched over prompts of different lengths, left-padded, with a KV
-cache. It stops a row at EOS or at its budget, and returns each token's behaviour log-prob,
+Sampling (`Sampler`, `generate`) is batched over prompts of different lengths, left-padded, with a
+KV cache. It stops a row at EOS or at its budget, and returns each token's behaviour log-prob,
 log softmax(logits / temperature): what grpo.token_logprobs recomputes in a training forward. It
 continues rows cut part-way (a context is the prompt and the response so far, n_done its response
-tokens), and `Sampler(keep=True)` keeps the cut rows' KV cache for its next call, so that a scheduler
+tokens). `Sampler(keep=True)` keeps the cut rows' KV cache for its next call, so that a scheduler
 decoding in chunks (stalesync.py) reads each prefix once per weight version. The prefill reads the
-contexts in length buckets, one forward each, so that a long held row does not pad every new prompt.
+contexts in length buckets, one forward each, so that a long held row does not pad every new
+prompt.
 
 Departures from a production sampler, on purpose:
 1. Randomness is counter-based: the uniform that picks a token is a hash of (the sample's seed, the
-   token's position). A sample is then the same alone or in a batch, in one call or cut and continued,
-   on one rank or another: the tests check exactly that.
-2. For a few tokens at a time (decoding), the MoE runs every expert densely and combines them with the
-   (mostly zero) top-k gates: on 2 CPU cores that beats routing for a model this small. For many tokens
-   (training, prefill) it routes each token to its k experts. The math is the same either way.
-3. Behaviour log-probs ignore the top-p truncation (as verl does): they are the log-probs the trainer
-   recomputes. The default top-p is 1, where the two agree.
-The options extend it where the run is built: options/tensor_parallel.py cuts the engine over ranks,
-options/lockstep.py decodes an expert-parallel engine's ranks together, options/routing_replay.py
-records each token's experts; a Sampler subclass joins in at the hooks its docstring names.
+   token's position). A sample is then the same alone or in a batch, in one call or cut and
+   continued, on one rank or another: the tests check exactly that.
+2. For a few tokens at a time (decoding), the MoE runs every expert densely and combines them with
+   the (mostly zero) top-k gates: on 2 CPU cores that beats routing for a model this small. For
+   many tokens (training, prefill) it routes each token to its k experts. The math is the same
+   either way.
+3. Behaviour log-probs ignore the top-p truncation (as verl does): they are the log-probs the
+   trainer recomputes. The default top-p is 1, where the two agree.
+
+The options extend it where the run is built: options/tensor_parallel.py cuts the engine over
+ranks, options/lockstep.py decodes an expert-parallel engine's ranks together, and
+options/routing_replay.py records each token's experts. A Sampler subclass joins in at the hooks
+its docstring names.
 
     python -m pytest tests/test_model.py
 
-Shapes: B batch, T tokens, D model width, H heads, hd head width, E experts, K top-k, F expert width,
-V vocabulary, L layers.
+Shapes: B batch, T tokens, D model width, H heads, hd head width, E experts, K top-k,
+F expert width, V vocabulary, L layers.
 """
 from dataclasses import dataclass, field
 
@@ -114,9 +119,10 @@ DENSE_MOE_WORK = 3 * 2 ** 18
 
 
 class MoE(nn.Module):
-    """Softmax router, top-k of E SwiGLU experts, gates renormalised over the chosen k. `routing`, an
-    optional hook on the experts chosen, (N, K) -> (N, K): options/routing_replay.py records them, or
-    replaces them by recorded ones (the gates stay this router's probabilities of those)."""
+    """Softmax router, top-k of E SwiGLU experts, gates renormalised over the chosen k. `routing`,
+    an optional hook on the experts chosen, (N, K) -> (N, K): options/routing_replay.py records
+    them, or replaces them by recorded ones (the gates stay this router's probabilities of
+    those)."""
 
     def __init__(self, cfg, d_expert=None):
         super().__init__()
@@ -152,7 +158,7 @@ class MoE(nn.Module):
         else:  # more: each expert only on the tokens routed to it
             out = torch.zeros_like(x)
             for e in range(gates.shape[1]):
-                idx = gates[:, e].nonzero().squeeze(-1)                             # (n_e,) host sync
+                idx = gates[:, e].nonzero().squeeze(-1)                   # (n_e,) a host sync
                 xe = x[idx]                                                         # (n_e, D)
                 ye = (F.silu(xe @ self.w_gate[e]) * (xe @ self.w_up[e])) @ self.w_down[e]
                 out = out.index_add(0, idx, ye * gates[idx, e, None])               # (N, D)
@@ -195,8 +201,8 @@ class Policy(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights):
-        """vLLM-style loader: weights is an iterable of (name, full tensor); returns the names loaded
-        (options/tensor_parallel.py's cuts each rank's piece first)."""
+        """vLLM-style loader: weights is an iterable of (name, full tensor). Returns the names
+        loaded (options/tensor_parallel.py's cuts each rank's piece first)."""
         params, loaded = dict(self.named_parameters()), set()
         for name, w in weights:
             if w.shape != params[name].shape:
@@ -213,7 +219,8 @@ class KVCache:
     are left-padded), so one write index serves the batch."""
 
     def __init__(self, cfg, batch, max_len, device, dtype, n_heads=None):
-        hd, H = cfg.d_model // cfg.n_heads, cfg.n_heads if n_heads is None else n_heads  # H/t under TP
+        hd = cfg.d_model // cfg.n_heads
+        H = cfg.n_heads if n_heads is None else n_heads  # H/t under TP
         self.k = torch.zeros(cfg.n_layers, batch, H, max_len, hd, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
         self.length, self._layer = 0, 0
@@ -231,20 +238,23 @@ class KVCache:
         return self.k[i, :, :, :t1], self.v[i, :, :, :t1]
 
     def compact(self, finished):
-        """Drop the finished rows, finished (B,) bool, from the batch. The naive way, self.k[:, live], copies
-        every live row, up to once a decode step. Here only the live rows past the first B' are copied, into
-        the finished slots among those, and the batch becomes the first B' rows, a view of the same memory.
-        Returns order (B',): each row's index before; the caller reorders its per-row tensors by it. A row's
-        place in the batch changes nothing but, in a small batch, a kernel's rounding: the same tokens, and
-        log-probs the same or a few ulp apart (tests/test_model.py)."""
+        """Drop the finished rows, finished (B,) bool, from the batch. The naive way,
+        self.k[:, live], copies every live row, up to once a decode step. Here only the live rows
+        past the first B' are copied, into the finished slots among those, and the batch becomes the
+        first B' rows, a view of the same memory. Returns order (B',): each row's index before, by
+        which the caller reorders its per-row tensors. A row's place in the batch changes nothing
+        but, in a small batch, a kernel's rounding: the same tokens, and log-probs the same or a few
+        ulp apart (tests/test_model.py)."""
         done = finished.cpu()  # one host sync
         n = int((~done).sum())
-        holes = done[:n].nonzero().squeeze(-1)                                    # (m,) finished, staying
-        movers = (~done[n:]).nonzero().squeeze(-1) + n                           # (m,) live, leaving
+        holes = done[:n].nonzero().squeeze(-1)                        # (m,) finished, staying
+        movers = (~done[n:]).nonzero().squeeze(-1) + n                # (m,) live, leaving
         order = torch.arange(len(done))
         order[holes] = movers
-        holes, movers, t = holes.to(self.k.device), movers.to(self.k.device), self.length  # columns >= t: empty
-        self.k[:, holes, :, :t], self.v[:, holes, :, :t] = self.k[:, movers, :, :t], self.v[:, movers, :, :t]
+        holes, movers = holes.to(self.k.device), movers.to(self.k.device)
+        t = self.length  # columns >= t: empty
+        self.k[:, holes, :, :t] = self.k[:, movers, :, :t]
+        self.v[:, holes, :, :t] = self.v[:, movers, :, :t]
         self.k, self.v = self.k[:, :n], self.v[:, :n]
         return order[:n].to(finished.device)
 
@@ -272,7 +282,8 @@ def sample_tokens(logits, u, temperature=1.0, top_p=1.0):
         return tok, F.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1)
     logp = F.log_softmax(logits / temperature, dim=-1)                           # (B, V)
     p_sorted, order = logp.exp().sort(dim=-1, descending=True, stable=True)      # (B, V)
-    p_sorted = p_sorted * ((p_sorted.cumsum(-1) - p_sorted) < top_p)            # nucleus; keeps the top
+    # The nucleus: the tokens whose mass before them is under top_p (the top one always).
+    p_sorted = p_sorted * ((p_sorted.cumsum(-1) - p_sorted) < top_p)            # (B, V)
     cdf = p_sorted.double().cumsum(-1)                                          # (B, V)
     j = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True)      # (B, 1)
     tok = order.gather(-1, j.clamp(max=logits.shape[-1] - 1)).squeeze(-1)        # (B,)
@@ -284,24 +295,27 @@ class Generation:
     tokens: list       # per row: the new response tokens, (n_i,) int64
     logprobs: list     # per row: their behaviour log-probs, (n_i,) float32
     done: list         # per row: True if it hit EOS or its budget, False if cut by max_steps
-    per_token: dict = field(default_factory=dict)  # a subclass's per-token fields: name -> per row
-                                                   # (n_i, ...) (options/routing_replay.py: "routes")
+    per_token: dict = field(default_factory=dict)  # a subclass's per-token fields, name -> per
+    #                                                row (n_i, ...) (options/routing_replay.py's)
 
 
-# What one more prefill forward costs, in tokens of work: its fixed cost plus the batching a split loses.
-# `python bench/prefill.py` measures the fixed cost and what the split gains on the pools a stale rollout holds.
+# What one more prefill forward costs, in tokens of work: its fixed cost plus the batching a split
+# loses. `python bench/prefill.py` measures the fixed cost, and what the split gains on the pools a
+# stale rollout holds.
 FORWARD_COST_TOKENS = 256
 
 
 def _length_buckets(lens, forward_cost=FORWARD_COST_TOKENS):
-    """Split rows into buckets prefilled one forward each, every bucket left-padded to its own longest row:
-    the split of the rows sorted by length that minimises padded tokens + forward_cost per forward (a DP).
-    A held long-tail row no longer makes every short new prompt pad to its length. lens: list of ints."""
+    """Split rows into buckets prefilled one forward each, every bucket left-padded to its own
+    longest row: the split of the rows sorted by length that minimises padded tokens + forward_cost
+    per forward (a DP). A held long-tail row no longer makes every short new prompt pad to its
+    length. lens: list of ints."""
     order = sorted(range(len(lens)), key=lambda i: -lens[i])
     longest = np.array([lens[i] for i in order], dtype=np.int64)              # (B,) descending
     best, cut = np.zeros(len(lens) + 1, dtype=np.int64), np.zeros(len(lens) + 1, dtype=np.int64)
-    for j in range(1, len(lens) + 1):  # best[j]: rows order[:j]; a last bucket order[i:j] pads to longest[i]
-        cost = best[:j] + (j - np.arange(j)) * longest[:j] + forward_cost       # (j,) one per choice of i
+    # best[j]: the least cost of the rows order[:j]. A last bucket order[i:j] pads to longest[i].
+    for j in range(1, len(lens) + 1):
+        cost = best[:j] + (j - np.arange(j)) * longest[:j] + forward_cost       # (j,) one per i
         cut[j] = int(cost.argmin())  # ties: the earliest i, the fewest buckets
         best[j] = cost[cut[j]]
     buckets, j = [], len(lens)
@@ -312,7 +326,8 @@ def _length_buckets(lens, forward_cost=FORWARD_COST_TOKENS):
 
 
 def _left_pad(x, t, dim):
-    """Zeros (False) before x along dim, to length t: left-padded rows line up on their last column."""
+    """Zeros (False) before x along dim, to length t: left-padded rows line up on their last
+    column."""
     shape = list(x.shape)
     shape[dim] = t - x.shape[dim]
     return torch.cat([x.new_zeros(shape), x], dim)
@@ -320,24 +335,27 @@ def _left_pad(x, t, dim):
 
 class Sampler:
     """Batched sampling as an object that may keep its KV cache between calls: the step_fn of a
-    scheduler that decodes in chunks (stalesync.py). With keep=True a row cut by max_steps leaves its
-    keys, values and next-token logits behind, keyed by its seed; a later call naming that seed
+    scheduler that decodes in chunks (stalesync.py). With keep=True a row cut by max_steps leaves
+    its keys, values and next-token logits behind, keyed by its seed. A later call naming that seed
     continues from them instead of reading the prefix again, and rows new to the call are prefilled
     and merged in. The tokens are those of a fresh call (tests/test_model.py). reset() drops the
-    cache: call it when the weights change (the prefix must be read again under the new weights) and
-    when the rollout phase ends (it is engine memory).
+    cache: call it when the weights change (the prefix must be read again under the new weights)
+    and when the rollout phase ends (it is engine memory).
 
-    A subclass joins in at five hooks, each a no-op here: _before_prefill (which contexts a call reads
-    afresh), _prefill_forward (one bucket's forward), _after_prefill, _decode_forward (one decode
-    step's forward), _after_decode (the call's Generation, and how many decode forwards it ran);
-    idle() is a call with no rows. options/lockstep.py and options/routing_replay.py are such
-    subclasses; `fresh` gives a sampler of the same kind that keeps nothing (an evaluation's)."""
+    A subclass joins in at five hooks, each a no-op here: _before_prefill (which contexts a call
+    reads afresh), _prefill_forward (one bucket's forward), _after_prefill, _decode_forward (one
+    decode step's forward), _after_decode (the call's Generation, and how many decode forwards it
+    ran). idle() is a call with no rows. options/lockstep.py and options/routing_replay.py are such
+    subclasses. `fresh` gives a sampler of the same kind that keeps nothing (an evaluation's)."""
 
-    def __init__(self, model, max_new_tokens, eos_id, pad_id=0, temperature=1.0, top_p=1.0, keep=True):
-        if not (float(temperature) >= 0 and float(temperature) < float("inf")) or not 0 < top_p <= 1:
+    def __init__(self, model, max_new_tokens, eos_id, pad_id=0, temperature=1.0, top_p=1.0,
+                 keep=True):
+        finite = float(temperature) >= 0 and float(temperature) < float("inf")
+        if not finite or not 0 < top_p <= 1:
             raise ValueError(f"temperature={temperature!r} must be finite and >= 0 (0: greedy) and "
                              f"top_p={top_p!r} in (0, 1]")
-        self.model, self.max_new_tokens, self.eos_id, self.pad_id = model, max_new_tokens, eos_id, pad_id
+        self.model, self.max_new_tokens = model, max_new_tokens
+        self.eos_id, self.pad_id = eos_id, pad_id
         self.temperature, self.top_p, self.keep = temperature, top_p, keep
         self.state, self.steps = None, 0  # steps: decode forwards run, each over every live row
 
@@ -354,8 +372,8 @@ class Sampler:
 
     def state_dict(self):
         """The held rows' cache (seeds, keys, values, validity, positions, next logits) and the step
-        count: with it a resumed scheduler continues bit-exactly; without it (reset()) the prefixes are
-        read again, the same tokens up to rounding of the log-probs."""
+        count. With it a resumed scheduler continues bit-exactly. Without it (reset()) the prefixes
+        are read again: the same tokens, up to rounding of the log-probs."""
         st = None if self.state is None else {k: (v.clone() if torch.is_tensor(v) else list(v))
                                               for k, v in self.state.items()}
         return dict(state=st, steps=self.steps)
@@ -364,15 +382,18 @@ class Sampler:
         self.state, self.steps = sd["state"], sd["steps"]
 
     def budget(self, seeds, n_done):
-        """Tokens each row may still make, (B,). Override for per-row budgets (bench/stalesync.py)."""
+        """Tokens each row may still make, (B,). Override it for per-row budgets
+        (bench/stalesync.py)."""
         return (self.max_new_tokens - n_done).clamp(min=0)
 
     # --- the hooks (see the class docstring): here, plain forwards
     def _before_prefill(self, contexts, call, n_done, new):
-        """Before the call's first forward: `new`, the call rows it prefills (the others are held)."""
+        """Before the call's first forward. `new`: the call rows it prefills (the others are
+        held)."""
 
     def _prefill_forward(self, tokens, positions, mask, cache, rows):
-        """One prefill bucket: its tokens (b, Pb) -> next-token logits (b, V); rows: their call rows."""
+        """One prefill bucket: its tokens (b, Pb) -> next-token logits (b, V). rows: their call
+        rows."""
         return self.model(tokens, positions, mask, cache)[:, -1]
 
     def _after_prefill(self):
@@ -399,25 +420,26 @@ class Sampler:
         (keep=True) two rows with one seed."""
         B, max_len = len(contexts), self.model.cfg.max_seq_len
         if min(map(len, contexts)) == 0:
-            raise ValueError(f"row {[len(c) for c in contexts].index(0)}: an empty context (a prompt "
-                             "needs a token)")
+            empty = [len(c) for c in contexts].index(0)
+            raise ValueError(f"row {empty}: an empty context (a prompt needs a token)")
         need = [len(c) + min(steps, int(b)) for c, b in zip(contexts, budget.tolist())]  # positions
         if max(need) > max_len:
             i = max(range(B), key=need.__getitem__)
-            raise ValueError(f"row {i}: context {len(contexts[i])} + {need[i] - len(contexts[i])} new "
-                             f"tokens exceeds max_seq_len={max_len}")
+            n_new = need[i] - len(contexts[i])
+            raise ValueError(f"row {i}: context {len(contexts[i])} + {n_new} new tokens exceeds "
+                             f"max_seq_len={max_len}")
         if self.keep and len(set(call)) != B:
             raise ValueError(f"Sampler(keep=True) keys rows by seed, but {B} rows have only "
                              f"{len(set(call))} distinct seeds")
 
     @torch.no_grad()
     def __call__(self, contexts, seeds, n_done=None, max_steps=None):
-        model, B, dev = self.model, len(contexts), self.model.head.weight.device
+        B, dev = len(contexts), self.model.head.weight.device
         if B == 0:  # nothing to decode here (a subclass may still join its peers' forwards)
             return self.idle()
         n_done = torch.zeros(B, dtype=torch.long) if n_done is None else torch.as_tensor(n_done)
         seeds = torch.as_tensor(seeds, dtype=torch.long, device=dev)
-        budget = self.budget(seeds, n_done).to(dev)                                 # (B,) tokens left
+        budget = self.budget(seeds, n_done).to(dev)                      # (B,) tokens left
         steps = int(budget.max()) if max_steps is None else min(max_steps, int(budget.max()))
         call = seeds.tolist()
         self._check(contexts, budget, steps, call)
@@ -434,8 +456,8 @@ class Sampler:
         self._after_prefill()
         out_tok, out_lp = [[] for _ in range(B)], [[] for _ in range(B)]
         done = (budget == 0).tolist()
-        live = cache.compact(budget[order] == 0)                                    # (B',) cache rows
-        rows = order[live]                                                          # (B',) call rows
+        live = cache.compact(budget[order] == 0)                         # (B',) cache rows
+        rows = order[live]                                               # (B',) call rows
         logits, valid, next_pos, left = logits[live], valid[live], next_pos[live], budget[rows]
         forwards = 0  # decode forwards run in this call
         for step in range(steps):
@@ -454,15 +476,15 @@ class Sampler:
                 keep = cache.compact(finished)                                      # (B'',)
                 rows, tok, next_pos = rows[keep], tok[keep], next_pos[keep]
                 valid, left = valid[keep], left[keep]
-            if len(rows) == 0 or (step == steps - 1 and not self.keep):  # kept rows need their logits
+            if len(rows) == 0 or (step == steps - 1 and not self.keep):  # kept rows need logits
                 break
             valid = torch.cat([valid, valid.new_ones(len(rows), 1)], 1)             # (B', t)
             logits = self._decode_forward(tok, next_pos, valid, cache, rows)
             next_pos = next_pos + 1
             self.steps += 1
             forwards += 1
-        # Held: copies of the live rows' keys and values (the batch views the whole cache), and their
-        # contexts, to check against the next call's.
+        # Held: copies of the live rows' keys and values (the batch views the whole cache), and
+        # their contexts, to check against the next call's.
         self.state = None if not (self.keep and len(rows)) else dict(
             seeds=seeds[rows].tolist(), valid=valid, pos=next_pos, logits=logits,
             k=cache.k[:, :, :, :cache.length].clone(), v=cache.v[:, :, :, :cache.length].clone(),
@@ -473,10 +495,11 @@ class Sampler:
         return self._after_decode(out, forwards, call, n_done)
 
     def _prefill(self, contexts, which, extra, forward_cost=FORWARD_COST_TOKENS):
-        """Left-pad contexts (list of (T_i,); `which`: their call rows) into (B, P) and read them into a
-        fresh cache with room for `extra` more tokens, one forward per length bucket: a bucket padded
-        to Pb fills the cache's last Pb columns, and the columns before them stay zero and invalid.
-        Returns the cache, next-token logits (B, V) float32, validity (B, P) and lengths (B,)."""
+        """Left-pad contexts (list of (T_i,), `which`: their call rows) into (B, P) and read them
+        into a fresh cache with room for `extra` more tokens, one forward per length bucket. A
+        bucket padded to Pb fills the cache's last Pb columns, and the columns before them stay zero
+        and invalid. Returns the cache, next-token logits (B, V) float32, validity (B, P) and
+        lengths (B,)."""
         model = self.model
         B, dev, dtype = len(contexts), model.head.weight.device, model.head.weight.dtype
         n = [len(c) for c in contexts]
@@ -508,16 +531,19 @@ class Sampler:
         return cache, logits, valid, lens
 
     def _resume(self, contexts, held, new, extra):
-        """The cache for held rows (from self.state) then new rows (prefilled), with room for `extra`."""
+        """The cache for held rows (from self.state) then new rows (prefilled), with room for
+        `extra`."""
         st, model, dev = self.state, self.model, self.model.head.weight.device
         where = {s: i for i, s in enumerate(st["seeds"])}
         idx = torch.tensor([where[s] for _, s in held], device=dev)
-        k, v = st["k"][:, idx], st["v"][:, idx]                                      # (L, R, H, t, hd)
-        valid, pos, logits = st["valid"][idx], st["pos"][idx], st["logits"][idx]     # (R, t), (R,), (R, V)
+        k, v = st["k"][:, idx], st["v"][:, idx]                          # (L, R, H, t, hd)
+        valid = st["valid"][idx]                                         # (R, t)
+        pos = st["pos"][idx]                                             # (R,)
+        logits = st["logits"][idx]                                       # (R, V)
         if any(not torch.equal(contexts[i].cpu(), st["ctx"][where[s]]) for i, s in held):
-            raise RuntimeError("Sampler: a held row's context is not the one it was cut with (its prefix "
-                               "and the tokens it made); reset() after new weights or to start a seed "
-                               "afresh")
+            raise RuntimeError("Sampler: a held row's context is not the one it was cut with (its "
+                               "prefix and the tokens it made); reset() after new weights or to "
+                               "start a seed afresh")
         if new:
             c, lg, vd, ln = self._prefill([contexts[i] for i in new], new, 0)
             t = max(valid.shape[1], vd.shape[1])
@@ -529,7 +555,8 @@ class Sampler:
         lead = int(valid.any(0).long().argmax())  # columns before it: padding in every row, dropped
         k, v, valid = k[:, :, :, lead:], v[:, :, :, lead:], valid[:, lead:]
         t = valid.shape[1]
-        cache = KVCache(model.cfg, len(valid), t + extra, dev, k.dtype, model.blocks[0].attn.n_heads)
+        n_heads = model.blocks[0].attn.n_heads
+        cache = KVCache(model.cfg, len(valid), t + extra, dev, k.dtype, n_heads)
         cache.k[:, :, :, :t], cache.v[:, :, :, :t], cache.length = k, v, t
         return cache, logits, valid, pos
 

@@ -13,52 +13,42 @@ the README:
   6. switch    ROLLOUT -> TRAIN
   2. score     the task's rule (task.py) on every response
   3. queue     advantages within each group (grpo.py); the rows into DistQueue (distqueue.py)
-  4. read      each rank reads a token-balanced share of the batch, packed; the reference's log-probs
+  4. read      each rank reads a token-balanced share of the batch, packed; the reference scores it
   5. train     GRPO updates, data parallel with FSDP2
-Step 1 scores too: each group as it completes, so that dynamic sampling drops a group whose rewards
-are all equal (its slot is drawn again) and the curriculum (curriculum.py) learns which prompt
-lengths are informative.
+Step 1 scores each group as it completes too: dynamic sampling drops a group whose rewards are all
+equal (its slot is drawn again), and the curriculum (curriculum.py) learns which lengths inform.
 
-Counting: a version v is a count of optimizer steps. RL step k trains batch k - 1, which StaleSync
-cut for version k - 1 (every sample of it started at a version >= k - 1 - S), and makes version k.
-A supervised warm-up comes first; its held-out accuracy is the "before" figure.
+A version v counts optimizer steps: RL step k trains batch k - 1, which StaleSync cut for version
+k - 1 (every sample of it started at a version >= k - 1 - S), and makes version k. A supervised
+warm-up comes first; its held-out accuracy is the "before" figure.
 
 Departures from the source system, on purpose:
-1. Scoring is a rule on the generating rank, so reward and advantage travel with the sample; the
-   reference runs on the trainer that reads the sample.
-2. Sampling is counter-based per sample (model.py), and a group's prompt and seeds are functions of
-   its global slot and attempt: every layout generates, keeps and replaces the same groups from the
-   same weights, so every layout trains to a world of one's parameters.
+1. Scoring is a rule on the generating rank: reward and advantage travel with the sample.
+2. Sampling is counter-based (model.py), and a group's prompt and seeds are functions of its global
+   slot and attempt: every layout trains on the same groups, to a world of one's parameters.
 
-Every option the default run leaves off lives in options/ and applies itself where the run is built
-(`train`, `build`): the separated and hybrid deployments and the pipeline run loops of their own.
-What a run prints and writes, its checkpoints and its devices: plumbing/.
+Options the default run leaves off live in options/, applied where the run is built (`train`,
+`build`); the separated and hybrid deployments and the pipeline run loops of their own. The run's
+log, checkpoints, devices and flags: plumbing/.
 """
 import datetime
-import gc
-import math
-import os
-import uuid
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-import curriculum
 import distqueue
 import fusion
 import grpo
 import moe_switch
 import stalesync
 import task
-from config import Config, Roles, grpo_config, model_config, parse_args, resolve, validate
+from plumbing.config import model_config, parse_args, validate
 from model import Policy, Sampler
 from plumbing import checkpoint, shm_transport
 from plumbing.distributed import setup_distributed, world_size
+from plumbing.run import start
 from plumbing.evaluation import curriculum_figures, eval_figures, held_out_correct, is_eval_step
-from plumbing.runlog import RunLog, all_sum, cut_facts, share_figures, stale_facts
-from plumbing.timeline import Spans
+from plumbing.runlog import RunLog, all_sum, cut_facts, run_guarded, share_figures, stale_facts
 
 
 # ----------------------------------------------------------------------------- the run
@@ -78,41 +68,19 @@ def train(cfg, out_dir=None):
 
 
 def run_loop(run, loop, warm=None, attach=None):
-    """The warm-up (a fresh run) or the checkpoint's state (a resumed one), then `loop`. An error names
-    the phase this rank was in: a dead peer surfaces as a failed collective. `warm` and `attach` (the
+    """The warm-up (a fresh run) or the checkpoint's state (a resumed one), then `loop` (an error
+    names the phase this rank was in). Returns (summary, model). `warm` and `attach` (the
     reference's): a deployment's own (default: warm_up, attach_reference)."""
     if run.resume_from is None:
         (warm or warm_up)(run)
     (attach or attach_reference)(run)
-    if run.cfg.reward_model:  # trained on the warmed-up policy's samples (resumed: the checkpoint's)
+    if run.cfg.reward_model:  # fit on the warmed-up policy's samples (resumed: the checkpoint's)
         from options import learned_reward
         learned_reward.attach(run)
     checkpoint.resume(run)
-    resume_lr(run)
-    # What setup made lives as long as the loop: frozen, a full collection skips it and pauses a
-    # rank (its peers waiting) far less.
-    freeze = gc.get_freeze_count() == 0
-    if freeze:
-        gc.collect()
-        gc.freeze()
-    try:
-        loop(run)
-    except Exception as e:
-        where, args = run.spans.failed_in or ("the loop", run.spans.args)
-        raise RuntimeError(f"rank {run.rank} stopped in {where} ({args}): {type(e).__name__}: "
-                           f"{e}{hint(run.cfg, e)}") from e
-    finally:
-        if freeze:
-            gc.unfreeze()
-    return run.log.close(), run.model
-
-
-def hint(cfg, e):
-    """What a brake's error means in this script's flags."""
-    if isinstance(e, stalesync.FilterLimitError):
-        return (f" (--filter-groups 1: dynamic sampling; --filter-limit {cfg.filter_limit} groups "
-                "dropped per prompt trained stops the run; --filter-groups 0 turns it off)")
-    return ""
+    if run.resume_from is not None:  # the learning rate where the checkpoint's run stopped
+        anneal_lr(run, run.log.share(run.log.start - 1, run.log.seconds))
+    return run_guarded(run, loop)
 
 
 def colocated_loop(run):
@@ -146,62 +114,52 @@ def colocated_loop(run):
             break
 
 
-def end_step(run, step, mark, sums, extra, evaluate_fn=None):
+def end_step(run, step, mark, sums, extra):
     """A step's end, the same in every loop: its record (sums over every trainer's rows), the next
     step's learning rate, an evaluation every --eval-every steps and at the last, a checkpoint every
-    --save-every. Returns whether this step is the last (--steps or --rl-seconds, whichever binds)."""
+    --save-every. Returns whether it is the last (--steps or --rl-seconds, whichever binds)."""
     done = run.log.done(step, mark)
     record = run.log.figures(step, mark, sums, extra)
     anneal_lr(run, done)  # the record holds this step's
-    if is_eval_step(run.cfg, step) or done >= 1:  # after the figures: the evaluation is not the step's
-        record.update((evaluate_fn or evaluate)(run))
+    if is_eval_step(run.cfg, step) or done >= 1:  # after the figures: not the step's time
+        record.update(evaluate(run))
     run.log.write(record)
     checkpoint.save(run, step)
     return done >= 1
 
 
 # ----------------------------------------------------------------------------- the step's stages
-def rule_rewards(run, prompts, responses):
-    """2. The task's rule: 1.0 for an exact answer, else 0.0. (B,)"""
-    return torch.tensor([task.score(p, r) for p, r in zip(prompts, responses)])
-
-
-def score_and_enqueue(run, batch, at_cut=None):
-    """2-3. Score each response, advantages within each group (a group never spans replicas), and put
-    the rows into the queue: one writer per replica (its TP peers hold the same samples). Returns the
-    rows' ids on a writer, else None."""
-    rule = rule_rewards(run, batch.prompts, batch.responses)  # logged beside a learned reward
-    rewards = run.score(run, batch.prompts, batch.responses)                               # (B,)
+def score_and_enqueue(run, batch):
+    """2-3. Score, advantages within each group (a group never spans replicas), rows into the queue:
+    one writer per replica (its TP peers hold the same samples). Returns its rows' ids or None."""
+    rule = task.rewards(batch.prompts, batch.responses)  # logged beside a learned reward
+    rewards = run.score(batch.prompts, batch.responses)  # the rule's, or a learned model's: (B,)
     advantages = grpo.group_advantages(rewards, run.cfg.group_size, run.cfg.adv_estimator)  # (B,)
     if run.rank not in run.roles.writers():
         return None
-    at_cut = at_cut or cut_facts(batch)
     return run.queue.put({"prompt": batch.prompts, "response": batch.responses,
                           "old_logprobs": batch.logprobs, "rule_reward": rule.tolist(),
                           "reward": rewards.tolist(), "advantage": advantages.tolist(),
-                          "stale": stale_facts(batch, at_cut), **per_token(run, batch)})
+                          "stale": stale_facts(batch, cut_facts(batch)), **per_token(run, batch)})
 
 
 def per_token(run, batch):
-    """The sampler's per-token fields (options/routing_replay.py's routes), each row's flat, in its
-    queue column's dtype."""
+    """The sampler's per-token fields (routing replay's routes), flat, in their columns' dtypes."""
     dtypes = {name: distqueue.DTYPES[run.queue.spec.columns[name]] for name in batch.per_token}
     return {name: [t.reshape(-1).to(dtypes[name]) for t in values]
             for name, values in batch.per_token.items()}
 
 
 def announce_rows(run, mine):
-    """The row ids of the batch this step trains, every writer's (`mine`: this rank's, None if it does
-    not write) gathered over the trainers: the shared cut's shares vary from step to step, so a
-    writer's rows are named, not counted. Collective."""
+    """The batch's row ids, every writer's (`mine`: this rank's) gathered over the trainers: the
+    shared cut's shares vary from step to step, so a writer's rows are named, not counted."""
     everyone = [None] * dist.get_world_size(run.train_group)
     dist.all_gather_object(everyone, mine or [], group=run.train_group)
     return {r for part in everyone for r in part}
 
 
 def read_share(run, rows=None):
-    """4. This trainer's token-balanced share of the batch (run.batch_ids), packed; returns (the GRPO
-    samples, the rows read)."""
+    """4. This trainer's token-balanced share of the batch (run.batch_ids): (samples, rows)."""
     if rows is None:
         per_step = run.cfg.prompts_per_step * run.cfg.group_size
         with run.spans("queue"):
@@ -213,7 +171,7 @@ def read_share(run, rows=None):
 
 
 def samples_of(run, rows):
-    """The rows read, as grpo.Samples (a per-token field back to one entry per token, (n_i, ...))."""
+    """The rows read, as grpo.Samples (a per-token field back to (n_i, ...): one entry a token)."""
     responses = rows.cols["response"]
     fields = {name: [v.view(len(r), -1) for v, r in zip(rows.cols[name], responses)]
               for name in run.per_token}
@@ -224,8 +182,7 @@ def samples_of(run, rows):
 
 
 def reference_logprobs(run, samples):
-    """4. The frozen initial policy's log-probs of the share (under colocated-all it visits the
-    device), or None without a reference."""
+    """4. The frozen initial policy's log-probs of the share (None without a reference)."""
     if run.reference is None:
         return None
     with run.spans("reference"), run.reference.on_device() as ref:
@@ -235,14 +192,14 @@ def reference_logprobs(run, samples):
 def observe_group(run, prompt, responses):
     """StaleSync's keep_group, on every group as it completes: the curriculum counts it for its
     prompt's length; with --filter-groups, a group whose rewards are all equal is dropped."""
-    rewards = run.score(run, [prompt] * len(responses), responses).tolist()
+    rewards = run.score([prompt] * len(responses), responses).tolist()
     run.curriculum.observe(task.difficulty(prompt), rewards)
     return not run.cfg.filter_groups or len(set(rewards)) > 1
 
 
 def learn_curriculum(run):
     """A step boundary: the curriculum's counts of the groups every replica scored since the last,
-    summed over the generators (one rank per replica counts), join the decayed old ones. Collective."""
+    summed over the generators (one rank a replica), join the decayed old ones. Collective."""
     mine = 1.0 if run.rank in run.roles.writers() else 0.0
 
     def reduce(new):
@@ -261,19 +218,9 @@ def evaluate(run):
 
 
 def anneal_lr(run, done):
-    """Every param group's learning rate for `done` of the run behind (0 to 1): a cosine from --lr
-    down to --lr x --lr-decay, so that the policy settles as the run ends."""
-    if run.optimizer is None:
-        return
-    cosine = 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))  # 1 at the start, 0 at the end
-    for group in run.optimizer.param_groups:
-        group["lr"] = run.cfg.lr * (run.cfg.lr_decay + (1 - run.cfg.lr_decay) * cosine)
-
-
-def resume_lr(run):
-    """Resumed: the learning rate where the checkpoint's run stopped (the saved steps and seconds)."""
-    if run.resume_from is not None:
-        anneal_lr(run, run.log.share(run.log.start - 1, run.log.seconds))
+    """The learning rate for `done` of the run behind: a cosine from --lr to --lr x --lr-decay."""
+    if run.optimizer is not None:
+        grpo.cosine_lr(run.optimizer, run.cfg.lr, run.cfg.lr_decay, done)
 
 
 def warm_up(run, supervised=grpo.supervised_step):
@@ -292,9 +239,8 @@ def warm_up(run, supervised=grpo.supervised_step):
 
 
 def attach_reference(run):
-    """The frozen initial policy (the warm-up's result), when kl_coef > 0, under colocated-all kept in
-    host memory except while it computes. Under EP it runs the policy's own EP forward: the same
-    log-probs, bit for bit, at step 1."""
+    """The frozen initial policy (the warm-up's result), on host between uses under colocated-all.
+    Under EP it runs the policy's own EP forward: the same log-probs, bit for bit, at step 1."""
     if run.model is None or not (run.cfg.kl_coef > 0 or run.cfg.deploy == "colocated-all"):
         return
     ref = Policy(model_config(run.cfg)).to(run.device).eval()
@@ -306,53 +252,12 @@ def attach_reference(run):
 
 
 # ----------------------------------------------------------------------------- building the run
-@dataclass
-class Run:
-    """Everything the loop uses, built once by `build`. A field a rank does not need is None."""
-    cfg: Config
-    rank: int
-    roles: Roles
-    device: torch.device
-    out_dir: str
-    key: str                      # this start's prefix of store keys (a restarted job reuses the store)
-    resume_from: tuple            # (folder, meta) of the checkpoint resumed from, or None
-    spans: Spans                  # every timed phase of this rank
-    store: object                 # the process group's store: the queue's control plane
-    queue: distqueue.DistQueue    # rollout -> training, packed
-    eval_prompts: list            # the held-out set, never trained on
-    warm_stream: task.PromptStream
-    rl_prompts: task.SlotPrompts  # the RL prompt of a global batch slot and attempt
-    curriculum: curriculum.Curriculum  # per prompt length: the RL prompts' weights
-    log: RunLog = None
-    train_group: object = None    # the trainers (FSDP2's ranks)
-    rollout_group: object = None  # the generators
-    data_index: int = 0           # this trainer's slice of a global batch, of data_size
-    data_size: int = 1
-    model: torch.nn.Module = None  # the trained policy
-    optimizer: torch.optim.Optimizer = None
-    algo: grpo.GRPOConfig = None
-    clip_grads: object = None     # the update's clip (EP: the experts' own; None: clip_grad_norm_)
-    experts: moe_switch.ExpertParallel = None  # EP on: the experts' two layouts and their re-shard
-    reference: fusion.HostOffloaded = None  # the frozen initial policy
-    engine: Policy = None         # the rollout engine
-    sampler: Sampler = None       # the engine's sampler; keeps its KV cache between decode chunks
-    sched: stalesync.StaleSync = None
-    actor: fusion.FusedActor = None  # the phase switch
-    cut: object = None            # how the replicas cut each batch: SharedCut (AllReady: apart)
-    batch_ids: set = None         # the row ids of the batch this step trains
-    score: object = rule_rewards  # (run, prompts, responses) -> (B,) rewards (options: a model's)
-    per_token: dict = None        # the sampler's per-token fields: name -> their queue column's dtype
-    around: object = None         # grpo's context around each forward (Samples.around)
-    step0: dict = None            # figures an option adds to step 0's record (the reward model's fit)
-    grad_sync: object = None      # --nodes (options/nodes.py): the gradients' average across nodes
-    reward_model: fusion.HostOffloaded = None  # --reward-model (options/learned_reward.py)
-
-
 def build(cfg, out_dir=None):
     """The colocated run: the policy in its training layout (EP, then FSDP2 over every rank), the
     engine, the scheduler, the queue, and the phase switch between them. Options apply here."""
-    run = new_run(cfg, out_dir)
+    run = start(cfg, out_dir)
     cfg = run.cfg  # --train-ep auto resolved
+    build_queue(run)
     run.train_group = run.rollout_group = dist.group.WORLD
     mesh = torch.distributed.device_mesh.init_device_mesh(run.device.type, (run.roles.world,))
     if cfg.nodes > 1:  # FSDP2 within each node, the gradients averaged across nodes (gradsync.py)
@@ -365,15 +270,17 @@ def build(cfg, out_dir=None):
     build_rollout(run)
     # the actor: one phase switch moves everything (shards, Adam state, experts); the gather reads
     # the peers' shards in shared memory on one CPU host, else broadcasts (collective)
-    transport = shm_transport.SharedMemory.connect(run.model, cfg.pg_timeout_s) or fusion.Broadcasts()
+    transport = shm_transport.SharedMemory.connect(run.model, cfg.pg_timeout_s)
+    transport = transport or fusion.Broadcasts()
     movers = [m for m in (run.experts, run.grad_sync) if m is not None]
     run.actor = fusion.FusedActor(run.model, run.optimizer, run.engine,
                                   bucket_bytes=cfg.bucket_kb * 1024, inplace=cfg.infer_tp == 1,
                                   movers=movers, transport=transport)
     run.cut = build_cut(run)
-    if run.rank == 0:
-        print(f"switch: {run.actor.path} | experts: {experts_said(cfg)}", flush=True)
     run.log = RunLog(run, start=run.resume_from[1]["step"] + 1 if run.resume_from else 1)
+    if run.rank == 0:  # how the phases switch, and how the experts are laid out
+        experts = f"EP {cfg.train_ep} -> {cfg.infer_ep}" if cfg.train_ep else "in FSDP2 (EP off)"
+        print(f"switch: {run.actor.path} | experts: {experts}", flush=True)
     if cfg.routing_replay:  # the trainers replay the recorded experts; moe/* in the log
         from options import routing_replay
         routing_replay.apply(run)
@@ -381,9 +288,9 @@ def build(cfg, out_dir=None):
 
 
 def build_cut(run):
-    """How the replicas cut each batch: one cut over every replica's pool, so that a replica held back
-    by its dropped groups does not hold the step (--shared-cut 0: each replica its own share, once
-    every rank is ready)."""
+    """How the replicas cut each batch: one cut over every replica's pool, so that a replica held
+    back by its dropped groups does not hold the step (--shared-cut 0: each replica its own share,
+    once every rank is ready)."""
     if not run.cfg.shared_cut:
         return stalesync.AllReady(run.rollout_group, device=run.device, spans=run.spans)
     return stalesync.SharedCut(run.rollout_group, replica=run.roles.replica(run.rank),
@@ -391,57 +298,23 @@ def build_cut(run):
                                spans=run.spans)
 
 
-def experts_said(cfg):
-    """How the experts are laid out, for the line printed at start."""
-    if not cfg.train_ep:
-        return "in FSDP2 like every weight (EP off)"
-    return f"EP {cfg.train_ep} in training, EP {cfg.infer_ep} in rollout"
-
-
-def new_run(cfg, out_dir=None, roles=None, cls=None):
-    """A Run with what every deployment has: the process group, the output folder and this start's
-    name (rank 0's), the checkpoint to resume (checked on every rank before anything is written),
-    the store, the queue, the prompts and the curriculum."""
-    rank, world, device = setup_distributed(cfg)
-    cfg = resolve(cfg, world)  # --train-ep auto: EP on where the layout allows it
-    if device.type == "cpu":  # what a phase frees stays with the process for the next, as on CUDA
-        shm_transport.keep_freed_memory()
-    default = cfg.out or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
-    names = [out_dir or default, uuid.uuid4().hex[:12]]
-    dist.broadcast_object_list(names, src=0)
-    out_dir, key = names[0], f"{names[0]}:{names[1]}"
-    resume_from = checkpoint.find(cfg, out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    roles = roles or Roles.of(cfg, world)
-    store = distqueue.default_store()
-    learned = curriculum.Curriculum(cfg.max_digits)
-    eval_prompts, warm_stream, rl_prompts = task.prompt_streams(  # --curriculum: weighted by length
-        cfg.seed, cfg.max_digits, cfg.eval_prompts, learned.draw if cfg.curriculum else None)
-    per_token = {"routes": "int32"} if cfg.routing_replay else {}  # each token's experts, (L K,)
-    queue = build_queue(cfg, key, store, rank, world, device, per_token)
-    return (cls or Run)(cfg, rank, roles, device, out_dir, key, resume_from, Spans(device=device),
-                        store, queue, eval_prompts, warm_stream, rl_prompts, learned,
-                        algo=grpo_config(cfg), step0={}, per_token=per_token)
-
-
-def build_queue(cfg, key, store, rank, world, device, columns=(), stages=None, poll_s=0.002):
+def build_queue(run, columns=(), stages=None, poll_s=0.002):
     """The queue between rollout and training: one row per sample, its keys in the process group's
     store under this start's prefix. `columns` and `stages`: a deployment's own (the hybrid's)."""
     columns = {"prompt": "int64", "response": "int64", "old_logprobs": "float32",
                "reward": "float32", "rule_reward": "float32", "advantage": "float32",
-               "stale": "int64", **dict(columns)}
+               "stale": "int64", **run.per_token, **dict(columns)}
     spec = distqueue.QueueSpec(columns=columns, scalars=("reward", "rule_reward", "advantage"),
                                stages=stages or {"train": tuple(columns)}, poll_s=poll_s,
-                               timeout_s=cfg.pg_timeout_s, name=f"dq:{key}")
-    pg = None if device.type == "cpu" else dist.new_group(  # the queue moves host tensors: gloo
-        backend="gloo", timeout=datetime.timedelta(seconds=cfg.pg_timeout_s))
-    return distqueue.DistQueue(spec, store, rank, world, pg)
+                               timeout_s=run.cfg.pg_timeout_s, name=f"dq:{run.key}")
+    pg = None if run.device.type == "cpu" else dist.new_group(  # the queue moves host tensors: gloo
+        backend="gloo", timeout=datetime.timedelta(seconds=run.cfg.pg_timeout_s))
+    run.queue = distqueue.DistQueue(spec, run.store, run.rank, run.roles.world, pg)
 
 
 def build_policy(run, mesh, split=None):
-    """The trained model (EP applied, then FSDP2 over `mesh`) and its optimizer on the trainers, the
-    rollout engine on the generators. split(model) -> (module, mesh), optional: a training layout cut
-    before FSDP2 (the pipeline's stages)."""
+    """The trained model (EP, then FSDP2 over `mesh`) and its optimizer; the rollout engine.
+    split(model) -> (module, mesh), optional: a layout cut before FSDP2 (the pipeline's stages)."""
     from torch.distributed.fsdp import fully_shard
     cfg, roles, rank = run.cfg, run.roles, run.rank
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
@@ -469,22 +342,9 @@ def build_policy(run, mesh, split=None):
     if run.grad_sync is not None:  # a hook on each FSDP2 unit: its shard, averaged across nodes
         run.grad_sync.apply(model)
     run.model = model
-    # foreach: each stage of Adam one multi-tensor op over every shard (the same results, bit for bit)
+    # foreach: each stage of Adam one multi-tensor op over every shard (the same results, bitwise)
     run.optimizer = torch.optim.AdamW(moe_switch.optimizer_groups(model), lr=cfg.lr,
                                       betas=(0.9, 0.98), weight_decay=0.0, foreach=True)
-
-
-def sample_seed(seed, slot, attempt, member):
-    """The sampling seed of member j of the group in global batch slot `slot`, attempt `attempt`:
-    the same in every deployment and world size, so every layout samples the same responses."""
-    return int(np.random.SeedSequence([seed, slot, attempt, member]).generate_state(1)[0])
-
-
-def global_slot(local, replica, n_prompts, prompts_per_step):
-    """A replica's local StaleSync slot -> its slot in the global batches: replica r makes groups
-    [r * n, (r + 1) * n) of every step's prompts_per_step, n = n_prompts of them."""
-    step, j = divmod(local, n_prompts)
-    return step * prompts_per_step + replica * n_prompts + j
 
 
 def build_rollout(run, wrap=None, **stale):
@@ -495,8 +355,9 @@ def build_rollout(run, wrap=None, **stale):
     n_prompts = cfg.prompts_per_step // roles.replicas
     replica = roles.replica(run.rank)
 
-    def to_global(slot):
-        return global_slot(slot, replica, n_prompts, cfg.prompts_per_step)
+    def to_global(slot):  # replica r makes groups [r n, (r + 1) n) of every step's prompts_per_step
+        step, j = divmod(slot, n_prompts)
+        return step * cfg.prompts_per_step + replica * n_prompts + j
     make = Sampler
     if cfg.infer_ep > 1:  # every forward meets the EP group's: its ranks decode in lock-step
         from options import lockstep
@@ -514,8 +375,9 @@ def build_rollout(run, wrap=None, **stale):
                                    chunk_s0=stale.pop("chunk_s0", False))
     observe = cfg.filter_groups or cfg.curriculum  # neither: nothing to score as groups complete
     run.sched = stalesync.StaleSync(
-        config, run.sampler, prompt_fn=lambda slot, attempt: run.rl_prompts(to_global(slot), attempt),
-        seed_fn=lambda slot, attempt, j: sample_seed(cfg.seed, to_global(slot), attempt, j),
+        config, run.sampler,
+        prompt_fn=lambda slot, attempt: run.rl_prompts(to_global(slot), attempt),
+        seed_fn=lambda slot, attempt, j: task.sample_seed(cfg.seed, to_global(slot), attempt, j),
         keep_group=(lambda prompt, responses: observe_group(run, prompt, responses)) if observe
         else None, **stale)
 

@@ -81,7 +81,7 @@ def timed(fn):
 
 
 def policy_config(args):
-    from config import Config
+    from plumbing.config import Config
     return Config(d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads, n_experts=args.n_experts,
                   d_expert=args.d_expert, seed=args.seed, device="cpu")
 
@@ -92,7 +92,7 @@ def build(args, seed):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     import moe_switch
-    from config import model_config
+    from plumbing.config import model_config
     from model import Policy
     torch.manual_seed(seed)  # the same initial weights on every rank
     model = Policy(model_config(policy_config(args)))

@@ -332,9 +332,9 @@ def bound_part(args, rank, part, passes):
     import torch.distributed as dist
     import grpo
     import task
-    from config import grpo_config as algo_config, model_config
+    from plumbing.config import grpo_config as algo_config, model_config
     from model import Policy
-    from train_grpo import sample_seed
+    from task import sample_seed
     cfg = grpo_config(args, "colocated", None)
     _, _, slot_prompts = task.prompt_streams(args.seed, args.max_digits, 2)  # the runs' first step's draws
     prompts = [slot_prompts(g, 0) for g in range(args.prompts_per_step) for _ in range(args.group_size)]  # B of (P_i,)

@@ -1,16 +1,18 @@
-"""--deploy hybrid --aux-ranks K: the actor colocated on ranks [0, W-K), the frozen reference (and the
-reward model) on ranks [W-K, W) as a queue stage between rollout and training.
+r"""--deploy hybrid --aux-ranks K: the actor colocated on ranks [0, W-K), the frozen reference (and
+the reward model) on ranks [W-K, W) as a queue stage between rollout and training.
 
-    torchrun --standalone --nproc_per_node=3 train_grpo.py --deploy hybrid --filter-groups 0 --curriculum 0
+    torchrun --standalone --nproc_per_node=3 train_grpo.py --deploy hybrid \
+        --filter-groups 0 --curriculum 0
 
-The actor runs the colocated step (actor_loop), with three changes: it puts each group into the queue
-the moment it completes (put_group, StaleSync's on_group; at S = 0 the round decodes in chunks too),
-answering the queue's requests between decode forwards; the batch StaleSync cuts is then only named
-(announce_batch); and the update reads each micro-batch's reference log-probs (and, with a reward
-model, rewards and advantages) as it reaches them (AuxColumns), the micro-batches in the order the
-rows were put. The auxiliary ranks (aux_loop) take their share of the groups as they come, whole
-groups, and add those columns in pieces of a micro-batch's groups, while the actor still decodes the
-round's tail. Each group goes to one auxiliary rank, round robin by its place in its writer's puts.
+The actor runs the colocated step (actor_loop), with three changes: it puts each group into the
+queue the moment it completes (put_group, StaleSync's on_group; at S = 0 the round decodes in chunks
+too), answering the queue's requests between decode forwards; the batch StaleSync cuts is then only
+named (announce_batch); and the update reads each micro-batch's reference log-probs (and, with a
+reward model, rewards and advantages) as it reaches them (AuxColumns), the micro-batches in the
+order the rows were put. The auxiliary ranks (aux_loop) take their share of the groups as they come,
+whole groups, and add those columns in pieces of a micro-batch's groups, while the actor still
+decodes the round's tail. Each group goes to one auxiliary rank, round robin by its place in its
+writer's puts.
 
 It trains to colocated-all's parameters (the reference on host, computed on the actor).
 
@@ -29,9 +31,10 @@ import grpo
 import stalesync
 import task
 import train_grpo as T
-from config import model_config
+from plumbing.config import model_config
 from model import Policy
 from options.push import push_weights, wait_for, warm_up_or_wait
+from plumbing.run import Run, start
 from plumbing.runlog import RunLog, cut_facts, share_figures, stale_facts
 
 
@@ -39,8 +42,8 @@ def errors(cfg, world):
     """--deploy hybrid and --aux-ranks, checked before any process group."""
     aux = 1 if cfg.aux_ranks is None else cfg.aux_ranks
     if not 1 <= aux < world:
-        return [f"--aux-ranks {aux} must be in [1, world size {world}): the actor keeps at least one "
-                "rank"]
+        return [f"--aux-ranks {aux} must be in [1, world size {world}): "
+                "the actor keeps at least one rank"]
     out = []
     if cfg.prompts_per_step < aux:
         out.append(f"--prompts-per-step {cfg.prompts_per_step} must be at least --aux-ranks {aux}: "
@@ -48,23 +51,26 @@ def errors(cfg, world):
     unsupported = {f"--staleness {cfg.staleness}": cfg.staleness > 1,  # an early put could age out
                    f"--infer-tp {cfg.infer_tp}": cfg.infer_tp > 1,
                    f"--train-ep {cfg.train_ep}": cfg.train_ep not in (0, "auto"),
-                   f"--train-pp {cfg.train_pp}": cfg.train_pp > 1, f"--nodes {cfg.nodes}": cfg.nodes > 1,
+                   f"--train-pp {cfg.train_pp}": cfg.train_pp > 1,
+                   f"--nodes {cfg.nodes}": cfg.nodes > 1,
                    f"--save-every {cfg.save_every}": cfg.save_every > 0,
                    f"--resume {cfg.resume}": bool(cfg.resume)}
     for what, bad in unsupported.items():
         if bad:
-            out.append(f"--deploy hybrid with {what} is not supported yet (the actor colocated with "
-                       "--infer-tp 1, FSDP2 over its ranks, S <= 1, no checkpoints)")
+            out.append(f"--deploy hybrid with {what} is not supported yet "
+                       "(the actor colocated with --infer-tp 1, FSDP2 over its ranks, S <= 1, "
+                       "no checkpoints)")
     if cfg.reward_model and (cfg.filter_groups or cfg.curriculum):
-        out.append("--deploy hybrid with --reward-model 1 needs --filter-groups 0 and --curriculum 0: "
-                   "both judge each group by its rewards as it completes, on the actor's ranks, and the "
-                   "hybrid's reward model scores on the auxiliary ranks, which the round does not wait "
-                   "for")
+        out.append("--deploy hybrid with --reward-model 1 "
+                   "needs --filter-groups 0 and --curriculum 0: "
+                   "both judge each group by its rewards as it completes, on the actor's ranks, "
+                   "and the hybrid's reward model scores on the auxiliary ranks, "
+                   "which the round does not wait for")
     return out
 
 
 @dataclass
-class HybridRun(T.Run):
+class HybridRun(Run):
     push_group: object = None     # rank 0 and the auxiliary ranks: the reference goes out on it
     rows_ahead: dict = field(default_factory=dict)  # sample id -> row id, put, not yet in a batch
     at_cut: tuple = (0, 0, 0)     # this rank's last cut's facts (not in the rows: put before it)
@@ -79,16 +85,15 @@ def train(cfg, out_dir=None):
 def build(cfg, out_dir=None):
     """FSDP2 over the actor's ranks, the queue with the auxiliary stage's columns, the actor's
     scheduler streaming each group as it completes."""
-    run = T.new_run(cfg, out_dir, cls=HybridRun)
+    run = start(cfg, out_dir, cls=HybridRun)
     cfg = run.cfg  # --train-ep auto resolved
-    columns = {"ref_logprobs": "float32", **run.per_token}  # ref_logprobs: (n_i,)
+    columns = {"ref_logprobs": "float32"}  # (n_i,)
     added = ("ref_logprobs", "reward", "advantage") if cfg.reward_model else ("ref_logprobs",)
     names = ("prompt", "response", "old_logprobs", "reward", "rule_reward", "advantage", "stale",
-             *columns)
+             *run.per_token, *columns)
     stages = {"aux": ("prompt", "response"), "train": tuple(c for c in names if c not in added),
               "from_aux": added}  # the actor puts; the auxiliary ranks read "aux", add "from_aux"
-    run.queue = T.build_queue(cfg, run.key, run.store, run.rank, run.roles.world, run.device,
-                              columns, stages, poll_s=0.0005)  # each step waits on its round trips
+    T.build_queue(run, columns, stages, poll_s=0.0005)  # each step waits on its round trips
     roles, timeout = run.roles, datetime.timedelta(seconds=cfg.pg_timeout_s)
     run.train_group = run.rollout_group = dist.new_group(roles.trainers, timeout=timeout)
     run.push_group = dist.new_group([0] + roles.auxiliaries, timeout=timeout)
@@ -124,8 +129,8 @@ def serving(base, queue):
 
 
 def send_reference(run):
-    """The warmed-up policy, gathered over the actor's ranks and broadcast by rank 0 to the auxiliary
-    ranks, which keep it as the frozen reference, on their device all along. Collective."""
+    """The warmed-up policy, gathered over the actor's ranks and broadcast by rank 0 to the
+    auxiliary ranks, which keep it as the frozen reference on their device. Collective."""
     ref = Policy(model_config(run.cfg)).to(run.device).eval() if run.model is None else None
     push_weights(run.model, ref, 0, run.push_group, run.cfg.bucket_kb * 1024)
     if ref is not None:
@@ -173,12 +178,12 @@ def actor_loop(run):
 
 def put_group(run, group):
     """StaleSync's on_group: a group into the queue the moment it completes (and is kept), for the
-    auxiliary ranks to work on while the round decodes on; its rows' ids wait for the batch that takes
-    it (announce_batch). Without a reward model its rewards and advantages go in with it."""
-    rule = T.rule_rewards(run, group.prompts, group.responses)
+    auxiliary ranks to work on while the round decodes on; its rows' ids wait for the batch that
+    takes it (announce_batch). Without a reward model its rewards and advantages go in with it."""
+    rule = task.rewards(group.prompts, group.responses)
     scored = {}
     if not run.cfg.reward_model:  # else the auxiliary stage scores it
-        rewards = run.score(run, group.prompts, group.responses)                         # (G,)
+        rewards = run.score(group.prompts, group.responses)  # (G,)
         advantages = grpo.group_advantages(rewards, run.cfg.group_size, run.cfg.adv_estimator)
         scored = {"reward": rewards.tolist(), "advantage": advantages.tolist()}
     ids = [None] * len(group.ids)
@@ -191,22 +196,23 @@ def put_group(run, group):
 
 
 def serve_then(queue, cut, sched):
-    """StaleSync's cut, which a round calls once per decode chunk, answering the queue's requests first:
-    a group put in one chunk is pulled by an auxiliary rank during the next, not at the round's end."""
+    """StaleSync's cut, which a round calls once per decode chunk, answering the queue's requests
+    first: an auxiliary rank pulls a group put in one chunk during the next, not at round's end."""
     queue.serve()
     return cut(sched)
 
 
 def announce_batch(run, batch):
-    """The batch StaleSync cut is in the queue already, group by group; its row ids, gathered from every
-    writer, are what the trainers read, and its cut's facts count in this rank's figures. Collective."""
+    """The batch StaleSync cut is in the queue already, group by group; its row ids, gathered from
+    every writer, are what the trainers read; its cut's facts count in this rank's figures
+    (collective)."""
     run.batch_ids = T.announce_rows(run, [run.rows_ahead.pop(i) for i in batch.ids])
     run.at_cut = cut_facts(batch)
 
 
 def read_share(run, step):
-    """4. This trainer's share, the micro-batches in the order the rows were put (a row's place in its
-    writer's puts), which is the order the auxiliary stage completes them; the columns from the
+    """4. This trainer's share, the micro-batches in the order the rows were put (a row's place in
+    its writer's puts), which is the order the auxiliary stage completes them; the columns from the
     auxiliary stage come through an AuxColumns, during the update."""
     per_step = run.cfg.prompts_per_step * run.cfg.group_size
     with run.spans("queue"):
@@ -224,9 +230,10 @@ def read_share(run, step):
 
 
 class AuxColumns:
-    """A trainer: the auxiliary stage's columns of its rows (the reference's log-probs; with a reward
-    model, rewards and advantages), read micro-batch by micro-batch as the update reaches them
-    (grpo_update's arrive). A row's ref_logprobs still None marks its columns as not yet arrived."""
+    """A trainer: the auxiliary stage's columns of its rows (the reference's log-probs; with a
+    reward model, rewards and advantages), read micro-batch by micro-batch as the update reaches
+    them (grpo_update's arrive). A row whose ref_logprobs is still None has not had its columns
+    yet."""
 
     def __init__(self, run, step, rows, samples):
         self.run, self.step, self.rows, self.samples = run, step, rows, samples
@@ -237,9 +244,10 @@ class AuxColumns:
         self.calls = 0  # arrive calls so far: the same count on every trainer (the barrier's name)
 
     def __call__(self, which):
-        """Rows `which` complete: their columns read if they are not yet (with those of any other row
-        the auxiliary stage has finished), then every trainer waits for its peers' (serving the queue:
-        a peer's rows may need this rank's groups pulled first) before the micro-batch's collectives."""
+        """Rows `which` complete: their columns read if they are not yet (with those of any other
+        row the auxiliary stage has finished), then every trainer waits for its peers' (serving the
+        queue: a peer's rows may need this rank's groups pulled first) before the micro-batch's
+        collectives."""
         if any(self.ref_logprobs[i] is None for i in which):
             with self.run.spans("queue"):
                 self._take([i for i, lp in enumerate(self.ref_logprobs) if lp is None], at_least=0)
@@ -248,7 +256,7 @@ class AuxColumns:
         serve_until_all(self.run, f"{self.step}/{self.calls}")
 
     def _take(self, idx, at_least=None):
-        """Read the columns of these rows (indices into the share): all of them, or what there is."""
+        """Read the columns of these rows (indices into the share): all, or what there is."""
         if not idx:
             return
         got = read_from_aux(self.run, self.step, [self.rows.ids[i] for i in idx], at_least)
@@ -261,8 +269,8 @@ class AuxColumns:
 
 
 def serve_until_all(run, name):
-    """A barrier of the trainers, through the store, that serves the queue while it waits. It waits
-    up to 2 x the timeout, so that a peer's own wait for the auxiliary stage is the failure raised."""
+    """A barrier of the trainers, through the store, that serves the queue while it waits, up to
+    2 x the timeout: the failure raised is then a peer's own wait for the auxiliary stage."""
     n = len(run.roles.trainers)
     if n == 1:
         run.queue.serve()
@@ -273,8 +281,9 @@ def serve_until_all(run, name):
     with run.spans("queue"):
         while int(run.store.add(key, 0)) < n:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {run.rank}: a trainer did not reach micro-batch barrier "
-                                   f"{name} (step/call) in {2 * run.cfg.pg_timeout_s}s: is it alive?")
+                raise TimeoutError(f"rank {run.rank}: a trainer did not reach "
+                                   f"micro-batch barrier {name} (step/call) "
+                                   f"in {2 * run.cfg.pg_timeout_s}s: is it alive?")
             run.queue.serve()
             time.sleep(run.queue.spec.poll_s)
 
@@ -305,7 +314,8 @@ def aux_loop(run):
     groups as the actor puts them, whole groups, and adds their columns (aux_columns) in pieces of a
     micro-batch's groups, the earliest put first; each put serves the queue, so that a trainer waits
     on this rank for at most a piece. Runs until trainer 0 says the last batch has been read."""
-    seen = dict.fromkeys(run.roles.writers(), 0)  # per writer: this rank's groups of it done, in order
+    # per writer: this rank's groups of it done, in order
+    seen = dict.fromkeys(run.roles.writers(), 0)
     done = set()                                  # (writer, k): its k-th group, done out of order
     piece = aux_piece(run)                        # rows per piece of work
     while True:
@@ -339,9 +349,9 @@ def aux_piece(run):
 
 
 def aux_columns(run, rows, ids):
-    """4 (and 2-3 with a reward model): the frozen reference's log-probs of rows `ids` (whole groups,
-    in order; one forward), and the reward model's rewards and group advantages, put back as columns
-    of the same rows."""
+    """4 (and 2-3 with a reward model): the frozen reference's log-probs of rows `ids` (whole
+    groups, in order; one forward), and the reward model's rewards and group advantages, put back as
+    columns of the same rows."""
     cfg = run.cfg
     run.spans.args = {"rows": len(ids)}
     where = {r: i for i, r in enumerate(rows.ids)}  # the queue returns ids ascending
@@ -353,16 +363,17 @@ def aux_columns(run, rows, ids):
     columns = {"ref_logprobs": ref_logprobs}
     run.queue.serve()  # between the two models: a trainer may wait for columns put before
     if run.reward_model is not None:
-        rewards = run.score(run, prompts, responses)                                      # (B,)
+        rewards = run.score(prompts, responses)  # (B,)
         advantages = grpo.group_advantages(rewards, cfg.group_size, cfg.adv_estimator)
         columns |= {"reward": rewards.tolist(), "advantage": advantages.tolist()}
     run.queue.put(columns, ids=ids)
 
 
 def aux_groups(run, seen, done):
-    """This rank's next groups of each writer, (writer, k) -> the G row ids of its k-th, not yet done:
-    as many as StaleSync lets a replica complete ahead of training (S + 1 batches' share). Round
-    robin: the m-th group a writer puts goes to auxiliary rank (m + the writer's index) % aux_ranks."""
+    """This rank's next groups of each writer, (writer, k) -> the G row ids of its k-th, not yet
+    done: as many as StaleSync lets a replica complete ahead of training (S + 1 batches' share).
+    Round robin: the m-th group a writer puts goes to auxiliary rank
+    (m + the writer's index) % aux_ranks."""
     cfg, G, aux = run.cfg, run.cfg.group_size, run.roles.auxiliaries
     ahead = (cfg.staleness + 1) * cfg.prompts_per_step // run.roles.replicas
     out = {}
@@ -386,7 +397,8 @@ def wait_for_groups(run, groups):
         if rows.ids:
             return rows
         if time.monotonic() > deadline:
-            raise TimeoutError(f"rank {run.rank}: the actor put none of groups {sorted(groups)[:8]} "
-                               f"(writer, index) in {run.cfg.pg_timeout_s}s: is the actor alive?")
+            raise TimeoutError(f"rank {run.rank}: the actor put none of groups "
+                               f"{sorted(groups)[:8]} (writer, index) "
+                               f"in {run.cfg.pg_timeout_s}s: is the actor alive?")
         time.sleep(run.queue.spec.poll_s)
     return None

@@ -3,33 +3,36 @@
     torchrun --standalone --nproc_per_node=2 train_grpo.py --reward-model 1
 
 Fit once, after the warm-up, on --rm-samples of the warmed-up policy's own responses to the task's
-prompts (never held-out ones), labelled by the rule (options/reward_model.py: the model and its fit);
-every rank fits the same one on the same samples, rank 0's weights broadcast. Then it is frozen and
-kept in host memory except while it scores (fusion.HostOffloaded), and the run's scorer (run.score)
-is its verdict, P(correct) >= 0.5. The rule is still logged beside it (reward/rule_mean), and its
-agreement with the rule on the held-out prompts' samples goes into step 0's record (rm/*). The hybrid
-deployment keeps it on the auxiliary ranks, on their device, which score with it.
+prompts (never held-out ones), labelled by the rule (options/reward_model.py: the model and its
+fit); every rank fits the same one on the same samples, rank 0's weights broadcast. Then it is
+frozen and kept in host memory except while it scores (fusion.HostOffloaded), and the run's scorer
+(run.score) is its verdict, P(correct) >= 0.5. The rule is still logged beside it
+(reward/rule_mean), and its agreement with the rule on the held-out prompts' samples goes into
+step 0's record (rm/*). The hybrid deployment keeps it on the auxiliary ranks, on their device,
+which score with it.
 
     python -m pytest tests/test_train_grpo.py -k reward_model
 """
+import functools
+
 import numpy as np
 import torch
 import torch.distributed as dist
 
 import fusion
 import task
-import train_grpo as T
 from options import reward_model
 
 
 def attach(run):
-    """Build (or, resumed, take the checkpoint's weights later) and fit the reward model; it scores."""
+    """Build and fit the reward model, which then scores (resumed: the checkpoint's weights)."""
     cfg = run.cfg
     with torch.random.fork_rng(devices=[]):  # its initial weights a function of the seed alone
         torch.manual_seed(cfg.seed)
         rm = reward_model.RewardModel(rm_config(cfg)).to(run.device)
     if run.resume_from is None:
-        if run.rank in run.roles.generators:  # the ranks that sample (hybrid: not the auxiliary ones)
+        # the ranks that sample (hybrid: not the auxiliary ones)
+        if run.rank in run.roles.generators:
             with run.spans("reward_model_fit"):
                 run.step0.update(fit(run, rm))  # rm/*: in step 0's record
         for t in rm.state_dict().values():  # rank 0's fit on every rank (kernels need not be
@@ -40,13 +43,13 @@ def attach(run):
         run.reward_model = fusion.HostOffloaded(rm, offload=False) if held else None
     else:
         run.reward_model = fusion.HostOffloaded(rm, offload=True)
-    run.score = model_rewards
+    run.score = functools.partial(model_rewards, run)
 
 
 def model_rewards(run, prompts, responses):
-    """2. The reward model's verdict, P(correct) >= 0.5 as 1.0, else 0.0. (B,) The rows come group by
-    group, and each group is scored as a batch of its own: the same tensors, so the same verdicts,
-    whether the filter scores it as it completes or the batch scores it for training."""
+    """2. The reward model's verdict, P(correct) >= 0.5 as 1.0, else 0.0. (B,) The rows come group
+    by group, and each group is scored as a batch of its own: the same tensors, so the same
+    verdicts, whether the filter scores it as it completes or the batch scores it for training."""
     with run.spans("reward_model"), run.reward_model.on_device() as rm:
         probs = reward_model.score(rm, prompts, responses, batch_size=run.cfg.group_size)
     return (probs >= 0.5).float()
@@ -64,25 +67,25 @@ def fit(run, rm):
     held_out = {tuple(p.tolist()) for p in run.eval_prompts}
     prompts = task.PromptStream(cfg.seed + 1, cfg.max_digits, exclude=held_out).next(cfg.rm_samples)
     responses = sample_responses(run, prompts, first_seed=0)
-    labels = T.rule_rewards(run, prompts, responses)
+    labels = task.rewards(prompts, responses)
     figures = reward_model.train_reward_model(rm, rm_config(cfg), prompts, responses, labels,
                                               run.device)
     held = sample_responses(run, run.eval_prompts, first_seed=len(prompts))
     probs = reward_model.score(rm, run.eval_prompts, held)
-    agree = reward_model.agreement(probs, T.rule_rewards(run, run.eval_prompts, held))
+    agree = reward_model.agreement(probs, task.rewards(run.eval_prompts, held))
     return {**figures, **{f"rm/held_out_{k}": float(v) for k, v in agree.items()}}
 
 
 def fit_seed(seed, i):
     """The sampling seed of the reward model's i-th sample: a stream of its own (a 3-number key; the
-    RL samples' have 4: train_grpo.sample_seed)."""
+    RL samples' have 4: task.sample_seed)."""
     return int(np.random.SeedSequence([seed, i, 1]).generate_state(1)[0])
 
 
 def sample_responses(run, prompts, first_seed):
-    """The current policy's sampled response to each prompt (seed first_seed + i), every rank getting
-    all of them: each rollout replica generates its slice, the writers' slices gathered in order.
-    Collective."""
+    """The current policy's sampled response to each prompt (seed first_seed + i), every rank
+    getting all of them: each rollout replica generates its slice, the writers' slices gathered in
+    order. Collective."""
     i, n = run.roles.replica(run.rank), run.roles.replicas
     lo, hi = i * len(prompts) // n, (i + 1) * len(prompts) // n
     seeds = torch.tensor([fit_seed(run.cfg.seed, first_seed + j) for j in range(lo, hi)])

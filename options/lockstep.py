@@ -4,12 +4,13 @@
 
 An expert-parallel engine's MoE layers send each rank's tokens to the experts' owners and back
 (all-to-alls), every layer, every forward. A rank that stopped calling forward would leave its peers
-waiting for its experts, so every rank runs the same number of forwards. Each Sampler call agrees once
-on its number of prefill forwards (one per length bucket: data-dependent), and its decode agrees every
-`every` forwards whether any rank still has rows; meanwhile a rank with none runs "dummy" forwards of
-zero rows of its own, which still compute its experts on its peers' tokens (vLLM's data-parallel dummy
-batch, SGLang's idle batch). Each agreement is one all-reduce of one integer: per decode chunk, never
-per token. A rank with nothing to decode calls Sampler.idle() (StaleSync does).
+waiting for its experts, so every rank runs the same number of forwards. Each Sampler call agrees
+once on its number of prefill forwards (one per length bucket: data-dependent), and its decode
+agrees every `every` forwards whether any rank still has rows; meanwhile a rank with none runs
+"dummy" forwards of zero rows of its own, which still compute its experts on its peers' tokens
+(vLLM's data-parallel dummy batch, SGLang's idle batch). Each agreement is one all-reduce of one
+integer: per decode chunk, never per token. A rank with nothing to decode calls Sampler.idle()
+(StaleSync does).
 
     python -m pytest tests/test_model.py -k lock_step
 """
@@ -41,11 +42,12 @@ class LockStep:
         self.dummy_forwards += 1
 
     def metrics(self):
-        return {"lockstep/dummy_forwards": self.dummy_forwards, "lockstep/agreements": self.agreements}
+        return {"lockstep/dummy_forwards": self.dummy_forwards,
+                "lockstep/agreements": self.agreements}
 
 
 def sampler_class(base, lockstep):
-    """`base` (model.Sampler or a subclass of it) whose calls run as many forwards as the group's."""
+    """`base` (model.Sampler or a subclass) whose calls run as many forwards as the group's."""
 
     class LockStepSampler(base):
         def _before_prefill(self, contexts, call, n_done, new):

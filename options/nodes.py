@@ -3,9 +3,9 @@ options/gradsync.py, in full precision or compressed with error feedback.
 
     torchrun --standalone --nproc_per_node=2 train_grpo.py --nodes 2 --grad-compress topk-int8
 
-Applied where the run is built: the training mesh becomes this rank's node, a hook on each FSDP2 unit
-averages its reduce-scattered shard across the nodes, the clip waits for those averages first, and
-the sync is a mover of the phase switch (its error-feedback residual goes to host with the Adam
+Applied where the run is built: the training mesh becomes this rank's node, a hook on each FSDP2
+unit averages its reduce-scattered shard across the nodes, the clip waits for those averages first,
+and the sync is a mover of the phase switch (its error-feedback residual goes to host with the Adam
 state). --fsdp-units block gives each transformer block a unit of its own, so that --grad-overlap 1
 can start a block's sync while the blocks before it compute their backward.
 
@@ -24,8 +24,8 @@ def errors(cfg, world):
     """--nodes and the cross-node gradient sync, checked before any process group."""
     out = []
     if cfg.nodes < 1 or world % cfg.nodes:
-        out.append(f"--nodes {cfg.nodes} must divide the world size {world} (nodes of world / nodes "
-                   "ranks)")
+        out.append(f"--nodes {cfg.nodes} must divide the world size {world} "
+                   "(nodes of world / nodes ranks)")
     unsupported = {"--deploy separated": cfg.deploy == "separated",
                    f"--train-pp {cfg.train_pp}": cfg.train_pp > 1,
                    f"--train-ep {cfg.train_ep}": cfg.train_ep not in (0, "auto")}
@@ -52,7 +52,7 @@ def apply(run):
 
 def synced_clip(sync, clip, model, max_norm):
     """The update's clip under --nodes: the cross-node averages land first (what is still in flight:
-    every one with --grad-overlap), then the norm (clip: the run's own, None for clip_grad_norm_)."""
+    every one with --grad-overlap), then the norm (clip: the run's own; None: clip_grad_norm_)."""
     sync.wait()
     if clip is not None:
         return clip(model, max_norm)

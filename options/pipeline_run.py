@@ -1,11 +1,11 @@
-"""--train-pp 2: the colocated run with its training as pipeline stages (options/pipeline.py), its own
-build and loop.
+"""--train-pp 2: the colocated run with its training as pipeline stages (options/pipeline.py), its
+own build and loop.
 
     torchrun --standalone --nproc_per_node=2 train_grpo.py --train-pp 2
 
 The policy is cut into stages before FSDP2 (each stage FSDP2 over its own ranks); the switch gathers
-the engine's weights from the stages (fusion.py reads which ranks hold each weight); a pipeline reads
-its rows once, through DistQueue's model-parallel group, and every stage of it sees the same
+the engine's weights from the stages (fusion.py reads which ranks hold each weight); a pipeline
+reads its rows once, through DistQueue's model-parallel group, and every stage of it sees the same
 micro-batches; the reference is stages too, with its own schedules. Trains to a world of one's
 parameters.
 
@@ -20,10 +20,11 @@ from torch.distributed.device_mesh import DeviceMesh
 import fusion
 import grpo
 import train_grpo as T
-from config import model_config
+from plumbing.config import model_config
 from model import Policy
-from options.pipeline import (Pipeline, PPLayout, clip_grads, full_state_dict, grpo_update, logprobs,
-                              new_groups, split, supervised_step)
+from options.pipeline import (Pipeline, PPLayout, clip_grads, full_state_dict, grpo_update,
+                              logprobs, new_groups, split, supervised_step)
+from plumbing.run import Run, start
 from plumbing.runlog import RunLog, share_figures
 
 
@@ -33,29 +34,33 @@ def errors(cfg, world):
     if pp < 1 or world % pp or cfg.n_layers % pp:
         return [f"--train-pp {pp} must divide the world size {world} and --n-layers {cfg.n_layers}"]
     if pp > 2:
-        return [f"--train-pp {pp}: 1 or 2 (a stage in the middle of a pipeline, neither first nor last, "
-                "is untested)"]
+        return [f"--train-pp {pp}: 1 or 2 "
+                "(a stage in the middle of a pipeline, neither first nor last, is untested)"]
     out, dp = [], world // pp
     unsupported = {"--deploy separated": cfg.deploy == "separated",
                    f"--train-ep {cfg.train_ep}": cfg.train_ep not in (0, "auto"),
                    "--routing-replay 1": cfg.routing_replay}
     for what, bad in unsupported.items():
         if bad:
-            out.append(f"--train-pp {pp} with {what} is not supported yet (colocated, without EP and "
-                       "without routing replay)")
-    per_pipe, chunks = cfg.prompts_per_step * cfg.group_size // dp, cfg.micro_batches * cfg.updates_per_batch
-    if (cfg.prompts_per_step * cfg.group_size) % dp or per_pipe % chunks:
-        out.append(f"--train-pp {pp}: each of the {dp} pipelines trains prompts_per_step x group_size / {dp} = "
-                   f"{per_pipe} rows, which must split into --micro-batches x --updates-per-batch = {chunks} "
-                   "micro-batches of one size (a stage's shapes are fixed)")
-    if cfg.warmup_steps and (cfg.warmup_batch % dp or (cfg.warmup_batch // dp) % cfg.micro_batches):
-        out.append(f"--train-pp {pp}: --warmup-batch {cfg.warmup_batch} must split over {dp} pipelines into "
-                   f"--micro-batches {cfg.micro_batches} micro-batches of one size")
+            out.append(f"--train-pp {pp} with {what} is not supported yet "
+                       "(colocated, without EP and without routing replay)")
+    rows = cfg.prompts_per_step * cfg.group_size
+    per_pipe, chunks = rows // dp, cfg.micro_batches * cfg.updates_per_batch
+    if rows % dp or per_pipe % chunks:
+        out.append(f"--train-pp {pp}: each of the {dp} pipelines trains "
+                   f"prompts_per_step x group_size / {dp} = {per_pipe} rows, "
+                   "which must split into --micro-batches x --updates-per-batch = "
+                   f"{chunks} micro-batches of one size (a stage's shapes are fixed)")
+    per_pipe_warmup = cfg.warmup_batch // dp
+    if cfg.warmup_steps and (cfg.warmup_batch % dp or per_pipe_warmup % cfg.micro_batches):
+        out.append(f"--train-pp {pp}: --warmup-batch {cfg.warmup_batch} must split "
+                   f"over {dp} pipelines into --micro-batches {cfg.micro_batches} "
+                   "micro-batches of one size")
     return out
 
 
 @dataclass
-class PipelineRun(T.Run):
+class PipelineRun(Run):
     pipe: Pipeline = None         # this rank's stage of the pipeline and its schedules
     pipe_group: object = None     # this rank's pipeline (one rank per stage): it reads rows once
     stage_group: object = None    # this rank's stage (one rank per pipeline)
@@ -73,8 +78,9 @@ def train(cfg, out_dir=None):
 def build(cfg, out_dir=None):
     """train_grpo.build with the policy cut into stages before FSDP2 (each over its stage's ranks):
     this rank's Stage, the pipeline's schedules, the batch slice of its pipeline. Collective."""
-    run = T.new_run(cfg, out_dir, cls=PipelineRun)
+    run = start(cfg, out_dir, cls=PipelineRun)
     cfg = run.cfg  # --train-ep auto resolved
+    T.build_queue(run)
     run.train_group = run.rollout_group = dist.group.WORLD
     layout = PPLayout(cfg.train_pp, run.roles.world, cfg.n_layers)
     stage_group, pipe_group = new_groups(layout, cfg.pg_timeout_s)
@@ -85,14 +91,16 @@ def build(cfg, out_dir=None):
     def cut(model):  # this rank's stage, FSDP2 over its stage's ranks
         stage = split(model, layout, run.rank)
         length = model.cfg.max_seq_len  # the longest row: the longest prompt + the response budget
-        run.pipe = Pipeline(stage, layout, run.rank, pipe_group, cfg.micro_batches, length, run.device)
+        run.pipe = Pipeline(stage, layout, run.rank, pipe_group, cfg.micro_batches, length,
+                            run.device)
         return stage, DeviceMesh.from_group(stage_group, run.device.type)
     T.build_policy(run, None, split=cut)
     run.clip_grads = functools.partial(clip_grads, group=pipe_group)
     run.data_index, run.data_size = run.rank % layout.dp, layout.dp
     T.build_rollout(run)
-    run.actor = fusion.FusedActor(run.model, run.optimizer, run.engine, bucket_bytes=cfg.bucket_kb * 1024,
-                                  inplace=cfg.infer_tp == 1, transport=fusion.Broadcasts())
+    run.actor = fusion.FusedActor(run.model, run.optimizer, run.engine,
+                                  bucket_bytes=cfg.bucket_kb * 1024, inplace=cfg.infer_tp == 1,
+                                  transport=fusion.Broadcasts())
     run.cut = T.build_cut(run)
     if run.rank == 0:
         print(f"switch: {run.actor.path}", flush=True)
@@ -102,8 +110,8 @@ def build(cfg, out_dir=None):
 
 
 def attach_reference(run):
-    """The frozen reference as stages too, each the copy of its policy stage, run through a pipeline of
-    its own (kept on host between uses under colocated-all)."""
+    """The frozen reference as stages too, each the copy of its policy stage, run through a pipeline
+    of its own (kept on host between uses under colocated-all)."""
     if not (run.cfg.kl_coef > 0 or run.cfg.deploy == "colocated-all"):
         return
     ref = split(Policy(model_config(run.cfg)).to(run.device).eval(), run.pipe.layout, run.rank)
@@ -111,11 +119,12 @@ def attach_reference(run):
                          for k, v in run.model.state_dict().items()})
     run.ref_pipe = Pipeline(ref, run.pipe.layout, run.rank, run.pipe.group, run.cfg.micro_batches,
                             run.pipe.length, run.device)
-    run.reference = fusion.HostOffloaded(ref.requires_grad_(False), offload=run.cfg.deploy == "colocated-all")
+    offload = run.cfg.deploy == "colocated-all"
+    run.reference = fusion.HostOffloaded(ref.requires_grad_(False), offload=offload)
 
 
 def pipeline_loop(run):
-    """train_grpo.colocated_loop, the batch read once per pipeline and trained through the schedule."""
+    """train_grpo.colocated_loop: the batch read once per pipeline, trained through the schedule."""
     spans, sched, actor, cfg = run.spans, run.sched, run.actor, run.cfg
     if run.resume_from is None:
         run.log.warmed_up(T.evaluate(run) | run.step0)
@@ -132,14 +141,15 @@ def pipeline_loop(run):
         # 2-3. score, advantages, into the queue
         with spans("score"):
             run.batch_ids = T.announce_rows(run, T.score_and_enqueue(run, batch))
-        # 4. an equal count per pipeline (fixed micro-batch shapes), read once per pipeline (DistQueue's
-        #    model-parallel group) and broadcast to its stages; the reference through its own pipeline
+        # 4. an equal count per pipeline (fixed micro-batch shapes), read once per pipeline
+        #    (DistQueue's model-parallel group) and broadcast to its stages; the reference through
+        #    its own pipeline
         mine = set(sorted(run.batch_ids)[run.data_index::run.data_size])
         with spans("queue"):
             rows = run.queue.get("train", len(mine), group=run.pipe_group, only=mine)
         samples = T.samples_of(run, rows)
-        samples.advantages = grpo.finish_advantages(samples.advantages, cfg.adv_estimator, run.device,
-                                                    run.stage_group)
+        samples.advantages = grpo.finish_advantages(samples.advantages, cfg.adv_estimator,
+                                                    run.device, run.stage_group)
         ref_logprobs = None
         if run.reference is not None:
             with spans("reference"), run.reference.on_device():
@@ -151,6 +161,7 @@ def pipeline_loop(run):
         sched.update()
         T.learn_curriculum(run)
         figures = share_figures(step, rows)
-        figures = {k: v if run.pipe.last else 0.0 for k, v in figures.items()}  # a pipeline's rows, once
+        # a pipeline's rows, once
+        figures = {k: v if run.pipe.last else 0.0 for k, v in figures.items()}
         if T.end_step(run, step, mark, sums | figures, actor.metrics()):
             break

@@ -1,17 +1,17 @@
-# Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (the LICENSE file).
-"""What the deployments of two roles share (separated: trainers and generators; hybrid: the actor and
-its auxiliary ranks): the weight push, and waits on the store that never hang.
+# Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (see LICENSE).
+"""What the deployments of two roles share (separated: trainers and generators; hybrid: the actor
+and its auxiliary ranks): the weight push, and waits on the store that never hang.
 
 push_weights: after each step, the trainers' new weights go to the generators, bucket by bucket (the
 hybrid sends its auxiliary ranks the frozen reference the same way, once). Every trainer gathers a
-bucket of full weights from its FSDP2 shards (fusion.py's gather), trainer `src` broadcasts it over a
-group of itself and the generators, and each generator hands it to its engine's load_weights, as vLLM's
-weight update does. No rank holds more than one bucket beyond its own weights.
-wait_for: a rank of one role waits for the other's post in the store, serving the queue meanwhile, and
-times out naming what it waited for; warm_up_or_wait: a rank that does not train waits out the
+bucket of full weights from its FSDP2 shards (fusion.py's gather), trainer `src` broadcasts it over
+a group of itself and the generators, and each generator hands it to its engine's load_weights, as
+vLLM's weight update does. No rank holds more than one bucket beyond its own weights.
+wait_for: a rank of one role waits for the other's post in the store, serving the queue meanwhile,
+and times out naming what it waited for; warm_up_or_wait: a rank that does not train waits out the
 trainers' warm-up on a heartbeat, not in a collective that a long warm-up would time out.
 
-    python -m pytest tests/test_fusion.py -k distributed  (world 4: two trainers push to two TP generators)
+    python -m pytest tests/test_fusion.py -k distributed  # world 4: two trainers, two TP generators
 """
 import itertools
 import time
@@ -25,10 +25,11 @@ from fusion import Broadcasts, bucket_views, plan_buckets, reshard_all, weight_m
 
 @torch.no_grad()
 def push_weights(model, engine, src, group, bucket_bytes):
-    """Separated deployment, after a step: every trainer (model given) gathers each bucket over its FSDP mesh,
-    trainer `src` (a global rank) broadcasts it over `group` (src and the generators), and each generator
-    (engine given) hands it to engine.load_weights. Every trainer and generator calls it. Returns bytes sent."""
-    in_group = group is None or dist.get_rank(group) >= 0  # a rank outside the group holds a placeholder for it
+    """Separated deployment, after a step: every trainer (model given) gathers each bucket over its
+    FSDP mesh, trainer `src` (a global rank) broadcasts it over `group` (src and the generators),
+    and each generator (engine given) hands it to engine.load_weights. Every trainer and generator
+    calls it. Returns bytes sent."""
+    in_group = group is None or dist.get_rank(group) >= 0  # outside: a placeholder for the group
     members = dist.get_process_group_ranks(group) if group is not None and in_group else [src]
     if in_group and src not in members:
         raise ValueError(f"push_weights: src rank {src} is not in the group's ranks {members}")
@@ -53,8 +54,8 @@ def push_weights(model, engine, src, group, bucket_bytes):
 
 
 def wait_for(run, keys, what, moving=None):
-    """Poll the store until every key exists, serving the queue all along. A peer that posts nothing
-    (or, with `moving`, a key it updates as it works, leaves it unchanged) for pg_timeout_s times out."""
+    """Poll the store until every key exists, serving the queue all along. Times out where a peer
+    posts nothing for pg_timeout_s (or leaves `moving`, a key it updates as it works, unchanged)."""
     seen, deadline = None, time.monotonic() + run.cfg.pg_timeout_s
     while not run.store.check(keys):
         run.queue.serve()
@@ -62,14 +63,14 @@ def wait_for(run, keys, what, moving=None):
         if now != seen:  # progress: the deadline moves
             seen, deadline = now, time.monotonic() + run.cfg.pg_timeout_s
         if time.monotonic() > deadline:
-            raise TimeoutError(f"rank {run.rank}: no {what} after {run.cfg.pg_timeout_s}s (keys {keys}, "
-                               f"last progress {seen!r}): is the peer alive?")
+            raise TimeoutError(f"rank {run.rank}: no {what} after {run.cfg.pg_timeout_s}s "
+                               f"(keys {keys}, last progress {seen!r}): is the peer alive?")
         time.sleep(0.001)
 
 
 def warm_up_or_wait(run):
-    """The supervised warm-up on the trainers (train_grpo.warm_up), trainer 0 counting its steps in the
-    store; a rank that does not train waits on that heartbeat."""
+    """The supervised warm-up on the trainers (train_grpo.warm_up), trainer 0 counting its steps in
+    the store; a rank that does not train waits on that heartbeat."""
     import train_grpo
     heartbeat, done = f"w:{run.key}/warmup_steps", f"w:{run.key}/warmup_done"
     if run.rank not in run.roles.trainers:

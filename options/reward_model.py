@@ -1,28 +1,29 @@
-# Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (the LICENSE file).
-"""A learned outcome reward model (ORM): a small transformer that scores (prompt, response) -> P(correct).
+# Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (see LICENSE).
+"""An outcome reward model (ORM): a small transformer that scores (prompt, response) -> P(correct).
 
-An outcome reward model reads a whole (prompt, response) and says how likely the response is right, as the
-verifiers of Cobbe et al. (2021) do. This one is trained before RL on samples of the policy itself, each
-labelled 0/1 by the task's rule, then frozen; during RL its probability is thresholded into a 0/1 reward. Where the rule is free, the learned model makes scoring a real forward pass.
+An outcome reward model reads a whole (prompt, response) and says how likely the response is right,
+as the verifiers of Cobbe et al. (2021) do. This one is trained before RL on samples of the policy
+itself, each labelled 0/1 by the task's rule, then frozen; during RL its probability is thresholded
+into a 0/1 reward. Where the rule is free, the learned model makes scoring a real forward pass.
 
-It can be gamed. The policy is rewarded for what the model scores high, not for what the rule accepts, and
-the model is right only near the samples it was trained on. As RL moves the policy off that distribution,
-it can find responses that score high and that the rule rejects (reward hacking, or overoptimisation:
-Gao et al. 2022), and the agreement measured at training time no longer holds. Measure `agreement` on fresh
-samples of the current policy, not on the training set.
+It can be gamed. The policy is rewarded for what the model scores high, not for what the rule
+accepts, and the model is right only near the samples it was trained on. As RL moves the policy off
+that distribution, it can find responses that score high and that the rule rejects (reward hacking,
+or overoptimisation: Gao et al. 2022), and the agreement measured at training time no longer holds.
+Measure `agreement` on fresh samples of the current policy, not on the training set.
 
 Departures from an ORM in a production pipeline, on purpose:
-1. The labels come from a rule (here task.score, an exact match), not from people: agreement with the
-   truth can be measured exactly.
-2. A small bidirectional encoder trained from scratch, not the policy's trunk with a value head: this file
-   imports nothing of the project. Positions count from the response's first token (negative over the
-   prompt), so a response token and the prompt token it answers to keep one offset between them whatever
-   the prompt's length (reversing k digits: response offset j against prompt offset -j - 2). The head
-   reads the mean over the real tokens (every position sees the whole row); a causal trunk would read the
-   last token instead.
-3. A binary cross-entropy on each sample (a verifier), not a Bradley-Terry loss on pairs: every label
-   is absolute. The loss is class-balanced: the policy's samples can be 80% right, and a model that
-   always says "right" would then have 80% accuracy and learn nothing.
+1. The labels come from a rule (here task.score, an exact match), not from people: agreement with
+   the truth can be measured exactly.
+2. A small bidirectional encoder trained from scratch, not the policy's trunk with a value head:
+   this file imports nothing of the project. Positions count from the response's first token
+   (negative over the prompt), so a response token and the prompt token it answers to keep one
+   offset between them whatever the prompt's length (reversing k digits: response offset j against
+   prompt offset -j - 2). The head reads the mean over the real tokens (every position sees the
+   whole row); a causal trunk would read the last token instead.
+3. A binary cross-entropy on each sample (a verifier), not a Bradley-Terry loss on pairs: every
+   label is absolute. The loss is class-balanced: the policy's samples can be 80% right, and a model
+   that always says "right" would then have 80% accuracy and learn nothing.
 
     python -m pytest tests/test_reward_model.py
 
@@ -33,10 +34,12 @@ Using this file elsewhere: torch only. Rows are 1-D int64 token tensors; labels 
     from reward_model import RMConfig, RewardModel, agreement, score, train_reward_model
 
     torch.manual_seed(0)
-    def toy(n):  # 3 tokens in 2..7 -> their reverse, or a shuffle of them (labelled by the rule: reversed or not)
+    # 3 tokens in 2..7 -> their reverse or a shuffle, labelled by the rule (reversed or not)
+    def toy(n):
         prompts = [torch.randint(2, 8, (3,)) for _ in range(n)]
         responses = [p.flip(0) if i % 2 else p[torch.randperm(3)] for i, p in enumerate(prompts)]
-        return prompts, responses, [float(torch.equal(r, p.flip(0))) for p, r in zip(prompts, responses)]
+        labels = [float(torch.equal(r, p.flip(0))) for p, r in zip(prompts, responses)]
+        return prompts, responses, labels
     cfg = RMConfig(vocab_size=8, max_len=6, d_model=32, n_layers=1, steps=300, batch=64)
     model = RewardModel(cfg)
     print(train_reward_model(model, cfg, *toy(1024), device="cpu"))  # about 2 s on one core
@@ -59,7 +62,7 @@ import torch.nn.functional as F
 @dataclass
 class RMConfig:
     vocab_size: int       # token ids are in [0, vocab_size)
-    max_len: int          # the longest prompt + response row the model reads (offsets within it: learned)
+    max_len: int          # the longest prompt + response row (offsets within it: learned)
     d_model: int = 64     # model width D
     n_layers: int = 2     # pre-norm encoder blocks
     n_heads: int = 4      # attention heads; must divide d_model
@@ -71,36 +74,40 @@ class RMConfig:
     seed: int = 0         # seeds the draw of rows (the initial weights follow torch's global seed)
 
     def __post_init__(self):
-        sizes = {k: getattr(self, k) for k in ("vocab_size", "max_len", "d_model", "n_layers", "n_heads",
-                                               "steps", "batch")}
+        names = ("vocab_size", "max_len", "d_model", "n_layers", "n_heads", "steps", "batch")
+        sizes = {k: getattr(self, k) for k in names}
         bad = [f"{k}={v}" for k, v in sizes.items() if not v >= 1]
         if bad:
             raise ValueError(f"{', '.join(bad)}: every size must be >= 1")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
         if not 0 <= self.pad < self.vocab_size:
-            raise ValueError(f"pad={self.pad} must be a token id in [0, vocab_size={self.vocab_size})")
+            raise ValueError(f"pad={self.pad} must be a token id "
+                             f"in [0, vocab_size={self.vocab_size})")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr={self.lr} must be finite and > 0")
 
 
 class Block(nn.Module):
-    """Pre-norm encoder block: x + attention(norm(x)) over the real tokens, then x + MLP(norm(x))."""
+    """Pre-norm encoder block: x + attention(norm(x)) over the real tokens, x + MLP(norm(x))."""
 
     def __init__(self, d_model, n_heads):
         super().__init__()
         self.n_heads = n_heads
         self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
         self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
-        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(),
+                                 nn.Linear(4 * d_model, d_model))
 
     def forward(self, x, real):
         B, T, D = x.shape
-        qkv = self.qkv(self.norm1(x)).view(B, T, 3, self.n_heads, D // self.n_heads)  # (B, T, 3, H, hd)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)                                           # 3 x (B, H, T, hd)
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=real[:, None, None, :])  # (B, H, T, hd)
-        x = x + self.out(a.transpose(1, 2).reshape(B, T, D))                           # (B, T, D)
-        return x + self.mlp(self.norm2(x))                                             # (B, T, D)
+        hd = D // self.n_heads  # head width
+        qkv = self.qkv(self.norm1(x)).view(B, T, 3, self.n_heads, hd)  # (B, T, 3, H, hd)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)                           # 3 x (B, H, T, hd)
+        mask = real[:, None, None, :]                                  # (B, 1, 1, T)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)    # (B, H, T, hd)
+        x = x + self.out(a.transpose(1, 2).reshape(B, T, D))           # (B, T, D)
+        return x + self.mlp(self.norm2(x))                             # (B, T, D)
 
 
 class RewardModel(nn.Module):
@@ -110,7 +117,8 @@ class RewardModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos = nn.Embedding(2 * cfg.max_len - 1, cfg.d_model)  # offsets -(max_len - 1) .. max_len - 1
+        # one vector per offset, -(max_len - 1) .. max_len - 1
+        self.pos = nn.Embedding(2 * cfg.max_len - 1, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.n_heads) for _ in range(cfg.n_layers))
         self.norm = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, 1)
@@ -119,20 +127,20 @@ class RewardModel(nn.Module):
         B, T = tokens.shape
         if T > self.cfg.max_len:
             raise ValueError(f"rows of {T} tokens: longer than max_len={self.cfg.max_len}")
-        columns = torch.arange(T, device=tokens.device)                       # (T,)
-        real = columns[None, :] < lengths[:, None]                            # (B, T) False at pads
-        offsets = columns[None, :] - starts[:, None]                          # (B, T) from the response start
-        x = self.embed(tokens) + self.pos(offsets + self.cfg.max_len - 1)     # (B, T, D)
+        columns = torch.arange(T, device=tokens.device)                    # (T,)
+        real = columns[None, :] < lengths[:, None]                         # (B, T) False at pads
+        offsets = columns[None, :] - starts[:, None]                       # (B, T) from response
+        x = self.embed(tokens) + self.pos(offsets + self.cfg.max_len - 1)  # (B, T, D)
         for block in self.blocks:
-            x = block(x, real)                                                # (B, T, D)
-        mean = (x * real[..., None]).sum(1) / lengths[:, None]                # (B, D) over the real tokens
-        return self.head(self.norm(mean)).squeeze(-1)                         # (B,)
+            x = block(x, real)                                  # (B, T, D)
+        mean = (x * real[..., None]).sum(1) / lengths[:, None]  # (B, D) over the real tokens
+        return self.head(self.norm(mean)).squeeze(-1)           # (B,)
 
 
 def pack(prompts, responses, pad, max_len=None):
-    """B prompts and B responses (1-D int64) -> tokens (B, T) [prompt, response, pad...], lengths (B,) of
-    the rows, starts (B,) the column of each response's first token; T is the longest row. A row longer
-    than max_len (None: no limit), or an empty one, is refused."""
+    """B prompts and B responses (1-D int64) -> tokens (B, T) [prompt, response, pad...], lengths
+    (B,) of the rows, starts (B,) the column of each response's first token; T is the longest row. A
+    row longer than max_len (None: no limit), or an empty one, is refused."""
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
     rows = [torch.cat([p, r]) for p, r in zip(prompts, responses)]           # B x (P_i + n_i,)
@@ -157,8 +165,9 @@ def class_weights(labels):
 
 
 def train_reward_model(model, cfg, prompts, responses, labels, device):
-    """AdamW (cosine to 0) on the class-balanced BCE, cfg.steps steps of cfg.batch rows drawn by a generator seeded by
-    cfg.seed; the model is left frozen (eval mode, no grad). Returns the figures of the training."""
+    """AdamW (cosine to 0) on the class-balanced BCE, cfg.steps steps of cfg.batch rows drawn by a
+    generator seeded by cfg.seed; the model is left frozen (eval mode, no grad). Returns the figures
+    of the training."""
     t0 = time.perf_counter()
     tokens, lengths, starts = pack(prompts, responses, cfg.pad, cfg.max_len)  # (N, T), (N,), (N,)
     labels = torch.as_tensor(labels, dtype=torch.float32)                     # (N,)
@@ -167,7 +176,7 @@ def train_reward_model(model, cfg, prompts, responses, labels, device):
     labels, weights = labels.to(device), weights.to(device)
     model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    gen = torch.Generator().manual_seed(cfg.seed)                             # the draw of rows, on CPU
+    gen = torch.Generator().manual_seed(cfg.seed)  # the draw of rows, on CPU
     for step in range(cfg.steps):
         rows = torch.randint(len(labels), (cfg.batch,), generator=gen).to(device)  # (batch,)
         T = int(lengths[rows].max())  # trim the padding no drawn row needs (a device-to-host sync)
@@ -175,7 +184,8 @@ def train_reward_model(model, cfg, prompts, responses, labels, device):
         loss = F.binary_cross_entropy_with_logits(logits, labels[rows], weight=weights[rows])
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        opt.param_groups[0]["lr"] = cfg.lr * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))  # cosine to 0
+        cosine = 0.5 * (1 + math.cos(math.pi * step / cfg.steps))  # 1 to 0 over the steps
+        opt.param_groups[0]["lr"] = cfg.lr * cosine
         opt.step()
     opt.zero_grad(set_to_none=True)  # frozen: no gradient stays allocated
     model.eval().requires_grad_(False)
@@ -191,17 +201,18 @@ def score(model, prompts, responses, batch_size=256):
     device = next(model.parameters()).device
     out = []
     for i in range(0, len(prompts), batch_size):
-        rows = pack(prompts[i:i + batch_size], responses[i:i + batch_size], model.cfg.pad, model.cfg.max_len)
+        chunk = slice(i, i + batch_size)
+        rows = pack(prompts[chunk], responses[chunk], model.cfg.pad, model.cfg.max_len)
         logits = model(*(t.to(device) for t in rows))                         # (b,)
         out.append(torch.sigmoid(logits).float().cpu())
     return torch.cat(out) if out else torch.zeros(0)                          # (B,)
 
 
 def agreement(probs, labels, threshold=0.5):
-    """How the thresholded scores agree with the 0/1 labels: accuracy, true-positive rate (of the right
-    responses, the share scored right), true-negative rate, the share of labels that are 1, and n."""
-    said = torch.as_tensor(probs) >= threshold                                # (B,) scored right
-    truth = torch.as_tensor(labels) > 0.5                                     # (B,) right by the rule
+    """How the thresholded scores agree with the 0/1 labels: accuracy, true-positive rate (of the
+    right responses, the share scored right), true-negative rate, the share of 1 labels, and n."""
+    said = torch.as_tensor(probs) >= threshold  # (B,) scored right
+    truth = torch.as_tensor(labels) > 0.5       # (B,) right by the rule
     def rate(mask):
         return (said[mask] == truth[mask]).float().mean().item() if mask.any() else float("nan")
     return {"accuracy": rate(torch.ones_like(truth)), "true_positive_rate": rate(truth),

@@ -1,20 +1,20 @@
-"""--routing-replay 1: Rollout Routing Replay. Each response token's MoE layers use, in training, the
-experts the rollout chose for it, gated by the trained router's probabilities of those experts.
+"""--routing-replay 1: Rollout Routing Replay. Each response token's MoE layers use, in training,
+the experts the rollout chose for it, gated by the trained router's probabilities of those experts.
 
     torchrun --standalone --nproc_per_node=2 train_grpo.py --routing-replay 1
 
 The engine records, per response token and MoE layer, the experts the decode forward that read it
-chose (a routing hook on each MoE layer: model.MoE's `routing`, moe_switch.EPMoE's). The record travels
-with the sample, through StaleSync's per-token fields and a queue column, to the trainer, whose
-forward takes it (Around). A prefix read again under new weights (a cut row's prefill after the
-sampler's reset) routes its response tokens with their record too, so that what training replays is
-what the behaviour computed with. Figures (moe/*): the response tokens with a record, those whose
+chose (a routing hook on each MoE layer: model.MoE's `routing`, moe_switch.EPMoE's). The record
+travels with the sample, through StaleSync's per-token fields and a queue column, to the trainer,
+whose forward takes it (Around). A prefix read again under new weights (a cut row's prefill after
+the sampler's reset) routes its response tokens with their record too, so that what training replays
+is what the behaviour computed with. Figures (moe/*): the response tokens with a record, those whose
 experts in training differ from it (0 under replay), and those the trained router alone would route
-elsewhere: like the log-prob gap, from the batch's first mini-batch, before any optimizer step on it.
+elsewhere: like the log-prob gap, from the batch's first mini-batch, before any optimizer step.
 
 -1 marks a token that no forward of the call that made it read: a finished row's last token (nothing
-reads it, training neither), or a cut row's last under keep=False (the next call's prefill first reads
-it: its choice is recorded then, but the routes returned keep -1, and training routes it freely).
+reads it, training neither), or a cut row's last under keep=False (the next call's prefill first
+reads it: its choice is recorded then, but the routes returned keep -1: training routes it freely).
 
     python -m pytest tests/test_routing_replay.py
 """
@@ -58,9 +58,9 @@ class RecordRoutes:
 
 
 class ReplayRecorded:
-    """A prefill's hook: a token with recorded experts, recorded (N, K) >= 0, uses them; a token with
-    -1 (a prompt token, a pad, a token no forward has read yet) routes freely. Keeps the experts each
-    token used, (N, K): the free choices fill the record."""
+    """A prefill's hook: a token with recorded experts, recorded (N, K) >= 0, uses them; a token
+    with -1 (a prompt token, a pad, a token no forward has read yet) routes freely. Keeps the
+    experts each token used, (N, K): the free choices fill the record."""
 
     def __init__(self, recorded):
         self.recorded, self.chosen = recorded, None
@@ -74,9 +74,10 @@ class ReplayRecorded:
 def sampler_class(base):
     """`base` (model.Sampler or a subclass) that records each generated token's experts, per MoE
     layer: its Generation's per_token["routes"], per row (n_i, L, K). It keeps them per seed
-    (`recorded`) until the row is done: they do not depend on the weights, so reset() keeps them, and
-    a continued row's prefill routes its response tokens (the last n_done) with them. A row starting
-    afresh (n_done 0) drops its seed's record; a record that is not the row's response is refused."""
+    (`recorded`) until the row is done: they do not depend on the weights, so reset() keeps them,
+    and a continued row's prefill routes its response tokens (the last n_done) with them. A row
+    starting afresh (n_done 0) drops its seed's record; a record not of the row's response is
+    refused."""
 
     class RoutesSampler(base):
         def __init__(self, *args, **kwargs):
@@ -89,7 +90,7 @@ def sampler_class(base):
             super()._before_prefill(contexts, call, n_done, new)
 
         def _prefill_forward(self, tokens, positions, mask, cache, rows):
-            """The bucket's recorded experts replayed; what each token used, back into its record."""
+            """The bucket's recorded experts replayed; what each token used, into its record."""
             Pb = tokens.shape[1]
             L, K = self._prior[rows[0]].shape[1:]
             recorded = torch.full((len(rows), Pb, L, K), -1, dtype=torch.long)   # (b, Pb, L, K)
@@ -108,7 +109,8 @@ def sampler_class(base):
             hooks = [RecordRoutes() for _ in moe_layers(self.model)]
             with routing(self.model, hooks):
                 logits = super()._decode_forward(tok, pos, valid, cache, rows)
-            self._made.append((rows, torch.stack([h.chosen for h in hooks], 1)))  # (B',), (B', L, K)
+            chosen = torch.stack([h.chosen for h in hooks], 1)  # (B', L, K)
+            self._made.append((rows, chosen))  # rows: (B',)
             return logits
 
         def _after_decode(self, out, forwards, call, n_done):
@@ -127,8 +129,8 @@ def sampler_class(base):
             self.recorded = {int(s): (t, r) for s, (t, r) in sd.get("recorded", {}).items()}
 
         def _recorded_routes(self, contexts, call, n_done):
-            """Per row, (T_i, L, K): the experts its context's tokens must use if a prefill reads them:
-            its seed's record at its response tokens (the last n_done), -1 elsewhere."""
+            """Per row, (T_i, L, K): the experts its context's tokens must use if a prefill reads
+            them: its seed's record at its response tokens (the last n_done), -1 elsewhere."""
             L, K = len(moe_layers(self.model)), self.model.cfg.top_k
             out = []
             for c, s, n in zip(contexts, call, n_done.tolist() if call else []):
@@ -138,49 +140,51 @@ def sampler_class(base):
                 elif s in self.recorded:
                     tokens, experts = self.recorded[s]
                     if not torch.equal(tokens, c[len(c) - n:].cpu()):
-                        raise RuntimeError(f"Sampler: seed {s}'s recorded routes are for a response of "
-                                           f"{len(tokens)} tokens that is not this row's (its last "
-                                           f"n_done={n} tokens); a seed names one row from its first "
-                                           "token to its last")
+                        raise RuntimeError(f"Sampler: seed {s}'s recorded routes are for "
+                                           f"a response of {len(tokens)} tokens "
+                                           "that is not this row's "
+                                           f"(its last n_done={n} tokens); "
+                                           "a seed names one row from its first token to its last")
                     r[len(c) - n:] = experts
                 out.append(r)
             return out
 
         def _routes_out(self, tokens):
-            """Per row (n_i, L, K): the experts of each token this call made, -1 where no forward of it
-            read the token."""
+            """Per row (n_i, L, K): the experts of each token this call made, -1 where no forward of
+            it read the token."""
             L, K = len(moe_layers(self.model)), self.model.cfg.top_k
             out = [torch.full((len(t), L, K), -1, dtype=torch.long) for t in tokens]
             if self._made:
-                rows = torch.cat([r for r, _ in self._made]).cpu()             # (M,) a row per token read
-                chosen = torch.cat([c for _, c in self._made]).cpu()           # (M, L, K)
-                order = rows.argsort(stable=True)                              # by row, then by step
+                rows = torch.cat([r for r, _ in self._made]).cpu()    # (M,) a row per token read
+                chosen = torch.cat([c for _, c in self._made]).cpu()  # (M, L, K)
+                order = rows.argsort(stable=True)                     # by row, then by step
                 counts = torch.bincount(rows, minlength=len(out)).tolist()
                 for o, c in zip(out, chosen[order].split(counts)):
                     o[:len(c)] = c
             return out
 
         def _record(self, call, n_done, out):
-            """Each row's record becomes its response so far and its tokens' experts (those a prefill
-            of this call first read filled in); a finished row's is dropped."""
+            """Each row's record becomes its response so far and its tokens' experts (those a
+            prefill of this call first read filled in); a finished row's is dropped."""
             for i, s in enumerate(call):
                 n = int(n_done[i])
                 if out.done[i]:
                     self.recorded.pop(s, None)
                     continue
                 context, prior = self._contexts[i], self._prior[i]
-                tokens = torch.cat([context[len(context) - n:].cpu(), out.tokens[i]])    # (n + n_new,)
+                so_far = context[len(context) - n:].cpu()  # (n,)
+                tokens = torch.cat([so_far, out.tokens[i]])  # (n + n_new,)
                 experts = torch.cat([prior[len(prior) - n:], out.per_token["routes"][i]])
-                self.recorded[s] = (tokens, experts)                                  # (n + n_new, L, K)
+                self.recorded[s] = (tokens, experts)  # experts: (n + n_new, L, K)
 
     return RoutesSampler
 
 
 # ----------------------------------------------------------------------------- training replays
 def pad_routes(prompts, routes, T):
-    """(b, T-1, L, K): at each position of a forward over tokens[:, :-1], the experts the rollout chose
-    for the token read there: response token j sits at P_i + j; -1 elsewhere (prompt tokens route
-    freely)."""
+    """(b, T-1, L, K): at each position of a forward over tokens[:, :-1], the experts the rollout
+    chose for the token read there (response token j sits at P_i + j), -1 elsewhere: prompt tokens
+    route freely."""
     L, K = routes[0].shape[1:] if routes else (0, 0)
     out = torch.full((len(prompts), T - 1, L, K), -1, dtype=torch.long)
     for b, (p, r) in enumerate(zip(prompts, routes)):
@@ -191,9 +195,9 @@ def pad_routes(prompts, routes, T):
 
 class ReplayRoutes:
     """A training forward's hook. recorded (N, K): the engine's experts for each token, -1 where it
-    recorded none (a prompt token routes freely). The router's own choice is compared with the record
-    (free_mismatch (N,): the top-k sets differ); with replay=True a recorded token uses its recorded
-    experts, and `mismatch`, the experts used against the record, is 0 by construction."""
+    recorded none (a prompt token routes freely). The router's own choice is compared with the
+    record (free_mismatch (N,): the top-k sets differ); with replay=True a recorded token uses its
+    recorded experts, and `mismatch`, the experts used against the record, is 0 by construction."""
 
     def __init__(self, recorded, replay):
         self.recorded, self.replay, self.mismatch, self.free_mismatch = recorded, replay, None, None
@@ -212,9 +216,9 @@ def _differ(a, b):
 
 
 class Around:
-    """grpo's context around a forward over some rows of the samples (Samples.around): a ReplayRoutes
-    hook on each MoE layer, the rows' recorded experts replayed (replay=False: only compared). Given
-    `mask` (the first mini-batch's response positions), it adds the figures to `sums`."""
+    """grpo's context around a forward over some rows of the samples (Samples.around): a
+    ReplayRoutes hook on each MoE layer, the rows' recorded experts replayed (replay=False: only
+    compared). Given `mask` (the first mini-batch's response positions), it adds to `sums`."""
 
     def __init__(self, replay=True):
         self.replay = replay
@@ -222,10 +226,11 @@ class Around:
     @contextmanager
     def __call__(self, model, samples, rows, T, mask=None, sums=None):
         L, K = len(moe_layers(model)), model.cfg.top_k
-        recorded = [samples.per_token["routes"][i].long().view(-1, L, K) for i in rows]  # (n_i, L, K)
-        routes = pad_routes([samples.prompts[i] for i in rows], recorded, T)          # (b, T-1, L, K)
+        per_token = samples.per_token["routes"]
+        recorded = [per_token[i].long().view(-1, L, K) for i in rows]   # b x (n_i, L, K)
+        routes = pad_routes([samples.prompts[i] for i in rows], recorded, T)  # (b, T-1, L, K)
         routes = routes.to(next(model.parameters()).device)
-        flat = routes.flatten(0, 1)                                                   # (b (T-1), L, K)
+        flat = routes.flatten(0, 1)                                           # (b (T-1), L, K)
         hooks = [ReplayRoutes(flat[:, i], self.replay) for i in range(routes.shape[2])]
         with routing(model, hooks):
             yield hooks
@@ -235,16 +240,17 @@ class Around:
             sums.setdefault(key, 0.0)
         if mask is not None:
             has = (routes[..., 0, 0] >= 0) & mask                                     # (b, T-1)
-            for key, attr in (("route_mismatch", "mismatch"), ("route_free_mismatch", "free_mismatch")):
+            pairs = (("route_mismatch", "mismatch"), ("route_free_mismatch", "free_mismatch"))
+            for key, attr in pairs:
                 differ = torch.stack([getattr(h, attr) for h in hooks]).any(0).view_as(has)
                 sums[key] += float((differ & has).sum())
             sums["route_tokens"] += float(has.sum())
 
 
 def means(sums):
-    """The figures' means over the trainers' sums: response tokens whose experts differ, in some layer,
-    from the rollout's: those the training forward used (0 under replay), and its router's own choice
-    (what replay overrides), over the response tokens with a recorded route."""
+    """The figures' means over the trainers' sums: response tokens whose experts differ, in some
+    layer, from the rollout's: those the training forward used (0 under replay), and its router's
+    own choice (what replay overrides), over the response tokens with a recorded route."""
     tokens = max(sums["route_tokens"], 1.0)
     return {"moe/routing_mismatch": sums["route_mismatch"] / tokens,
             "moe/router_mismatch_free": sums["route_free_mismatch"] / tokens,
@@ -253,6 +259,7 @@ def means(sums):
 
 def apply(run):
     """The trainers replay the recorded experts and the log reports moe/* (the run's sampler records
-    them: train_grpo.build_rollout takes sampler_class; its queue carries them: a per-token column)."""
+    them, as train_grpo.build_rollout takes sampler_class; a per-token queue column carries
+    them)."""
     run.around = Around(replay=True)
     run.log.means.append(means)

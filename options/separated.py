@@ -2,11 +2,12 @@
 
     torchrun --standalone --nproc_per_node=2 train_grpo.py --deploy separated
 
-Ranks [0, W/2) train (FSDP2 over them), ranks [W/2, W) generate. A generator decodes chunks while the
-trainers train; new weights come in between two chunks (the samples in flight continue under them: a
-partial rollout), and each batch StaleSync's cut releases goes into the queue at once. S = 0: one
-chunk is a whole round, and the next waits for the batch's weights. A trainer reads its share of a
-batch, trains, and pushes the new weights to the generators bucket by bucket (options/push.py).
+Ranks [0, W/2) train (FSDP2 over them), ranks [W/2, W) generate. A generator decodes chunks while
+the trainers train; new weights come in between two chunks (the samples in flight continue under
+them: a partial rollout), and each batch StaleSync's cut releases goes into the queue at once.
+S = 0: one chunk is a whole round, and the next waits for the batch's weights. A trainer reads its
+share of a batch, trains, and pushes the new weights to the generators bucket by bucket
+(options/push.py).
 Evaluations run on the generators, which post their counts to the store for trainer 0.
 
 The same samples and the same parameters as the colocated run: every group's prompt and seeds are
@@ -26,6 +27,7 @@ import train_grpo as T
 from options.push import push_weights, wait_for, warm_up_or_wait
 from plumbing import checkpoint
 from plumbing.evaluation import eval_figures, held_out_correct, is_eval_step
+from plumbing.run import Run, start
 from plumbing.runlog import RunLog, share_figures
 
 
@@ -33,8 +35,8 @@ def errors(cfg, world):
     """What this deployment needs, checked before any process group."""
     out = []
     if world < 2 or world % 2 or cfg.infer_tp != 1:
-        out.append(f"--deploy separated needs an even world size >= 2 (got {world}) and --infer-tp 1 "
-                   f"(got {cfg.infer_tp})")
+        out.append(f"--deploy separated needs an even world size >= 2 (got {world}) "
+                   f"and --infer-tp 1 (got {cfg.infer_tp})")
     if cfg.reward_model:
         out.append("--reward-model 1 with --deploy separated is not supported (the reward model is "
                    "trained on the policy's samples and scores on the ranks that generate: a "
@@ -43,7 +45,7 @@ def errors(cfg, world):
 
 
 @dataclass
-class SeparatedRun(T.Run):
+class SeparatedRun(Run):
     push_group: object = None     # trainer 0 and the generators: the new weights go out on it
 
 
@@ -55,8 +57,9 @@ def train(cfg, out_dir=None):
 
 def build(cfg, out_dir=None):
     """FSDP2 over the trainers; the engine, the sampler and StaleSync on the generators."""
-    run = T.new_run(cfg, out_dir, cls=SeparatedRun)
+    run = start(cfg, out_dir, cls=SeparatedRun)
     cfg = run.cfg  # --train-ep auto resolved
+    T.build_queue(run)
     roles, timeout = run.roles, datetime.timedelta(seconds=cfg.pg_timeout_s)
     run.train_group = dist.new_group(roles.trainers, timeout=timeout)
     run.push_group = dist.new_group([0] + roles.generators, timeout=timeout)
@@ -139,8 +142,8 @@ def generator_loop(run):
 
 def batch_rows(run, step):
     """The row ids of the batch trained at RL step `step`, writer by writer: each generator cuts its
-    own share, n_local rows per batch, in order, so its j-th row of that batch has a known id, however
-    far ahead it runs."""
+    own share, n_local rows per batch, in order, so its j-th row of that batch has a known id,
+    however far ahead it runs."""
     n_local = run.cfg.prompts_per_step * run.cfg.group_size // run.roles.replicas
     return [run.queue.row_id(j, w) for w in run.roles.writers()
             for j in range((step - 1) * n_local, step * n_local)]

@@ -4,11 +4,11 @@
 
 A transform of the engine, applied where the run is built: attention keeps H/t heads (qkv cut by
 head, the output projection by its input), every expert keeps F/t of its hidden width, and each
-rank's partial sum is all-reduced over its TP group (inference only: a plain all_reduce, no autograd);
-router, embedding, norms and head stay whole. The switch hands the engine full weights through its
-load_weights, which cuts this rank's piece (fusion.py's load_weights path). The replicas are the TP
-groups: each generates its own slice of the prompts, one rank of each writes its samples into the
-queue. Training stays FSDP2 over every rank.
+rank's partial sum is all-reduced over its TP group (inference only: a plain all_reduce, no
+autograd); router, embedding, norms and head stay whole. The switch hands the engine full weights
+through its load_weights, which cuts this rank's piece (fusion.py's load_weights path). The replicas
+are the TP groups: each generates its own slice of the prompts, one rank of each writes its samples
+into the queue. Training stays FSDP2 over every rank.
 
     python -m pytest tests/test_fusion.py tests/test_train_grpo.py -k "tp or tensor"
 """
@@ -21,11 +21,12 @@ import torch.distributed as dist
 
 from model import Attention, MoE, Policy
 
-# How each weight is cut, by name suffix -> (dim, groups): `dim` is viewed as (groups, size / groups)
-# and every group is cut into t contiguous pieces, piece r to TP rank r. qkv's rows are [q | k | v] x
-# (H, hd), so groups=3 hands each rank H/t whole heads of q, k and v. Other weights are whole.
-TP_PLAN = {"attn.qkv.weight": (0, 3), "attn.out.weight": (1, 1),                  # (3D, D), (D, D)
-           "moe.w_gate": (2, 1), "moe.w_up": (2, 1), "moe.w_down": (1, 1)}          # (E, D, F), (E, F, D)
+# How each weight is cut, by name suffix -> (dim, groups): `dim` is viewed as
+# (groups, size / groups) and every group is cut into t contiguous pieces, piece r to TP rank r.
+# qkv's rows are [q | k | v] x (H, hd), so groups=3 hands each rank H/t whole heads of q, k and v.
+# Other weights are whole.
+TP_PLAN = {"attn.qkv.weight": (0, 3), "attn.out.weight": (1, 1),            # (3D, D), (D, D)
+           "moe.w_gate": (2, 1), "moe.w_up": (2, 1), "moe.w_down": (1, 1)}  # (E, D, F), (E, F, D)
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,8 @@ class TPLayout:
                              f"{self.n_heads}): " + "; ".join(errors))
 
     def new_groups(self, timeout_s=300.0):
-        """(TP group, DP group) of this rank (a row, a column of the grid; None: one rank).
-        Collective."""
+        """(TP group, DP group) of this rank (a row, a column of the grid; None: one rank); every
+        rank makes every group."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world != self.world_size:
             raise ValueError(f"layout world size {self.world_size} != process group size {world}")
@@ -92,12 +93,13 @@ class TPMoE(MoE):
 
 
 def apply(policy, group):
-    """Make `policy` (an inference engine) tensor-parallel over `group` (None or a group of one: left
-    whole). Its cut layers start uninitialised: the switch fills them. Returns it."""
+    """Make `policy` (an inference engine) tensor-parallel over `group` (None or a group of one:
+    left whole). Its cut layers start uninitialised: the switch fills them. Returns it."""
     t = 1 if group is None else dist.get_world_size(group)
     cfg = policy.cfg
     if cfg.n_heads % t or cfg.d_expert % t:
-        raise ValueError(f"TP degree {t} must divide n_heads={cfg.n_heads} and d_expert={cfg.d_expert}")
+        raise ValueError(f"TP degree {t} must divide n_heads={cfg.n_heads} "
+                         f"and d_expert={cfg.d_expert}")
     if t == 1:
         return policy
     device, frozen = policy.head.weight.device, not policy.head.weight.requires_grad
@@ -111,14 +113,14 @@ def apply(policy, group):
 
 @torch.no_grad()
 def load_weights(policy, weights):
-    """vLLM-style loader: each weight full, or already this rank's TP piece; a full weight that is cut
-    is cut here, per TP_PLAN. Returns the names loaded."""
+    """vLLM-style loader: each weight full, or already this rank's TP piece; a full weight that is
+    cut is cut here, per TP_PLAN. Returns the names loaded."""
     params, loaded = dict(policy.named_parameters()), set()
     rank, t = dist.get_rank(policy.tp_group), dist.get_world_size(policy.tp_group)
     for name, w in weights:
         p = params[name]
         split = next((s for suffix, s in TP_PLAN.items() if name.endswith(suffix)), None)
-        if w.shape != p.shape and split is not None:  # a full weight: view dim as (groups, n), cut n
+        if w.shape != p.shape and split is not None:  # a full weight: dim as (groups, n), cut n
             dim, groups = split
             p, w = p.unflatten(dim, (groups, -1)), w.unflatten(dim, (groups, -1))
             w = w.narrow(dim + 1, rank * p.shape[dim + 1], p.shape[dim + 1])
@@ -138,5 +140,6 @@ def engine(cfg, group):
 def apply_to_run(run):
     """--infer-tp: the run's engine cut over this rank's TP group (every rank makes every group)."""
     cfg = run.cfg
-    group = TPLayout(run.roles.world, cfg.infer_tp, n_heads=cfg.n_heads).new_groups(cfg.pg_timeout_s)[0]
+    layout = TPLayout(run.roles.world, cfg.infer_tp, n_heads=cfg.n_heads)
+    group = layout.new_groups(cfg.pg_timeout_s)[0]
     apply(run.engine, group)

@@ -1,62 +1,41 @@
-# Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (the LICENSE file).
-"""Checkpoint and resume of the whole RL run: the weights and the optimizer, and everything in flight.
+# Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (see LICENSE).
+"""Checkpoint and resume of the whole RL run: the weights, the optimizer, and everything in flight.
 
-    torchrun --standalone --nproc_per_node=2 train_grpo.py --out runs/a --save-every 20 --keep-last 2
-    torchrun --standalone --nproc_per_node=2 train_grpo.py --out runs/a --save-every 20 --resume auto  # again
+    torchrun --standalone --nproc_per_node=2 train_grpo.py --out runs/a --save-every 20
 
-One checkpoint is one folder, which exists only once complete:
+One checkpoint is one folder, <out>/checkpoints/step_<N>/, which exists only once complete:
+  .metadata, __<r>_0.distcp  torch.distributed.checkpoint (DCP), tensors only: the model and the
+                             optimizer's state as FSDP shards (a load at another world size
+                             reshards them), EP's experts stacked as the dense model holds them,
+                             and the reference and reward models
+  rank_<r>.pt                each rank's plain data (loaded with weights_only=True): RNG, the
+                             warm-up's prompts, the curriculum's counts, the queue's unread rows,
+                             StaleSync's groups in flight (partial rollouts), the --nodes
+                             residual, the optimizer's param_groups (a record)
+  meta.json                  the step, the world size, the config, the log's figures so far, and
+                             the name and size of every file above
 
-    <out>/checkpoints/step_<N>/
-        .metadata, __<r>_0.distcp   through torch.distributed.checkpoint (DCP), tensors only: the model and
-                                    the optimizer's state, each trainer its own FSDP shards (a load at
-                                    another world size reshards them) and EP experts (a load at another EP
-                                    degree finds them by name), and the reference and reward models, written once
-        rank_<r>.pt                 each rank's own state: RNG, the warm-up's prompt stream, the curriculum's
-                                    counts, the queue's rows not yet read, StaleSync's groups in flight
-                                    (partial rollouts with their versions and behaviour log-probs; the
-                                    sampler's KV cache is empty at the cut, the new weights reset it), the
-                                    cross-node gradient sync's error-feedback residual (--nodes), the
-                                    optimizer's param_groups (a record); plain data (tensors, numbers,
-                                    strings, lists and dicts), loaded with torch.load(weights_only=True)
-        meta.json                   the step, the world size, the config, the log's figures so far, whether
-                                    a reference model is saved, and the name and size of every file above
+Two halves: `folder`, `write`, `complete_checkpoints`, `prune` and `read_*` are the mechanism (any
+run's dicts); `find`, `save` and `resume` decide what a train_grpo.py run saves, where and when.
+Every rank writes into one folder: the ranks must share a filesystem.
 
-Two halves: `folder`, `write`, `complete_checkpoints`, `prune` and the `read_*` functions are the
-mechanism (torch, json and the standard library: any run's dicts); `find`, `save` and `resume` decide
-what a train_grpo.py run saves, where and when. Every rank writes into one folder: the ranks must share
-a filesystem (one machine, or a shared disk).
+A checkpoint is code to trust: DCP's .metadata is a pickle that its load unpickles (whoever can
+write it runs code as the user who resumes). So only tensors go to DCP, `write` leaves the files
+writable by their owner alone, and `find` refuses a folder that another user owns or may write
+(`untrusted`) unless --trust-checkpoint-perms 1.
 
-A checkpoint is code to trust. DCP's .metadata is a pickle that its load unpickles (torch's format, not
-this file's: whoever can write it runs code as the user who resumes), so nothing of this file's goes to
-DCP but tensors, whose shards DCP loads with weights_only=True (a non-tensor entry it would unpickle with
-weights_only=False; DCP of an older checkpoint may hold the optimizer's param_groups: they are not read).
-`find` refuses a folder that another user owns or may write, or one in a folder they may write (`untrusted`),
-unless --trust-checkpoint-perms 1; `write` leaves its files writable by their owner alone, whatever the umask.
-
-- Atomic: every rank writes into .tmp_step_<N>; after a barrier, rank 0 lists the files with their sizes
-  in meta.json and renames the folder to step_<N>. A crash before the rename leaves the previous
-  checkpoint the newest complete one (the next save removes the leftover); --keep-last K removes all but
-  the newest K. Resumed from step N, a run moves the checkpoints after N (another timeline, now
-  abandoned) to checkpoints/superseded/, so that neither --resume auto nor --keep-last mixes the two.
-- Checked before anything changes: rank 0 chooses the folder (--resume auto: the newest it lists; a rank
-  listing for itself could see another step on a shared disk that caches attributes), and each rank checks
-  it: a meta.json that is not JSON or lacks a field, a file missing or of another size than meta.json says,
-  an owner or mode `untrusted` refuses, or a config that differs in a field the saved state depends on
-  (SHAPE_FIELDS: the model's and the task's shapes, the batch, the seed, the staleness, filtering and KL
-  settings): every rank fails with the name of the file, the field or the flag, and of the rank that
-  found it; metrics.jsonl is cut back to the checkpoint's step only once everything has loaded.
-  The optimizer's state comes from the checkpoint, all its settings (--lr among them) from this run, the
-  learning rate then annealed to the checkpoint's place (train_grpo.resume_lr).
-- A consistent cut: every rank saves at the same policy version. Colocated: at the end of RL step N.
-  Separated: trainers after pushing version N (and writing its figures), generators right after receiving
-  it, before they serve any read of the batches they made ahead; rows made ahead are saved by their owner.
-- Exact: with the same world size and deployment, a resumed run trains to the parameters of a run that never
-  stopped (CPU, fixed seed, --steps with --rl-seconds 0: the clock would end the run and set its learning
-  rate), as long as the new weights reach the samplers at fixed points (colocated; separated with S = 0;
-  tested: colocated S = 0 and S = 2, separated S = 0). At another world size or deployment the model and
-  optimizer reshard; the groups that were in flight or queued are dropped, counted in stale/regenerated, and
-  the new replicas start the checkpoint's slots again, at their first attempts, drawn with the saved
-  curriculum's counts (a slot's prompt is a function of the slot and of those counts: task.SlotPrompts).
+- Atomic: every rank writes into .tmp_step_<N>; after a barrier rank 0 lists the files with their
+  sizes in meta.json and renames the folder to step_<N>, what --resume auto finds. --keep-last K
+  keeps the newest K; a run resumed from step N moves later ones (abandoned) to superseded/.
+- Checked before anything changes: rank 0 chooses the folder, every rank checks it (meta.json, the
+  files' sizes, owners and modes, the config's SHAPE_FIELDS), and all fail with the name of the
+  file, field or flag and of the rank that found it.
+- A consistent cut: every rank saves at one policy version: colocated, at the end of RL step N;
+  separated, trainers after pushing version N and generators right after receiving it.
+- Exact: at the same world size and deployment, a resumed run trains to the parameters of a run
+  that never stopped (CPU, fixed seed, --rl-seconds 0, new weights reaching the samplers at fixed
+  points: colocated, or separated at S = 0). At another world size or deployment the model and
+  optimizer reshard, and the groups in flight or queued are dropped (stale/regenerated).
 
 Shapes: none; one dict per rank.
 """
@@ -70,25 +49,29 @@ import stat
 import torch
 import torch.distributed as dist
 
-SHAPE_FIELDS = ("max_digits", "d_model", "n_layers", "n_heads", "n_experts", "top_k", "d_expert", "group_size",
-                "prompts_per_step", "max_new_tokens", "staleness", "threshold", "chunk_steps", "filter_groups",
-                "seed", "kl_coef")
-LAYOUT_FIELDS = ("deploy", "infer_tp")  # with the world size: may differ, then the in-flight groups regenerate
+SHAPE_FIELDS = ("max_digits", "d_model", "n_layers", "n_heads", "n_experts", "top_k", "d_expert",
+                "group_size", "prompts_per_step", "max_new_tokens", "staleness", "threshold",
+                "chunk_steps", "filter_groups", "seed", "kl_coef")
+# with the world size: may differ, then the in-flight groups regenerate
+LAYOUT_FIELDS = ("deploy", "infer_tp")
 
 
-# ----------------------------------------------------------------------------- the mechanism: write, list, read
+# --- the mechanism: write, list, read -------------------------------------------------------------
 def folder(out_dir, step):
     return os.path.join(out_dir, "checkpoints", f"step_{step}")
 
 
-def write(out_dir, step, rank, own, meta=None, dcp_state=None, dcp_group=None, keep_last=None, group=None):
-    """Collective over `group` (every rank): each rank's `own` dict to rank_<r>.pt, the DCP state (the ranks
-    of dcp_group, which hold it) to its shards, then rank 0 writes meta.json and renames the folder."""
+def write(out_dir, step, rank, own, meta=None, dcp_state=None, dcp_group=None, keep_last=None,
+          group=None):
+    """Collective over `group` (every rank): each rank's `own` dict to rank_<r>.pt, the DCP state
+    (held by the ranks of dcp_group) to its shards; then rank 0 writes meta.json and renames the
+    folder."""
     import torch.distributed.checkpoint as dcp
     root = os.path.join(out_dir, "checkpoints")
     tmp, final = os.path.join(root, f".tmp_step_{step}"), folder(out_dir, step)
     if rank == 0:
-        os.makedirs(root, mode=0o755, exist_ok=True)  # writable by this user only, as `untrusted` asks (umask 002)
+        # writable by this user only, as `untrusted` asks (umask 002)
+        os.makedirs(root, mode=0o755, exist_ok=True)
         for name in os.listdir(root):
             if name.startswith((".tmp_step_", ".old_step_")):  # a crashed save's leftovers
                 shutil.rmtree(os.path.join(root, name))
@@ -96,8 +79,10 @@ def write(out_dir, step, rank, own, meta=None, dcp_state=None, dcp_group=None, k
     dist.barrier(group=group)
     if dcp_state is not None:
         crc = torch.serialization.get_crc32_options()
-        torch.serialization.set_crc32_options(False)  # skip a checksum per tensor that no load ever reads
-        try:  # plan caching: a save whose tensors are laid out as the last one's skips DCP's planning round
+        # skip a checksum per tensor that no load ever reads
+        torch.serialization.set_crc32_options(False)
+        # plan caching: a save laid out as the last one skips DCP's planning round
+        try:
             dcp.save(dcp_state, checkpoint_id=tmp, process_group=dcp_group,
                      planner=dcp.DefaultSavePlanner(enable_plan_caching=True))
         finally:
@@ -116,15 +101,17 @@ def write(out_dir, step, rank, own, meta=None, dcp_state=None, dcp_group=None, k
 
 
 def _write_file(path, fill):
-    with open(path, "wb", opener=lambda p, flags: os.open(p, flags, 0o644)) as f:  # 0o644: see _write_protect
+    # 0o644: see _write_protect
+    with open(path, "wb", opener=lambda p, flags: os.open(p, flags, 0o644)) as f:
         fill(f)
         f.flush()
         os.fsync(f.fileno())
 
 
 def _write_protect(tmp):
-    """No group or other user may write the files (DCP opens its own with the umask's mode, 0o664 under umask
-    002), or a load would refuse them (`untrusted`). A file another uid wrote is left as it is: refused."""
+    """No group or other user may write the files (DCP opens its own with the umask's mode, 0o664
+    under umask 002), or a load would refuse them (`untrusted`). A file another uid wrote is left as
+    it is: refused."""
     if not hasattr(os, "geteuid"):  # no POSIX owners and modes (Windows)
         return
     for name in os.listdir(tmp):
@@ -134,8 +121,8 @@ def _write_protect(tmp):
 
 
 def _publish(tmp, final):
-    """The step that makes a checkpoint exist: one rename. An older folder of that step is first renamed
-    away (while it is, the previous step's checkpoint is the newest complete one), then removed."""
+    """The step that makes a checkpoint exist: one rename. An older folder of that step is first
+    renamed away, then removed (meanwhile the previous step's is the newest complete checkpoint)."""
     old = os.path.join(os.path.dirname(final), ".old_" + os.path.basename(final))
     if os.path.exists(final):
         os.rename(final, old)
@@ -153,7 +140,8 @@ def complete_checkpoints(out_dir):
     root = os.path.join(out_dir, "checkpoints")
     names = os.listdir(root) if os.path.isdir(root) else []
     steps = sorted(int(n[5:]) for n in names if n.startswith("step_") and n[5:].isdigit())
-    return [(s, folder(out_dir, s)) for s in steps if os.path.exists(os.path.join(folder(out_dir, s), "meta.json"))]
+    return [(s, folder(out_dir, s)) for s in steps
+            if os.path.exists(os.path.join(folder(out_dir, s), "meta.json"))]
 
 
 def prune(out_dir, keep_last):
@@ -165,19 +153,21 @@ def prune(out_dir, keep_last):
 
 
 def read_meta(path):
-    """meta.json, after checking that it holds what `write` puts there (the step, every file's name and size)
-    and that every file it lists is there with its size: a field, or a missing or truncated file, is named
-    before anything is loaded."""
+    """meta.json, after checking that it holds what `write` puts there (the step, every file's name
+    and size) and that every file it lists is there with its size: a field, or a missing or
+    truncated file, is named before anything is loaded."""
     meta_path = os.path.join(path, "meta.json")
     if not os.path.exists(meta_path):
-        raise FileNotFoundError(f"{path} is not a complete checkpoint: it has no meta.json (a save that did not "
-                                "finish leaves .tmp_step_<N>; complete ones are step_<N> with meta.json)")
+        raise FileNotFoundError(f"{path} is not a complete checkpoint: it has no meta.json "
+                                "(a save that did not finish leaves .tmp_step_<N>; "
+                                "complete ones are step_<N> with meta.json)")
     with open(meta_path, "rb") as f:
         text = f.read()
     try:
         meta = json.loads(text)
     except ValueError as e:  # json's JSONDecodeError, or bytes that are not UTF-8
-        raise ValueError(f"{meta_path} is not valid JSON ({e}): cut short, or edited by hand") from None
+        raise ValueError(f"{meta_path} is not valid JSON ({e}): "
+                         "cut short, or edited by hand") from None
     require(meta_path, meta, {"step": int, "files": dict})
     bad = []
     for name, size in meta["files"].items():
@@ -192,8 +182,8 @@ def read_meta(path):
 
 
 def require(meta_path, meta, fields):
-    """Each of `fields` ({"step": int, "config.seed": object, ...}, dotted into nested dicts) in meta and of
-    its type, or a ValueError naming the file and the field."""
+    """Each of `fields` ({"step": int, "config.seed": object, ...}, dotted into nested dicts) in
+    meta and of its type, or a ValueError naming the file and the field."""
     if not isinstance(meta, dict):
         raise ValueError(f"{meta_path} is not a JSON object but a {type(meta).__name__}")
     for name, kind in fields.items():
@@ -210,10 +200,11 @@ _MISSING = object()
 
 
 def untrusted(path):
-    """Why the checkpoint at `path` may hold another user's code, or None: the folder holding it, the folder
-    and every entry in it must belong to this user (or root) and be writable by no group and no other user
-    (the holding folder may be, with the sticky bit: no one else can rename this user's folder away). Loading
-    unpickles DCP's .metadata: whoever can write it runs code as the user who loads it."""
+    """Why the checkpoint at `path` may hold another user's code, or None: the folder holding it,
+    the folder and every entry in it must belong to this user (or root) and be writable by no group
+    and no other user (the holding folder may be, with the sticky bit: no one else can rename this
+    user's folder away). Loading unpickles DCP's .metadata: whoever can write it runs code as the
+    user who loads it."""
     if not hasattr(os, "geteuid"):  # no POSIX owners and modes (Windows)
         return None
     me, path = os.geteuid(), os.path.realpath(path)
@@ -235,14 +226,14 @@ def read_own(path, rank):
 
 
 def read_dcp(path, dcp_state, dcp_group=None):
-    """Fill dcp_state (the same keys as saved, in this run's layout) from the shards: DCP reshards."""
+    """Fill dcp_state (the same keys as saved, in this run's layout) from the shards (resharded)."""
     import torch.distributed.checkpoint as dcp
     dcp.load(dcp_state, checkpoint_id=path, process_group=dcp_group)
 
 
 def params_sha256(state):
-    """A hash of a full state dict (names, shapes, dtypes, bytes, in name order): two runs that trained to
-    the same parameters print the same hash."""
+    """A hash of a full state dict (names, shapes, dtypes, bytes, in name order): two runs that
+    trained to the same parameters print the same hash."""
     h = hashlib.sha256()
     for name in sorted(state):
         t = state[name].detach().cpu().contiguous()
@@ -251,12 +242,13 @@ def params_sha256(state):
     return h.hexdigest()
 
 
-# ----------------------------------------------------------------------------- what a train_grpo.py run saves
+# --- what a train_grpo.py run saves ---------------------------------------------------------------
 def find(cfg, out_dir):
-    """--resume: (folder, meta) to resume from, or None for a fresh start (auto with no checkpoint yet).
-    Every rank calls it before anything is written. Rank 0 chooses the folder (auto: the newest complete
-    checkpoint it lists); each rank then checks that folder itself (its meta.json and files, their owners
-    and modes, the config), and if one rank cannot load it, every rank fails with that rank's reason."""
+    """--resume: (folder, meta) to resume from, or None for a fresh start (auto with no checkpoint
+    yet). Every rank calls it before anything is written. Rank 0 chooses the folder (auto: the
+    newest complete checkpoint it lists); each rank then checks that folder itself (its meta.json
+    and files, their owners and modes, the config), and if one rank cannot load it, every rank fails
+    with that rank's reason."""
     if not cfg.resume:
         return None
     path = _choose(cfg, out_dir)
@@ -264,7 +256,8 @@ def find(cfg, out_dir):
         return None
     try:
         found, error = _check(cfg, path), None
-    except (ValueError, OSError) as e:  # OSError: FileNotFoundError, PermissionError, an unreadable file
+    # OSError: FileNotFoundError, PermissionError, an unreadable file
+    except (ValueError, OSError) as e:
         found, error = None, (type(e).__name__, str(e))
     errors = [error]
     if dist.is_initialized():
@@ -286,7 +279,8 @@ def _choose(cfg, out_dir):
     steps, and DCP would load shards of both without an error."""
     if cfg.resume != "auto":
         return cfg.resume
-    found = complete_checkpoints(out_dir) if not dist.is_initialized() or dist.get_rank() == 0 else None
+    lists = not dist.is_initialized() or dist.get_rank() == 0
+    found = complete_checkpoints(out_dir) if lists else None
     choice = [found[-1][1] if found else None]
     if dist.is_initialized():
         dist.broadcast_object_list(choice, src=0)
@@ -294,8 +288,8 @@ def _choose(cfg, out_dir):
 
 
 def _check(cfg, path):
-    """(path, meta) if this rank can resume this run from `path`; else an error naming the file, the field
-    or the flag."""
+    """(path, meta) if this rank can resume this run from `path`; else an error naming the file, the
+    field or the flag."""
     from plumbing.runlog import SAVED
     fields = {"world": int, "reference": bool, "log": dict, **{f"log.{k}": object for k in SAVED},
               "config": dict, **{f"config.{k}": object for k in SHAPE_FIELDS + LAYOUT_FIELDS}}
@@ -303,75 +297,91 @@ def _check(cfg, path):
         meta = read_meta(path)
         require(os.path.join(path, "meta.json"), meta, fields)
     except ValueError as e:
-        raise ValueError(f"{e}; remove it, or name an older checkpoint with --resume FOLDER") from None
+        raise ValueError(f"{e}; remove it, "
+                         "or name an older checkpoint with --resume FOLDER") from None
     except FileNotFoundError as e:
-        raise FileNotFoundError(f"{e}; remove it, or name an older checkpoint with --resume FOLDER") from None
+        raise FileNotFoundError(f"{e}; remove it, "
+                                "or name an older checkpoint with --resume FOLDER") from None
     why = None if cfg.trust_checkpoint_perms else untrusted(path)
     if why:
-        raise PermissionError(f"checkpoint {path}: {why}. Another user could have put code in it (a load "
-                              "unpickles DCP's .metadata): check who wrote it, then pass --trust-checkpoint-perms 1 "
-                              "to load it anyway (e.g. a disk shared by a group)")
+        raise PermissionError(f"checkpoint {path}: {why}. Another user could have put code in it "
+                              "(a load unpickles DCP's .metadata): check who wrote it, "
+                              "then pass --trust-checkpoint-perms 1 to load it anyway "
+                              "(e.g. a disk shared by a group)")
     saved = meta["config"]
-    diff = [f"--{k.replace('_', '-')} {saved[k]} there, {getattr(cfg, k)} here" for k in SHAPE_FIELDS
-            if saved[k] != getattr(cfg, k)]
+    diff = [f"--{k.replace('_', '-')} {saved[k]} there, {getattr(cfg, k)} here"
+            for k in SHAPE_FIELDS if saved[k] != getattr(cfg, k)]
     if diff:
         raise ValueError(f"checkpoint {path} does not fit this run: {'; '.join(diff)}")
     if (cfg.kl_coef > 0 or cfg.deploy == "colocated-all") and not meta["reference"]:
-        raise ValueError(f"checkpoint {path} holds no reference model, and --deploy {cfg.deploy} needs one")
-    if cfg.reward_model != bool(meta.get("reward_model")):
-        raise ValueError(f"checkpoint {path} was saved with --reward-model {int(bool(meta.get('reward_model')))}: "
-                         f"resume it with the same (here --reward-model {int(cfg.reward_model)}), the reward it trains on")
+        raise ValueError(f"checkpoint {path} holds no reference model, "
+                         f"and --deploy {cfg.deploy} needs one")
+    saved_rm = bool(meta.get("reward_model"))
+    if cfg.reward_model != saved_rm:
+        raise ValueError(f"checkpoint {path} was saved with --reward-model {int(saved_rm)}: "
+                         f"resume it with the same (here --reward-model {int(cfg.reward_model)}), "
+                         "the reward it trains on")
     if saved.get("train_ep") and meta.get("experts") != "stacked":
-        raise ValueError(f"checkpoint {path} was saved by older code with --train-ep {saved['train_ep']}, each "
-                         "expert under a name of its own: resume it with that code")
+        raise ValueError(f"checkpoint {path} was saved by older code "
+                         f"with --train-ep {saved['train_ep']}, "
+                         "each expert under a name of its own: resume it with that code")
     if meta["step"] >= cfg.steps:
-        raise ValueError(f"checkpoint {path} is at step {meta['step']}: --steps {cfg.steps} leaves nothing to run")
+        raise ValueError(f"checkpoint {path} is at step {meta['step']}: "
+                         f"--steps {cfg.steps} leaves nothing to run")
     return path, meta
 
 
 def save(run, step):
-    """--save-every: the whole run at policy version `step`, every rank at the cut the docstring names."""
+    """--save-every: the whole run at policy version `step`, every rank at the module's cut."""
     cfg = run.cfg
     if not cfg.save_every or step % cfg.save_every:
         return
     with run.spans("checkpoint"):
         own = {"rng": {"torch": torch.get_rng_state()}, "queue": run.queue.state_dict(),
-               "warm_stream": run.warm_stream.state_dict(), "curriculum": run.curriculum.state_dict()}
-        if run.device.type != "cpu":  # the accelerator's own generator, under its type ("cuda", "xpu", ...)
+               "warm_stream": run.warm_stream.state_dict(),
+               "curriculum": run.curriculum.state_dict()}
+        # the accelerator's own generator, under its type ("cuda", "xpu", ...)
+        if run.device.type != "cpu":
             own["rng"][run.device.type] = _device_rng(run.device)
         if run.sched is not None:
             own["sched"] = run.sched.state_dict()
         if run.actor is not None:
             own["actor"] = run.actor.state_dict()
-        if run.grad_sync is not None:  # --nodes: the error-feedback residual, this rank's shard of its node's
+        # --nodes: the error-feedback residual, this rank's shard of its node's
+        if run.grad_sync is not None:
             own["grad_sync"] = run.grad_sync.state_dict()
         dcp_state, own["optim_groups"] = _dcp_state(run)
-        meta = {"world": run.roles.world, "config": dataclasses.asdict(cfg), "log": run.log.state_dict(),
-                "reference": run.reference is not None, "reward_model": run.reward_model is not None,
+        meta = {"world": run.roles.world, "config": dataclasses.asdict(cfg),
+                "log": run.log.state_dict(), "reference": run.reference is not None,
+                "reward_model": run.reward_model is not None,
                 "experts": "stacked"}  # under EP too (_dcp_state)
-        write(run.out_dir, step, run.rank, own, meta, dcp_state=dcp_state, dcp_group=run.train_group,
-              keep_last=cfg.keep_last)
+        write(run.out_dir, step, run.rank, own, meta, dcp_state=dcp_state,
+              dcp_group=run.train_group, keep_last=cfg.keep_last)
 
 
 def _dcp_state(run):
-    """(state, param_groups). The state, DCP's part, is tensors only (a non-tensor entry, DCP would pickle and
-    its load unpickle): the trainers' model and optimizer state as FSDP shards (DTensors), and the reference
-    model. The optimizer's param_groups (its settings, and its parameters' names: plain data) go to the rank
-    files. Under EP the experts (a tensor per expert, on the ranks that hold it) are saved as the dense model
-    stacks them, (E, ...) under the dense names (_stacked), so that a load finds them whatever the layout it
-    loads into: EP at any degree, or none, at any world size. (None, None) on a generator."""
+    """(state, param_groups). The state, DCP's part, is tensors only (a non-tensor entry, DCP would
+    pickle and its load unpickle): the trainers' model and optimizer state as FSDP shards
+    (DTensors), and the reference model. The optimizer's param_groups (its settings, and its
+    parameters' names: plain data) go to the rank files. Under EP the experts (a tensor per expert,
+    on the ranks that hold it) are saved as the dense model stacks them, (E, ...) under the dense
+    names (_stacked), so that a load finds them whatever the layout it loads into: EP at any degree,
+    or none, at any world size. (None, None) on a generator."""
     if run.model is None:
         return None, None
     from torch.distributed.checkpoint.state_dict import get_state_dict
     model, optim = get_state_dict(run.model, run.optimizer)
-    state = {"model": _stacked(model, run.model), "optim": {"state": _stacked(optim["state"], run.model)}}
+    state = {"model": _stacked(model, run.model),
+             "optim": {"state": _stacked(optim["state"], run.model)}}
     if run.reference is not None:
-        with run.reference.on_device() as ref:  # host copies: an offloaded reference frees its storages on exit
-            state["reference"] = _stacked({k: v.detach().to("cpu", copy=True) for k, v in ref.state_dict().items()},
-                                          ref)
+        # host copies: an offloaded reference frees its storages on exit
+        with run.reference.on_device() as ref:
+            host = {k: v.detach().to("cpu", copy=True) for k, v in ref.state_dict().items()}
+            state["reference"] = _stacked(host, ref)
     if run.reward_model is not None:  # --reward-model: frozen after its fit, the same on every rank
         with run.reward_model.on_device() as rm:
-            state["reward_model"] = {k: v.detach().to("cpu", copy=True) for k, v in rm.state_dict().items()}
+            state["reward_model"] = {k: v.detach().to("cpu", copy=True)
+                                     for k, v in rm.state_dict().items()}
     return state, optim["param_groups"]
 
 
@@ -382,19 +392,22 @@ def _expert_layers(module):
 
 
 def _stacked(entries, module):
-    """A state dict of `module` (its parameters' tensors, or the optimizer's state per parameter: a dict of
-    tensors) with each EP expert entry, `<layer>.w_gate.<e>` held by some ranks, made the dense model's stack
-    `<layer>.w_gate` (E, ...), whole on every rank: each expert broadcast by its first holder (collective over
-    the default group). The optimizer's step, the same for every expert, stays one scalar."""
+    """A state dict of `module` (its parameters' tensors, or the optimizer's state per parameter: a
+    dict of tensors) with each EP expert entry, `<layer>.w_gate.<e>` held by some ranks, made the
+    dense model's stack `<layer>.w_gate` (E, ...), whole on every rank: each expert broadcast by its
+    first holder (collective over the default group). The optimizer's step, the same for every
+    expert, stays one scalar."""
     import moe_switch
     out = dict(entries)
     for name, layer in _expert_layers(module).items():
         for n in moe_switch.EXPERT_NAMES:
             parts = []
             for e in range(layer.layout.n_experts):
-                box = [out.pop(f"{name}.{n}.{e}", None) if e in layer.layout.owned(layer.rank) else None]
-                out.pop(f"{name}.{n}.{e}", None)  # an expert this rank does not hold: an empty tensor
-                dist.broadcast_object_list(box, src=layer.layout.global_rank(layer.layout.holders(e)[0]))
+                key = f"{name}.{n}.{e}"
+                box = [out.pop(key, None) if e in layer.layout.owned(layer.rank) else None]
+                out.pop(key, None)  # an expert this rank does not hold: an empty tensor
+                first_holder = layer.layout.global_rank(layer.layout.holders(e)[0])
+                dist.broadcast_object_list(box, src=first_holder)
                 parts.append(box[0])
             if torch.is_tensor(parts[0]):
                 out[f"{name}.{n}"] = torch.stack(parts)                                  # (E, ...)
@@ -405,28 +418,32 @@ def _stacked(entries, module):
 
 
 def _unstacked(entries, module):
-    """_stacked's inverse on a load: each stack's slices of the experts this rank holds, under their EP names."""
+    """_stacked's inverse on a load: each stack's slices of this rank's experts, by EP names."""
     import moe_switch
     out = dict(entries)
     for name, layer in _expert_layers(module).items():
         for n in moe_switch.EXPERT_NAMES:
             stack = out.pop(f"{name}.{n}")
             for e in layer.layout.owned(layer.rank):
-                out[f"{name}.{n}.{e}"] = stack[e].clone() if torch.is_tensor(stack) else \
-                    {k: (v if v.dim() == 0 else v[e]).clone() for k, v in stack.items()}  # own storage each:
-                # an optimizer steps each expert's state in place, its step count too
+                # own storage each: an optimizer steps each expert's state in place, its step too
+                if torch.is_tensor(stack):
+                    out[f"{name}.{n}.{e}"] = stack[e].clone()
+                else:
+                    out[f"{name}.{n}.{e}"] = {k: (v if v.dim() == 0 else v[e]).clone()
+                                              for k, v in stack.items()}
     return out
 
 
 def resume(run):
-    """Load the checkpoint `find` chose into a built run: the trainers' DCP state, resharded if the world
-    changed; then each rank's own state, or, at another layout, the in-flight prompts to regenerate; last,
-    metrics.jsonl, cut back to the checkpoint's step. Nothing without a checkpoint.
-    The optimizer: its state (each parameter's step and Adam moments) from the checkpoint; every setting of
-    its param_groups (the learning rate from --lr, betas, eps, weight decay, foreach, ...) from this run as
-    train_grpo.py built it, which then anneals the learning rate to where the run stopped (resume_lr). The saved
-    param_groups stay in the rank files as a record, never applied: a checkpoint of older code (foreach=None
-    before commit e9fabe9) does not undo a choice made since."""
+    """Load the checkpoint `find` chose into a built run: the trainers' DCP state, resharded if the
+    world changed; then each rank's own state, or, at another layout, the in-flight prompts to
+    regenerate; last, metrics.jsonl, cut back to the checkpoint's step. Nothing without a
+    checkpoint. The optimizer: its state (each parameter's step and Adam moments) from the
+    checkpoint; every setting of its param_groups (the learning rate from --lr, betas, eps, weight
+    decay, foreach, ...) from this run as train_grpo.py built it, which then anneals the learning
+    rate to where the run stopped (run_loop). The saved param_groups stay in the rank files as a
+    record, never applied: a checkpoint of older code does not undo a choice made since (foreach,
+    say)."""
     if run.resume_from is None:
         return
     path, meta = run.resume_from
@@ -434,11 +451,14 @@ def resume(run):
     if run.model is not None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
         state, groups = _dcp_state(run)  # groups: this run's settings
-        read_dcp(path, state, run.train_group)  # an older checkpoint's param_groups in DCP are not read
-        set_state_dict(run.model, run.optimizer, model_state_dict=_unstacked(state["model"], run.model),
-                       optim_state_dict=dict(state["optim"], state=_unstacked(state["optim"]["state"], run.model),
+        # an older checkpoint's param_groups in DCP are not read
+        read_dcp(path, state, run.train_group)
+        optim_state = _unstacked(state["optim"]["state"], run.model)
+        set_state_dict(run.model, run.optimizer,
+                       model_state_dict=_unstacked(state["model"], run.model),
+                       optim_state_dict=dict(state["optim"], state=optim_state,
                                              param_groups=groups),
-                       options=StateDictOptions(strict=run.experts is None))  # EP: the experts held here only
+                       options=StateDictOptions(strict=run.experts is None))  # EP: held here only
         if run.reference is not None:
             with run.reference.on_device() as ref:
                 ref.load_state_dict(_unstacked(state["reference"], ref), strict=run.experts is None)
@@ -455,7 +475,8 @@ def resume(run):
     _load_residual(run, own, meta)
     run.log.reopen_metrics()
     if run.rank == 0:
-        run.log.say(f"resumed from {path}: step {meta['step']}, held-out accuracy {run.log.accuracy:.3f}")
+        run.log.say(f"resumed from {path}: step {meta['step']}, "
+                    f"held-out accuracy {run.log.accuracy:.3f}")
         _supersede_later(run.out_dir, meta["step"])
 
 
@@ -469,9 +490,9 @@ def _supersede_later(out_dir, step):
 
 
 def _device_rng(device, state=None):
-    """The RNG state of an accelerator's default generator (CPU's is saved as "torch"), or, given `state`, set it:
-    through the device's own module (torch.cuda, torch.xpu, a plugin's torch.npu), as torch has no
-    device-generic call for it."""
+    """The RNG state of an accelerator's default generator (CPU's is saved as "torch"), or, given
+    `state`, set it: through the device's own module (torch.cuda, torch.xpu, a plugin's torch.npu),
+    as torch has no device-generic call for it."""
     module = getattr(torch, device.type)
     if state is None:
         return module.get_rng_state(device)
@@ -480,11 +501,14 @@ def _device_rng(device, state=None):
 
 def _load_own(run, own):
     cells = own["queue"]["cells"]
-    if any(c == "reward" and (row, "rule_reward") not in cells for (row, c) in cells):  # else a read would wait on it
-        raise ValueError("the checkpoint's queued rows have no rule_reward column (saved by older code): resume it "
-                         "with that code, or from a checkpoint without queued rows")
+    # else a read would wait on it
+    if any(c == "reward" and (row, "rule_reward") not in cells for (row, c) in cells):
+        raise ValueError("the checkpoint's queued rows have no rule_reward column "
+                         "(saved by older code): resume it with that code, "
+                         "or from a checkpoint without queued rows")
     torch.set_rng_state(own["rng"]["torch"])
-    if run.device.type != "cpu" and run.device.type in own["rng"]:  # saved on this kind of accelerator
+    # saved on this kind of accelerator
+    if run.device.type != "cpu" and run.device.type in own["rng"]:
         _device_rng(run.device, own["rng"][run.device.type])
     run.warm_stream.load_state_dict(own["warm_stream"])
     run.curriculum.load_state_dict(own["curriculum"])
@@ -496,9 +520,9 @@ def _load_own(run, own):
 
 
 def _load_residual(run, own, meta):
-    """--nodes: the gradient sync's error-feedback residual, where this rank saved it in the same layout of nodes,
-    units and compression; otherwise it starts at zero, said on rank 0 (what it held, at most the gradient that
-    compression had not yet sent, is lost)."""
+    """--nodes: the gradient sync's error-feedback residual, where this rank saved it in the same
+    layout of nodes, units and compression; otherwise it starts at zero, said on rank 0 (what it
+    held, at most the gradient that compression had not yet sent, is lost)."""
     if run.grad_sync is None:
         return
     defaults = {"nodes": 1, "grad_compress": "none", "fsdp_units": "model"}
@@ -506,20 +530,22 @@ def _load_residual(run, own, meta):
     if own is not None and same and "grad_sync" in own:
         run.grad_sync.load_state_dict(own["grad_sync"])
     elif run.rank == 0 and run.cfg.grad_compress != "none":
-        saved = ", ".join(f"--{k.replace('_', '-')} {meta['config'].get(k, d)}" for k, d in defaults.items())
-        print(f"resuming with --nodes {run.cfg.nodes} --grad-compress {run.cfg.grad_compress} from a checkpoint of "
-              f"world {meta['world']}, {saved}: the error-feedback residual starts at zero", flush=True)
+        saved = ", ".join(f"--{k.replace('_', '-')} {meta['config'].get(k, d)}"
+                          for k, d in defaults.items())
+        print(f"resuming with --nodes {run.cfg.nodes} --grad-compress {run.cfg.grad_compress} "
+              f"from a checkpoint of world {meta['world']}, {saved}: "
+              "the error-feedback residual starts at zero", flush=True)
 
 
 def _regenerate(run, path, meta):
-    """Another world size or deployment: the saved replicas' groups (queued, or in flight) have no replica
-    to continue on. They are dropped and counted in stale/regenerated; this run's replicas start at the
-    checkpoint's step, their first slots again, at their first attempts, drawn with the counts of the
-    curriculum a saved generator held (the same on every generator; a separated trainer's are empty). At S > 0 a
-    batch may have taken slots beyond the step's (a later slot that completed first, or, under the shared cut, a
-    replica's groups given for a held-back peer): those are drawn again. The run trains as many groups, not the same
-    ones."""
-    from config import Roles
+    """Another world size or deployment: the saved replicas' groups (queued, or in flight) have no
+    replica to continue on. They are dropped and counted in stale/regenerated; this run's replicas
+    start at the checkpoint's step, their first slots again, at their first attempts, drawn with the
+    counts of the curriculum a saved generator held (the same on every generator; a separated
+    trainer's are empty). At S > 0 a batch may have taken slots beyond the step's (a later slot that
+    completed first, or, under the shared cut, a replica's groups given for a held-back peer): those
+    are drawn again. The run trains as many groups, not the same ones."""
+    from plumbing.config import Roles
     cfg, step, saved = run.cfg, meta["step"], meta["config"]
     old = Roles(meta["world"], saved["deploy"] == "separated", saved["infer_tp"])
     owns = [read_own(path, r) for r in old.writers()]
@@ -527,7 +553,8 @@ def _regenerate(run, path, meta):
     run.curriculum.load_state_dict(owns[0]["curriculum"])
     run.log.regenerated += dropped
     run.log.extra_groups += dropped
-    run.queue.next_local = step * cfg.prompts_per_step * cfg.group_size // max(run.roles.replicas, 1)
+    rows = step * cfg.prompts_per_step * cfg.group_size
+    run.queue.next_local = rows // max(run.roles.replicas, 1)
     if run.sched is not None:
         run.sched.start_at(step)
     if run.rank == 0:
@@ -536,6 +563,6 @@ def _regenerate(run, path, meta):
 
 
 def _groups_not_trained(own, group_size):
-    """How many groups a saved replica held untrained: queued rows (group_size rows a group), and in flight."""
+    """How many groups a saved replica held untrained: queued (group_size rows each), in flight."""
     queued = sum(c == "prompt" for (_, c) in own["queue"]["cells"])
     return queued // group_size + len(own["sched"]["pool"])

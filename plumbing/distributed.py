@@ -1,9 +1,9 @@
-# Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (the LICENSE file).
+# Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (see LICENSE).
 """The run's devices and process group: torchrun's environment, or a world of one.
 
---device auto takes the accelerator torch finds (CUDA, XPU, or a plugin's device such as Ascend's NPU)
-where torch has a process group backend of its own for it (nccl, xccl, hccl), else the CPU with gloo.
-Each process takes the device of its LOCAL_RANK; every group gets the run's timeout.
+--device auto takes the accelerator torch finds (CUDA, XPU, or a plugin's device such as Ascend's
+NPU) where torch has a process group backend of its own for it (nccl, xccl, hccl), else the CPU with
+gloo. Each process takes the device of its LOCAL_RANK; every group gets the run's timeout.
 
     python -m pytest tests/test_config.py
 """
@@ -16,30 +16,32 @@ import torch.distributed as dist
 
 
 def _accelerator_api():
-    """torch.accelerator (torch >= 2.6: CUDA, XPU, MPS, or a plugin's device such as Ascend's NPU), or, in older
-    torch, its calls this file uses taken from torch.cuda (CUDA was the only accelerator): the one place this file
-    names torch.cuda."""
+    """torch.accelerator (torch >= 2.6: CUDA, XPU, MPS, or a plugin's device such as Ascend's NPU),
+    or, in older torch, its calls this file uses taken from torch.cuda (CUDA was the only
+    accelerator): the one place this file names torch.cuda."""
     api = getattr(torch, "accelerator", None)
     if api is not None and hasattr(api, "set_device_index"):
         return api
-    return types.SimpleNamespace(is_available=torch.cuda.is_available, device_count=torch.cuda.device_count,
+    return types.SimpleNamespace(is_available=torch.cuda.is_available,
+                                 device_count=torch.cuda.device_count,
                                  current_accelerator=lambda: torch.device("cuda"),
                                  set_device_index=torch.cuda.set_device)
 
 
 def accelerator():
-    """This machine's accelerator type ("cuda", "xpu", "npu", "mps", ...), or None: a CPU-only build, no driver or no
-    device. Asks is_available() first: current_accelerator() names the build's accelerator, present or not, in torch
-    >= 2.7 (check_available=True aside), and raises where there is none in 2.6."""
+    """This machine's accelerator type ("cuda", "xpu", "npu", "mps", ...), or None: a CPU-only
+    build, no driver or no device. Asks is_available() first: current_accelerator() names the
+    build's accelerator, present or not, in torch >= 2.7 (check_available=True aside), and raises
+    where there is none in 2.6."""
     api = _accelerator_api()
     return api.current_accelerator().type if api.is_available() else None
 
 
 def device_type(choice):
-    """The device type that --device <choice> runs on: "cpu", or this machine's accelerator where torch has a process
-    group backend of its own for it (nccl, xccl, hccl: backend_for). MPS has only gloo, which moves CPU and CUDA
-    tensors: auto runs on the CPU there, as does a CPU-only machine. Any other choice: a ValueError naming what the
-    machine has."""
+    """The device type that --device <choice> runs on: "cpu", or this machine's accelerator where
+    torch has a process group backend of its own for it (nccl, xccl, hccl: backend_for). MPS has
+    only gloo, which moves CPU and CUDA tensors: auto runs on the CPU there, as does a CPU-only
+    machine. Any other choice: a ValueError naming what the machine has."""
     if choice == "cpu":
         return "cpu"
     found = accelerator()
@@ -50,20 +52,22 @@ def device_type(choice):
     if choice == "auto":
         return "cpu"
     if found is None:
-        raise ValueError(f"--device {choice}: this machine has no accelerator (torch.accelerator found none); use "
-                         "--device cpu or auto")
+        raise ValueError(f"--device {choice}: this machine has no accelerator "
+                         "(torch.accelerator found none); use --device cpu or auto")
     if choice == found and backend is None:
-        raise ValueError(f"--device {found}: torch has no process group backend for {found} (its plugin not "
-                         "loaded?); use --device cpu or auto")
+        raise ValueError(f"--device {found}: torch has no process group backend for {found} "
+                         "(its plugin not loaded?); use --device cpu or auto")
     if choice == found:
-        raise ValueError(f"--device {found}: torch's process group backend for {found} is {backend}, which moves CPU "
-                         "and CUDA tensors only; use --device cpu or auto")
-    raise ValueError(f"--device {choice}: this machine's accelerator is {found} (torch.accelerator); use --device "
-                     f"{found + ', ' if usable else ''}cpu or auto")
+        raise ValueError(f"--device {found}: torch's process group backend for {found} "
+                         f"is {backend}, which moves CPU and CUDA tensors only; "
+                         "use --device cpu or auto")
+    usable_here = f"{found}, " if usable else ""
+    raise ValueError(f"--device {choice}: this machine's accelerator is {found} "
+                     f"(torch.accelerator); use --device {usable_here}cpu or auto")
 
 
 def device_errors(choice):
-    """--device: auto and cpu always run; an accelerator's type only on a machine that has it (device_type)."""
+    """--device: auto and cpu always run; an accelerator's type where the machine has it."""
     if choice in ("auto", "cpu"):  # nothing to ask the machine
         return []
     try:
@@ -75,8 +79,8 @@ def device_errors(choice):
 
 def backend_for(device):
     """The process group's backend for a device: torch's default for its type (torch >= 2.6,
-    dist.get_default_backend_for_device: cpu gloo, cuda nccl, xpu xccl, mps gloo, a plugin's device what the
-    plugin registered, e.g. npu hccl), else the table below (older torch: CUDA or the CPU)."""
+    dist.get_default_backend_for_device: cpu gloo, cuda nccl, xpu xccl, mps gloo, a plugin's device
+    what the plugin registered, e.g. npu hccl), else the table below (older torch: CUDA or CPU)."""
     if hasattr(dist, "get_default_backend_for_device"):
         return dist.get_default_backend_for_device(device)
     return {"cpu": "gloo", "cuda": "nccl"}[device.type]
@@ -90,25 +94,27 @@ def _backend_or_none(kind):
 
 
 def local_gpu(env, n_gpus):
-    """The accelerator device of this process: LOCAL_RANK, its index on its node, as torchrun sets it (n_gpus: the
-    node's devices, torch.accelerator.device_count()). A launcher that sets RANK for several processes but no
-    LOCAL_RANK would put every one on device 0: refused, as is an index the node does not have."""
+    """The accelerator device of this process: LOCAL_RANK, its index on its node, as torchrun sets
+    it (n_gpus: the node's devices, torch.accelerator.device_count()). A launcher that sets RANK for
+    several processes but no LOCAL_RANK would put every one on device 0: refused, as is an index the
+    node does not have."""
     if "LOCAL_RANK" not in env:
         if int(env.get("WORLD_SIZE", "1")) > 1:
-            raise ValueError(f"RANK {env.get('RANK')} of WORLD_SIZE {env['WORLD_SIZE']} and no LOCAL_RANK: set "
-                             "LOCAL_RANK to this process's index on its node (torchrun does), or every rank takes "
-                             "device 0")
+            raise ValueError(f"RANK {env.get('RANK')} of WORLD_SIZE {env['WORLD_SIZE']} "
+                             "and no LOCAL_RANK: set LOCAL_RANK to this process's index "
+                             "on its node (torchrun does), or every rank takes device 0")
         return 0
     index = int(env["LOCAL_RANK"])
     if not 0 <= index < n_gpus:
-        raise ValueError(f"LOCAL_RANK {index}, but this node has {n_gpus} GPUs (accelerator devices): start at most "
-                         "one process per device")
+        raise ValueError(f"LOCAL_RANK {index}, but this node has {n_gpus} GPUs "
+                         "(accelerator devices): start at most one process per device")
     return index
 
 
 def setup_distributed(cfg):
-    """torchrun's environment, or a world of one. Returns rank, world size, device (device_type: --device auto takes
-    the accelerator if there is one, else the CPU); on an accelerator, each process the device of its LOCAL_RANK."""
+    """torchrun's environment, or a world of one. Returns rank, world size, device (device_type:
+    --device auto takes the accelerator if there is one, else the CPU); on an accelerator, each
+    process the device of its LOCAL_RANK."""
     kind = device_type(cfg.device)  # a ValueError: validate() refuses it first, with the others
     device = torch.device("cpu")
     if kind != "cpu":
@@ -116,17 +122,21 @@ def setup_distributed(cfg):
         device = torch.device(kind, local_gpu(os.environ, api.device_count()))
         api.set_device_index(device)  # before init_process_group
     timeout = datetime.timedelta(seconds=cfg.pg_timeout_s)
-    if not dist.is_initialized():  # plain `python train_grpo.py`, no RANK: a world of one, no rendezvous
+    # plain `python train_grpo.py`, no RANK: a world of one, no rendezvous
+    if not dist.is_initialized():
         where = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's own store outlives a restart
-            agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                  timeout=timeout)  # the group's keys under this attempt's prefix, never a dead one's
-            where = dict(store=dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", agent),
+        # torchrun's own store outlives a restart
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  is_master=False, timeout=timeout)
+            # the group's keys under this attempt's prefix, never a dead one's
+            attempt = f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}"
+            where = dict(store=dist.PrefixStore(attempt, agent),
                          rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
         dist.init_process_group(backend_for(device), timeout=timeout, **where)
     return dist.get_rank(), dist.get_world_size(), device
 
 
 def world_size():
-    """The job's world size: the process group's once it exists, else torchrun's WORLD_SIZE (1 without)."""
+    """The job's world size: the process group's once it exists, else torchrun's WORLD_SIZE or 1."""
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))

@@ -1,7 +1,7 @@
 """The held-out accuracy: greedy answers to prompts never trained on, counted by digit count.
 
-Each rollout replica decodes its slice of the held-out set; one rank per replica (its writer) counts,
-so that a sum over the ranks counts each prompt once.
+Each rollout replica decodes its slice of the held-out set; one rank per replica (its writer)
+counts, so that a sum over the ranks counts each prompt once.
 """
 import torch
 
@@ -9,8 +9,8 @@ import task
 
 
 def held_out_correct(run):
-    """Greedy decoding of this replica's slice of the held-out set: {digits: how many of those prompts
-    it answers exactly} (0 on a rank that is not its replica's writer)."""
+    """Greedy decoding of this replica's slice of the held-out set: {digits: how many of those
+    prompts it answers exactly} (0 on a rank that is not its replica's writer)."""
     i, n = run.roles.replica(run.rank), run.roles.replicas  # replica i of n
     mine = run.eval_prompts[i * len(run.eval_prompts) // n:(i + 1) * len(run.eval_prompts) // n]
     greedy = run.sampler.fresh(temperature=0)  # the run's kind of sampler (its peers too), greedy
@@ -23,8 +23,7 @@ def held_out_correct(run):
 
 
 def eval_figures(run, correct):
-    """The held-out accuracy, overall and by digit count, from {digits: correct answers} of every
-    replica."""
+    """The held-out accuracy, overall and by digit count, from every replica's {digits: correct}."""
     asked = dict.fromkeys(correct, 0)
     for p in run.eval_prompts:
         asked[len(p) - 2] += 1
@@ -33,8 +32,7 @@ def eval_figures(run, correct):
 
 
 def curriculum_figures(learned):
-    """What the curriculum has learned, per digit count: each length's informative share and pass
-    rate."""
+    """What the curriculum has learned: each digit count's informative share and pass rate."""
     def by_digits(values):  # key k: k + 1 digits
         return {str(k + 1): round(float(v), 3) for k, v in enumerate(values)}
     return {"curriculum/informative_by_digits": by_digits(learned.informative()),

@@ -19,7 +19,7 @@ import torch
 from plumbing import checkpoint
 from plumbing.runlog import STALE_FACTS
 import train_grpo as T
-from config import Config
+from plumbing.config import Config
 from tests.distributed import free_port, run_distributed
 from tests.test_train_grpo import TINY, _train_tiny
 
@@ -75,14 +75,14 @@ def _train_recording(rank, world_size, out_dir, overrides):
     """_train_tiny, also returning the sample ids this rank read from the queue at each step, and its
     scheduler's accounting of every sample id (generators)."""
     import distqueue
-    reads, runs, get, new_run = [], [], distqueue.DistQueue.get, T.new_run
+    reads, runs, get, build_queue = [], [], distqueue.DistQueue.get, T.build_queue
 
     def recording_get(self, *args, **kwargs):
         rows = get(self, *args, **kwargs)
         reads.append([int(t[STALE_FACTS.index("sample_id")]) for t in rows.cols["stale"]])
         return rows
     distqueue.DistQueue.get = recording_get  # this rank's process only
-    T.new_run = lambda *a, **k: runs.append(new_run(*a, **k)) or runs[-1]  # every deployment's
+    T.build_queue = lambda run, *a, **k: runs.append(run) or build_queue(run, *a, **k)  # every deployment's
     summary, params = _train_tiny(rank, world_size, out_dir, overrides)
     sched = runs[0].sched
     return summary, params, reads, sched.accounting() if sched else None, sched.next_id if sched else None
@@ -124,23 +124,15 @@ def test_a_separated_run_resumes_its_curriculum_exactly(tmp_path):
 
 
 def _loaded_state(rank, world_size, out_dir, overrides):
-    """Build a run and resume it from its checkpoint, train nothing: the full model and optimizer state."""
+    """Build a run and resume it from its checkpoint, train nothing: the full model and optimizer state, in the
+    dense model's layout (EP's experts stacked, as a checkpoint holds them), whatever this run's layout."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     run = T.build(Config(**dict(TINY, **overrides), out=out_dir), out_dir)
     T.attach_reference(run)
     checkpoint.resume(run)
     model, optim = get_state_dict(run.model, run.optimizer, options=StateDictOptions(full_state_dict=True))
-    model, optim = _merged(model), _merged(optim["state"])  # EP: each expert where it is held
+    model, optim = checkpoint._stacked(model, run.model), checkpoint._stacked(optim["state"], run.model)
     return model, optim, run.log.regenerated, (run.sched.slots_opened, run.curriculum.counts)
-
-
-def _merged(state):
-    """A full state dict with each EP expert (held by some ranks, an empty tensor or no entry on the others) taken
-    from a rank that holds it: every rank's entries gathered (collective)."""
-    held = {k: v for k, v in state.items() if not (torch.is_tensor(v) and v.numel() == 0)}
-    everyone = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(everyone, held)
-    return {k: v for part in everyone for k, v in part.items()}
 
 
 def _saved_state(rank, world_size, out_dir, overrides):
@@ -179,6 +171,23 @@ def test_a_pipeline_checkpoint_resumes_without_the_pipeline_and_back(tmp_path, s
         str(tmp_path / "a"), dict(mode, train_pp=resumed_pp, resume=step_3)))
     assert resumed[0][0]["resumed_at_step"] == 3 and torch.equal(resumed[0][1], resumed[1][1])
     assert_same_training(resumed[0][1], straight[0][1], f"PP {saved_pp} -> {resumed_pp}")
+    assert any(abs(l["loss"]) > 1e-4 for l in _lines(tmp_path / "a")[4:])
+
+
+@pytest.mark.parametrize("saved_ep, resumed_ep", [(0, "auto"), pytest.param("auto", 0, marks=SLOW)])
+def test_a_checkpoint_saved_without_ep_resumes_under_it_and_back(tmp_path, saved_ep, resumed_ep):
+    """The experts are saved as the dense model stacks them, whatever the layout: a checkpoint of a run with its
+    experts in FSDP2 (--train-ep 0, as older code saved by default) resumes with EP 2 in training (auto, at world 2)
+    and the reverse, and trains on to the parameters of a run that never stopped, up to the float summation order
+    the two layouts differ by; the optimizer's state and the reference come along."""
+    from tests.test_train_grpo import assert_same_training
+    mode = dict(CKPT, staleness=0)
+    straight = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "a"), dict(mode, train_ep=saved_ep)))
+    step_3 = checkpoint.folder(str(tmp_path / "a"), 3)
+    resumed = run_distributed(_train_tiny, world_size=2, args=(
+        str(tmp_path / "a"), dict(mode, train_ep=resumed_ep, resume=step_3)))
+    assert resumed[0][0]["resumed_at_step"] == 3 and torch.equal(resumed[0][1], resumed[1][1])
+    assert_same_training(resumed[0][1], straight[0][1], f"EP {saved_ep} -> {resumed_ep}")
     assert any(abs(l["loss"]) > 1e-4 for l in _lines(tmp_path / "a")[4:])
 
 
@@ -289,7 +298,7 @@ def _resumed_optimizer(rank, world_size, out_dir, overrides):
     run = T.build(Config(**dict(TINY, **overrides), out=out_dir), out_dir)
     T.attach_reference(run)
     checkpoint.resume(run)
-    T.resume_lr(run)
+    T.anneal_lr(run, run.log.share(run.log.start - 1, run.log.seconds))  # as run_loop does, resumed
     groups = [{k: v for k, v in g.items() if k != "params"} for g in run.optimizer.param_groups]
     return groups, sorted({float(s["step"]) for s in run.optimizer.state.values()})
 

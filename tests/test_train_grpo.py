@@ -14,7 +14,7 @@ import torch
 import moe_switch
 import train_grpo as T
 from options import hybrid
-from config import Config, parse_args, validate
+from plumbing.config import Config, parse_args, validate
 from tests.distributed import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -155,8 +155,8 @@ def _train_tiny(rank, world_size, out_dir, overrides=None):
 def _train_learning(rank, world_size, out_dir, overrides=None):
     """_train_tiny, also returning the curriculum's counts this rank ends with (a generator's: the counts every
     rollout replica sums; a separated trainer's stay empty)."""
-    runs, new_run = [], T.new_run
-    T.new_run = lambda *a, **k: runs.append(new_run(*a, **k)) or runs[-1]  # this rank's process only
+    runs, build_queue = [], T.build_queue  # every deployment's build calls it: the run, this rank's process only
+    T.build_queue = lambda run, *a, **k: runs.append(run) or build_queue(run, *a, **k)
     summary, params = _train_tiny(rank, world_size, out_dir, overrides)
     return summary, params, runs[0].curriculum.counts
 

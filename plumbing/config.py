@@ -11,7 +11,6 @@ only when the option is on); `Roles` says which ranks train and which generate.
 import argparse
 import dataclasses
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +30,8 @@ def flag(default, help_):
 @dataclass
 class Config:
     # task
-    max_digits: int = flag(32, "longest digit string to reverse (answers: up to max_digits + 1 tokens)")
+    max_digits: int = flag(32, "longest digit string to reverse "
+                               "(answers: up to max_digits + 1 tokens)")
     eval_prompts: int = flag(512, "held-out prompts, scored greedily")
     # model
     d_model: int = flag(64, "model width")
@@ -49,55 +49,59 @@ class Config:
     prompts_per_step: int = flag(16, "global prompts per step")
     group_size: int = flag(8, "responses per prompt (>= 2)")
     lr: float = flag(7e-4, "RL learning rate at the start (--lr-decay anneals it)")
-    lr_decay: float = flag(0.1, "the RL learning rate falls along a cosine from --lr to --lr-decay x "
-                                "--lr at the run's end (--steps or --rl-seconds, whichever binds "
-                                "first); 1: constant")
-    adv_estimator: str = flag("grpo", "advantages: grpo (group-normalised), dr-grpo (no std scaling), "
-                                      "rloo (leave-one-out baseline), reinforce++ (whole-batch baseline, "
-                                      "normalised)")
-    loss_agg: str = flag("auto", "token-mean, seq-mean-token-mean or seq-mean-token-sum-norm (over the "
-                                 "response budget: Dr. GRPO's); auto: seq-mean-token-sum-norm for "
-                                 "dr-grpo, else token-mean")
-    clip_eps: float = flag(0.2, "PPO clip range: the ratio clipped to [1 - clip_eps, 1 + clip_eps_high]")
+    lr_decay: float = flag(0.1, "the RL learning rate falls along a cosine from --lr "
+                                "to --lr-decay x --lr at the run's end (--steps or "
+                                "--rl-seconds, whichever binds first); 1: constant")
+    adv_estimator: str = flag("grpo", "advantages: grpo (group-normalised), dr-grpo (no "
+                                      "std scaling), rloo (leave-one-out baseline), "
+                                      "reinforce++ (whole-batch baseline, normalised)")
+    loss_agg: str = flag("auto", "token-mean, seq-mean-token-mean or seq-mean-token-sum-norm "
+                                 "(over the response budget: Dr. GRPO's); auto: "
+                                 "seq-mean-token-sum-norm for dr-grpo, else token-mean")
+    clip_eps: float = flag(0.2, "PPO clip range: the ratio clipped to "
+                                "[1 - clip_eps, 1 + clip_eps_high]")
     clip_eps_high: float = flag(None, "upper clip (DAPO's clip-higher); default: --clip-eps")
-    kl_coef: float = flag(0.1, "k3 KL penalty weight against the frozen warm-up policy (0: no "
-                               "reference model); it keeps the policy's entropy up, so that groups keep "
-                               "disagreeing and few are dropped")
-    filter_groups: bool = flag(True, "1: dynamic sampling, drop groups whose rewards are all equal and "
-                                     "generate more, so every step trains on prompts_per_step "
-                                     "informative groups")
-    filter_limit: int = flag(128, "dynamic sampling's brake: the run stops once a replica has dropped "
-                                  "more than this many groups per prompt of its share while making one "
-                                  "batch (a policy that solves, or fails, everything)")
-    curriculum: bool = flag(True, "1: draw the RL prompts' lengths where groups are informative (pass "
-                                  "rates per length, learned from every scored group: curriculum.py); "
-                                  "0: the task's own draw")
+    kl_coef: float = flag(0.1, "k3 KL penalty weight against the frozen warm-up policy "
+                               "(0: no reference model); it keeps the policy's entropy "
+                               "up, so that groups keep disagreeing and few are dropped")
+    filter_groups: bool = flag(True, "1: dynamic sampling, drop groups whose rewards "
+                                     "are all equal and generate more, so every step "
+                                     "trains on prompts_per_step informative groups")
+    filter_limit: int = flag(128, "dynamic sampling's brake: the run stops once a "
+                                  "replica has dropped more than this many groups "
+                                  "per prompt of its share while making one batch "
+                                  "(a policy that solves, or fails, everything)")
+    curriculum: bool = flag(True, "1: draw the RL prompts' lengths where groups are "
+                                  "informative (pass rates per length, learned from every "
+                                  "scored group: curriculum.py); 0: the task's own draw")
     mask_truncated: bool = flag(False, "1: responses cut by the token budget contribute no loss")
-    tis_cap: float = flag(None, "truncated importance sampling: weight each token by min(pi_train / "
-                                "pi_rollout, C), pi_train recomputed before the update (the decoupled "
-                                "objective, capped)")
-    routing_replay: bool = flag(False, "1: each response token's MoE layers use, in training, the "
-                                       "experts the rollout chose for it (recorded as it was generated, "
-                                       "gated by the trained router): Rollout Routing Replay "
-                                       "(options/routing_replay.py); moe/routing_mismatch is logged")
-    reward_model: bool = flag(False, "1: a learned outcome reward model scores the responses instead "
-                                     "of the rule (options/reward_model.py): trained after the warm-up "
-                                     "on the policy's own samples, labelled by the rule, then frozen; "
-                                     "the rule is still logged (reward/rule_mean)")
+    tis_cap: float = flag(None, "truncated importance sampling: weight each token by "
+                                "min(pi_train / pi_rollout, C), pi_train recomputed "
+                                "before the update (the decoupled objective, capped)")
+    routing_replay: bool = flag(False, "1: each response token's MoE layers use, in training, "
+                                       "the experts the rollout chose for it (recorded as it "
+                                       "was generated, gated by the trained router): Rollout "
+                                       "Routing Replay (options/routing_replay.py); "
+                                       "moe/routing_mismatch is logged")
+    reward_model: bool = flag(False, "1: a learned outcome reward model scores the responses "
+                                     "instead of the rule (options/reward_model.py): trained "
+                                     "after the warm-up on the policy's own samples, "
+                                     "labelled by the rule, then frozen; the rule is still "
+                                     "logged (reward/rule_mean)")
     rm_samples: int = flag(2048, "--reward-model: the policy's samples it is trained on")
     rm_steps: int = flag(300, "--reward-model: its training steps (batches of 64)")
     updates_per_batch: int = flag(1, "optimizer steps per rollout batch")
-    micro_batches: int = flag(4, "length-sorted chunks per mini-batch (less padding; hybrid: in put "
-                                 "order), gradients accumulated")
+    micro_batches: int = flag(4, "length-sorted chunks per mini-batch (less padding; "
+                                 "hybrid: in put order), gradients accumulated")
     grad_clip: float = flag(1.0, "gradient norm clip")
     # staleness (stalesync.py)
     staleness: int = flag(1, "S: most policy versions a trained sample may lag (0: synchronous)")
     threshold: float = flag(0.5, "in (0, 1]: decode pool of prompts_per_step / threshold groups; a "
                                  "round ends when prompts_per_step groups are complete")
     chunk_steps: int = flag(8, "decode steps between checks for a finished batch (S > 0)")
-    shared_cut: bool = flag(True, "colocated: 1, the replicas cut each batch from all their pools (a "
-                                  "replica held back by dropped groups gives fewer); 0, each its own "
-                                  "share once all are ready")
+    shared_cut: bool = flag(True, "colocated: 1, the replicas cut each batch from all "
+                                  "their pools (a replica held back by dropped groups "
+                                  "gives fewer); 0, each its own share once all are ready")
     decoupled: bool = flag(False, "1: decoupled objective (AReaL), clip around recomputed proximal "
                                   "log-probs")
     # rollout
@@ -107,57 +111,59 @@ class Config:
     # deployment (fusion.py, moe_switch.py, options/)
     deploy: str = flag("colocated", "colocated: every rank trains and generates, switching phases "
                                     "(fusion.py); separated: half the ranks train, half generate; "
-                                    "colocated-all: colocated plus the reference model, kept on host "
-                                    "except while it computes; hybrid: the actor colocated on ranks "
-                                    "[0, W - aux), the reference and the reward model on --aux-ranks "
-                                    "ranks, a queue stage between rollout and training")
+                                    "colocated-all: colocated plus the reference model, kept on "
+                                    "host except while it computes; hybrid: the actor colocated on "
+                                    "ranks [0, W - aux), the reference and the reward model on "
+                                    "--aux-ranks ranks, a queue stage between rollout and training")
     aux_ranks: int = flag(None, "--deploy hybrid: ranks holding the reference and the reward model "
                                 "(default 1)")
-    infer_tp: int = flag(1, "tensor-parallel degree of the rollout engine: 1, 2 or 4 (colocated modes; "
-                            "options/tensor_parallel.py)")
+    infer_tp: int = flag(1, "tensor-parallel degree of the rollout engine: 1, 2 "
+                            "or 4 (colocated modes; options/tensor_parallel.py)")
     bucket_kb: int = flag(256, "bucket size in KiB for building and pushing inference weights")
-    train_pp: int = flag(1, "pipeline stages in training (options/pipeline.py): each holds n_layers / "
-                            "train_pp blocks on world / train_pp ranks (FSDP2 over them); 1: no "
-                            "pipeline")
-    train_ep: str = flag("auto", "expert-parallel degree in training, re-sharded at each phase change "
-                                 "(moe_switch.py); 0: the experts are FSDP-sharded like every weight; "
-                                 "auto: on where the layout allows it (colocated, world > 1, TP 1, no "
-                                 "PP or nodes), as wide as the world and the experts allow")
-    infer_ep: str = flag("auto", "expert-parallel degree of the rollout engine (with --train-ep); above "
-                                 "1 its ranks decode in lock-step (options/lockstep.py); auto: 1 where "
-                                 "EP is on")
+    train_pp: int = flag(1, "pipeline stages in training (options/pipeline.py): "
+                            "each holds n_layers / train_pp blocks on world / "
+                            "train_pp ranks (FSDP2 over them); 1: no pipeline")
+    train_ep: str = flag("auto", "expert-parallel degree in training, re-sharded at "
+                                 "each phase change (moe_switch.py); 0: the experts are "
+                                 "FSDP-sharded like every weight; auto: on where the "
+                                 "layout allows it (colocated, world > 1, TP 1, no PP "
+                                 "or nodes), as wide as the world and the experts allow")
+    infer_ep: str = flag("auto", "expert-parallel degree of the rollout engine (with "
+                                 "--train-ep); above 1 its ranks decode in lock-step "
+                                 "(options/lockstep.py); auto: 1 where EP is on")
     # gradient sync (options/gradsync.py)
-    nodes: int = flag(1, "training's nodes: FSDP2 shards within each of --nodes groups of world / nodes "
-                         "ranks and the gradients are averaged across them (HSDP's layout, "
-                         "options/nodes.py); 1: FSDP2 over every rank")
-    grad_compress: str = flag("none", "the cross-node gradient average: none (full precision), int8 (a "
-                                      "scale per 128 values) or topk-int8 (the --grad-topk largest, "
-                                      "int8), with error feedback")
+    nodes: int = flag(1, "training's nodes: FSDP2 shards within each of --nodes groups of "
+                         "world / nodes ranks and the gradients are averaged across them "
+                         "(HSDP's layout, options/nodes.py); 1: FSDP2 over every rank")
+    grad_compress: str = flag("none", "the cross-node gradient average: none (full "
+                                      "precision), int8 (a scale per 128 values) or topk-int8 "
+                                      "(the --grad-topk largest, int8), with error feedback")
     grad_topk: float = flag(0.1, "share of each gradient shard that topk-int8 sends, in (0, 1]")
-    grad_overlap: bool = flag(False, "1: each FSDP unit's cross-node sync starts as its gradients are "
-                                     "reduced and is waited before the clip (overlaps earlier blocks' "
-                                     "backward with --fsdp-units block)")
-    fsdp_units: str = flag("model", "model: one FSDP2 unit (one gather, one reduce-scatter per step); "
-                                    "block: one per transformer block and one for the rest, with "
-                                    "forward and backward prefetch")
+    grad_overlap: bool = flag(False, "1: each FSDP unit's cross-node sync starts as its gradients "
+                                     "are reduced and is waited before the clip (overlaps earlier "
+                                     "blocks' backward with --fsdp-units block)")
+    fsdp_units: str = flag("model", "model: one FSDP2 unit (one gather, one reduce-scatter "
+                                    "per step); block: one per transformer block and one "
+                                    "for the rest, with forward and backward prefetch")
     # run
     seed: int = flag(0, "seed of prompts, init and sampling")
     eval_every: int = flag(20, "steps between held-out evaluations (also the first and the last)")
     log_every: int = flag(8, "steps between printed step lines")
-    rl_seconds: float = flag(200.0, "stop after the RL step that passes this many seconds of RL steps "
-                                    "(evaluations excluded), and evaluate it; 0: run --steps")
+    rl_seconds: float = flag(200.0, "stop after the RL step that passes this many seconds of RL "
+                                    "steps (evaluations excluded), and evaluate it; 0: run --steps")
     out: str = flag("", "output folder (default runs/<timestamp>)")
     save_every: int = flag(0, "RL steps between checkpoints in <out>/checkpoints (0: none; "
                               "plumbing/checkpoint.py)")
     keep_last: int = flag(2, "checkpoints kept, the newest (0: every one)")
-    resume: str = flag("", "auto (the newest complete checkpoint in --out, or a fresh start if none) or "
-                           "a checkpoint folder")
-    trust_checkpoint_perms: bool = flag(False, "1: resume from a checkpoint that another user owns or "
-                                               "may write (group- or world-writable, e.g. a "
-                                               "group-shared disk); loading one runs its pickled code")
-    device: str = flag("auto", "auto (the accelerator if there is one, else cpu), cpu, or the "
-                               "accelerator's type that torch.accelerator finds (cuda, xpu, npu with its "
-                               "plugin; not mps: gloo only)")
+    resume: str = flag("", "auto (the newest complete checkpoint in --out, "
+                           "or a fresh start if none) or a checkpoint folder")
+    trust_checkpoint_perms: bool = flag(False, "1: resume from a checkpoint that another "
+                                               "user owns or may write (group- or "
+                                               "world-writable, e.g. a group-shared "
+                                               "disk); loading one runs its pickled code")
+    device: str = flag("auto", "auto (the accelerator if there is one, else cpu), cpu, "
+                               "or the accelerator's type that torch.accelerator finds "
+                               "(cuda, xpu, npu with its plugin; not mps: gloo only)")
     pg_timeout_s: int = flag(300, "timeout in seconds of every process group")
 
 
@@ -178,7 +184,7 @@ def ep_degree(text):
 def parse_args(argv=None, description="GRPO post-training of a tiny MoE policy"):
     p = argparse.ArgumentParser(description=description,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    starts = {name: title for title, name in SECTIONS.items()}  # a section starts at its first field
+    starts = {name: title for title, name in SECTIONS.items()}  # at a section's first field
     for f in dataclasses.fields(Config):
         if f.name in starts:
             group = p.add_argument_group(starts[f.name])
@@ -228,9 +234,9 @@ def model_config(cfg):
 @dataclass(frozen=True)
 class Roles:
     """Who does what. colocated: every rank trains and generates, in rollout replicas of infer_tp
-    ranks. separated: ranks [0, W/2) train, ranks [W/2, W) generate. hybrid: ranks [0, W - aux) train
-    and generate (the actor, colocated), ranks [W - aux, W) hold the frozen reference and the reward
-    model (the auxiliary stage between rollout and training)."""
+    ranks. separated: ranks [0, W/2) train, ranks [W/2, W) generate. hybrid: ranks [0, W - aux)
+    train and generate (the actor, colocated), ranks [W - aux, W) hold the frozen reference and the
+    reward model (the auxiliary stage between rollout and training)."""
     world: int
     separated: bool
     infer_tp: int
@@ -270,9 +276,10 @@ class Roles:
 
 # ----------------------------------------------------------------------------- auto, resolved
 def ep_allowed(cfg, world):
-    """Whether this layout can run the experts expert-parallel: colocated (the experts switch layouts on
-    the ranks that hold them), more than one rank, the engine at TP 1 (it cuts experts by expert, not
-    by hidden unit), no pipeline stages and no nodes (their gradients bypass the experts' sync)."""
+    """Whether this layout can run the experts expert-parallel: colocated (the experts switch
+    layouts on the ranks that hold them), more than one rank, the engine at TP 1 (it cuts experts
+    by expert, not by hidden unit), no pipeline stages and no nodes (their gradients bypass the
+    experts' sync)."""
     colocated = cfg.deploy in ("colocated", "colocated-all")
     return colocated and world > 1 and cfg.infer_tp == 1 and cfg.train_pp == 1 and cfg.nodes == 1
 
@@ -285,31 +292,14 @@ def auto_train_ep(cfg, world):
 def resolve(cfg, world):
     """The Config with --train-ep and --infer-ep auto made numbers: EP on where the layout allows it
     (ep_allowed), the experts as widely sharded in training as the world and the experts allow, the
-    engine holding them all (EP 1: decoding needs no all-to-all). Resuming, auto follows the
-    checkpoint: EP on if it was saved with EP, off if not (the experts are saved under other names)."""
+    engine holding them all (EP 1: decoding needs no all-to-all). A checkpoint holds the experts as
+    the dense model stacks them, so one saved with EP or without resumes either way."""
     if "auto" not in (cfg.train_ep, cfg.infer_ep):
         return cfg
-    saved = saved_train_ep(cfg)  # a checkpoint saved with EP resumes with it, even at world 1
-    on = ep_allowed(cfg, world if saved is None else 2) and saved != 0
+    on = ep_allowed(cfg, world)
     train_ep = cfg.train_ep if cfg.train_ep != "auto" else auto_train_ep(cfg, world) if on else 0
     infer_ep = cfg.infer_ep if cfg.infer_ep != "auto" else 1 if train_ep else 0
     return dataclasses.replace(cfg, train_ep=train_ep, infer_ep=infer_ep)
-
-
-def saved_train_ep(cfg):
-    """The --train-ep of the checkpoint --resume names (auto: the newest in --out), None without one.
-    Read on every rank from its meta.json, before any process group."""
-    from plumbing import checkpoint
-    if not cfg.resume:
-        return None
-    path = cfg.resume
-    if cfg.resume == "auto":
-        found = checkpoint.complete_checkpoints(cfg.out) if cfg.out else []
-        path = found[-1][1] if found else None
-    try:
-        return checkpoint.read_meta(path)["config"]["train_ep"] if path else None
-    except (OSError, ValueError, KeyError):  # checkpoint.find names what is wrong with it
-        return None
 
 
 # ----------------------------------------------------------------------------- the checks
@@ -330,13 +320,13 @@ def layout_errors(cfg, world):
     if cfg.infer_tp not in (1, 2, 4) or world % cfg.infer_tp or cfg.n_heads % cfg.infer_tp:
         return [f"--infer-tp {cfg.infer_tp} must be 1, 2 or 4 and divide both the world size "
                 f"{world} and --n-heads {cfg.n_heads}"]
-    errors += expert_errors(cfg, world) + resume_errors(cfg) + option_errors(cfg, world)
+    errors += expert_errors(cfg, world) + option_errors(cfg, world)
     roles = Roles.of(cfg, world)
     trainers = max(1, len(roles.trainers))
     if cfg.prompts_per_step < 1 or cfg.prompts_per_step % max(roles.replicas, 1):
-        errors.append(f"--prompts-per-step {cfg.prompts_per_step} must be a positive multiple of the "
-                      f"{roles.replicas} rollout replicas (world size {world}, --deploy "
-                      f"{cfg.deploy}, --infer-tp {cfg.infer_tp})")
+        errors.append(f"--prompts-per-step {cfg.prompts_per_step} must be a positive multiple "
+                      f"of the {roles.replicas} rollout replicas (world size {world}, "
+                      f"--deploy {cfg.deploy}, --infer-tp {cfg.infer_tp})")
     if not 1 <= cfg.updates_per_batch <= cfg.prompts_per_step * cfg.group_size // trainers:
         errors.append(f"--updates-per-batch {cfg.updates_per_batch} must be in [1, samples per "
                       "trainer]")
@@ -349,8 +339,7 @@ def layout_errors(cfg, world):
 
 
 def expert_errors(cfg, world):
-    """--train-ep and --infer-ep (moe_switch.py): layouts that fit the world and the experts, and
-    nest."""
+    """--train-ep and --infer-ep (moe_switch.py): nested layouts that fit the world and experts."""
     if (cfg.train_ep > 0) != (cfg.infer_ep > 0):
         return [f"--train-ep {cfg.train_ep} and --infer-ep {cfg.infer_ep}: set both (EP on) or "
                 "neither"]
@@ -363,9 +352,10 @@ def expert_errors(cfg, world):
         except ValueError as e:
             errors.append(f"{name} {ep}: {e}")
     if cfg.deploy == "separated" or cfg.infer_tp != 1:
-        errors.append(f"--train-ep needs a colocated deployment with --infer-tp 1 (got --deploy "
-                      f"{cfg.deploy}, --infer-tp {cfg.infer_tp}): the experts switch layouts on the "
-                      "ranks that hold them, and the engine cuts them by expert, not by hidden unit")
+        errors.append(f"--train-ep needs a colocated deployment with --infer-tp 1 "
+                      f"(got --deploy {cfg.deploy}, --infer-tp {cfg.infer_tp}): "
+                      "the experts switch layouts on the ranks that hold them, "
+                      "and the engine cuts them by expert, not by hidden unit")
     low, high = sorted((cfg.train_ep, cfg.infer_ep))
     if high % low:  # layouts that nest switch at target + one bucket (moe_switch.py)
         errors.append(f"--train-ep {cfg.train_ep} and --infer-ep {cfg.infer_ep}: one must divide "
@@ -374,21 +364,9 @@ def expert_errors(cfg, world):
     return errors
 
 
-def resume_errors(cfg):
-    """A checkpoint saved with the experts expert-parallel holds them one tensor per expert, and one
-    saved without holds them stacked: it resumes with EP on (at any degree) or off, as it was saved."""
-    saved = saved_train_ep(cfg)
-    if saved is None or (saved != 0) == (cfg.train_ep != 0):
-        return []
-    how = ("on (a colocated deployment, --infer-tp 1, no --train-pp or --nodes)" if saved else
-           "off (--train-ep 0)")
-    return [f"--train-ep {cfg.train_ep}: the checkpoint to resume was saved with --train-ep {saved}, "
-            f"its experts under other names: resume it with expert parallelism {how}"]
-
-
 def option_errors(cfg, world):
-    """Each option's own checks, in its file, asked only when it is on; a flag that only acts under an
-    option that is off is refused here."""
+    """Each option's own checks, in its file, asked only when it is on; a flag that only acts under
+    an option that is off is refused here."""
     errors = []
     if cfg.deploy == "separated":
         from options import separated
@@ -417,14 +395,16 @@ def option_errors(cfg, world):
 POSITIVE = ("max_digits", "eval_prompts", "d_model", "n_layers", "n_heads", "n_experts", "top_k",
             "d_expert", "warmup_batch", "steps", "prompts_per_step", "group_size", "filter_limit",
             "updates_per_batch", "micro_batches", "chunk_steps", "max_new_tokens", "bucket_kb",
-            "eval_every", "log_every", "pg_timeout_s", "train_pp", "nodes", "rm_samples", "rm_steps")
+            "eval_every", "log_every", "pg_timeout_s", "train_pp", "nodes", "rm_samples",
+            "rm_steps")
 NON_NEGATIVE = ("warmup_steps", "train_ep", "infer_ep", "seed", "save_every", "keep_last")
 
 
 def number_errors(cfg):
     """Every size >= 1 (or >= 0 where 0 means "none"), every float finite: a NaN learning rate or an
     infinite temperature would train on, or a NaN --rl-seconds never stop, without an error."""
-    errors = [f"--{_flag(k)} {getattr(cfg, k)} must be >= 1" for k in POSITIVE if getattr(cfg, k) < 1]
+    errors = [f"--{_flag(k)} {getattr(cfg, k)} must be >= 1" for k in POSITIVE
+              if getattr(cfg, k) < 1]
     errors += [f"--{_flag(k)} {getattr(cfg, k)} must be >= 0" for k in NON_NEGATIVE
                if getattr(cfg, k) < 0]
     floats = [f.name for f in dataclasses.fields(Config) if f.type is float]
@@ -458,8 +438,9 @@ def value_errors(cfg):
         return errors
     errors = shape_errors(cfg)
     if cfg.group_size < 2 and (cfg.adv_estimator != "reinforce++" or cfg.filter_groups):
-        errors.append(f"--group-size {cfg.group_size}: a group baseline (and --filter-groups) needs "
-                      "at least 2 responses per prompt; only --adv-estimator reinforce++ takes 1")
+        errors.append(f"--group-size {cfg.group_size}: a group baseline (and --filter-groups) "
+                      "needs at least 2 responses per prompt; "
+                      "only --adv-estimator reinforce++ takes 1")
     try:
         stalesync.StaleConfig(cfg.staleness, 1, max(cfg.group_size, 1), cfg.threshold,
                               cfg.chunk_steps)
@@ -485,8 +466,8 @@ def value_errors(cfg):
     if not 0 <= cfg.lr_decay <= 1:
         errors.append(f"--lr-decay {cfg.lr_decay} must be in [0, 1] (1: a constant learning rate)")
     if any(v is not None and not v > 0 for v in (cfg.clip_eps_high, cfg.tis_cap)):
-        errors.append(f"--clip-eps-high {cfg.clip_eps_high} and --tis-cap {cfg.tis_cap} must be > 0 "
-                      "when given")
+        errors.append(f"--clip-eps-high {cfg.clip_eps_high} and --tis-cap {cfg.tis_cap} "
+                      "must be > 0 when given")
     if not cfg.grad_clip > 0 or not cfg.warmup_lr > 0:
         errors.append(f"--grad-clip {cfg.grad_clip} and --warmup-lr {cfg.warmup_lr} must be > 0")
     if cfg.rl_seconds < 0:
