@@ -1,17 +1,17 @@
-# SPDX-License-Identifier: MIT (the LICENSE file).
-# Copyright (c) 2026 The authors of this repository.
+# Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (see LICENSE).
 """DistQueue: the data queue between RL stages, packed and read hierarchically.
 
-Rows (samples) by columns (fields) flow rollout -> scoring -> reference log-probs -> training. A
-cell stays on the rank that wrote it until a stage reads it. Three ideas move it:
+Rows (samples) by columns (fields) flow from rollout to training; a cell stays on the rank that
+wrote it until a stage reads it. Three ideas move it:
 - Zero-padding transfer (article figure 7): padding each field to the longest cell (`pad`, the
   naive version) sends mostly zeros on long-tailed lengths. A reader pulls each owner's cells as a
   header of lengths (K,) int64 and ONE uint8 payload (`pack_cells`); dtypes come from the spec.
 - Hierarchical transfer (figure 6): with `group=`, only the group's first rank reads the queue,
   then broadcasts the packed batch to the rest of its model-parallel group.
-- Token balance: with `dp_group=`, n is the global batch, claimed by dp rank 0 and split by tokens
-  (`balance_split`: max - min <= the longest row). A row stays with the rank that wrote it while
-  that rank holds no more than a fair share, so colocated readers move few rows.
+- Balance: with `dp_group=`, n is the global batch, claimed by dp rank 0 and split by length (a
+  row weighs its variable-length cells' elements; `balance_split`: max - min <= the longest row).
+  A row stays with the rank that wrote it while that rank holds no more than a fair share, so
+  colocated readers move few rows.
 
 Reads are made safe by a protocol on a torch.distributed Store, under keys "<name>/...":
   ready/n, ready/<i>  the ready log, one key per put: "row,column,owner,length;" per cell
@@ -24,9 +24,8 @@ Reads are made safe by a protocol on a torch.distributed Store, under keys "<nam
   plan/<stage>/<step>/<root>  the rows that dp rank 0 claimed for its DP group
   done/..., outcome/...       the DP group's vote: every rank keeps its rows, or none does
 A get that raises keeps no row and releases its claims: a retry reads each row exactly once.
-Every wait serves other ranks' requests (a rank may produce and consume) and raises TimeoutError
-naming the stage, the rows and the rank. So a rank whose cells are still wanted must keep calling
-the queue, or `drain()`, before it blocks elsewhere.
+Every wait serves other ranks' requests and raises TimeoutError naming the stage, the rows and the
+rank: a rank whose cells are still wanted keeps calling the queue, or drain(), before it blocks.
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
 1. Data lives in host memory and moves on a gloo group (`pg`); the source's queue is an RDMA store.
@@ -34,10 +33,12 @@ Departures from the source system (Huawei's RL post-training on CloudMatrix 384)
 3. The padded equivalent (metrics) pads each field to the longest cell of the step's global batch.
 4. Ids are deterministic (local_count * world + rank), so a resumed run sees the same rows in order.
 
+Above the marker ("# ====" in DistQueue's body) is the default path: the primitives, the spec, put,
+serve and a DP group's get. Below it: input checks, recovery, the hierarchical read, checkpoints.
 Run: python -m pytest tests/test_distqueue.py ; python bench/distqueue.py --lengths lognormal:5,1.2
 Shapes: B rows, C fields of a stage, K cells (row x field) in one transfer, N elements, T longest.
-Copy alone: torch (CPU tensors, a gloo group) and a TCPStore or a HashStore (one process). Example
-(tests/test_copy_alone.py runs it in a folder that holds only this file):
+Copy alone: torch (CPU tensors, a gloo group) and a TCPStore or a HashStore (one process); the
+example runs in a folder holding only this file (tests/test_copy_alone.py):
 
     import datetime, os, socket
     import torch, torch.distributed as dist, torch.multiprocessing as mp
@@ -177,24 +178,7 @@ class QueueSpec:
     name: str = "dq"         # key prefix: several queues can share one store
 
     def __post_init__(self):
-        bad = {c: d for c, d in self.columns.items() if d not in DTYPES}
-        if bad:
-            raise ValueError(f"unknown dtypes {bad}; valid: {sorted(DTYPES)}")
-        for s, cols in self.stages.items():
-            unknown = [c for c in cols if c not in self.columns]
-            if unknown or not cols:
-                raise ValueError(f"stage '{s}' reads {list(cols)}; unknown {unknown}; "
-                                 f"valid {list(self.columns)}")
-        unread = [c for c in self.columns if not any(c in cols for cols in self.stages.values())]
-        if unread or any(s not in self.columns for s in self.scalars):
-            raise ValueError(f"columns {unread} read by no stage, or scalars {list(self.scalars)} "
-                             f"not in columns {list(self.columns)}")
-        if self.timeout_s <= 0 or self.poll_s <= 0:
-            raise ValueError(f"timeout_s={self.timeout_s} and poll_s={self.poll_s} must be > 0")
-        bad = [x for x in [*self.columns, *self.stages] if not x or set(x) & set("|:,;=/ \t\n")]
-        if bad:  # they go into '|:,;='-separated control messages and '/'-joined store keys
-            raise ValueError(f"column or stage names {bad} are empty or contain one of "
-                             f"| : , ; = / or whitespace")
+        check_spec(self)  # below the marker: known dtypes, valid names, every column read
 
 
 @dataclass
@@ -216,32 +200,9 @@ def default_store(timeout_s=300.0):
     env:// start), or an in-process HashStore in a world of one."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return dist.HashStore()
-    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        raise ValueError("DistQueue needs a store that every rank reaches, and MASTER_ADDR/"
-                         "MASTER_PORT are not set (the process group was not started from "
-                         "torchrun's environment). After init_method='tcp://HOST:PORT', pass "
-                         "store=dist.TCPStore(HOST, PORT, is_master=False) on every rank: a client "
-                         "of the store that the rendezvous already serves on PORT (a second "
-                         "is_master=True store there fails: the port is taken). Else a TCPStore on "
-                         "a free port, is_master=True on one rank only")
+    check_master_env()  # below the marker: without MASTER_ADDR/MASTER_PORT, says what to pass
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                          is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def check_store(store):
-    """Refuses, before any collective, a store without queue operations, atomic add, append,
-    compare_set and multi_get: TCPStore and HashStore have them, FileStore has no queue."""
-    try:
-        store.queue_len("dq/probe")
-        store.add("dq/probe_add", 0)
-        store.append("dq/probe_append", "")
-        store.compare_set("dq/probe_compare_set", "", "")
-        store.multi_get(["dq/probe_add"])
-    except (NotImplementedError, RuntimeError, AttributeError) as e:
-        raise ValueError(f"{type(store).__name__} cannot serve a DistQueue ({e}): it needs queue "
-                         "operations (queue_push, queue_pop, queue_len), add, append, compare_set "
-                         "and multi_get; pass a TCPStore or a HashStore (a process group started "
-                         "with file:// has a FileStore)") from None
 
 
 # ------------------------------------------------------------------------------ the queue
@@ -254,7 +215,7 @@ class DistQueue:
 
     def __init__(self, spec: QueueSpec, store=None, rank=0, world_size=1, pg=None):
         store = default_store(spec.timeout_s) if store is None else store
-        check_store(store)
+        check_store(store)  # below the marker: the store has the operations the protocol uses
         self.spec, self.store, self.rank, self.world, self.pg = spec, store, rank, world_size, pg
         # per column, the stages that read it: a cell is freed once that many kept it
         self.needers = {c: sum(c in cols for cols in spec.stages.values()) for c in spec.columns}
@@ -267,9 +228,7 @@ class DistQueue:
         self.claimer = int(store.add(self._k("claimers"), 1))  # unique per queue on this store
         self.claims_made = 0  # reads this queue claimed for (their tokens: claimer.count)
         self._reset_caches()
-        if dist.is_initialized() and dist.get_backend(pg) != "gloo":  # host tensors, async p2p
-            raise ValueError(f"pg backend is {dist.get_backend(pg)}; "
-                             f"pass pg=dist.new_group(backend='gloo')")
+        check_pg(pg)  # below the marker: host tensors, async p2p, so a gloo group
 
     def row_id(self, j, rank=None):
         """The id of the j-th row a rank (default: this one) creates, known to every rank."""
@@ -287,11 +246,7 @@ class DistQueue:
     def put(self, columns, ids=None):
         """Write cells. ids=None creates new rows; else writes more columns of existing rows."""
         n = len(next(iter(columns.values()), []))  # rows: the first column's count
-        for c, vals in columns.items():  # validate everything before anything is published
-            if c not in self.spec.columns:
-                raise KeyError(f"unknown column '{c}'; valid: {list(self.spec.columns)}")
-            if len(vals) != n:
-                raise ValueError(f"column '{c}' has {len(vals)} rows, others {n}")
+        self._check_columns(columns, n)  # everything is validated before anything is published
         new = ids is None
         ids = [self.row_id(self.next_local + i) for i in range(n)] if new else list(ids)
         if columns and len(ids) != n:
@@ -299,22 +254,37 @@ class DistQueue:
         cells = {}
         for c, vals in columns.items():
             want = DTYPES[self.spec.columns[c]]
-            scalar = c in self.spec.scalars
             for r, v in zip(ids, vals):
                 t = v if torch.is_tensor(v) else torch.tensor(v, dtype=want)
-                if t.dtype != want:
-                    raise TypeError(f"column '{c}' row {r}: dtype {t.dtype}, expected {want}")
-                if scalar and t.numel() != 1 or not scalar and t.dim() != 1:
-                    raise ValueError(f"column '{c}' row {r}: shape {tuple(t.shape)}; scalar fields "
-                                     f"take one value, others a 1-D tensor")
-                if (r, c) in self.cells or any(c in s.get(r, ()) for s in self.unclaimed.values()):
-                    raise ValueError(f"cell (row {r}, column '{c}') written twice")
+                self._check_cell(r, c, t, want)  # below the marker: dtype, shape, written once
                 cells[(r, c)] = t.detach().reshape(-1).to("cpu", copy=True)  # the queue's own copy
         self.cells.update(cells)
         self.next_local += len(ids) if new else 0
         self._publish(self._entries(cells))
         self.serve()
         return ids
+
+    def serve(self):
+        """Answer the requests waiting for this rank, one packed transfer each; then retire the
+        transfers that their readers acknowledged: kept (the cells reached a stage) or dropped."""
+        requests = self._k("req", self.rank)
+        while self.store.queue_len(requests) > 0:
+            self._answer(self.store.queue_pop(requests, block=False).decode())
+        for tag in [t for t in self.inflight if self.store.check([self._k("ack", t)])]:
+            works, _, keys, stage = self.inflight.pop(tag)
+            for w in works:  # the reader received it all before acknowledging: returns at once
+                w.wait()
+            if self.store.get(self._k("ack", tag)) == b"kept":
+                for k in keys:
+                    self._delivered(k, stage)
+            self.store.delete_key(self._k("ack", tag))
+
+    def drain(self, timeout_s=None):
+        """A producer that is done serves until each cell it owns reached each stage reading it."""
+        deadline = time.monotonic() + (timeout_s or self.spec.timeout_s)
+        self._wait(lambda: not self.cells and not self.inflight, deadline,
+                   lambda: f"in drain: rows {sorted({r for r, _ in self.cells})[:16]} not yet read "
+                           f"by every stage, transfers {sorted(self.inflight)} not acknowledged")
 
     def _entries(self, cells, stage=""):
         """{(row, col): tensor or (owner, length)} -> "row,column,owner,length;" per cell, the
@@ -339,21 +309,6 @@ class DistQueue:
         """Append to the ready log: count the key in ready/n, then write it."""
         i = int(self.store.add(self._k("ready", "n"), 1)) - 1
         self.store.set(self._k("ready", i), entries)
-
-    def serve(self):
-        """Answer the requests waiting for this rank, one packed transfer each; then retire the
-        transfers that their readers acknowledged: kept (the cells reached a stage) or dropped."""
-        requests = self._k("req", self.rank)
-        while self.store.queue_len(requests) > 0:
-            self._answer(self.store.queue_pop(requests, block=False).decode())
-        for tag in [t for t in self.inflight if self.store.check([self._k("ack", t)])]:
-            works, _, keys, stage = self.inflight.pop(tag)
-            for w in works:  # the reader received it all before acknowledging: returns at once
-                w.wait()
-            if self.store.get(self._k("ack", tag)) == b"kept":
-                for k in keys:
-                    self._delivered(k, stage)
-            self.store.delete_key(self._k("ack", tag))
 
     def _answer(self, request):
         """One request "reader|tag|stage|longest cells|row:col,...": unless the reader cancelled,
@@ -394,46 +349,20 @@ class DistQueue:
                                    f"after {self.spec.timeout_s}s {what()}")
             time.sleep(self.spec.poll_s)
 
-    def drain(self, timeout_s=None):
-        """A producer that is done serves until each cell it owns reached each stage reading it."""
-        deadline = time.monotonic() + (timeout_s or self.spec.timeout_s)
-        self._wait(lambda: not self.cells and not self.inflight, deadline,
-                   lambda: f"in drain: rows {sorted({r for r, _ in self.cells})[:16]} not yet read "
-                           f"by every stage, transfers {sorted(self.inflight)} not acknowledged")
-
     # --- consumers
     def get(self, stage, n, dp_group=None, group=None, min_rows=None, only=None):
         """Read up to n rows (at least min_rows, default n; 0 = poll) that `stage` has not consumed.
         dp_group: n is the global batch, split by tokens across its ranks; the get returns once
         every rank of the group has its rows. group: only its first rank reads, and broadcasts to
         the rest. only: a set of row ids to take from. A get that raises keeps no row."""
-        if stage not in self.spec.stages:
-            raise KeyError(f"unknown stage '{stage}'; valid: {list(self.spec.stages)}")
-        dp = dist.get_world_size(dp_group) if dp_group else 1
         min_rows = n if min_rows is None else min_rows
-        if not 0 <= min_rows <= n or n < max(dp, 1):
-            raise ValueError(f"n={n}, min_rows={min_rows}, dp size {dp}: need 0 <= min_rows <= n "
-                             f"and n >= dp")
+        self._check_get(stage, n, min_rows, dp_group, group)  # below the marker
         deadline = time.monotonic() + self.spec.timeout_s
-        for g, what in ((dp_group, "dp_group"), (group, "group")):
-            if g is not None and dist.get_rank(g) < 0:
-                raise ValueError(f"rank {self.rank} is not in the {what} it passed (ranks "
-                                 f"{dist.get_process_group_ranks(g)})")
-        if group is not None and dist.get_backend(group) != "gloo":
-            raise ValueError(f"group backend is {dist.get_backend(group)}; the broadcast needs a "
-                             f"gloo group")
         step = self.steps[stage]  # the same count on every rank (SPMD)
         self.steps[stage] += 1
-        if group is None:
-            return self._read(stage, n, min_rows, dp_group, step, deadline, only)
-        leader = dist.get_global_rank(group, 0)
-        batch, error = None, None
-        if leader == self.rank:
-            try:
-                batch = self._read(stage, n, min_rows, dp_group, step, deadline, only)
-            except Exception as e:  # told to the group first, so that its members raise too
-                error = e
-        return self._bcast(batch, error, stage, group, leader, deadline + self.spec.timeout_s)
+        if group is not None:  # the hierarchical read, below the marker
+            return self._read_in_group(stage, n, min_rows, dp_group, group, step, deadline, only)
+        return self._read(stage, n, min_rows, dp_group, step, deadline, only)
 
     def _read(self, stage, n, min_rows, dp_group, step, deadline, only):
         """One read, in the four steps below:
@@ -441,7 +370,8 @@ class DistQueue:
         2. share: each DP rank takes its share by tokens, of the claim or of the plan;
         3. fetch: each rank pulls its share's cells, one packed transfer per owner;
         4. agree: a DP group votes, so that every rank keeps what it fetched, or none does.
-        A read that fails drops its transfers, and dp rank 0 releases the claims."""
+        A read that fails drops its transfers, and dp rank 0 releases the claims (the vote and the
+        recovery: below the marker)."""
         cols = self.spec.stages[stage]
         dp_rank = dist.get_rank(dp_group) if dp_group else 0
         dp_size = dist.get_world_size(dp_group) if dp_group else 1
@@ -525,23 +455,6 @@ class DistQueue:
             self._parse(entries.decode(), stage, self.unclaimed[stage])
         self.ready_off[stage] += len(keys)
 
-    def _lacking(self, stage, n, min_rows, claimed, only):
-        """Why a claim still waits: rows that miss columns, fewer complete rows than asked, none."""
-        cols, seen = self.spec.stages[stage], self.unclaimed[stage]
-        rows = [r for r in seen if only is None or r in only]
-        partial = sorted(r for r in rows if len(seen[r]) < len(cols))
-        why = (f"in stage '{stage}' waiting for {n - claimed} more rows with columns {list(cols)} "
-               f"(claimed {claimed}): {len(rows) - len(partial)} unclaimed rows"
-               f"{' (of only)' if only is not None else ''} have every column, and this get asked "
-               f"for {n} (at least {min_rows})")
-        if partial:
-            lack = sorted({c for r in partial for c in cols if c not in seen[r]})
-            return why + f"; rows {partial[:32]} are missing columns {lack}"
-        if not rows:
-            return why + "; no unclaimed row has been put: is a producer still putting rows?"
-        return why + (": put more rows before this get, ask for fewer (n), or take what there "
-                      "is (min_rows)")
-
     def _claim_rows(self, stage, rows, token):
         """Claim rows as token; returns {row: cells} of those won. Per block of CLAIM_BLOCK ids, one
         append to its claim log, then one read of it. The rows it shows held leave
@@ -576,14 +489,6 @@ class DistQueue:
                     del held[r]
         return held
 
-    def _release(self, stage, token, rows):
-        """Give back rows claimed as token: "-token:ids;" in the claim logs ends the claims, and
-        ready-log entries for this stage show the rows again to its readers."""
-        for block, ids in self._blocks(rows):
-            self.store.append(self._k("claims", stage, block), f"-{token}:{ids};")
-        if rows:
-            self._publish(self._entries(self._cells_of(rows, self.spec.stages[stage]), stage))
-
     # step 2, share: each rank of a DP group takes its part of the claimed rows
     def _take_plan(self, stage, n, dp_rank, step, root, deadline):
         """dp rank > 0: the rows dp rank 0 claimed, unless the group failed first; checks n."""
@@ -593,10 +498,7 @@ class DistQueue:
         if not self.store.check([plan]):  # the group failed: _agree says why
             raise RuntimeError(f"dp rank 0 published no plan for step {step}")
         n0, entries = self.store.get(plan).decode().split("|")
-        if int(n0) != n:
-            raise ValueError(f"get('{stage}', n={n}) on dp rank {dp_rank}, but dp rank 0 asked "
-                             f"for n={n0}: every rank of a dp_group passes the same n (the global "
-                             f"batch)")
+        self._check_same_n(stage, n, n0, dp_rank)  # below the marker
         return self._parse(entries, stage, {})
 
     def _share(self, rows, cols, dp_group):
@@ -643,26 +545,13 @@ class DistQueue:
                 received.append(tag)  # acknowledged, kept or dropped, whatever _recv finds
                 got.update(self._recv(o, tag, owners[o], rows))
         except Exception:
-            for o, tag in tags.items():  # not answered: cancelled, unless the owner answers first
-                if self.store.compare_set(self._k("state", tag), "", "cancelled") == b"sent":
-                    self._recv(o, tag, owners[o], rows)  # it sent just now: take it, to drop it
-                    received.append(tag)
-            self._ack(received, keep=False)
+            self._cancel(tags, owners, rows, received)  # below the marker
             raise
         return got, received
 
     def _read_last(self, key):
         """Whether the stage reading this cell now is the last that needs it."""
         return len(self.served.get(key, ())) + 1 >= self.needers[key[1]]
-
-    def _silent(self, stage, o, keys):
-        """Why a pull still waits: its owner has not answered."""
-        waiting = self.store.queue_len(self._k("req", o))
-        return (f"in stage '{stage}' waiting for rows {sorted({r for r, _ in keys})[:32]} from "
-                f"rank {o}, which has not answered ({waiting} requests wait in its queue): rank "
-                f"{o} is alive but not calling the queue (busy elsewhere: in a collective, in "
-                f"compute), or it is gone. A rank whose cells are still wanted must keep calling "
-                f"the queue, or drain(), before blocking elsewhere")
 
     def _recv(self, o, tag, keys, rows):
         """One transfer from owner o: its answer in state/<tag>, a header (K,), one payload."""
@@ -685,7 +574,126 @@ class DistQueue:
                                f"{expect}")
         return dict(zip(keys, unpack_cells(header, payload, dtypes)))
 
-    # step 4, agree: all or nothing in a DP group; then the transfers are kept or dropped
+    # step 4, agree: all or nothing in a DP group (the vote, _agree, is below the marker); then
+    # the transfers are kept or dropped
+    def _ack(self, tags, keep):
+        for tag in tags:
+            self.store.set(self._k("ack", tag), "kept" if keep else "dropped")
+
+    # --- observability
+    COUNTERS = ("bytes_sent", "bytes_padded_equiv", "bytes_bcast")
+
+    def _count(self, name, n):
+        self.store.add(self._k("count", name), int(n))
+
+    def metrics(self):
+        """The whole queue's traffic, counted in the store by the ranks that sent it: packed bytes
+        sent (headers included), what padding each field to the step's longest cell would have
+        sent, bytes broadcast inside model-parallel groups, and stage reads."""
+        out = {f"queue/{c}": int(self.store.add(self._k("count", c), 0)) for c in self.COUNTERS}
+        out["queue/reads"] = sum(self.reads(s) for s in self.spec.stages)
+        return out
+
+    def reads(self, stage):
+        return int(self.store.add(self._k("reads", stage), 0))
+
+# ==================================================================================================
+# What follows, in DistQueue's body and then in the module: the checks of the caller's input, with
+# their long errors; recovery from failures (why a wait still waits, claims given back, pulls
+# cancelled, a DP group's all-or-nothing vote); the hierarchical read (get(group=)), which the
+# default run does not use; checkpoint state; the module's checks of a spec, the environment, a
+# store and a process group. The default path is complete above: a learner can stop here.
+# ==================================================================================================
+
+    # --- checks of the caller's input
+    def _check_columns(self, columns, n):
+        """put's columns: each known, each with n rows."""
+        for c, vals in columns.items():
+            if c not in self.spec.columns:
+                raise KeyError(f"unknown column '{c}'; valid: {list(self.spec.columns)}")
+            if len(vals) != n:
+                raise ValueError(f"column '{c}' has {len(vals)} rows, others {n}")
+
+    def _check_cell(self, r, c, t, want):
+        """One cell of put: its dtype, its shape, and not written before."""
+        scalar = c in self.spec.scalars
+        if t.dtype != want:
+            raise TypeError(f"column '{c}' row {r}: dtype {t.dtype}, expected {want}")
+        if scalar and t.numel() != 1 or not scalar and t.dim() != 1:
+            raise ValueError(f"column '{c}' row {r}: shape {tuple(t.shape)}; scalar fields "
+                             f"take one value, others a 1-D tensor")
+        if (r, c) in self.cells or any(c in s.get(r, ()) for s in self.unclaimed.values()):
+            raise ValueError(f"cell (row {r}, column '{c}') written twice")
+
+    def _check_get(self, stage, n, min_rows, dp_group, group):
+        """get's arguments: a known stage, 0 <= min_rows <= n, n >= the DP size, this rank in the
+        groups it passed, and a gloo group to broadcast in."""
+        if stage not in self.spec.stages:
+            raise KeyError(f"unknown stage '{stage}'; valid: {list(self.spec.stages)}")
+        dp = dist.get_world_size(dp_group) if dp_group else 1
+        if not 0 <= min_rows <= n or n < max(dp, 1):
+            raise ValueError(f"n={n}, min_rows={min_rows}, dp size {dp}: need 0 <= min_rows <= n "
+                             f"and n >= dp")
+        for g, what in ((dp_group, "dp_group"), (group, "group")):
+            if g is not None and dist.get_rank(g) < 0:
+                raise ValueError(f"rank {self.rank} is not in the {what} it passed (ranks "
+                                 f"{dist.get_process_group_ranks(g)})")
+        if group is not None and dist.get_backend(group) != "gloo":
+            raise ValueError(f"group backend is {dist.get_backend(group)}; the broadcast needs a "
+                             f"gloo group")
+
+    @staticmethod
+    def _check_same_n(stage, n, n0, dp_rank):
+        """Every rank of a DP group passes the global batch as n: dp rank 0 planned for n0."""
+        if int(n0) != n:
+            raise ValueError(f"get('{stage}', n={n}) on dp rank {dp_rank}, but dp rank 0 asked "
+                             f"for n={n0}: every rank of a dp_group passes the same n (the global "
+                             f"batch)")
+
+    # --- recovery: why a wait still waits, claims given back, pulls cancelled, the vote
+    def _lacking(self, stage, n, min_rows, claimed, only):
+        """Why a claim still waits: rows that miss columns, fewer complete rows than asked, none."""
+        cols, seen = self.spec.stages[stage], self.unclaimed[stage]
+        rows = [r for r in seen if only is None or r in only]
+        partial = sorted(r for r in rows if len(seen[r]) < len(cols))
+        why = (f"in stage '{stage}' waiting for {n - claimed} more rows with columns {list(cols)} "
+               f"(claimed {claimed}): {len(rows) - len(partial)} unclaimed rows"
+               f"{' (of only)' if only is not None else ''} have every column, and this get asked "
+               f"for {n} (at least {min_rows})")
+        if partial:
+            lack = sorted({c for r in partial for c in cols if c not in seen[r]})
+            return why + f"; rows {partial[:32]} are missing columns {lack}"
+        if not rows:
+            return why + "; no unclaimed row has been put: is a producer still putting rows?"
+        return why + (": put more rows before this get, ask for fewer (n), or take what there "
+                      "is (min_rows)")
+
+    def _silent(self, stage, o, keys):
+        """Why a pull still waits: its owner has not answered."""
+        waiting = self.store.queue_len(self._k("req", o))
+        return (f"in stage '{stage}' waiting for rows {sorted({r for r, _ in keys})[:32]} from "
+                f"rank {o}, which has not answered ({waiting} requests wait in its queue): rank "
+                f"{o} is alive but not calling the queue (busy elsewhere: in a collective, in "
+                f"compute), or it is gone. A rank whose cells are still wanted must keep calling "
+                f"the queue, or drain(), before blocking elsewhere")
+
+    def _release(self, stage, token, rows):
+        """Give back rows claimed as token: "-token:ids;" in the claim logs ends the claims, and
+        ready-log entries for this stage show the rows again to its readers."""
+        for block, ids in self._blocks(rows):
+            self.store.append(self._k("claims", stage, block), f"-{token}:{ids};")
+        if rows:
+            self._publish(self._entries(self._cells_of(rows, self.spec.stages[stage]), stage))
+
+    def _cancel(self, tags, owners, rows, received):
+        """A fetch failed: cancel the requests not yet answered (an owner that answered first is
+        received, to drop it), and acknowledge every transfer received as dropped."""
+        for o, tag in tags.items():  # not answered: cancelled, unless the owner answers first
+            if self.store.compare_set(self._k("state", tag), "", "cancelled") == b"sent":
+                self._recv(o, tag, owners[o], rows)  # it sent just now: take it, to drop it
+                received.append(tag)
+        self._ack(received, keep=False)
+
     def _agree(self, stage, step, root, dp_rank, dp_size, error, deadline):
         """Each rank votes, ok (counted in done/...) or its error. The last ok vote, or the first
         error, writes outcome/... (the first writer wins), and every rank waits for it. Returns
@@ -714,11 +722,18 @@ class DistQueue:
         return kinds.get(kind, RuntimeError)(f"dp rank {first} of this get's dp_group failed, so "
                                              f"this rank keeps no row: {why}")
 
-    def _ack(self, tags, keep):
-        for tag in tags:
-            self.store.set(self._k("ack", tag), "kept" if keep else "dropped")
+    # --- the hierarchical read: a group's leader reads, then broadcasts what it read
+    def _read_in_group(self, stage, n, min_rows, dp_group, group, step, deadline, only):
+        """get(group=): only the group's first rank reads; it broadcasts the rows, or its error."""
+        leader = dist.get_global_rank(group, 0)
+        batch, error = None, None
+        if leader == self.rank:
+            try:
+                batch = self._read(stage, n, min_rows, dp_group, step, deadline, only)
+            except Exception as e:  # told to the group first, so that its members raise too
+                error = e
+        return self._bcast(batch, error, stage, group, leader, deadline + self.spec.timeout_s)
 
-    # --- hierarchical transfer: a group's leader broadcasts what it read
     def _bcast(self, batch, error, stage, group, leader, deadline):
         """Leader -> its model-parallel group: the size B (or the leader's failure: < 0), a header
         (B, 1+C) [ids, lengths], one payload. The deadline is the leader's plus timeout_s."""
@@ -763,23 +778,7 @@ class DistQueue:
         cells = unpack_cells(header[:, 1:].reshape(-1), payload, dtypes * B)  # K = B * C
         return Rows(header[:, 0].tolist(), {c: cells[j::len(cols)] for j, c in enumerate(cols)})
 
-    # --- observability and checkpointing
-    COUNTERS = ("bytes_sent", "bytes_padded_equiv", "bytes_bcast")
-
-    def _count(self, name, n):
-        self.store.add(self._k("count", name), int(n))
-
-    def metrics(self):
-        """The whole queue's traffic, counted in the store by the ranks that sent it: packed bytes
-        sent (headers included), what padding each field to the step's longest cell would have
-        sent, bytes broadcast inside model-parallel groups, and stage reads."""
-        out = {f"queue/{c}": int(self.store.add(self._k("count", c), 0)) for c in self.COUNTERS}
-        out["queue/reads"] = sum(self.reads(s) for s in self.spec.stages)
-        return out
-
-    def reads(self, stage):
-        return int(self.store.add(self._k("reads", stage), 0))
-
+    # --- checkpointing
     def state_dict(self):
         """This rank's part of the queue, saved by every rank where no get runs (a consistent cut,
         such as the end of a training step): the cells it holds and the stages that read each, its
@@ -822,3 +821,64 @@ class DistQueue:
                    lambda: f"waiting for the other ranks to restore their cells "
                            f"({int(self.store.add(done, 0))} of {self.world} have)")
 
+
+# ----------------------------------- checks of a spec, the environment, a store and a process group
+
+
+def check_spec(spec):
+    """QueueSpec's fields: known dtypes, stages that read known columns, every column read by a
+    stage, positive times, and names that fit in control messages and store keys."""
+    bad = {c: d for c, d in spec.columns.items() if d not in DTYPES}
+    if bad:
+        raise ValueError(f"unknown dtypes {bad}; valid: {sorted(DTYPES)}")
+    for s, cols in spec.stages.items():
+        unknown = [c for c in cols if c not in spec.columns]
+        if unknown or not cols:
+            raise ValueError(f"stage '{s}' reads {list(cols)}; unknown {unknown}; "
+                             f"valid {list(spec.columns)}")
+    unread = [c for c in spec.columns if not any(c in cols for cols in spec.stages.values())]
+    if unread or any(s not in spec.columns for s in spec.scalars):
+        raise ValueError(f"columns {unread} read by no stage, or scalars {list(spec.scalars)} "
+                         f"not in columns {list(spec.columns)}")
+    if spec.timeout_s <= 0 or spec.poll_s <= 0:
+        raise ValueError(f"timeout_s={spec.timeout_s} and poll_s={spec.poll_s} must be > 0")
+    bad = [x for x in [*spec.columns, *spec.stages] if not x or set(x) & set("|:,;=/ \t\n")]
+    if bad:  # they go into '|:,;='-separated control messages and '/'-joined store keys
+        raise ValueError(f"column or stage names {bad} are empty or contain one of "
+                         f"| : , ; = / or whitespace")
+
+
+def check_master_env():
+    """default_store's client reaches the store at MASTER_ADDR:MASTER_PORT; without them, the error
+    says what to pass instead."""
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        raise ValueError("DistQueue needs a store that every rank reaches, and MASTER_ADDR/"
+                         "MASTER_PORT are not set (the process group was not started from "
+                         "torchrun's environment). After init_method='tcp://HOST:PORT', pass "
+                         "store=dist.TCPStore(HOST, PORT, is_master=False) on every rank: a client "
+                         "of the store that the rendezvous already serves on PORT (a second "
+                         "is_master=True store there fails: the port is taken). Else a TCPStore on "
+                         "a free port, is_master=True on one rank only")
+
+
+def check_store(store):
+    """Refuses, before any collective, a store without queue operations, atomic add, append,
+    compare_set and multi_get: TCPStore and HashStore have them, FileStore has no queue."""
+    try:
+        store.queue_len("dq/probe")
+        store.add("dq/probe_add", 0)
+        store.append("dq/probe_append", "")
+        store.compare_set("dq/probe_compare_set", "", "")
+        store.multi_get(["dq/probe_add"])
+    except (NotImplementedError, RuntimeError, AttributeError) as e:
+        raise ValueError(f"{type(store).__name__} cannot serve a DistQueue ({e}): it needs queue "
+                         "operations (queue_push, queue_pop, queue_len), add, append, compare_set "
+                         "and multi_get; pass a TCPStore or a HashStore (a process group started "
+                         "with file:// has a FileStore)") from None
+
+
+def check_pg(pg):
+    """The queue's data moves host tensors, point to point: pg must be a gloo group."""
+    if dist.is_initialized() and dist.get_backend(pg) != "gloo":
+        raise ValueError(f"pg backend is {dist.get_backend(pg)}; "
+                         f"pass pg=dist.new_group(backend='gloo')")

@@ -14,7 +14,8 @@ to_train() undoes the three, in reverse.
 The default run (train_grpo.py): FSDP2 over all W ranks; the engine is the whole model at TP 1, its
 own parameters gathered into (inplace=True); the bytes move through plumbing/shm_transport.py's
 SharedMemory on one CPU host, else through Broadcasts (gloo; nccl on GPUs, untested past one rank).
-Also accepted (FusedActor.path names the path; the other layouts' own code comes last):
+Above the marker "A learner can stop here" (in FusedActor) is that path; below it: the checks, the
+recovery, the checkpoint state, and the layouts also accepted (FusedActor.path names the path):
   - any TP degree: inplace=False hands each bucket of full weights to engine.load_weights (vLLM's
     interface), which cuts its TP piece, fuses, renames and copies;
   - pipeline stages (FSDP2 over each stage's ranks, or whole on one rank) and HSDP (FSDP2 within
@@ -104,9 +105,7 @@ def offload(stores, hosts=()):
     that view it stay valid, and reload() brings the bytes back. Host buffers of the right size are
     reused; on CUDA they are pinned and the copy is non-blocking (the free is stream-ordered after
     it). All or nothing: on a failure, the storages already freed are reloaded."""
-    if any(s.device.type == "cpu" and s.is_shared() for s in stores):  # torch crashes as one grows
-        raise ValueError("offload: a storage in shared memory (a SharedMemory transport's shard) "
-                         "cannot be freed")
+    _check_not_shared(stores)
     out = []
     try:
         for i, s in enumerate(stores):
@@ -129,20 +128,25 @@ def reload(stores, hosts):
         _as_bytes(s).copy_(h, non_blocking=s.device.type == "cuda")
 
 
-def _synchronize(device):
-    if device.type != "cpu":  # CPU work is done when its call returns
-        torch.accelerator.current_stream(device).synchronize()
+class HostOffloaded:
+    """A frozen module (the reference model; a reward model) kept in host memory, on the device only
+    inside `with ref.on_device() as module:`. offload=False keeps it on the device (same calls)."""
 
+    def __init__(self, module, offload=True):
+        tensors = list(module.parameters()) + list(module.buffers())
+        self.module, self._stores, self._hosts = module, storages(tensors) if offload else [], []
+        self._to_host()
 
-def _allocated(device):
-    """Bytes the accelerator's allocator holds (torch.cuda's count, torch.xpu's...); None on CPU, or
-    where there is no such count (MPS)."""
-    if device.type == "cpu":
-        return None
-    try:
-        return getattr(torch, device.type).memory_allocated(device)
-    except (AttributeError, RuntimeError):
-        return None
+    def _to_host(self):
+        self._hosts = offload(self._stores, self._hosts)
+
+    @contextmanager
+    def on_device(self):
+        reload(self._stores, self._hosts)
+        try:
+            yield self.module
+        finally:
+            self._to_host()
 
 
 # ---------------------------------------------------------------------------- building the weights
@@ -201,22 +205,13 @@ def plan_buckets(meta, bucket_bytes):
     for w in meta:  # Weight, or (name, shape, dtype)
         name, shape, dtype = w[:3]
         nb = torch.Size(shape).numel() * dtype.itemsize
-        if nb > bucket_bytes:
-            raise ValueError(f"bucket_bytes {bucket_bytes} is smaller than weight {name} {shape} "
-                             f"({nb} bytes gathered); raise bucket_bytes to at least {nb}")
+        _check_fits(name, shape, nb, bucket_bytes)
         if not buckets or size + nb > bucket_bytes or dtype != buckets[-1][0][2]:
             buckets.append([])
             size = 0
         buckets[-1].append(w)
         size += nb
     return buckets
-
-
-def bucket_views(bucket, device):
-    """One flat buffer for a bucket and, per weight, its full view (rows, ...) into it."""
-    sizes = [torch.Size(w[1]).numel() for w in bucket]
-    flat = torch.empty(sum(sizes), dtype=bucket[0][2], device=device)    # (numels summed,)
-    return flat, [(w[0], v.view(w[1])) for w, v in zip(bucket, flat.split(sizes))]
 
 
 def gather_into(out, mine, w, works, group=None):
@@ -296,36 +291,30 @@ class Broadcasts:
 
 
 # ----------------------------------------------------------------------------------- the two phases
-def _check(model, optimizer):
-    """What FusedActor needs of this rank's model and optimizer, checked before any collective."""
-    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
-        raise ValueError("the model is in FSDP1 (FullyShardedDataParallel): this needs FSDP2's "
-                         "fully_shard(module)")
-    for n, p in model.named_parameters():
-        if isinstance(p, DTensor) and (p.device_mesh.ndim, tuple(p.placements)) != (1, (Shard(0),)):
-            raise ValueError(f"{n}: placements {p.placements} on a {p.device_mesh.ndim}-D mesh "
-                             f"{p.device_mesh}; expected Shard(0) over a 1-D mesh (fully_shard"
-                             "(module) over all ranks, or over a pipeline stage's ranks)")
-    mine = {id(p) for p in model.parameters()}
-    foreign = sum(id(p) not in mine for g in optimizer.param_groups for p in g["params"])
-    if foreign:  # fully_shard replaces the parameters: an optimizer built before would move nothing
-        raise ValueError(f"the optimizer holds {foreign} tensors that are not the model's "
-                         "parameters (built before fully_shard?): build it on model.parameters() "
-                         "after fully_shard")
+def _synchronize(device):
+    if device.type != "cpu":  # CPU work is done when its call returns
+        torch.accelerator.current_stream(device).synchronize()
 
 
-class _BackwardCheck(torch.autograd.Function):
-    """The identity on the model's output; its backward, the model's first, asks the actor first."""
-    @staticmethod
-    def forward(ctx, actor, x):
-        ctx.actor = actor
-        return x.view_as(x)
+def _allocated(device):
+    """Bytes the accelerator's allocator holds (torch.cuda's count, torch.xpu's...); None on CPU, or
+    where there is no such count (MPS)."""
+    if device.type == "cpu":
+        return None
+    try:
+        return getattr(torch, device.type).memory_allocated(device)
+    except (AttributeError, RuntimeError):
+        return None
 
-    @staticmethod
-    def backward(ctx, grad):
-        why = "the grads are in host memory (a step forgotten before it?)"
-        ctx.actor._expect(TRAIN, "a backward ran", why)
-        return None, grad
+
+@contextmanager
+def rollout(actor):
+    """with rollout(actor) as engine: ...  (TRAIN -> ROLLOUT, and back to TRAIN on exit)."""
+    engine = actor.to_rollout()
+    try:
+        yield engine
+    finally:
+        actor.to_train()
 
 
 class FusedActor:
@@ -351,90 +340,25 @@ class FusedActor:
         reshard_all(model)  # the parameters are the shards again
         _check(model, optimizer)
         self.transport = transport if transport is not None else Broadcasts()
-        if offload_params and self.transport.keeps_shards:
-            raise ValueError("offload_params=True frees the shards, which "
-                             f"{type(self.transport).__name__} keeps in place: use "
-                             "offload_params=False or the Broadcasts transport")
+        _check_transport(self.transport, offload_params)
         self.model, self.optimizer, self.engine = model, optimizer, engine
         self.movers, self.group = list(movers), group
         self.bucket_bytes, self.inplace, self.offload_params = bucket_bytes, inplace, offload_params
         self.device = next(model.parameters()).device
         self.skip = {n for m in self.movers for n in getattr(m, "names", ())}  # the movers' weights
         self.path = f"{'in place' if inplace else 'load_weights'}, {type(self.transport).__name__}"
-        # the weights to build, the same [Weight] on every rank (union_meta: collective)
+        # the weights to build, the same [Weight] on every rank (union_meta: collective; under
+        # FSDP2 over all ranks, every rank reports the same list)
         meta = union_meta([w for w in weight_meta(model) if w.name not in self.skip], group)
         self.layout, self.buckets = {w.name: w for w in meta}, plan_buckets(meta, bucket_bytes)
-        eng = self._engine_weights()
-        if inplace and not ({w.name for w in meta} == set(eng) and all(
-                tuple(eng[w.name].shape) == w.shape and eng[w.name].dtype == w.dtype
-                and eng[w.name].is_contiguous() for w in meta)):
-            raise ValueError("inplace=True needs engine parameters with the model's names, full "
-                             "shapes and dtypes (TP 1), contiguous; use inplace=False "
-                             "(load_weights)")
+        if inplace:
+            _check_inplace(meta, self._engine_weights())
         self.phase, self.round_trips, self.stats = TRAIN, 0, {}
         self._off, self._hosts = [], []              # grads' and states' storages, host copies
         self._param_off, self._param_hosts = [], []  # the same for the shards (offload_params)
         self._free_engine()
         self._hooks = self._guard()
         self.record()
-
-    def _guard(self):
-        """Hooks that raise where a call would read the storages freed in this phase."""
-        def engine(module, args):
-            self._expect(ROLLOUT, "the engine was called", "its weights are freed")
-
-        def step(optimizer, args, kwargs):
-            why = "the optimizer states are in host memory"
-            self._expect(TRAIN, "optimizer.step() was called", why)
-
-        def forward(module, args):
-            if self.offload_params:
-                why = "its shards are in host memory (offload_params)"
-                self._expect(TRAIN, "the model was called", why)
-
-        def output(module, args, out):  # its backward, the model's first, checks the phase
-            checked = torch.is_tensor(out) and out.requires_grad
-            return _BackwardCheck.apply(self, out) if checked else out
-        return [self.engine.register_forward_pre_hook(engine),
-                self.optimizer.register_step_pre_hook(step),
-                self.model.register_forward_pre_hook(forward, prepend=True),
-                self.model.register_forward_hook(output)]
-
-    def _expect(self, phase, what, why=None):
-        if self.phase != phase:
-            where = f", where {why}" if why else ""
-            raise RuntimeError(f"{what} in phase {self.phase}{where}; it needs phase {phase}")
-
-    def _engine_weights(self):
-        return {n: p for n, p in self.engine.named_parameters() if n not in self.skip}
-
-    def _free_engine(self):
-        for s in storages(self._engine_weights().values()):
-            s.resize_(0)
-
-    def record(self):
-        """The phase's memory figures: the storages this module manages, and their total (on an
-        accelerator, its allocator's count instead)."""
-        ps, key = list(self.model.parameters()), self.phase.lower()
-        states = [v for st in self.optimizer.state.values() for v in st.values()]
-        held = {"params": ps, "grads": [p.grad for p in ps if p.grad is not None],
-                "optim": [v for v in states if torch.is_tensor(v)],
-                "infer": self._engine_weights().values()}
-        held = {cat: held_bytes(ts, self.device) for cat, ts in held.items()}
-        self.stats.update({f"mem/{key}_{cat}_bytes": nb for cat, nb in held.items()})
-        allocated = _allocated(self.device)
-        self.stats[f"mem/{key}_bytes"] = sum(held.values()) if allocated is None else allocated
-
-    def metrics(self):
-        """Flat dict for metrics.jsonl: mem/*, time/*, switch/*, the movers' stats. Per switch:
-        gather_bytes, the weights built on this rank; received_bytes, those that came from other
-        ranks; received_min_bytes, the least that could (less the rows this rank holds)."""
-        out = dict(self.stats)
-        out.update({"switch/round_trips": self.round_trips,
-                    "switch/bucket_bytes": self.bucket_bytes, "switch/buckets": len(self.buckets)})
-        for m in self.movers:
-            out.update(getattr(m, "stats", {}))
-        return out
 
     @torch.no_grad()
     def to_rollout(self):
@@ -459,16 +383,12 @@ class FusedActor:
             with self._timed("gather"), self.transport.gathering(params, self.layout, self.group):
                 extra, gathered, received, least = self._fill(params, eng)
             if self.offload_params:  # the training shards too, now gathered from (1/W of the model)
-                off = storages([p for n, p in params.items() if n not in self.skip], self.device)
-                self._param_hosts, self._param_off = offload(off, self._param_hosts), off
+                self._offload_shards(params)
             for m in self.movers:  # 3. whatever else changes layout (the experts' EP re-shard)
                 m.to_rollout()
                 switched.append(m)
         except BaseException:  # back to TRAIN as it was: no engine weights, train state on device
-            for m in reversed(switched):
-                m.to_train()
-            self._free_engine()
-            self._reload()
+            self._undo_rollout(switched)
             raise
         self._finish(ROLLOUT, t0)
         moved = 2 * self.stats["switch/offload_bytes"] + gathered  # per round trip
@@ -496,17 +416,10 @@ class FusedActor:
                 loaded |= {name for name, _ in outs}
             elif error is None:
                 extra = max(extra, flat.nbytes)
-                try:
-                    names = self.engine.load_weights(outs)  # None: the model's names
-                    loaded |= set(names if names is not None else (n for n, _ in outs))
-                except Exception as e:  # noqa: BLE001 - held: the peers need this rank's gathers
-                    error = e
+                error = self._load_weights(outs, loaded)  # None, or its error, held
             flat = outs = None  # free the bucket before the next one
-        missing = sorted(set(eng) - loaded)
-        if missing and error is None:  # re-allocated and never filled
-            error = ValueError(f"the engine's weights {missing[:8]} were not loaded: its "
-                               "load_weights must load every one (or a mover name it) and return "
-                               "the engine parameter names it loaded")
+        if error is None:  # an engine weight re-allocated and never filled is an error too
+            error = _unloaded(eng, loaded)
         if error is not None:
             raise error
         return extra, gathered, received, least
@@ -531,6 +444,13 @@ class FusedActor:
         reload(self._off, self._hosts)
         self._off, self._param_off = [], []
 
+    def _engine_weights(self):
+        return {n: p for n, p in self.engine.named_parameters() if n not in self.skip}
+
+    def _free_engine(self):
+        for s in storages(self._engine_weights().values()):
+            s.resize_(0)
+
     @contextmanager
     def _timed(self, part):
         """switch/<part>_s (on an accelerator, each part waits for its queued work)."""
@@ -546,12 +466,94 @@ class FusedActor:
         self.stats[f"time/{name}_s"] = time.perf_counter() - t0
         self.record()
 
+    def record(self):
+        """The phase's memory figures: the storages this module manages, and their total (on an
+        accelerator, its allocator's count instead)."""
+        ps, key = list(self.model.parameters()), self.phase.lower()
+        states = [v for st in self.optimizer.state.values() for v in st.values()]
+        held = {"params": ps, "grads": [p.grad for p in ps if p.grad is not None],
+                "optim": [v for v in states if torch.is_tensor(v)],
+                "infer": self._engine_weights().values()}
+        held = {cat: held_bytes(ts, self.device) for cat, ts in held.items()}
+        self.stats.update({f"mem/{key}_{cat}_bytes": nb for cat, nb in held.items()})
+        allocated = _allocated(self.device)
+        self.stats[f"mem/{key}_bytes"] = sum(held.values()) if allocated is None else allocated
+
+    def metrics(self):
+        """Flat dict for metrics.jsonl: mem/*, time/*, switch/*, the movers' stats. Per switch:
+        gather_bytes, the weights built on this rank; received_bytes, those that came from other
+        ranks; received_min_bytes, the least that could (less the rows this rank holds)."""
+        out = dict(self.stats)
+        out.update({"switch/round_trips": self.round_trips,
+                    "switch/bucket_bytes": self.bucket_bytes, "switch/buckets": len(self.buckets)})
+        for m in self.movers:
+            out.update(getattr(m, "stats", {}))
+        return out
+
+    # ==============================================================================================
+    # What follows: the phase checks and the guards, the recovery from a failed switch, the code of
+    # the paths the default run does not take (load_weights, offload_params), the checkpoint state;
+    # then the checks of the caller's input and the other training layouts (pipeline stages, HSDP).
+    # A learner can stop here.
+    # ==============================================================================================
+
+    def _expect(self, phase, what, why=None):
+        if self.phase != phase:
+            where = f", where {why}" if why else ""
+            raise RuntimeError(f"{what} in phase {self.phase}{where}; it needs phase {phase}")
+
+    def _guard(self):
+        """Hooks that raise where a call would read the storages freed in this phase."""
+        def engine(module, args):
+            self._expect(ROLLOUT, "the engine was called", "its weights are freed")
+
+        def step(optimizer, args, kwargs):
+            why = "the optimizer states are in host memory"
+            self._expect(TRAIN, "optimizer.step() was called", why)
+
+        def forward(module, args):
+            if self.offload_params:
+                why = "its shards are in host memory (offload_params)"
+                self._expect(TRAIN, "the model was called", why)
+
+        def output(module, args, out):  # its backward, the model's first, checks the phase
+            checked = torch.is_tensor(out) and out.requires_grad
+            return _BackwardCheck.apply(self, out) if checked else out
+        return [self.engine.register_forward_pre_hook(engine),
+                self.optimizer.register_step_pre_hook(step),
+                self.model.register_forward_pre_hook(forward, prepend=True),
+                self.model.register_forward_hook(output)]
+
     def close(self):
         """Remove the guards and close the transport: another FusedActor may then take over."""
         self._expect(TRAIN, "close() called")
         for hook in self._hooks:
             hook.remove()
         self.transport.close()
+
+    # recovery, and the paths the default run does not take
+    def _undo_rollout(self, switched):
+        """After a to_rollout() that raised: the movers it switched back, the engine's weights
+        freed, the train state reloaded."""
+        for m in reversed(switched):
+            m.to_train()
+        self._free_engine()
+        self._reload()
+
+    def _load_weights(self, outs, loaded):
+        """engine.load_weights on a bucket outs; adds the names it loaded to loaded. Returns its
+        error instead of raising it, or None."""
+        try:
+            names = self.engine.load_weights(outs)  # None: the model's names
+            loaded |= set(names if names is not None else (n for n, _ in outs))
+        except Exception as e:  # noqa: BLE001 - held: the peers need this rank's gathers
+            return e
+        return None
+
+    def _offload_shards(self, params):
+        """offload_params: the training shards to host memory, once the gather has read them."""
+        off = storages([p for n, p in params.items() if n not in self.skip], self.device)
+        self._param_hosts, self._param_off = offload(off, self._param_hosts), off
 
     # resume: the phase and counters (save the model and optimizer in TRAIN, their state on device)
     def state_dict(self):
@@ -563,35 +565,85 @@ class FusedActor:
         self.round_trips = state["round_trips"]
 
 
-@contextmanager
-def rollout(actor):
-    """with rollout(actor) as engine: ...  (TRAIN -> ROLLOUT, and back to TRAIN on exit)."""
-    engine = actor.to_rollout()
-    try:
-        yield engine
-    finally:
-        actor.to_train()
+class _BackwardCheck(torch.autograd.Function):
+    """The identity on the model's output; its backward, the model's first, asks the actor first."""
+    @staticmethod
+    def forward(ctx, actor, x):
+        ctx.actor = actor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        why = "the grads are in host memory (a step forgotten before it?)"
+        ctx.actor._expect(TRAIN, "a backward ran", why)
+        return None, grad
 
 
-class HostOffloaded:
-    """A frozen module (the reference model; a reward model) kept in host memory, on the device only
-    inside `with ref.on_device() as module:`. offload=False keeps it on the device (same calls)."""
+# ----------------------------------------------------------------- the checks of the caller's input
+def _check(model, optimizer):
+    """What FusedActor needs of this rank's model and optimizer, checked before any collective."""
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise ValueError("the model is in FSDP1 (FullyShardedDataParallel): this needs FSDP2's "
+                         "fully_shard(module)")
+    for n, p in model.named_parameters():
+        if isinstance(p, DTensor) and (p.device_mesh.ndim, tuple(p.placements)) != (1, (Shard(0),)):
+            raise ValueError(f"{n}: placements {p.placements} on a {p.device_mesh.ndim}-D mesh "
+                             f"{p.device_mesh}; expected Shard(0) over a 1-D mesh (fully_shard"
+                             "(module) over all ranks, or over a pipeline stage's ranks)")
+    mine = {id(p) for p in model.parameters()}
+    foreign = sum(id(p) not in mine for g in optimizer.param_groups for p in g["params"])
+    if foreign:  # fully_shard replaces the parameters: an optimizer built before would move nothing
+        raise ValueError(f"the optimizer holds {foreign} tensors that are not the model's "
+                         "parameters (built before fully_shard?): build it on model.parameters() "
+                         "after fully_shard")
 
-    def __init__(self, module, offload=True):
-        tensors = list(module.parameters()) + list(module.buffers())
-        self.module, self._stores, self._hosts = module, storages(tensors) if offload else [], []
-        self._to_host()
 
-    def _to_host(self):
-        self._hosts = offload(self._stores, self._hosts)
+def _check_transport(transport, offload_params):
+    if offload_params and transport.keeps_shards:
+        raise ValueError("offload_params=True frees the shards, which "
+                         f"{type(transport).__name__} keeps in place: use "
+                         "offload_params=False or the Broadcasts transport")
 
-    @contextmanager
-    def on_device(self):
-        reload(self._stores, self._hosts)
-        try:
-            yield self.module
-        finally:
-            self._to_host()
+
+def _check_inplace(meta, eng):
+    """inplace=True writes the gather into the engine's parameters eng: the weights meta."""
+    if not ({w.name for w in meta} == set(eng) and all(
+            tuple(eng[w.name].shape) == w.shape and eng[w.name].dtype == w.dtype
+            and eng[w.name].is_contiguous() for w in meta)):
+        raise ValueError("inplace=True needs engine parameters with the model's names, full "
+                         "shapes and dtypes (TP 1), contiguous; use inplace=False "
+                         "(load_weights)")
+
+
+def _check_fits(name, shape, nb, bucket_bytes):
+    if nb > bucket_bytes:
+        raise ValueError(f"bucket_bytes {bucket_bytes} is smaller than weight {name} {shape} "
+                         f"({nb} bytes gathered); raise bucket_bytes to at least {nb}")
+
+
+def _check_not_shared(stores):
+    if any(s.device.type == "cpu" and s.is_shared() for s in stores):  # torch crashes as one grows
+        raise ValueError("offload: a storage in shared memory (a SharedMemory transport's shard) "
+                         "cannot be freed")
+
+
+def _unloaded(eng, loaded):
+    """The error where the engine's weights eng are not all in loaded (re-allocated and never
+    filled: load_weights skipped them), else None."""
+    missing = sorted(set(eng) - loaded)
+    if missing:
+        return ValueError(f"the engine's weights {missing[:8]} were not loaded: its "
+                          "load_weights must load every one (or a mover name it) and return "
+                          "the engine parameter names it loaded")
+    return None
+
+
+# ------------------------------------------------------- the bucket buffer of the load_weights path
+def bucket_views(bucket, device):
+    """One flat buffer for a bucket and, per weight, its full view (rows, ...) into it."""
+    sizes = [torch.Size(w[1]).numel() for w in bucket]
+    flat = torch.empty(sum(sizes), dtype=bucket[0][2], device=device)    # (numels summed,)
+    return flat, [(w[0], v.view(w[1])) for w, v in zip(bucket, flat.split(sizes))]
 
 
 # ------------------------------------------------- the other training layouts: PP stages and HSDP

@@ -7,14 +7,15 @@ layout to the other. The naive switch gathers all E experts onto every rank and 
 Here only the experts whose owner changes move, one bucket at a time, each source slice freed once
 sent: no rank ever holds a redundant copy of an expert.
 
-Contents, primitives first, then one layer, then a whole model:
-  moe_reference, DenseMoE   the single-process MoE the EP layer must match (from_linear: nn.Linears)
+Contents, the default path first, in reading order, down to the marker "A learner can stop here":
+  route, moe_reference      the single-process MoE the EP layer must match, a slow loop
   all_to_all_rows           uneven all_to_all_single; its backward is the reverse all_to_all
-  EPLayout, new_groups      which rank owns which expert, validated; ranks= spans part of the job
-  reshard_naive, reshard    the naive switch, then the bucketed one (plan_reshard, agree_on_switch)
+  EPLayout, new_groups      which rank owns which expert; this rank's EP and DP groups
+  reshard_naive, reshard    the naive switch, then the bucketed one (plan_reshard packs its rounds)
   EPMoE                     route, send counts then packed tokens, local experts, combine; switch()
   ExpertParallel            a model's MoE layers: apply, to_rollout, to_train, clip_grads
-  dense_state_dict          the whole model in the dense model's names, order and values
+After it: the input checks, agree_on_switch, layouts over part of the job (ranks=), DenseMoE
+(from_linear: per-expert nn.Linears) and dense_state_dict (the dense model's names and values).
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
   1. Each expert slice (name, e) is its own tensor, not a view of a stacked (E, D, H) parameter: a
@@ -120,66 +121,6 @@ def moe_reference(x, router_weight, experts, top_k):
     return out
 
 
-def check_dense(router_weight, w_gate, w_up, w_down, top_k):
-    """Refuse a dense MoE not in this file's layout, naming the shapes it needs."""
-    E, D, H = w_gate.shape if w_gate.dim() == 3 else (0, 0, 0)
-    want = {"router.weight": (E, D), "w_gate": (E, D, H), "w_up": (E, D, H), "w_down": (E, H, D)}
-    got = {"router.weight": router_weight, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
-    bad = {n: tuple(t.shape) for n, t in got.items() if tuple(t.shape) != want[n]}
-    if bad or E == 0 or not 1 <= top_k <= E:
-        raise ValueError(f"a dense MoE needs, in x @ w orientation, router.weight (E, D), w_gate "
-                         f"and w_up (E, D, H), w_down (E, H, D) and 1 <= top_k <= E (E, D, H = "
-                         f"{E}, {D}, {H} from w_gate); got shapes {bad or None}, top_k {top_k} "
-                         "(per-expert nn.Linear layers: DenseMoE.from_linear; stacks of nn.Linear "
-                         "weights: DenseMoE(..., orientation='nn.Linear'))")
-
-
-ORIENTATIONS = ("x @ w", "nn.Linear")  # w_gate (E, D, H) used as x @ w; or (E, H, D), x @ w.T
-
-
-class DenseMoE(nn.Module):
-    """The dense MoE as a module: router (E, D), w_gate and w_up (E, D, H), w_down (E, H, D).
-    orientation is required: "x @ w" takes the stacks as they are; "nn.Linear" takes stacks of
-    nn.Linear weights (E, out, in) and transposes them (a copy). A square stack (H == D) fits both,
-    so no default could catch the wrong one."""
-
-    def __init__(self, router_weight, w_gate, w_up, w_down, top_k, *, orientation):
-        super().__init__()
-        if orientation not in ORIENTATIONS:
-            raise ValueError(f"orientation {orientation!r} must be one of {ORIENTATIONS}: 'x @ w' "
-                             "for w_gate, w_up (E, D, H) and w_down (E, H, D); 'nn.Linear' for "
-                             "stacks of nn.Linear weights (out, in)")
-        if orientation == "nn.Linear":  # (E, out, in) -> (E, in, out)
-            w_gate, w_up, w_down = (w.transpose(1, 2).contiguous() for w in (w_gate, w_up, w_down))
-        check_dense(router_weight, w_gate, w_up, w_down, top_k)
-        E, D = router_weight.shape
-        self.router = nn.Linear(D, E, bias=False)
-        self.router.weight = nn.Parameter(router_weight)            # (E, D)
-        self.w_gate, self.w_up, self.w_down = (nn.Parameter(w) for w in (w_gate, w_up, w_down))
-        self.top_k = top_k
-
-    @classmethod
-    def from_linear(cls, router, experts, top_k, names=("gate_proj", "up_proj", "down_proj")):
-        """router: nn.Linear(D, E); experts: E modules holding nn.Linear gate (D -> H), up (D -> H)
-        and down (H -> D) under `names` (Mixtral: ("w1", "w3", "w2")). A bias is refused by name,
-        not dropped. Copies: (E, D, H) x2, (E, H, D)."""
-        biased = [f"experts[{e}].{n}" for e, m in enumerate(experts) for n in names
-                  if getattr(m, n).bias is not None]
-        biased = ["router"] * (getattr(router, "bias", None) is not None) + biased
-        if biased:
-            raise ValueError(f"{biased[0]} has a bias; this file's MoE has no biases, it would "
-                             f"drop them and compute something else ({len(biased)} biased Linear "
-                             "layers in all): build them with bias=False, or keep this MoE out of "
-                             "a model that has them")
-        stacks = [torch.stack([getattr(m, n).weight.detach() for m in experts]) for n in names]
-        return cls(router.weight.detach().clone(), *stacks, top_k, orientation="nn.Linear")
-
-    def forward(self, x):
-        experts = {n: getattr(self, n) for n in EXPERT_NAMES}
-        y = moe_reference(x.reshape(-1, x.shape[-1]), self.router.weight, experts, self.top_k)
-        return y.view_as(x)
-
-
 # ----------------------------------------------------------------------- communication primitive
 def _a2a(x, out_splits, in_splits, group):
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
@@ -218,30 +159,10 @@ class EPLayout:
     ranks: tuple = None  # the global rank of each layout rank (None: the same numbers)
 
     def __post_init__(self):
-        sizes = (("n_experts", self.n_experts), ("world size", self.world_size))
-        bad = [f"{name} {n}" for name, n in sizes if self.ep < 1 or n % self.ep]
-        if bad:
-            raise ValueError(f"EP degree {self.ep} does not divide {' or '.join(bad)}; it must "
-                             f"divide both n_experts {self.n_experts} and world size "
-                             f"{self.world_size}")
-        ranks = self.ranks
-        if ranks is not None and (len(ranks) != self.world_size or min(ranks) < 0
-                                  or list(ranks) != sorted(set(ranks))):
-            raise ValueError(f"ranks {ranks} must be {self.world_size} distinct global ranks in "
-                             "increasing order (torch.distributed.new_group orders a group's "
-                             "ranks so)")
+        _check_layout(self)  # below the marker: P divides E and W; ranks distinct, in order
 
     def global_rank(self, r):
         return r if self.ranks is None else self.ranks[r]
-
-    def local_rank(self, global_rank):
-        """This process's rank in the layout; ValueError if the layout does not span it."""
-        if self.ranks is None:
-            return global_rank
-        if global_rank not in self.ranks:
-            raise ValueError(f"rank {global_rank} is not one of the layout's ranks "
-                             f"{list(self.ranks)}")
-        return self.ranks.index(global_rank)
 
     @property
     def dp(self):
@@ -262,20 +183,23 @@ class EPLayout:
     def dp_group_ranks(self, rank):
         return self.holders(self.owned(rank)[0])
 
+    # a layout over part of the job (ranks=)
+    def local_rank(self, global_rank):
+        """This process's rank in the layout; ValueError if the layout does not span it."""
+        if self.ranks is None:
+            return global_rank
+        if global_rank not in self.ranks:
+            raise ValueError(f"rank {global_rank} is not one of the layout's ranks "
+                             f"{list(self.ranks)}")
+        return self.ranks.index(global_rank)
+
 
 def new_groups(layout, timeout_s=60.0):
     """(EP group, DP group) of this rank, None for a rank outside the layout. Every rank of the job
     calls it, in the same order: new_group is collective."""
-    if not dist.is_initialized():
-        if layout.world_size != 1:
-            raise ValueError(f"layout has world size {layout.world_size} but no process group is "
-                             "initialised")
+    _check_fits_the_job(layout)
+    if not dist.is_initialized():  # a world of one
         return None, None
-    spans = list(range(layout.world_size)) if layout.ranks is None else list(layout.ranks)
-    world = dist.get_world_size()
-    if max(spans) >= world or (layout.ranks is None and world != layout.world_size):
-        raise ValueError(f"layout world size {layout.world_size} (ranks {spans}) does not fit the "
-                         f"process group of {world} ranks; pass ranks= to span part of it")
     rank, timeout, mine = dist.get_rank(), datetime.timedelta(seconds=timeout_s), [None, None]
     for kind, ranks_of in enumerate((layout.ep_group_ranks, layout.dp_group_ranks)):
         for local in sorted({tuple(ranks_of(r)) for r in range(layout.world_size)}):
@@ -289,11 +213,6 @@ def new_groups(layout, timeout_s=60.0):
 def shard_experts(full, layout, rank):
     """A dense MoE's stacks (name -> (E, ...)) -> this rank's slices: name -> {e: (...)}."""
     return {n: {e: t[e].detach().clone() for e in layout.owned(rank)} for n, t in full.items()}
-
-
-def stack_local(experts):
-    """name -> {e: (...)} -> name -> (L, ...) in expert order (a copy, for checks and export)."""
-    return {n: torch.stack([s[e] for e in sorted(s)]) for n, s in experts.items()}
 
 
 # ----------------------------------------------------------------------- re-sharding, naive first
@@ -315,32 +234,10 @@ def _held_bytes(*dicts):
     return sum(seen.values())
 
 
-def _check(experts, src, dst, rank, group):
-    """Refuse layouts, a group or experts that do not fit together, before any collective."""
-    if (src.world_size, src.n_experts, src.ranks) != (dst.world_size, dst.n_experts, dst.ranks):
-        raise ValueError(f"layouts differ in world size ({src.world_size} vs {dst.world_size}), "
-                         f"n_experts ({src.n_experts} vs {dst.n_experts}) or ranks ({src.ranks} "
-                         f"vs {dst.ranks})")
-    if dist.is_initialized():
-        size = dist.get_world_size(group)  # group None: the whole job
-        if group is not None and size != src.world_size:
-            raise ValueError(f"layout world size {src.world_size} != group size {size}")
-        if group is None and src.ranks is None and size != src.world_size:
-            raise ValueError(f"layout world size {src.world_size} != process group size {size}; "
-                             "a layout over part of the job names its ranks (EPLayout(..., "
-                             "ranks=...))")
-    for n, s in experts.items():
-        if sorted(s) != list(src.owned(rank)):
-            raise ValueError(f"rank {rank} holds experts {sorted(s)} of {n}, layout says "
-                             f"{list(src.owned(rank))}")
-
-
 def reshard_naive(experts, src, dst, group=None):
     """The naive switch: all_reduce every expert onto every rank (one contributor each), keep the
     target's. It moves and briefly holds all E experts per name on every rank."""
-    if src.ranks is not None and group is None:
-        raise ValueError(f"a layout over ranks {list(src.ranks)} needs the group of those ranks "
-                         "(the naive switch all-reduces over it)")
+    _check_naive_group(src, group)
     rank = _rank(group, src)
     _check(experts, src, dst, rank, group)
     stats = dict(bytes_moved=0, peak_bytes=_held_bytes(experts))
@@ -363,10 +260,8 @@ def plan_reshard(src, dst, slice_bytes, bucket_bytes):
     """Transfers (name, e, from rank, to rank) of every slice a rank needs and lacks, packed
     first-fit into rounds where each rank sends at most bucket_bytes and receives at most
     bucket_bytes. Pure: every rank computes the same plan, so no counts are exchanged."""
-    W, biggest = src.world_size, max(slice_bytes.values())
-    if biggest > bucket_bytes:
-        raise ValueError(f"bucket_bytes {bucket_bytes} is smaller than one expert slice "
-                         f"({biggest} bytes)")
+    W = src.world_size
+    _check_bucket(slice_bytes, bucket_bytes)  # a bucket holds one expert slice at least
     load = [0] * W  # bytes each rank sends in all
     rounds, out, inn = [], [], []  # per round: its transfers, bytes each rank sends, receives
     for r in range(W):
@@ -437,44 +332,7 @@ def reshard(experts, src, dst, bucket_bytes, group=None):
     return new, stats
 
 
-def agree_on_switch(src, dst, group=None, device="cpu"):
-    """Every rank of the layout says which switch it makes, (source EP, target EP), in one
-    all_gather over `group` (the layout's ranks; None: the default group). Ranks that disagree all
-    raise, naming every rank's. A rank that never calls makes the others raise at the timeout,
-    not return alone: on nesting layouts a rank may move no bytes."""
-    if not dist.is_initialized() or src.world_size == 1:
-        return
-    mine = torch.tensor([src.ep, dst.ep], device=device)                # (2,)
-    every = [torch.empty_like(mine) for _ in range(src.world_size)]     # W x (2,)
-    ranks = [src.global_rank(r) for r in range(src.world_size)]
-    try:
-        dist.all_gather(every, mine, group=group)
-    except RuntimeError as err:  # gloo and nccl report a timeout as a RuntimeError
-        raise RuntimeError(f"EP switch {src.ep} -> {dst.ep}: the ranks' agreement collective "
-                           f"failed; every rank of the layout (ranks {ranks}) must call switch() "
-                           f"together, with the same target layout ({err})") from err
-    asked = [tuple(t.tolist()) for t in every]  # .tolist(): a device-to-host sync, once per layer
-    if len(set(asked)) > 1:
-        said = ", ".join(f"rank {g}: EP {a} -> {b}" for g, (a, b) in zip(ranks, asked))
-        raise ValueError(f"the ranks of the layout disagree on the switch ({said}); every rank of "
-                         "the layout must call switch() together, with the same target layout")
-
-
 # ----------------------------------------------------------------------- the EP layer
-def _check_ep_group(layout, group, rank):
-    """The group of an EP layer's all-to-alls must be this rank's EP group of the layout: another
-    group of the same size (the DP group, say) would route rows to the wrong experts, silently."""
-    if layout.ep == 1:  # no all-to-all
-        return
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    have = dist.get_process_group_ranks(group) if group is not None else list(range(world))
-    want = [layout.global_rank(r) for r in layout.ep_group_ranks(rank)]
-    if have != want:
-        raise ValueError(f"EP group ranks {have} are not rank {layout.global_rank(rank)}'s EP "
-                         f"group {want} under {layout}; pass the first group new_groups(layout) "
-                         "returns")
-
-
 def _untie(moe):
     """Make every expert Parameter of an EP layer an empty tensor, dropping its reference."""
     for n in EXPERT_NAMES:
@@ -507,29 +365,11 @@ class EPMoE(nn.Module):
     @classmethod
     def from_dense(cls, moe, layout, group=None):
         """Copy a dense MoE (router, w_gate, w_up, w_down, top_k; x @ w) into an EP layer."""
-        check_dense(moe.router.weight, moe.w_gate, moe.w_up, moe.w_down, moe.top_k)
-        if getattr(moe.router, "bias", None) is not None:
-            raise ValueError("router has a bias; this file's MoE has no biases: it would drop it "
-                             "and compute something else")
+        _check_dense_layer(moe)  # the shapes, top_k, and a router without a bias
         E, D, H = moe.w_gate.shape
         ep = cls(D, H, E, moe.top_k, layout, group).to(moe.w_gate.device, moe.w_gate.dtype)
         ep.load_dense(moe.router.weight, {n: getattr(moe, n) for n in EXPERT_NAMES})
         return ep
-
-    @torch.no_grad()
-    def load_dense(self, router_weight, full):
-        self.router.weight.copy_(router_weight)
-        self._put(shard_experts(full, self.layout, self.rank))
-
-    def _put(self, experts):
-        for n, slices in experts.items():
-            for e, t in slices.items():
-                getattr(self, n)[e].data = t
-
-    def local_experts(self):
-        """name -> {e: tensor} of the experts this rank owns (the Parameters' data, no copy)."""
-        own = self.layout.owned(self.rank)
-        return {n: {e: getattr(self, n)[e].data for e in own} for n in EXPERT_NAMES}
 
     def forward(self, x):
         shape, (P, E), k = x.shape, (self.layout.ep, self.layout.n_experts), self.top_k
@@ -559,24 +399,30 @@ class EPMoE(nn.Module):
         """Re-shard the experts in place to `layout`, EP group `group`. Grads must be None.
         Collective over world_group, the group of exactly the layout's ranks (None: the whole job).
         First the local checks (a ValueError, nothing moved), then agree_on_switch, then reshard."""
-        _check_ep_group(layout, group, self.rank)
-        own = self.layout.owned(self.rank)
-        if any(getattr(self, n)[e].grad is not None for n in EXPERT_NAMES for e in own):
-            raise ValueError("expert grads are set: clear or offload them before a switch")
-        if world_group is None and self.layout.ranks is not None and dist.is_initialized():
-            raise ValueError(f"a layout over ranks {list(self.layout.ranks)} needs world_group, "
-                             "the group of those ranks: the switch's agreement collective runs "
-                             "over it")
         taken = self.local_experts()  # name -> {e: tensor}, the Parameters' data
-        _check(taken, self.layout, layout, _rank(world_group, self.layout), world_group)
-        slice_bytes = {n: s[own[0]].nbytes for n, s in taken.items()}
-        plan_reshard(self.layout, layout, slice_bytes, bucket_bytes)
+        _check_switch(self, taken, layout, group, bucket_bytes, world_group)
         agree_on_switch(self.layout, layout, world_group, self.router.weight.device)
         _untie(self)  # the switch must own the only reference, or nothing could be freed
         new, stats = reshard(taken, self.layout, layout, bucket_bytes, world_group)
         self._put(new)
         self.layout, self.group = layout, group
         return stats
+
+    # helpers of from_dense and switch
+    @torch.no_grad()
+    def load_dense(self, router_weight, full):
+        self.router.weight.copy_(router_weight)
+        self._put(shard_experts(full, self.layout, self.rank))
+
+    def local_experts(self):
+        """name -> {e: tensor} of the experts this rank owns (the Parameters' data, no copy)."""
+        own = self.layout.owned(self.rank)
+        return {n: {e: getattr(self, n)[e].data for e in own} for n in EXPERT_NAMES}
+
+    def _put(self, experts):
+        for n, slices in experts.items():
+            for e, t in slices.items():
+                getattr(self, n)[e].data = t
 
 
 # ----------------------------------------------------------------------- a whole model
@@ -613,19 +459,14 @@ class ExpertParallel:
         self.infer_layout = EPLayout(infer_ep, world_size, n_experts, ranks)
         self.train_groups = new_groups(self.train_layout, timeout_s)  # (EP, DP); collective
         self.infer_groups = new_groups(self.infer_layout, timeout_s)
-        self.group = None  # the layout's ranks, when part of the job: switch(), the norm's sum
-        if ranks is not None and dist.is_initialized():
-            timeout = datetime.timedelta(seconds=timeout_s)
-            self.group = dist.new_group(list(ranks), timeout=timeout)
+        # the layout's ranks, when part of the job: switch(), the norm's sum (None: the whole job)
+        self.group = _group_of_ranks(ranks, timeout_s)
         self.bucket_bytes, self.world, self.stats = bucket_bytes, world_size, {}
         self.model_layers, self.engine_layers, self.names = [], [], set()
 
     def apply(self, model, engine=None):
         self.model_layers = self.shard(model)
-        if not self.model_layers:
-            raise ValueError("the model has no dense MoE layer (a module with router, top_k, "
-                             "w_gate, w_up and w_down; see moe_switch.py's 'Using this file "
-                             "elsewhere') to make expert-parallel")
+        _check_found_layers(self.model_layers)
         self.names = {n for n, _ in model.named_parameters() if n.split(".")[-2] in EXPERT_NAMES}
         if engine is not None:
             self.engine_layers = swap_layers(engine, self._empty_like)
@@ -636,17 +477,6 @@ class ExpertParallel:
         computes what the policy does, bit for bit (a dense forward rounds differently)."""
         group = self.train_groups[0]
         return swap_layers(module, lambda m: EPMoE.from_dense(m, self.train_layout, group))
-
-    def _empty_like(self, moe):
-        """An engine's EP layer: the dense layer's router Parameter itself (a loader filling the
-        engine by name still finds it), and no experts until to_rollout aliases the moved ones."""
-        E, D, H = moe.w_gate.shape
-        ep = EPMoE(D, H, E, moe.top_k, self.infer_layout, self.infer_groups[0])
-        ep = ep.to(moe.router.weight.device)
-        ep.router.weight = moe.router.weight                            # (E, D)
-        ep.requires_grad_(False)
-        _untie(ep)
-        return ep
 
     def params(self, model):
         """The model's expert Parameters: one per global expert, empty where this rank owns none."""
@@ -670,25 +500,6 @@ class ExpertParallel:
             moved.append(m.switch(self.train_layout, ep_group, self.bucket_bytes, self.group))
         self._record("to_train", t0, moved)
 
-    def _record(self, key, t0, moved):
-        self.stats.update({
-            f"time/ep_{key}_s": time.perf_counter() - t0,
-            f"ep/{key}_bytes_moved": sum(s["bytes_moved"] for s in moved),
-            f"ep/{key}_bytes_min": sum(s["bytes_min"] for s in moved),
-            f"ep/{key}_peak_extra_bytes": max(s["peak_extra_bytes"] for s in moved),
-            f"ep/{key}_layer_peak_switch_bytes": max(s["peak_switch_bytes"] for s in moved),
-            f"ep/{key}_layer_target_bytes": moved[0]["to_bytes"]})  # one layer at a time
-
-    def sync_grads(self, model):
-        """After backward: an owned expert's grad sums its EP group's tokens. Summed over the
-        replicas and divided by the world, it is the mean over all ranks, as FSDP's grads are."""
-        grads = [p.grad for p in self.params(model) if p.numel()]
-        flat = torch.cat([g.flatten() for g in grads]) / self.world
-        if self.train_layout.dp > 1:
-            dist.all_reduce(flat, group=self.train_groups[1])
-        for g, f in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(f.view_as(g))
-
     def clip_grads(self, model, max_norm):
         """sync_grads, then clip_grad_norm_ over the FSDP shards and the owned experts together."""
         self.sync_grads(model)
@@ -706,6 +517,37 @@ class ExpertParallel:
                 p.grad.mul_(coef)
         return total
 
+    def sync_grads(self, model):
+        """After backward: an owned expert's grad sums its EP group's tokens. Summed over the
+        replicas and divided by the world, it is the mean over all ranks, as FSDP's grads are."""
+        grads = [p.grad for p in self.params(model) if p.numel()]
+        flat = torch.cat([g.flatten() for g in grads]) / self.world
+        if self.train_layout.dp > 1:
+            dist.all_reduce(flat, group=self.train_groups[1])
+        for g, f in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(f.view_as(g))
+
+    # helpers of apply, to_rollout and to_train
+    def _empty_like(self, moe):
+        """An engine's EP layer: the dense layer's router Parameter itself (a loader filling the
+        engine by name still finds it), and no experts until to_rollout aliases the moved ones."""
+        E, D, H = moe.w_gate.shape
+        ep = EPMoE(D, H, E, moe.top_k, self.infer_layout, self.infer_groups[0])
+        ep = ep.to(moe.router.weight.device)
+        ep.router.weight = moe.router.weight                            # (E, D)
+        ep.requires_grad_(False)
+        _untie(ep)
+        return ep
+
+    def _record(self, key, t0, moved):
+        self.stats.update({
+            f"time/ep_{key}_s": time.perf_counter() - t0,
+            f"ep/{key}_bytes_moved": sum(s["bytes_moved"] for s in moved),
+            f"ep/{key}_bytes_min": sum(s["bytes_min"] for s in moved),
+            f"ep/{key}_peak_extra_bytes": max(s["peak_extra_bytes"] for s in moved),
+            f"ep/{key}_layer_peak_switch_bytes": max(s["peak_switch_bytes"] for s in moved),
+            f"ep/{key}_layer_target_bytes": moved[0]["to_bytes"]})  # one layer at a time
+
 
 def optimizer_groups(model):
     """The parameters in two groups, FSDP2 shards (DTensors) and plain tensors (the EP experts):
@@ -715,6 +557,226 @@ def optimizer_groups(model):
     shards = [p for p in params if isinstance(p, DTensor)]
     plain = [p for p in params if not isinstance(p, DTensor)]
     return [{"params": g} for g in (shards, plain) if g]
+
+
+# ==================================================================================================
+# What follows: the checks of the caller's input (each raises before any collective), the ranks'
+# agreement on a switch (a rank left out makes the others raise), the group of a layout over part
+# of the job, DenseMoE for other codebases, and the whole model's dense state for checkpoints and
+# the reference. The code above calls them but reads without them. A learner can stop here.
+# ==================================================================================================
+
+
+# --------------------------------------------------------------------- checks of the caller's input
+def _check_layout(layout):
+    """EPLayout's checks: P divides the experts and the world; the ranks are distinct, sorted."""
+    sizes = (("n_experts", layout.n_experts), ("world size", layout.world_size))
+    bad = [f"{name} {n}" for name, n in sizes if layout.ep < 1 or n % layout.ep]
+    if bad:
+        raise ValueError(f"EP degree {layout.ep} does not divide {' or '.join(bad)}; it must "
+                         f"divide both n_experts {layout.n_experts} and world size "
+                         f"{layout.world_size}")
+    ranks = layout.ranks
+    if ranks is not None and (len(ranks) != layout.world_size or min(ranks) < 0
+                              or list(ranks) != sorted(set(ranks))):
+        raise ValueError(f"ranks {ranks} must be {layout.world_size} distinct global ranks in "
+                         "increasing order (torch.distributed.new_group orders a group's "
+                         "ranks so)")
+
+
+def _check_fits_the_job(layout):
+    """new_groups' check: the layout fits the process group; with none, it is a world of one."""
+    if not dist.is_initialized():
+        if layout.world_size != 1:
+            raise ValueError(f"layout has world size {layout.world_size} but no process group is "
+                             "initialised")
+        return
+    spans = list(range(layout.world_size)) if layout.ranks is None else list(layout.ranks)
+    world = dist.get_world_size()
+    if max(spans) >= world or (layout.ranks is None and world != layout.world_size):
+        raise ValueError(f"layout world size {layout.world_size} (ranks {spans}) does not fit the "
+                         f"process group of {world} ranks; pass ranks= to span part of it")
+
+
+def _check(experts, src, dst, rank, group):
+    """Refuse layouts, a group or experts that do not fit together, before any collective."""
+    if (src.world_size, src.n_experts, src.ranks) != (dst.world_size, dst.n_experts, dst.ranks):
+        raise ValueError(f"layouts differ in world size ({src.world_size} vs {dst.world_size}), "
+                         f"n_experts ({src.n_experts} vs {dst.n_experts}) or ranks ({src.ranks} "
+                         f"vs {dst.ranks})")
+    if dist.is_initialized():
+        size = dist.get_world_size(group)  # group None: the whole job
+        if group is not None and size != src.world_size:
+            raise ValueError(f"layout world size {src.world_size} != group size {size}")
+        if group is None and src.ranks is None and size != src.world_size:
+            raise ValueError(f"layout world size {src.world_size} != process group size {size}; "
+                             "a layout over part of the job names its ranks (EPLayout(..., "
+                             "ranks=...))")
+    for n, s in experts.items():
+        if sorted(s) != list(src.owned(rank)):
+            raise ValueError(f"rank {rank} holds experts {sorted(s)} of {n}, layout says "
+                             f"{list(src.owned(rank))}")
+
+
+def _check_naive_group(src, group):
+    """reshard_naive's check: a layout over part of the job all-reduces over its ranks' group."""
+    if src.ranks is not None and group is None:
+        raise ValueError(f"a layout over ranks {list(src.ranks)} needs the group of those ranks "
+                         "(the naive switch all-reduces over it)")
+
+
+def _check_bucket(slice_bytes, bucket_bytes):
+    """plan_reshard's check: a bucket holds at least the biggest expert slice."""
+    biggest = max(slice_bytes.values())
+    if biggest > bucket_bytes:
+        raise ValueError(f"bucket_bytes {bucket_bytes} is smaller than one expert slice "
+                         f"({biggest} bytes)")
+
+
+def _check_ep_group(layout, group, rank):
+    """The group of an EP layer's all-to-alls must be this rank's EP group of the layout: another
+    group of the same size (the DP group, say) would route rows to the wrong experts, silently."""
+    if layout.ep == 1:  # no all-to-all
+        return
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    have = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    want = [layout.global_rank(r) for r in layout.ep_group_ranks(rank)]
+    if have != want:
+        raise ValueError(f"EP group ranks {have} are not rank {layout.global_rank(rank)}'s EP "
+                         f"group {want} under {layout}; pass the first group new_groups(layout) "
+                         "returns")
+
+
+def _check_switch(layer, taken, layout, group, bucket_bytes, world_group):
+    """EPMoE.switch's local checks, a ValueError with nothing moved: the target's EP group, no
+    grads, the group of a layout over part of the job, the experts held (taken), the bucket."""
+    _check_ep_group(layout, group, layer.rank)
+    own = layer.layout.owned(layer.rank)
+    if any(getattr(layer, n)[e].grad is not None for n in EXPERT_NAMES for e in own):
+        raise ValueError("expert grads are set: clear or offload them before a switch")
+    if world_group is None and layer.layout.ranks is not None and dist.is_initialized():
+        raise ValueError(f"a layout over ranks {list(layer.layout.ranks)} needs world_group, "
+                         "the group of those ranks: the switch's agreement collective runs "
+                         "over it")
+    _check(taken, layer.layout, layout, _rank(world_group, layer.layout), world_group)
+    slice_bytes = {n: s[own[0]].nbytes for n, s in taken.items()}
+    plan_reshard(layer.layout, layout, slice_bytes, bucket_bytes)  # raises on a bucket too small
+
+
+def _check_found_layers(layers):
+    """ExpertParallel.apply's check: the model has a dense MoE layer to make expert-parallel."""
+    if not layers:
+        raise ValueError("the model has no dense MoE layer (a module with router, top_k, "
+                         "w_gate, w_up and w_down; see moe_switch.py's 'Using this file "
+                         "elsewhere') to make expert-parallel")
+
+
+def check_dense(router_weight, w_gate, w_up, w_down, top_k):
+    """Refuse a dense MoE not in this file's layout, naming the shapes it needs."""
+    E, D, H = w_gate.shape if w_gate.dim() == 3 else (0, 0, 0)
+    want = {"router.weight": (E, D), "w_gate": (E, D, H), "w_up": (E, D, H), "w_down": (E, H, D)}
+    got = {"router.weight": router_weight, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+    bad = {n: tuple(t.shape) for n, t in got.items() if tuple(t.shape) != want[n]}
+    if bad or E == 0 or not 1 <= top_k <= E:
+        raise ValueError(f"a dense MoE needs, in x @ w orientation, router.weight (E, D), w_gate "
+                         f"and w_up (E, D, H), w_down (E, H, D) and 1 <= top_k <= E (E, D, H = "
+                         f"{E}, {D}, {H} from w_gate); got shapes {bad or None}, top_k {top_k} "
+                         "(per-expert nn.Linear layers: DenseMoE.from_linear; stacks of nn.Linear "
+                         "weights: DenseMoE(..., orientation='nn.Linear'))")
+
+
+def _check_dense_layer(moe):
+    """EPMoE.from_dense's check: the shapes and top_k of check_dense, and a router with no bias."""
+    check_dense(moe.router.weight, moe.w_gate, moe.w_up, moe.w_down, moe.top_k)
+    if getattr(moe.router, "bias", None) is not None:
+        raise ValueError("router has a bias; this file's MoE has no biases: it would drop it "
+                         "and compute something else")
+
+
+# ----------------------------------------------------------------------- the ranks' agreement
+def agree_on_switch(src, dst, group=None, device="cpu"):
+    """Every rank of the layout says which switch it makes, (source EP, target EP), in one
+    all_gather over `group` (the layout's ranks; None: the default group). Ranks that disagree all
+    raise, naming every rank's. A rank that never calls makes the others raise at the timeout,
+    not return alone: on nesting layouts a rank may move no bytes."""
+    if not dist.is_initialized() or src.world_size == 1:
+        return
+    mine = torch.tensor([src.ep, dst.ep], device=device)                # (2,)
+    every = [torch.empty_like(mine) for _ in range(src.world_size)]     # W x (2,)
+    ranks = [src.global_rank(r) for r in range(src.world_size)]
+    try:
+        dist.all_gather(every, mine, group=group)
+    except RuntimeError as err:  # gloo and nccl report a timeout as a RuntimeError
+        raise RuntimeError(f"EP switch {src.ep} -> {dst.ep}: the ranks' agreement collective "
+                           f"failed; every rank of the layout (ranks {ranks}) must call switch() "
+                           f"together, with the same target layout ({err})") from err
+    asked = [tuple(t.tolist()) for t in every]  # .tolist(): a device-to-host sync, once per layer
+    if len(set(asked)) > 1:
+        said = ", ".join(f"rank {g}: EP {a} -> {b}" for g, (a, b) in zip(ranks, asked))
+        raise ValueError(f"the ranks of the layout disagree on the switch ({said}); every rank of "
+                         "the layout must call switch() together, with the same target layout")
+
+
+# -------------------------------------------------------------------- a layout over part of the job
+def _group_of_ranks(ranks, timeout_s):
+    """ExpertParallel's group of a layout over part of the job: new_group of its ranks, collective
+    over the job. None for a layout over the whole job, or with no process group."""
+    if ranks is None or not dist.is_initialized():
+        return None
+    return dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s))
+
+
+# ----------------------------------------------------------------- a dense MoE, for other codebases
+ORIENTATIONS = ("x @ w", "nn.Linear")  # w_gate (E, D, H) used as x @ w; or (E, H, D), x @ w.T
+
+
+class DenseMoE(nn.Module):
+    """The dense MoE as a module: router (E, D), w_gate and w_up (E, D, H), w_down (E, H, D).
+    orientation is required: "x @ w" takes the stacks as they are; "nn.Linear" takes stacks of
+    nn.Linear weights (E, out, in) and transposes them (a copy). A square stack (H == D) fits both,
+    so no default could catch the wrong one."""
+
+    def __init__(self, router_weight, w_gate, w_up, w_down, top_k, *, orientation):
+        super().__init__()
+        if orientation not in ORIENTATIONS:
+            raise ValueError(f"orientation {orientation!r} must be one of {ORIENTATIONS}: 'x @ w' "
+                             "for w_gate, w_up (E, D, H) and w_down (E, H, D); 'nn.Linear' for "
+                             "stacks of nn.Linear weights (out, in)")
+        if orientation == "nn.Linear":  # (E, out, in) -> (E, in, out)
+            w_gate, w_up, w_down = (w.transpose(1, 2).contiguous() for w in (w_gate, w_up, w_down))
+        check_dense(router_weight, w_gate, w_up, w_down, top_k)
+        E, D = router_weight.shape
+        self.router = nn.Linear(D, E, bias=False)
+        self.router.weight = nn.Parameter(router_weight)            # (E, D)
+        self.w_gate, self.w_up, self.w_down = (nn.Parameter(w) for w in (w_gate, w_up, w_down))
+        self.top_k = top_k
+
+    @classmethod
+    def from_linear(cls, router, experts, top_k, names=("gate_proj", "up_proj", "down_proj")):
+        """router: nn.Linear(D, E); experts: E modules holding nn.Linear gate (D -> H), up (D -> H)
+        and down (H -> D) under `names` (Mixtral: ("w1", "w3", "w2")). A bias is refused by name,
+        not dropped. Copies: (E, D, H) x2, (E, H, D)."""
+        biased = [f"experts[{e}].{n}" for e, m in enumerate(experts) for n in names
+                  if getattr(m, n).bias is not None]
+        biased = ["router"] * (getattr(router, "bias", None) is not None) + biased
+        if biased:
+            raise ValueError(f"{biased[0]} has a bias; this file's MoE has no biases, it would "
+                             f"drop them and compute something else ({len(biased)} biased Linear "
+                             "layers in all): build them with bias=False, or keep this MoE out of "
+                             "a model that has them")
+        stacks = [torch.stack([getattr(m, n).weight.detach() for m in experts]) for n in names]
+        return cls(router.weight.detach().clone(), *stacks, top_k, orientation="nn.Linear")
+
+    def forward(self, x):
+        experts = {n: getattr(self, n) for n in EXPERT_NAMES}
+        y = moe_reference(x.reshape(-1, x.shape[-1]), self.router.weight, experts, self.top_k)
+        return y.view_as(x)
+
+
+# -------------------------------------------------------------------- the whole model's dense state
+def stack_local(experts):
+    """name -> {e: (...)} -> name -> (L, ...) in expert order (a copy, for checks and export)."""
+    return {n: torch.stack([s[e] for e in sorted(s)]) for n, s in experts.items()}
 
 
 def dense_state_dict(model, group=None):

@@ -6,15 +6,18 @@ so every step waits for its longest sample while the other rows are long done.
 
 The idea: decode in chunks, and end a round as soon as enough prompt groups are complete. They go
 to training at once. The tail still in flight continues next round under the new weights (a
-partial rollout: one response, tokens of several policy versions). Admission is bounded so that
-no trained sample started more than S versions (the staleness bound) before the version it is
-trained at, and a group that would age past S is regenerated, never trained. At S = 0 this is the
+partial rollout: one response, tokens of several policy versions). No trained sample started more
+than S versions (the staleness bound) before the version it is trained at: each batch takes first
+the groups whose last chance it is, and a group that would age past S is restarted, never trained
+stale (the cut, in StaleSync). Admission caps how far ahead slots open. At S = 0 this is the
 synchronous path, bit for bit.
 
 The file reads naive first: sync_rollout and the sampler's contract; StaleConfig and StaleSync,
-the scheduler (admission, decoding, the cut, the rounds, the checkpoint); the colocated cuts,
-AllReady (naive: each rank its own share, once all are ready) and SharedCut (one shared cut);
-last, the checks on what the callables return.
+the scheduler (the round, admission, decoding, the cut); the colocated cuts, AllReady (naive:
+each rank its own share, once all are ready) and SharedCut (one shared cut). The default path and
+the naive versions it improves on are all above the marker (the line of `=` signs after
+SharedCut); below it are the checks of the caller's input and of what the callables return, the
+brakes, and the checkpoint state.
 
 Shapes: B samples in a batch, G group size, R rows in flight, n_i tokens of sample i,
 S staleness bound, v policy version (optimizer steps taken), k batch index (trained at v = k).
@@ -88,6 +91,7 @@ def sync_rollout(step_fn, prompts, group_size, seeds):
 #              A field must come with every call.
 # Every call makes a token or ends each row, and every row ends by StaleConfig.max_len tokens.
 # A cached sampler keeps its KV cache between chunks; StaleSync calls its reset() when it is stale.
+# _unpack (below the marker) checks what it returns.
 
 
 # ------------------------------------------------------------------------------------ the scheduler
@@ -104,23 +108,11 @@ class StaleConfig:
     chunk_s0: bool = False      # S = 0 decodes in chunks too, so that the caller works between them
 
     def __post_init__(self):
-        if not _is_int(self.staleness) or self.staleness < 0:
-            raise ValueError(f"staleness={self.staleness!r} is invalid: it must be an integer >= 0 "
-                             "(0 is the synchronous algorithm)")
-        if not 0 < self.threshold <= 1:
-            raise ValueError(f"threshold={self.threshold!r} is outside the valid range (0, 1]")
-        for name in ("groups_per_step", "group_size", "chunk_steps", "max_len", "max_filtered"):
-            x = getattr(self, name)
-            if not (x is None and name.startswith("max")) and (not _is_int(x) or x < 1):
-                raise ValueError(f"{name}={x!r} must be an integer >= 1")
+        _check_config(self)  # below the marker
 
     @property
     def pool_groups(self):  # the 1e-9: 21 / 0.7 is 30.000000000000004 in floats
         return math.ceil(self.groups_per_step / self.threshold - 1e-9)
-
-
-class FilterLimitError(RuntimeError):
-    """keep_group dropped more than max_filtered groups while one batch was made (StaleConfig)."""
 
 
 @dataclass
@@ -148,10 +140,10 @@ class StaleSync:
     """The scheduler. Its unit is a group, G samples of one prompt, which fills a slot.
 
     Slots are numbered 0, 1, 2, ... as they open, and each ends up with exactly one trained group.
-    A group's prompt and seeds are functions of its (slot, attempt): attempt 0 first, one more
-    each time the filter drops the slot's group (a new prompt) or its age restarts it (the same
-    prompt, fresh samples). So where prompt_fn and seed_fn map slots into a global batch, a slot
-    gets the same prompt and samples however the batch is split over replicas.
+    A group's prompt is prompt_fn(slot, attempt) and its seeds seed_fn(slot, attempt, member):
+    attempt 0 first, one more each time the filter drops the slot's group (a new prompt) or its age
+    restarts it (the prompt kept, fresh seeds). So where prompt_fn and seed_fn map slots into a
+    global batch, a slot gets the same prompt and samples however the batch is split over replicas.
 
     prompt_fn(slot, attempt) -> a group's prompt, (P,) int64 or a list of ints. The optional ones:
     seed_fn(slot, attempt, member) -> int (default: the sample's id, 0, 1, 2, ... as made);
@@ -184,6 +176,32 @@ class StaleSync:
         self.filtered_at_take = 0   # of those, dropped before the last take()
         self.max_admitted_over = -10**9  # the most slots_opened ever exceeded capacity() (<= 0)
 
+    # --- the rounds and the weights: what a colocated caller calls
+    def rollout(self, spans=None, cut=None):
+        """Colocated round: admit and decode until batch k (k = version) is cut; emit it.
+        spans(name) times it ("rollout"). cut(sched) -> None, or this scheduler's share (take()'s
+        arguments), is called once per loop turn on every rank (default: cut_alone; see AllReady,
+        SharedCut). The round ends with the sampler's reset(): its cache is rollout memory, and
+        stale once the step is trained."""
+        _check_rollout(self)
+        cut = cut or StaleSync.cut_alone
+        with (spans("rollout") if spans else nullcontext()):
+            while (share := cut(self)) is None:
+                self.admit()
+                self.decode()
+            batch = self.take(*share)
+        if self.reset_fn is not None:
+            self.reset_fn()
+        return batch
+
+    def update(self, version=None):
+        """New weights reached the sampler: version + 1 (colocated, after the optimizer step), or
+        the version received (separated). The sampler's cache is stale: reset()."""
+        _check_update(self, version)
+        self.version = self.version + 1 if version is None else int(version)
+        if self.reset_fn is not None:
+            self.reset_fn()
+
     # --- admission
     def capacity(self):
         """AReaL's bound on the slots opened at version v: (S + v + 1) * groups_per_step."""
@@ -210,6 +228,10 @@ class StaleSync:
             self.max_admitted_over = max(self.max_admitted_over, over)
         return started
 
+    def in_flight(self):
+        """Groups admitted and not yet complete: what decode() advances."""
+        return sum(not _complete(g) for g in self.pool)
+
     def _new_samples(self, g):
         """Group g's attempt as G fresh samples; its age starts at its first token."""
         ids = range(self.next_id, self.next_id + self.cfg.group_size)
@@ -219,10 +241,6 @@ class StaleSync:
         g["start_version"] = None
         g["samples"] = [dict(id=i, seed=seed, tokens=[], logprobs=[], versions=[], per_token={},
                              done=False) for i, seed in zip(ids, seeds)]
-
-    def in_flight(self):
-        """Groups admitted and not yet complete: what decode() advances."""
-        return sum(not _complete(g) for g in self.pool)
 
     # --- decoding
     def decode(self):
@@ -250,10 +268,7 @@ class StaleSync:
         out = self.step_fn(contexts, seeds, n_done, max_steps)
         tokens, logprobs, done = _unpack(out, len(rows))
         fields = _per_token(out, tokens)
-        if not any(len(t) for t in tokens) and not any(done):
-            raise RuntimeError(f"the sampler made no token and ended no row of the {len(rows)} in "
-                               f"flight (max_steps={max_steps}): every call must make a token or "
-                               "end each row")
+        _check_progress(tokens, done, len(rows), max_steps)
         for r, ((_, s), t, lp, d) in enumerate(zip(rows, tokens, logprobs, done)):
             for name, values in fields.items():
                 s["per_token"].setdefault(name, []).append(values[r])
@@ -261,30 +276,17 @@ class StaleSync:
             s["logprobs"] += lp.tolist()  # float32 values, exact in a Python float
             s["versions"] += [self.version] * len(t)
             s["done"] = d
-        self._check_budget(rows)
+        _check_budget(self, rows)
         completed = [g for g in {id(g): g for g, _ in rows}.values() if _complete(g)]
         kept = self._filter(completed)
         for g in kept if self.on_group is not None else []:  # each shown once, as it completes
             self.on_group(self._as_batch([g], version=None, metrics={}))
         return sum(len(t) for t in tokens)
 
-    def _check_budget(self, rows):
-        """Brake: a row still not done at max_len tokens is the sampler's fault."""
-        max_len = self.cfg.max_len
-        if not max_len:
-            return
-        over = [s["id"] for _, s in rows if not s["done"] and len(s["tokens"]) >= max_len]
-        if over:
-            name = getattr(self.step_fn, "__qualname__", type(self.step_fn).__name__)
-            raise RuntimeError(f"the sampler {name} returned samples {over[:8]} with {max_len} or "
-                               f"more tokens and not done: it must end every row (done=True) by "
-                               f"max_len {max_len}, the response budget")
-
     def _filter(self, completed):
         """Dynamic sampling: keep_group (say, not every reward equal) drops some of the groups that
         just completed, counted (stale/filtered), and their slots reopen for a new prompt. Returns
-        the kept ones. Brake: more than max_filtered dropped while one batch is made means that
-        the filter refuses nearly every group."""
+        the kept ones."""
         if self.keep_group is None:
             return completed
         kept = []
@@ -299,13 +301,7 @@ class StaleSync:
             self.filtered += 1
             self.reopen.append((g["slot"], g["attempt"] + 1))
         self.reopen.sort()
-        dropped = self.filtered - self.filtered_at_take
-        if self.cfg.max_filtered and dropped > self.cfg.max_filtered:
-            raise FilterLimitError(f"dynamic sampling dropped {dropped} groups while making batch "
-                                   f"{self.batches_out}, past the limit of "
-                                   f"{self.cfg.max_filtered}: nearly every group's rewards are "
-                                   "equal (a policy that solves, or fails, nearly every prompt); "
-                                   "train or warm up differently, or turn the filter off")
+        _check_filter_limit(self)
         return kept
 
     # --- the cut of batch k, trained at version k
@@ -318,12 +314,6 @@ class StaleSync:
     # lose its prompt, and the prompts with long answers are the ones that age out. A retry keeps
     # the prompt mix, though for each prompt it still favours the attempts that finish in time.
     # At S = 0 every started group is due, so the cut waits for all of them.
-    def _due(self):
-        """The due groups of batch k, in admission order."""
-        last = self.batches_out - self.cfg.staleness  # started at or before it: due
-        started = [g for g in self.pool if g["start_version"] is not None]
-        return [g for g in started if g["start_version"] <= last]
-
     def offer(self):
         """The counts of the rule: batch k's due groups, how many of them are complete before the
         first that is not, the complete groups, and whether there is work left (a group in flight,
@@ -339,16 +329,12 @@ class StaleSync:
         needed_complete = offer["done"] >= min(offer["due"], gps)  # the first gps due groups
         return needed_complete and offer["complete"] >= gps
 
-    def spare_slots(self, needed):
-        """The slots of the complete groups beyond the first `needed` due ones, lowest first."""
-        return [g["slot"] for g in self._spare(self._needed(needed))]
-
-    def _needed(self, n=None):  # a shared cut may ask for more than groups_per_step
-        return self._due()[:self.cfg.groups_per_step if n is None else n]
-
-    def _spare(self, needed):
-        return sorted((g for g in self.pool if _complete(g) and all(g is not h for h in needed)),
-                      key=lambda g: g["slot"])
+    def cut_alone(self):
+        """(groups_per_step, None) once ready(), else None; it raises rather than spin."""
+        if self.ready():
+            return self.cfg.groups_per_step, None
+        _check_not_stuck(self)
+        return None
 
     def take(self, n=None, needed=None):
         """Emit batch k: n groups (default groups_per_step), the first `needed` due ones (default:
@@ -356,11 +342,7 @@ class StaleSync:
         k, n = self.batches_out, self.cfg.groups_per_step if n is None else n
         needed = self._needed(needed)
         spare = self._spare(needed)
-        if not all(map(_complete, needed)) or not len(needed) <= n <= len(needed) + len(spare):
-            raise RuntimeError(f"take({n}) at batch {k}: its {len(needed)} needed groups must be "
-                               f"complete, and there are {len(needed) + len(spare)} complete "
-                               "groups (take() before ready(), or a cut's share this scheduler "
-                               "cannot give)")
+        _check_take(k, n, needed, spare)
         chosen = sorted(needed + spare[:n - len(needed)], key=lambda g: g["slot"])
         _per_token_names([s for g in chosen for s in g["samples"]])  # raises before any change
         too_old = [g for g in self._due() if all(g is not c for c in chosen)]
@@ -377,6 +359,23 @@ class StaleSync:
         for _, s in samples:
             self.fate[s["id"]] = "trained"
         return self._as_batch(chosen, k, self._metrics(k, samples, len(too_old)))
+
+    def spare_slots(self, needed):
+        """The slots of the complete groups beyond the first `needed` due ones, lowest first."""
+        return [g["slot"] for g in self._spare(self._needed(needed))]
+
+    def _due(self):
+        """The due groups of batch k, in admission order."""
+        last = self.batches_out - self.cfg.staleness  # started at or before it: due
+        started = [g for g in self.pool if g["start_version"] is not None]
+        return [g for g in started if g["start_version"] <= last]
+
+    def _needed(self, n=None):  # a shared cut may ask for more than groups_per_step
+        return self._due()[:self.cfg.groups_per_step if n is None else n]
+
+    def _spare(self, needed):
+        return sorted((g for g in self.pool if _complete(g) and all(g is not h for h in needed)),
+                      key=lambda g: g["slot"])
 
     def _as_batch(self, groups, version, metrics):
         pairs = [(g, s) for g in groups for s in g["samples"]]
@@ -412,64 +411,7 @@ class StaleSync:
                 "stale/partial_continued": sum(len(set(s["versions"])) > 1 for _, s in samples),
                 "rollout/response_tokens": sum(len(s["tokens"]) for _, s in samples)}
 
-    # --- the rounds and the weights
-    def rollout(self, spans=None, cut=None):
-        """Colocated round: admit and decode until batch k (k = version) is cut; emit it.
-        spans(name) times it ("rollout"). cut(sched) -> None, or this scheduler's share (take()'s
-        arguments), is called once per loop turn on every rank (default: cut_alone; see AllReady,
-        SharedCut). The round ends with the sampler's reset(): its cache is rollout memory, and
-        stale once the step is trained."""
-        if self.batches_out != self.version:
-            raise RuntimeError(f"colocated rollout at version {self.version} but "
-                               f"{self.batches_out} batches out: call update() once after each "
-                               "optimizer step")
-        cut = cut or StaleSync.cut_alone
-        with (spans("rollout") if spans else nullcontext()):
-            while (share := cut(self)) is None:
-                self.admit()
-                self.decode()
-            batch = self.take(*share)
-        if self.reset_fn is not None:
-            self.reset_fn()
-        return batch
-
-    def cut_alone(self):
-        """(groups_per_step, None) once ready(), else None; it raises rather than spin."""
-        if self.ready():
-            return self.cfg.groups_per_step, None
-        if not self.offer()["work"]:
-            raise RuntimeError(f"batch {self.batches_out}: no group in flight, none to start, and "
-                               "no batch ready: check the sampler's done flags")
-        return None
-
-    def update(self, version=None):
-        """New weights reached the sampler: version + 1 (colocated, after the optimizer step), or
-        the version received (separated). The sampler's cache is stale: reset()."""
-        if version is None and self.version >= self.batches_out:
-            raise RuntimeError(f"update() at version {self.version} with {self.batches_out} "
-                               "batches out: weights of version v + 1 are trained on batch v, so "
-                               "call update() once per batch that rollout() returned, after its "
-                               "optimizer step")
-        valid = _is_int(version) and self.version <= version <= self.batches_out
-        if version is not None and not valid:
-            raise ValueError(f"update(version={version!r}): weights of version v are trained on "
-                             f"batches < v, so v must be an integer in [{self.version}, "
-                             f"{self.batches_out}] (the sampler's version up to the batches "
-                             "emitted)")
-        self.version = self.version + 1 if version is None else int(version)
-        if self.reset_fn is not None:
-            self.reset_fn()
-
-    def start_at(self, version):
-        """Empty, at `version` with as many batches out: a resume that cannot keep the groups in
-        flight (another world size) opens the next slots again, their first attempts."""
-        if self.batches_out or self.pool:
-            raise RuntimeError("start_at() on a scheduler that has already emitted or admitted "
-                               "groups")
-        self.version = self.batches_out = version
-        self.slots_opened = version * self.cfg.groups_per_step
-
-    # --- accounting and checkpoint
+    # --- accounting
     def accounting(self):
         """Sample ids by fate: trained, regenerated, filtered, in flight."""
         out = {"trained": set(), "regenerated": set(), "filtered": set(), "in_flight": set()}
@@ -478,6 +420,7 @@ class StaleSync:
         out["in_flight"] = {s["id"] for g in self.pool for s in g["samples"]}
         return out
 
+    # --- checkpoint and resume: their bodies are below the marker
     COUNTERS = ("version", "batches_out", "slots_opened", "next_id", "regenerated", "filtered",
                 "filtered_reported", "filtered_at_take", "max_admitted_over")
 
@@ -485,44 +428,15 @@ class StaleSync:
         """The groups in flight, the slots to reopen, the counters, the fates, and the sampler's
         state. Not prompt_fn's or seed_fn's: a function of (slot, attempt) alone, or of state the
         caller restores, resumes exactly; one that reads an unsaved stream serves it again."""
-        _per_token_names([s for g in self.pool for s in g["samples"]])  # each covers its tokens
-
-        def saved(s):  # a sample, its lists as tensors
-            return dict(s, tokens=torch.tensor(s["tokens"], dtype=torch.long),
-                        logprobs=torch.tensor(s["logprobs"], dtype=torch.float32),
-                        versions=torch.tensor(s["versions"], dtype=torch.long),
-                        per_token={n: _joined(s, n) for n in s["per_token"]})
-        pool = [dict(g, prompt=g["prompt"].clone(), samples=[saved(s) for s in g["samples"]])
-                for g in self.pool]
-        sampler = self.sampler_state.state_dict() if self.sampler_state is not None else None
-        return dict(cfg=vars(self.cfg).copy(), **{k: getattr(self, k) for k in self.COUNTERS},
-                    reopen=[list(r) for r in self.reopen], fate=dict(self.fate), pool=pool,
-                    sampler=sampler)
+        return _state_dict(self)
 
     def load_state_dict(self, sd):
-        brakes = ("max_len", "max_filtered")  # they bound a run, not its state: free to change
-        saved, mine = ({k: v for k, v in c.items() if k not in brakes}
-                       for c in (sd["cfg"], vars(self.cfg)))
-        if saved != mine:
-            raise ValueError(f"checkpoint config {saved} differs from this scheduler's {mine}")
+        _load_state_dict(self, sd)
 
-        def loaded(s):  # a saved sample, its tensors as lists (older checkpoints: no per_token)
-            return dict(s, tokens=s["tokens"].tolist(), logprobs=s["logprobs"].tolist(),
-                        versions=s["versions"].tolist(),
-                        per_token={n: [v] for n, v in s.get("per_token", {}).items()})
-        pool = [dict(g, prompt=g["prompt"].clone(), samples=[loaded(s) for s in g["samples"]])
-                for g in sd["pool"]]
-        _per_token_names([s for g in pool for s in g["samples"]])  # a field some samples lack
-        for key in self.COUNTERS:  # older checkpoints have no filtered_at_take
-            fallback = sd["filtered_reported"] if key == "filtered_at_take" else sd[key]
-            setattr(self, key, sd.get(key, fallback))
-        if sd["sampler"] is not None:  # the held rows' KV cache too, if it saves it: bit-exact
-            self.sampler_state.load_state_dict(sd["sampler"])
-        elif self.reset_fn is not None:  # a cache not checkpointed: the prefixes are read again
-            self.reset_fn()
-        self.reopen = [tuple(r) for r in sd["reopen"]]
-        self.fate = dict(sd["fate"])
-        self.pool = pool
+    def start_at(self, version):
+        """Empty, at `version` with as many batches out: a resume that cannot keep the groups in
+        flight (another world size) opens the next slots again, their first attempts."""
+        _start_at(self, version)
 
 
 # ----------------------------------------------------------------------------------------- the cuts
@@ -599,10 +513,7 @@ class SharedCut:
         needed = self._needed(rows, batch)                                                 # (R,)
         complete = sum(r["complete"] for r in rows)
         if any(r["done"] < n for r, n in zip(rows, needed)) or complete < batch:
-            if not any(r["work"] for r in rows):
-                raise RuntimeError(f"batch {sched.batches_out}: the replicas hold {complete} "
-                                   f"complete groups of {batch} and none has a group in flight or "
-                                   "one it may start: check the sampler's done flags")
+            _check_replicas_not_stuck(sched, rows, complete, batch)
             return None
         my_needed = needed[[r["replica"] for r in rows].index(self.replica)]
         quota = batch - sum(needed)
@@ -629,6 +540,114 @@ class SharedCut:
         slots = sorted((slot, int(t[0])) for t in everyone if t[0] >= 0
                        for slot in t[1:].tolist() if slot >= 0)
         return sum(replica == self.replica for _, replica in slots[:quota])
+
+
+# ==================================================================================================
+# What follows is off the default path, and the code above calls it by name: the checks of the
+# caller's input (the config, the calls' order) with their long error messages, the brakes that
+# stop a run going nowhere, the checks of what the sampler and prompt_fn return, the per-token
+# fields (routing replay), and the checkpoint state (state_dict, load_state_dict, start_at).
+# A learner can stop here.
+# ==================================================================================================
+
+
+# --------------------------------------------------------------- checks of the config and the calls
+def _check_config(cfg):
+    """StaleConfig's fields, each in its range."""
+    if not _is_int(cfg.staleness) or cfg.staleness < 0:
+        raise ValueError(f"staleness={cfg.staleness!r} is invalid: it must be an integer >= 0 "
+                         "(0 is the synchronous algorithm)")
+    if not 0 < cfg.threshold <= 1:
+        raise ValueError(f"threshold={cfg.threshold!r} is outside the valid range (0, 1]")
+    for name in ("groups_per_step", "group_size", "chunk_steps", "max_len", "max_filtered"):
+        x = getattr(cfg, name)
+        if not (x is None and name.startswith("max")) and (not _is_int(x) or x < 1):
+            raise ValueError(f"{name}={x!r} must be an integer >= 1")
+
+
+def _check_rollout(sched):
+    """rollout()'s: one colocated round per version, update() between two."""
+    if sched.batches_out != sched.version:
+        raise RuntimeError(f"colocated rollout at version {sched.version} but "
+                           f"{sched.batches_out} batches out: call update() once after each "
+                           "optimizer step")
+
+
+def _check_update(sched, version):
+    """update()'s: colocated, once per batch out; separated, a version in range."""
+    if version is None and sched.version >= sched.batches_out:
+        raise RuntimeError(f"update() at version {sched.version} with {sched.batches_out} "
+                           "batches out: weights of version v + 1 are trained on batch v, so "
+                           "call update() once per batch that rollout() returned, after its "
+                           "optimizer step")
+    valid = _is_int(version) and sched.version <= version <= sched.batches_out
+    if version is not None and not valid:
+        raise ValueError(f"update(version={version!r}): weights of version v are trained on "
+                         f"batches < v, so v must be an integer in [{sched.version}, "
+                         f"{sched.batches_out}] (the sampler's version up to the batches "
+                         "emitted)")
+
+
+def _check_take(k, n, needed, spare):
+    """take()'s: the needed groups complete, and n within what this scheduler holds."""
+    if not all(map(_complete, needed)) or not len(needed) <= n <= len(needed) + len(spare):
+        raise RuntimeError(f"take({n}) at batch {k}: its {len(needed)} needed groups must be "
+                           f"complete, and there are {len(needed) + len(spare)} complete "
+                           "groups (take() before ready(), or a cut's share this scheduler "
+                           "cannot give)")
+
+
+# --------------------------------------------------------------------------------------- the brakes
+class FilterLimitError(RuntimeError):
+    """keep_group dropped more than max_filtered groups while one batch was made (StaleConfig)."""
+
+
+def _check_progress(tokens, done, rows, max_steps):
+    """A sampler call must make a token or end a row, or the round would never end."""
+    if not any(len(t) for t in tokens) and not any(done):
+        raise RuntimeError(f"the sampler made no token and ended no row of the {rows} in "
+                           f"flight (max_steps={max_steps}): every call must make a token or "
+                           "end each row")
+
+
+def _check_budget(sched, rows):
+    """Brake: a row still not done at max_len tokens is the sampler's fault."""
+    max_len = sched.cfg.max_len
+    if not max_len:
+        return
+    over = [s["id"] for _, s in rows if not s["done"] and len(s["tokens"]) >= max_len]
+    if over:
+        name = getattr(sched.step_fn, "__qualname__", type(sched.step_fn).__name__)
+        raise RuntimeError(f"the sampler {name} returned samples {over[:8]} with {max_len} or "
+                           f"more tokens and not done: it must end every row (done=True) by "
+                           f"max_len {max_len}, the response budget")
+
+
+def _check_filter_limit(sched):
+    """Brake: more than max_filtered groups dropped while one batch is made means that the filter
+    refuses nearly every group."""
+    dropped = sched.filtered - sched.filtered_at_take
+    if sched.cfg.max_filtered and dropped > sched.cfg.max_filtered:
+        raise FilterLimitError(f"dynamic sampling dropped {dropped} groups while making batch "
+                               f"{sched.batches_out}, past the limit of "
+                               f"{sched.cfg.max_filtered}: nearly every group's rewards are "
+                               "equal (a policy that solves, or fails, nearly every prompt); "
+                               "train or warm up differently, or turn the filter off")
+
+
+def _check_not_stuck(sched):
+    """cut_alone's brake: no batch ready, and nothing left that could make one."""
+    if not sched.offer()["work"]:
+        raise RuntimeError(f"batch {sched.batches_out}: no group in flight, none to start, and "
+                           "no batch ready: check the sampler's done flags")
+
+
+def _check_replicas_not_stuck(sched, rows, complete, batch):
+    """SharedCut's brake: no batch ready, and no replica has anything left that could make one."""
+    if not any(r["work"] for r in rows):
+        raise RuntimeError(f"batch {sched.batches_out}: the replicas hold {complete} "
+                           f"complete groups of {batch} and none has a group in flight or "
+                           "one it may start: check the sampler's done flags")
 
 
 # --------------------------------------------------------------------------- checking the callables
@@ -659,6 +678,21 @@ def _unpack(out, rows):
     return tokens, logprobs, [bool(d) for d in done]
 
 
+def _prompt(p):
+    """prompt_fn's prompt as (P,) int64 (a list of ints is fine); anything else is refused."""
+    t = torch.as_tensor(p) if isinstance(p, (list, tuple)) else p
+    if not (torch.is_tensor(t) and t.dim() == 1 and len(t) > 0 and not t.is_floating_point()):
+        raise ValueError(f"prompt_fn() returned {type(p).__name__} {getattr(p, 'shape', '')}: it "
+                         "must return one non-empty prompt, a 1-D integer tensor of token ids (or "
+                         "a list of ints)")
+    return t.long()
+
+
+def _is_int(x):
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)  # numpy integers too
+
+
+# --------------------------------------------------------------- the per-token fields (a sampler's)
 def _per_token(out, tokens):
     """The per-token fields of one call: name -> R tensors, one entry per new token."""
     fields = {name: [torch.as_tensor(v) for v in rows]
@@ -693,15 +727,55 @@ def _joined(s, name):
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
 
 
-def _prompt(p):
-    """prompt_fn's prompt as (P,) int64 (a list of ints is fine); anything else is refused."""
-    t = torch.as_tensor(p) if isinstance(p, (list, tuple)) else p
-    if not (torch.is_tensor(t) and t.dim() == 1 and len(t) > 0 and not t.is_floating_point()):
-        raise ValueError(f"prompt_fn() returned {type(p).__name__} {getattr(p, 'shape', '')}: it "
-                         "must return one non-empty prompt, a 1-D integer tensor of token ids (or "
-                         "a list of ints)")
-    return t.long()
+# ----------------------------------------------------------------------------- the checkpoint state
+def _state_dict(sched):
+    """StaleSync.state_dict: the pool's samples with their lists as tensors."""
+    _per_token_names([s for g in sched.pool for s in g["samples"]])  # each covers its tokens
+
+    def saved(s):  # a sample, its lists as tensors
+        return dict(s, tokens=torch.tensor(s["tokens"], dtype=torch.long),
+                    logprobs=torch.tensor(s["logprobs"], dtype=torch.float32),
+                    versions=torch.tensor(s["versions"], dtype=torch.long),
+                    per_token={n: _joined(s, n) for n in s["per_token"]})
+    pool = [dict(g, prompt=g["prompt"].clone(), samples=[saved(s) for s in g["samples"]])
+            for g in sched.pool]
+    sampler = sched.sampler_state.state_dict() if sched.sampler_state is not None else None
+    return dict(cfg=vars(sched.cfg).copy(), **{k: getattr(sched, k) for k in sched.COUNTERS},
+                reopen=[list(r) for r in sched.reopen], fate=dict(sched.fate), pool=pool,
+                sampler=sampler)
 
 
-def _is_int(x):
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)  # numpy integers too
+def _load_state_dict(sched, sd):
+    """StaleSync.load_state_dict: refuses another config (the brakes aside)."""
+    brakes = ("max_len", "max_filtered")  # they bound a run, not its state: free to change
+    saved, mine = ({k: v for k, v in c.items() if k not in brakes}
+                   for c in (sd["cfg"], vars(sched.cfg)))
+    if saved != mine:
+        raise ValueError(f"checkpoint config {saved} differs from this scheduler's {mine}")
+
+    def loaded(s):  # a saved sample, its tensors as lists (older checkpoints: no per_token)
+        return dict(s, tokens=s["tokens"].tolist(), logprobs=s["logprobs"].tolist(),
+                    versions=s["versions"].tolist(),
+                    per_token={n: [v] for n, v in s.get("per_token", {}).items()})
+    pool = [dict(g, prompt=g["prompt"].clone(), samples=[loaded(s) for s in g["samples"]])
+            for g in sd["pool"]]
+    _per_token_names([s for g in pool for s in g["samples"]])  # a field some samples lack
+    for key in sched.COUNTERS:  # older checkpoints have no filtered_at_take
+        fallback = sd["filtered_reported"] if key == "filtered_at_take" else sd[key]
+        setattr(sched, key, sd.get(key, fallback))
+    if sd["sampler"] is not None:  # the held rows' KV cache too, if it saves it: bit-exact
+        sched.sampler_state.load_state_dict(sd["sampler"])
+    elif sched.reset_fn is not None:  # a cache not checkpointed: the prefixes are read again
+        sched.reset_fn()
+    sched.reopen = [tuple(r) for r in sd["reopen"]]
+    sched.fate = dict(sd["fate"])
+    sched.pool = pool
+
+
+def _start_at(sched, version):
+    """StaleSync.start_at: only on a scheduler that has done nothing yet."""
+    if sched.batches_out or sched.pool:
+        raise RuntimeError("start_at() on a scheduler that has already emitted or admitted "
+                           "groups")
+    sched.version = sched.batches_out = version
+    sched.slots_opened = version * sched.cfg.groups_per_step

@@ -5,11 +5,13 @@
 
 The string length k is round(lognormal(2.0, 0.6)) clipped to [1, max_digits], so answers run from
 2 to max_digits + 1 tokens with a long tail (median about 8): the tail that the staleness and
-packing mechanisms are measured on. The reward is a rule, exact match: 1 or 0. Swapping the task
-for another one with a verifiable reward means swapping this file. The run (train_grpo.py and
-plumbing/) uses `VOCAB`, `PAD`, `EOS`, the reward (`score`, `rewards`), `answer` (for the supervised
-warm-up), the prompts (`prompt_streams`, `held_out`, `n_possible_prompts`), and for the RL prompts
-`SlotPrompts`, `sample_seed` and `difficulty`.
+packing mechanisms are measured on. The reward is a rule, exact match: 1 or 0. Another task with a
+verifiable reward replaces this file, keeping what the run (train_grpo.py and plumbing/) uses:
+`VOCAB`, `PAD`, `EOS`, the reward (`score`, `rewards`), `answer` (for the supervised warm-up), the
+prompts (`prompt_streams`, `held_out`, `n_possible_prompts`), and for the RL prompts `SlotPrompts`,
+`sample_seed` and `difficulty`. Three places outside it assume digit strings too: --max-digits sizes
+the prompts, the response budget's floor and the curriculum's keys (plumbing/config.py,
+plumbing/run.py), and the held-out figures count by digits (plumbing/evaluation.py).
 
 A prompt's difficulty key is its digit count k, less one (keys start at 0). The RL prompts are
 drawn by global batch slot and attempt (`SlotPrompts`, a pure function of the seed, the slot, the

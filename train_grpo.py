@@ -7,9 +7,9 @@
 Every rank trains and generates, one phase at a time. One RL step (colocated_loop), numbered as in
 the README:
   6. switch    TRAIN -> ROLLOUT: Adam state to host, the inference weights built from the FSDP2
-               shards (fusion.py), the experts re-sharded to the inference EP degree (moe_switch.py)
-  1. generate  one StaleSync round (stalesync.py): it ends once the ranks together hold a batch of
-               complete groups; the long tail decodes on next round, at most S versions behind
+               shards (fusion.py), the experts re-sharded from EP 1 to EP 2 (moe_switch.py)
+  1. generate  a StaleSync round (stalesync.py; the engine's ranks in lock-step: lockstep.py), cut
+               once the ranks hold a batch; the long tail decodes on, at most S versions behind
   6. switch    ROLLOUT -> TRAIN
   2. score     the task's rule (task.py) on every response
   3. queue     advantages within each group (grpo.py); the rows into DistQueue (distqueue.py)
@@ -39,6 +39,7 @@ import torch.distributed as dist
 import distqueue
 import fusion
 import grpo
+import lockstep
 import moe_switch
 import stalesync
 import task
@@ -360,7 +361,6 @@ def build_rollout(run, wrap=None, **stale):
         return step * cfg.prompts_per_step + replica * n_prompts + j
     make = Sampler
     if cfg.infer_ep > 1:  # every forward meets the EP group's: its ranks decode in lock-step
-        from options import lockstep
         group = run.experts.infer_groups[0]
         make = lockstep.sampler_class(make, lockstep.LockStep(group, run.device, cfg.chunk_steps))
     if cfg.routing_replay:  # each token's experts recorded, for training to replay

@@ -113,13 +113,14 @@ def total(x):
 
 
 def grpo_config(args, deploy, out):
-    from train_grpo import Config
+    from plumbing.config import Config
     return Config(d_model=args.d_model, d_expert=args.d_expert, n_layers=args.n_layers, warmup_steps=0,
                   steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
                   max_new_tokens=args.max_new_tokens, max_digits=args.max_digits, eval_prompts=2,
                   eval_every=10 ** 6, deploy=deploy, bucket_kb=args.bucket_kb, seed=args.seed, out=out,
                   device="cpu", pg_timeout_s=180, staleness=0, filter_groups=False,  # the same work in each mode
-                  curriculum=False, kl_coef=0.0, lr=5e-4, lr_decay=1.0)  # no reference; the lr its figures had
+                  curriculum=False, kl_coef=0.0, lr=5e-4, lr_decay=1.0,  # no reference; the lr its figures had
+                  train_ep=0)  # the experts in FSDP2 in every mode: separated has no EP (the switch alone differs)
 
 
 def fresh_group(store, prefix, rank):
@@ -243,9 +244,10 @@ def bench_switch(args, rank, tmp):
     from plumbing import shm_transport
     import train_grpo
     from task import VOCAB
-    cfg = train_grpo.Config(d_model=args.switch_d_model, d_expert=args.switch_d_expert, n_layers=args.n_layers,
-                            deploy="colocated", bucket_kb=args.switch_bucket_kb, seed=args.seed, device="cpu",
-                            warmup_steps=0, eval_prompts=2)
+    from plumbing.config import Config
+    cfg = Config(d_model=args.switch_d_model, d_expert=args.switch_d_expert, n_layers=args.n_layers,
+                 deploy="colocated", bucket_kb=args.switch_bucket_kb, seed=args.seed, device="cpu",
+                 warmup_steps=0, eval_prompts=2, train_ep=0)  # every weight through the gather, no mover
     with contextlib.redirect_stdout(io.StringIO()):  # FSDP2, the engine and the actor as a run has them
         run = train_grpo.build(cfg, os.path.join(tmp, "switch"))
     model, opt, actor, engine = run.model, run.optimizer, run.actor, run.engine
@@ -375,7 +377,7 @@ def bound_rollout(cfg, rank, part, model, prompts, seeds):
     import grpo
     import task
     from model import generate
-    from train_grpo import STALE_FACTS
+    from plumbing.runlog import STALE_FACTS
     B = len(prompts)
     lo, hi = (0, B) if part == "alone" else (rank * B // 2, (rank + 1) * B // 2)  # this rank's rollout rows
     t0 = time.perf_counter()

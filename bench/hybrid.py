@@ -48,8 +48,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from plumbing import timeline  # noqa: E402
 
-FLAGS = ["--kl-coef", "0.05", "--lr", "5e-4", "--lr-decay", "1", "--reward-model", "1", "--rm-samples", "512",
-         "--rm-steps", "100", "--filter-groups", "0", "--curriculum", "0", "--warmup-steps", "300",
+FLAGS = ["--kl-coef", "0.05", "--lr", "5e-4", "--lr-decay", "1", "--train-ep", "0",  # like for like: EP off
+         "--reward-model", "1", "--rm-samples", "512", "--rm-steps", "100", "--filter-groups", "0", "--curriculum", "0", "--warmup-steps", "300",
          "--eval-every", "1000", "--eval-prompts", "64", "--rl-seconds", "0"]
 WAITS = ("queue", "idle")
 AUX_WORK = ("reference", "reward_model")

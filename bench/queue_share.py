@@ -21,8 +21,8 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FLAGS = ["--kl-coef", "0.05", "--lr", "5e-4", "--lr-decay", "1", "--warmup-steps", "300", "--eval-every", "1000",
-         "--eval-prompts", "64", "--rl-seconds", "0"]
+FLAGS = ["--kl-coef", "0.05", "--lr", "5e-4", "--lr-decay", "1", "--train-ep", "0",  # like for like: EP off
+         "--warmup-steps", "300", "--eval-every", "1000", "--eval-prompts", "64", "--rl-seconds", "0"]
 
 
 def run(out, deploy, steps):

@@ -500,6 +500,7 @@ def _device_rng(device, state=None):
 
 
 def _load_own(run, own):
+    _drop_per_token(own, set(run.queue.spec.columns), set(run.per_token))
     cells = own["queue"]["cells"]
     # else a read would wait on it
     if any(c == "reward" and (row, "rule_reward") not in cells for (row, c) in cells):
@@ -517,6 +518,18 @@ def _load_own(run, own):
     if run.actor is not None:
         run.actor.load_state_dict(own["actor"])
     run.queue.load_state_dict(own["queue"])  # collective: every rank publishes the rows it holds
+
+
+def _drop_per_token(own, columns, keep):
+    """The sampler's per-token fields this run does not carry (a checkpoint of a run that recorded
+    each token's experts, resumed without routing replay: older code always recorded them) leave the
+    queued rows (`columns`: this queue's) and the samples in flight (`keep`: this run's fields)."""
+    queue = own["queue"]
+    queue["cells"] = {k: v for k, v in queue["cells"].items() if k[1] in columns}
+    queue["served"] = {k: v for k, v in queue["served"].items() if k[1] in columns}
+    for group in own.get("sched", {}).get("pool", []):
+        for sample in group["samples"]:
+            sample["per_token"] = {n: v for n, v in sample.get("per_token", {}).items() if n in keep}
 
 
 def _load_residual(run, own, meta):

@@ -2,7 +2,7 @@
 refuse a bad value before any process group exists, naming the value and what is valid.
 
     python train_grpo.py --help
-    python -c "import config; print(config.Config())"
+    python -c "from plumbing import config; print(config.Config())"
 
 `resolve` turns the flags that say `auto` into numbers for the world at hand; `validate` checks a
 Config against the world size (every error at once; an option's own checks live in its file, asked

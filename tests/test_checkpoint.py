@@ -191,6 +191,23 @@ def test_a_checkpoint_saved_without_ep_resumes_under_it_and_back(tmp_path, saved
     assert any(abs(l["loss"]) > 1e-4 for l in _lines(tmp_path / "a")[4:])
 
 
+def test_a_checkpoint_with_recorded_routes_resumes_without_them(tmp_path):
+    """Older code recorded each token's experts in every run (a queue column and a per-token field of the samples
+    in flight): such a checkpoint (here: routing replay on, its experts in FSDP2, S = 1, rows queued and groups in
+    flight at the save) resumes under today's defaults (no routing replay, EP on), the routes dropped, and trains
+    on to the end."""
+    mode = dict(CKPT, staleness=1, chunk_steps=1)
+    run_distributed(_train_tiny, world_size=2, args=(str(tmp_path), dict(mode, routing_replay=True, train_ep=0)))
+    step_3 = checkpoint.folder(str(tmp_path), 3)
+    own = torch.load(os.path.join(step_3, "rank_0.pt"), weights_only=True)
+    assert any(c == "routes" for _, c in own["queue"]["cells"]) or any(
+        "routes" in s["per_token"] for g in own["sched"]["pool"] for s in g["samples"])  # there was something to drop
+    resumed = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path), dict(mode, resume=step_3)))
+    assert resumed[0][0]["resumed_at_step"] == 3 and torch.equal(resumed[0][1], resumed[1][1])
+    lines = _lines(tmp_path)
+    assert [l["step"] for l in lines][-3:] == [4, 5, 6] and not any(k.startswith("moe/") for k in lines[-1])
+
+
 def test_a_separated_checkpoint_resumes_colocated_at_one_rank_and_trains_on(tmp_path):
     """Separated S = 1 at 2 ranks, saved with rows of the next batch queued and groups in flight; resumed
     colocated at 1 rank: both kinds of groups are regenerated (counted) and the run trains to the end."""

@@ -170,6 +170,37 @@ def assert_same_training(p, ref, what):
         f"{what}: {int((~close).sum())} of {p.numel()} weights differ, by up to {(p - ref).abs().max():.2e}"
 
 
+class _NoOptions:
+    """An import finder that refuses every module of options/."""
+    def find_spec(self, name, path=None, target=None):
+        if name == "options" or name.startswith("options."):
+            raise ImportError(f"the default run imported {name}")
+        return None
+
+
+def _without_options(rank, world_size, out_dir):
+    """_train_tiny with the defaults, options/ made unimportable first (this process imported it with
+    the test module): the run's EP layout."""
+    for name in [m for m in sys.modules if m == "options" or m.startswith("options.")]:
+        del sys.modules[name]
+    sys.meta_path.insert(0, _NoOptions())
+    summary = T.train(Config(**TINY, out=out_dir), out_dir=out_dir)[0]
+    return summary["config"]["train_ep"], summary["config"]["infer_ep"]
+
+
+def test_the_default_run_uses_no_option_and_every_mechanism(tmp_path):
+    """The default run at 2 ranks imports nothing of options/ (the core alone runs it), and runs the four
+    mechanisms: the phase switch (fusion.py), StaleSync's rounds, the queue, and the experts re-sharded from EP 1
+    in training to EP 2 in rollout and back (moe_switch.py), the engine decoding in lock-step (lockstep.py)."""
+    layouts = run_distributed(_without_options, world_size=2, args=(str(tmp_path),))
+    assert layouts == [(1, 2), (1, 2)], layouts
+    lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")][1:]
+    assert all(l["switch/round_trips"] >= 1 and l["queue/reads"] > 0 for l in lines)
+    assert all(l["ep/to_rollout_bytes_moved"] == 0 < l["ep/to_train_bytes_moved"] == l["ep/to_train_bytes_min"]
+               for l in lines)  # EP 1 -> 2 nests (each rank frees half); 2 -> 1 receives the minimum
+    assert lines[-1]["lockstep/agreements"] > 0
+
+
 def test_two_ranks_train_to_identical_parameters(tmp_path):
     (_, p0), (_, p1) = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "mb"), {"updates_per_batch": 2}))
     assert torch.equal(p0, p1)                          # every rank holds the same model
