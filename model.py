@@ -28,7 +28,7 @@ Departures from a production sampler, on purpose:
    trainer recomputes. The default top-p is 1, where the two agree.
 
 The options extend it where the run is built: options/tensor_parallel.py cuts the engine over
-ranks, lockstep.py decodes an expert-parallel engine's ranks together, and
+ranks, options/lockstep.py decodes an expert-parallel engine's ranks together, and
 options/routing_replay.py records each token's experts. A Sampler subclass joins in at the hooks
 its docstring names.
 
@@ -345,7 +345,7 @@ class Sampler:
     A subclass joins in at five hooks, each a no-op here: _before_prefill (which contexts a call
     reads afresh), _prefill_forward (one bucket's forward), _after_prefill, _decode_forward (one
     decode step's forward), _after_decode (the call's Generation, and how many decode forwards it
-    ran). idle() is a call with no rows. lockstep.py and options/routing_replay.py are such
+    ran). idle() is a call with no rows. options/lockstep.py and options/routing_replay.py are such
     subclasses. `fresh` gives a sampler of the same kind that keeps nothing (an evaluation's)."""
 
     def __init__(self, model, max_new_tokens, eos_id, pad_id=0, temperature=1.0, top_p=1.0,

@@ -90,6 +90,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 EXPERT_NAMES = ("w_gate", "w_up", "w_down")  # (E, D, H), (E, D, H), (E, H, D) in the dense MoE
+# EP 1 runs every expert on every token while tokens x D x H stays within this (see EPMoE.forward)
+EVERY_EXPERT_WORK = 3 * 2 ** 18
 
 
 # ----------------------------------------------------------------------- the MoE, in one process
@@ -353,6 +355,7 @@ class EPMoE(nn.Module):
         self.top_k, self.layout, self.group = top_k, layout, group
         self.rank = _rank(None, layout)
         self.routing = None  # optional hook on the experts chosen: see route()
+        self.every_expert_below = EVERY_EXPERT_WORK / (d_model * d_hidden)  # tokens
         _check_ep_group(layout, group, self.rank)
         self.router = nn.utils.skip_init(nn.Linear, d_model, n_experts, bias=False)  # (E, D)
         own = set(layout.owned(self.rank))
@@ -375,6 +378,8 @@ class EPMoE(nn.Module):
         shape, (P, E), k = x.shape, (self.layout.ep, self.layout.n_experts), self.top_k
         L, x = E // P, x.reshape(-1, shape[-1])                         # (N, D)
         gates, top_e = route(x, self.router.weight, k, self.routing)    # (N, k)
+        if P == 1 and x.shape[0] <= self.every_expert_below:  # EP 1, a decode step's few tokens
+            return self._every_expert(x, gates, top_e).reshape(shape)
         flat_e = top_e.reshape(-1)                                      # (N*k,) expert per row
         order = flat_e.argsort(stable=True)                             # (N*k,) by expert = rank
         x_sorted = x[order // k]                                        # (N*k, D)
@@ -394,6 +399,17 @@ class EPMoE(nn.Module):
         y = all_to_all_rows(y_in, in_splits, out_splits, self.group)    # (N*k, D) back home
         y = y[order.argsort()].view(-1, k, shape[-1])                   # (N, k, D)
         return (y * gates.unsqueeze(-1).to(x.dtype)).sum(1).reshape(shape)
+
+    def _every_expert(self, x, gates, top_e):
+        """EP 1 sends nothing, and a few tokens run faster through every expert, each weighted by
+        its gate (0 where not chosen), than sorted by expert: E/k times the work, no indexing."""
+        dense_gates = torch.zeros(x.shape[0], self.layout.n_experts, device=x.device)
+        dense_gates = dense_gates.scatter(-1, top_e, gates).to(x.dtype)  # (N, E)
+        out = torch.zeros_like(x)                                       # (N, D)
+        for e in range(self.layout.n_experts):
+            y = expert_mlp(x, *(getattr(self, n)[e] for n in EXPERT_NAMES))  # (N, D)
+            out = out + dense_gates[:, e, None] * y
+        return out
 
     def switch(self, layout, group, bucket_bytes, world_group=None):
         """Re-shard the experts in place to `layout`, EP group `group`. Grads must be None.
@@ -803,3 +819,23 @@ def dense_state_dict(model, group=None):
         if name not in ep or k.endswith(".router.weight"):
             out[k] = v
     return out
+
+
+@torch.no_grad()
+def load_dense_state_dict(model, full):
+    """dense_state_dict's inverse: load a dense model's whole state (the experts stacked (E, ...))
+    into `model`, whatever its layout: an EP layer takes its experts' slices, an FSDP2 shard its
+    part of the whole tensor, any other weight the whole. No communication: every rank holds it."""
+    from torch.distributed.tensor import distribute_tensor
+    ep = {name: m for name, m in model.named_modules() if isinstance(m, EPMoE)}
+    for k, p in model.named_parameters():
+        name, n, e = (k.rsplit(".", 2) + ["", ""])[:3]  # an expert's: <layer>, w_up, <e>
+        if name in ep and n in EXPERT_NAMES:
+            if p.numel():  # owned here
+                p.copy_(full[f"{name}.{n}"][int(e)])
+        elif hasattr(p, "device_mesh"):  # an FSDP2 shard (a DTensor)
+            part = distribute_tensor(full[k], p.device_mesh, p.placements, src_data_rank=None)
+            p.to_local().copy_(part.to_local())
+        else:
+            p.copy_(full[k])
+

@@ -7,9 +7,9 @@
 Every rank trains and generates, one phase at a time. One RL step (colocated_loop), numbered as in
 the README:
   6. switch    TRAIN -> ROLLOUT: Adam state to host, the inference weights built from the FSDP2
-               shards (fusion.py), the experts re-sharded from EP 1 to EP 2 (moe_switch.py)
-  1. generate  a StaleSync round (stalesync.py; the engine's ranks in lock-step: lockstep.py), cut
-               once the ranks hold a batch; the long tail decodes on, at most S versions behind
+               shards (fusion.py), the experts re-sharded from EP 2 to EP 1 (moe_switch.py)
+  1. generate  a StaleSync round (stalesync.py), cut once the ranks hold a batch; the long tail
+               decodes on, at most S versions behind
   6. switch    ROLLOUT -> TRAIN
   2. score     the task's rule (task.py) on every response
   3. queue     advantages within each group (grpo.py); the rows into DistQueue (distqueue.py)
@@ -27,27 +27,23 @@ Departures from the source system, on purpose:
 2. Sampling is counter-based (model.py), and a group's prompt and seeds are functions of its global
    slot and attempt: every layout trains on the same groups, to a world of one's parameters.
 
-Options the default run leaves off live in options/, applied where the run is built (`train`,
-`build`); the separated and hybrid deployments and the pipeline run loops of their own. The run's
-log, checkpoints, devices and flags: plumbing/.
+Options the default run leaves off live in options/, each applied where the run is built (a
+deployment runs a loop of its own). The run's flags, log, checkpoints and devices: plumbing/.
 """
-import datetime
-
 import torch
 import torch.distributed as dist
 
 import distqueue
 import fusion
 import grpo
-import lockstep
 import moe_switch
 import stalesync
 import task
 from plumbing.config import model_config, parse_args, validate
 from model import Policy, Sampler
 from plumbing import checkpoint, shm_transport
-from plumbing.distributed import setup_distributed, world_size
-from plumbing.run import start
+from plumbing.distributed import host_group, setup_distributed, world_size
+from plumbing.run import start, warm_up_target
 from plumbing.evaluation import curriculum_figures, eval_figures, held_out_correct, is_eval_step
 from plumbing.runlog import RunLog, all_sum, cut_facts, run_guarded, share_figures, stale_facts
 
@@ -225,16 +221,20 @@ def anneal_lr(run, done):
 
 
 def warm_up(run, supervised=grpo.supervised_step):
-    """Supervised warm-up on the trainers: cross-entropy on the task's answers, data parallel."""
+    """Supervised warm-up on the trainers: cross-entropy on the task's answers, data parallel. Under
+    EP a dense twin warms up and loads into the EP layout: every layout starts RL alike."""
     cfg = run.cfg
-    optimizer = torch.optim.AdamW(moe_switch.optimizer_groups(run.model), lr=cfg.warmup_lr,
+    model, clip = warm_up_target(run)
+    optimizer = torch.optim.AdamW(moe_switch.optimizer_groups(model), lr=cfg.warmup_lr,
                                   betas=(0.9, 0.98), weight_decay=0.0, foreach=True)
     me, n = run.data_index, cfg.warmup_batch // run.data_size  # this rank's slice of each batch
     with run.spans("warmup"):
         for _ in range(cfg.warmup_steps):
             prompts = run.warm_stream.next(cfg.warmup_batch)[me * n:(me + 1) * n]
-            supervised(run.model, optimizer, prompts, [task.answer(p) for p in prompts], run.device,
-                       cfg.grad_clip, run.train_group, run.clip_grads)
+            supervised(model, optimizer, prompts, [task.answer(p) for p in prompts], run.device,
+                       cfg.grad_clip, run.train_group, clip)
+    if model is not run.model:  # EP's twin: gathered whole, each rank's part loaded
+        moe_switch.load_dense_state_dict(run.model, moe_switch.dense_state_dict(model))
     if run.grad_sync is not None:  # --nodes: the warm-up's unsent gradient is not RL's to apply
         run.grad_sync.reset()
 
@@ -308,8 +308,7 @@ def build_queue(run, columns=(), stages=None, poll_s=0.002):
     spec = distqueue.QueueSpec(columns=columns, scalars=("reward", "rule_reward", "advantage"),
                                stages=stages or {"train": tuple(columns)}, poll_s=poll_s,
                                timeout_s=run.cfg.pg_timeout_s, name=f"dq:{run.key}")
-    pg = None if run.device.type == "cpu" else dist.new_group(  # the queue moves host tensors: gloo
-        backend="gloo", timeout=datetime.timedelta(seconds=run.cfg.pg_timeout_s))
+    pg = host_group(run.device, run.cfg.pg_timeout_s)  # the queue moves host tensors: gloo
     run.queue = distqueue.DistQueue(spec, run.store, run.rank, run.roles.world, pg)
 
 
@@ -361,6 +360,7 @@ def build_rollout(run, wrap=None, **stale):
         return step * cfg.prompts_per_step + replica * n_prompts + j
     make = Sampler
     if cfg.infer_ep > 1:  # every forward meets the EP group's: its ranks decode in lock-step
+        from options import lockstep
         group = run.experts.infer_groups[0]
         make = lockstep.sampler_class(make, lockstep.LockStep(group, run.device, cfg.chunk_steps))
     if cfg.routing_replay:  # each token's experts recorded, for training to replay

@@ -47,7 +47,7 @@ model.Policy at train_grpo.py's default sizes (vocab 14, D 64, 2 layers, 4 heads
 temperature 1, at most 40 new tokens, stopping at task.EOS; one Sampler(keep=False) call per rank. Engines: the
 dense model.MoE (the baseline), and moe_switch.EPMoE (EPMoE.from_dense under EPLayout(P, W, E), EP group from
 new_groups) at P = 1 (routed, no all-to-all), 2 and 4; above 1 the EP group's ranks decode in lock-step
-(lockstep.py's LockStep(group, "cpu", every=8)). Per engine:
+(options/lockstep.py's LockStep(group, "cpu", every=8)). Per engine:
   - wall time of the call, prefill + decode, barrier to the slowest rank, median of --repeats (3), the engines
     interleaved; response tokens (all ranks) and tokens per second;
   - per rank: decode forwards (Sampler.steps), dummy forwards of zero rows and agreements (LockStep's counts);
@@ -92,7 +92,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere: moe_switch is one level up
 import task  # noqa: E402
 from model import ModelConfig, Policy, Sampler  # noqa: E402
-from lockstep import LockStep, sampler_class  # noqa: E402
+from options.lockstep import LockStep, sampler_class  # noqa: E402
 from moe_switch import (EXPERT_NAMES, EPLayout, EPMoE, new_groups, reshard, reshard_naive, route,  # noqa: E402
                         shard_experts)
 

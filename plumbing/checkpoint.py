@@ -529,7 +529,8 @@ def _drop_per_token(own, columns, keep):
     queue["served"] = {k: v for k, v in queue["served"].items() if k[1] in columns}
     for group in own.get("sched", {}).get("pool", []):
         for sample in group["samples"]:
-            sample["per_token"] = {n: v for n, v in sample.get("per_token", {}).items() if n in keep}
+            fields = sample.get("per_token", {})
+            sample["per_token"] = {n: v for n, v in fields.items() if n in keep}
 
 
 def _load_residual(run, own, meta):

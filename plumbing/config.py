@@ -125,12 +125,12 @@ class Config:
                             "train_pp ranks (FSDP2 over them); 1: no pipeline")
     train_ep: str = flag("auto", "expert-parallel degree in training, re-sharded at "
                                  "each phase change (moe_switch.py); 0: the experts are "
-                                 "FSDP-sharded like every weight; auto: 1 where the "
-                                 "layout allows EP (colocated, an even world, TP 1, no "
-                                 "PP or nodes), else 0")
+                                 "FSDP-sharded like every weight; auto: 2 where the "
+                                 "layout allows it (colocated, an even world and even "
+                                 "--n-experts, TP 1, no PP or nodes), else 0")
     infer_ep: str = flag("auto", "expert-parallel degree of the rollout engine (with "
                                  "--train-ep); above 1 its ranks decode in lock-step "
-                                 "(lockstep.py); auto: 2 where the layout allows EP")
+                                 "(options/lockstep.py); auto: 1 where EP is on")
     # gradient sync (options/gradsync.py)
     nodes: int = flag(1, "training's nodes: FSDP2 shards within each of --nodes groups of "
                          "world / nodes ranks and the gradients are averaged across them "
@@ -276,7 +276,7 @@ class Roles:
 
 # ----------------------------------------------------------------------------- auto, resolved
 def ep_allowed(cfg, world):
-    """Whether this layout can spread the experts over pairs of ranks in rollout: colocated (the
+    """Whether this layout can spread the experts over pairs of ranks in training: colocated (the
     experts switch layouts on the ranks that hold them), an even world and an even number of
     experts, the engine at TP 1 (it cuts experts by expert, not by hidden unit), no pipeline stages
     and no nodes (their gradients bypass the experts' own sync)."""
@@ -287,19 +287,22 @@ def ep_allowed(cfg, world):
 
 def resolve(cfg, world):
     """The Config with --train-ep and --infer-ep auto made numbers. Where the layout allows it
-    (ep_allowed): EP 1 in training (every rank holds every expert, outside FSDP2, their gradients
-    averaged over the ranks) and EP 2 in rollout (the experts spread over pairs of ranks, decoding
-    in lock-step: the source's direction, inference wider than training); elsewhere EP off. Given
-    one degree, auto makes the other nest with it. A checkpoint holds the experts as the dense
-    model stacks them, so one saved with EP or without resumes either way."""
+    (ep_allowed): EP 2 in training (each expert on one rank of a pair, its tokens sent to it) and
+    EP 1 in rollout (every rank holds every expert: decoding sends nothing); elsewhere EP off.
+    Given one degree, auto makes the other nest with it. A checkpoint holds the experts as the
+    dense model stacks them, so one saved with EP or without resumes either way."""
     if "auto" not in (cfg.train_ep, cfg.infer_ep):
         return cfg
     on = ep_allowed(cfg, world)
-    train_ep = cfg.train_ep if cfg.train_ep != "auto" else 1 if on else 0
     infer_ep = cfg.infer_ep
+    train_ep = cfg.train_ep
+    if train_ep == "auto" and infer_ep == "auto":
+        train_ep = 2 if on else 0
+    elif train_ep == "auto":  # EP 2 where it nests with the degree given, else that degree
+        nests = infer_ep == 1 or (infer_ep > 0 and infer_ep % 2 == 0)
+        train_ep = 2 if on and nests else infer_ep
     if infer_ep == "auto":
-        nests = train_ep == 1 or train_ep % 2 == 0  # EP 2 nests with it: its degree divides 2 or 2 it
-        infer_ep = 2 if train_ep and on and nests else train_ep
+        infer_ep = 1 if train_ep else 0
     return dataclasses.replace(cfg, train_ep=train_ep, infer_ep=infer_ep)
 
 

@@ -137,6 +137,14 @@ def setup_distributed(cfg):
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def host_group(device, timeout_s):
+    """A gloo group over every rank for host tensors (the queue's), or None on CPU: the default
+    group is gloo already."""
+    if device.type == "cpu":
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def world_size():
     """The job's world size: the process group's once it exists, else torchrun's WORLD_SIZE or 1."""
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))

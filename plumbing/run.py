@@ -23,7 +23,7 @@ import stalesync
 import task
 from model import Policy, Sampler
 from plumbing import checkpoint, shm_transport
-from plumbing.config import Config, Roles, grpo_config, resolve
+from plumbing.config import Config, Roles, grpo_config, model_config, resolve
 from plumbing.distributed import setup_distributed
 from plumbing.runlog import RunLog
 from plumbing.timeline import Spans
@@ -92,3 +92,17 @@ def start(cfg, out_dir=None, roles=None, cls=Run):
     if cfg.routing_replay:  # each token's experts, (L K,), through the queue (routing_replay.py)
         run.per_token["routes"] = "int32"
     return run
+
+
+def warm_up_target(run):
+    """What the supervised warm-up trains, and its clip (None: clip_grad_norm_): the policy, or
+    under EP its dense twin, built as the run builds it with EP off (the same seed, the same
+    initial weights, FSDP2 over every weight and rank), to be loaded into the policy after."""
+    if run.experts is None:
+        return run.model, run.clip_grads
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(run.cfg.seed)
+    twin = Policy(model_config(run.cfg)).to(run.device)
+    mesh = torch.distributed.device_mesh.init_device_mesh(run.device.type, (run.roles.world,))
+    fully_shard(twin, mesh=mesh, reshard_after_forward=False)
+    return twin, None

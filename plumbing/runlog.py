@@ -83,7 +83,7 @@ def lockstep_counts(run):
     """The engine's lock-step counts so far, this rank's (rank 0's in metrics.jsonl): forwards of
     zero rows run for its peers, and agreements (one all-reduce each); 0 without a lock-step engine
     (--infer-ep 1, a trainer rank)."""
-    lockstep = getattr(run.sampler, "lockstep", None)  # lockstep.py's sampler has one
+    lockstep = getattr(run.sampler, "lockstep", None)  # options/lockstep.py's sampler has one
     return {"lockstep/dummy_forwards": lockstep.dummy_forwards if lockstep is not None else 0,
             "lockstep/agreements": lockstep.agreements if lockstep is not None else 0}
 

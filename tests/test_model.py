@@ -279,7 +279,7 @@ def _lockstep_rank(rank, world_size):
     decoding's tokens against the dense engine's."""
     import torch.distributed as dist
     from moe_switch import EPLayout, EPMoE, new_groups
-    from lockstep import LockStep, sampler_class
+    from options.lockstep import LockStep, sampler_class
     model = _model()
     ctxs, seeds = _contexts([3, 58, 6, 5, 2, 4, 3, 2, 5, 20, 4, 4]), list(range(11, 23))
     n_done = [0, 27, 30, 29] + [0] * 8  # row 1: a long prefix with 3 tokens left; row 2: none left; row 3: one

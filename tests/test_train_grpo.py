@@ -136,6 +136,11 @@ TINY = dict(max_digits=2, max_new_tokens=4, eval_prompts=8, d_model=32, d_expert
             staleness=0, threshold=0.5)  # synchronous: every world the same (dynamic sampling and curriculum on)
 
 
+# The hybrid's reference: its actor's layout, colocated with the reference on host, EP off as the hybrid has it (an
+# EP run's float order differs, and Adam can turn that into an lr-sized step on a few weights; EP has its own tests).
+COLOCATED_ALL = {"deploy": "colocated-all", "train_ep": 0}
+
+
 def full_state_dict(model):
     """The whole trained policy on every rank, in the dense model's names and order (collective)."""
     from options import pipeline
@@ -190,15 +195,31 @@ def _without_options(rank, world_size, out_dir):
 
 def test_the_default_run_uses_no_option_and_every_mechanism(tmp_path):
     """The default run at 2 ranks imports nothing of options/ (the core alone runs it), and runs the four
-    mechanisms: the phase switch (fusion.py), StaleSync's rounds, the queue, and the experts re-sharded from EP 1
-    in training to EP 2 in rollout and back (moe_switch.py), the engine decoding in lock-step (lockstep.py)."""
+    mechanisms: the phase switch (fusion.py), StaleSync's rounds, the queue, and the experts re-sharded from EP 2
+    in training to EP 1 in rollout and back (moe_switch.py)."""
     layouts = run_distributed(_without_options, world_size=2, args=(str(tmp_path),))
-    assert layouts == [(1, 2), (1, 2)], layouts
+    assert layouts == [(2, 1), (2, 1)], layouts
     lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")][1:]
     assert all(l["switch/round_trips"] >= 1 and l["queue/reads"] > 0 for l in lines)
-    assert all(l["ep/to_rollout_bytes_moved"] == 0 < l["ep/to_train_bytes_moved"] == l["ep/to_train_bytes_min"]
-               for l in lines)  # EP 1 -> 2 nests (each rank frees half); 2 -> 1 receives the minimum
-    assert lines[-1]["lockstep/agreements"] > 0
+    assert all(l["ep/to_train_bytes_moved"] == 0 < l["ep/to_rollout_bytes_moved"] == l["ep/to_rollout_bytes_min"]
+               for l in lines)  # EP 2 -> 1 receives the minimum (the experts a rank lacks); 1 -> 2 nests: frees half
+
+
+def _warmed_up(rank, world_size, out_dir, train_ep):
+    """The whole policy after the warm-up, built with --train-ep `train_ep`."""
+    run = T.build(Config(**dict(TINY, train_ep=train_ep), out=out_dir), out_dir=out_dir)
+    T.warm_up(run)
+    return moe_switch.dense_state_dict(run.model)
+
+
+def test_the_warm_up_ends_at_the_same_weights_with_ep_on_or_off(tmp_path):
+    """Under EP a dense twin warms up and loads into the EP layout: every weight, each expert
+    included, equals the EP-off run's, bit for bit (RL starts alike whatever the layout)."""
+    on = run_distributed(_warmed_up, world_size=2, args=(str(tmp_path / "on"), "auto"))
+    off = run_distributed(_warmed_up, world_size=2, args=(str(tmp_path / "off"), 0))
+    assert list(on[0]) == list(off[0])
+    for (a, b), name in ((pair, n) for pair in zip(on, off) for n in pair[0]):
+        assert torch.equal(a[name], b[name]), name
 
 
 def test_two_ranks_train_to_identical_parameters(tmp_path):
@@ -367,7 +388,7 @@ def test_hybrid_places_the_reference_on_an_auxiliary_rank_and_trains_as_colocate
     (_, p), (_, q), (_, aux) = run_distributed(_train_tiny, world_size=3,
                                                args=(str(tmp_path / "h"), dict(mode, deploy="hybrid")))
     assert torch.equal(p, q) and aux is None  # the auxiliary rank holds no policy
-    (_, c), _ = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "ca"), dict(mode, deploy="colocated-all")))
+    (_, c), _ = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "ca"), dict(mode, **COLOCATED_ALL)))
     assert_same_training(p, c, "hybrid at world 3 against colocated-all at world 2")
     lines = [json.loads(l) for l in open(tmp_path / "h" / "metrics.jsonl")][1:]
     assert any(l["k3_mean"] > 0 for l in lines)  # the reference's log-probs reached the loss
@@ -392,7 +413,7 @@ def test_hybrid_with_a_reward_model_on_the_auxiliary_rank_trains_as_colocated_al
     mode = {"reward_model": True, "rm_samples": 64, "rm_steps": 20, "filter_groups": False, "curriculum": False,
             "adv_estimator": estimator}
     (_, p), _, _ = run_distributed(_train_tiny, world_size=3, args=(str(tmp_path / "h"), dict(mode, deploy="hybrid")))
-    (_, c), _ = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "ca"), dict(mode, deploy="colocated-all")))
+    (_, c), _ = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "ca"), dict(mode, **COLOCATED_ALL)))
     assert_same_training(p, c, "hybrid with a reward model against colocated-all")
     from plumbing import timeline
     assert "reward_model" in {s["name"] for s in timeline.load_spans(tmp_path / "h") if s["rank"] == 2}
@@ -407,7 +428,7 @@ def test_world_4_hybrid_with_two_auxiliary_ranks_trains_as_colocated_all(tmp_pat
     out = run_distributed(_train_tiny, world_size=4, timeout_s=240,
                           args=(str(tmp_path / "h"), {"deploy": "hybrid", "aux_ranks": 2}))
     assert [p is None for _, p in out] == [False, False, True, True]
-    (_, c), _ = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "ca"), {"deploy": "colocated-all"}))
+    (_, c), _ = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "ca"), COLOCATED_ALL))
     assert_same_training(out[0][1], c, "hybrid at world 4 (2 auxiliary ranks) against colocated-all at world 2")
     from plumbing import timeline
     assert {2, 3} <= {s["rank"] for s in timeline.load_spans(tmp_path / "h") if s["name"] == "reference"}

@@ -1,6 +1,6 @@
-"""Decoding in lock-step, for an expert-parallel engine: the default run's rollout at EP 2.
+"""Decoding in lock-step, for an expert-parallel engine (--infer-ep above 1).
 
-    torchrun --standalone --nproc_per_node=2 train_grpo.py     # EP 1 in training, 2 in rollout
+    torchrun --standalone --nproc_per_node=2 train_grpo.py --train-ep 2 --infer-ep 2
 
 An expert-parallel engine's MoE layers send each rank's tokens to the experts' owners and back
 (all-to-alls), every layer, every forward. A rank that stopped calling forward would leave its peers
