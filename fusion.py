@@ -14,22 +14,15 @@ to_train() undoes the three, in reverse.
 The default run (train_grpo.py): FSDP2 over all W ranks; the engine is the whole model at TP 1, its
 own parameters gathered into (inplace=True); the bytes move through plumbing/shm_transport.py's
 SharedMemory on one CPU host, else through Broadcasts (gloo; nccl on GPUs, untested past one rank).
-Above the marker "A learner can stop here" (in FusedActor) is that path; below it: the checks, the
-recovery, the checkpoint state, and the layouts also accepted (FusedActor.path names the path):
-  - any TP degree: inplace=False hands each bucket of full weights to engine.load_weights (vLLM's
-    interface), which cuts its TP piece, fuses, renames and copies;
-  - pipeline stages (FSDP2 over each stage's ranks, or whole on one rank) and HSDP (FSDP2 within
-    each node, a copy per node): every rank gathers the whole engine from the weights' owners,
-    through Broadcasts (SharedMemory needs shards over all W ranks);
-  - any transport with Broadcasts's four members (the seam).
+Above the marker "A learner can stop here" (in FusedActor) is that path. Below it: the guards, the
+recovery, the checkpoint state, and the other layouts (FusedActor.path names the path taken): an
+engine at any TP degree (inplace=False: engine.load_weights), pipeline stages, HSDP, offload_params.
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
   1. FSDP2 (ZeRO-3) or PP stages to train, TP to generate; the engine is not pipelined.
   2. The training shards stay on the device in ROLLOUT (1/W of the model) unless offload_params.
   3. The engine's weights are freed in TRAIN (vLLM's sleep mode would); its KV cache is its own.
-A call that would read a freed storage, and crash, raises instead, naming the phase: the engine in
-TRAIN; optimizer.step(), a backward, or the model under offload_params in ROLLOUT. Other reads in
-ROLLOUT (zero_grad(set_to_none=False), clipping) are not guarded.
+A call that would read a freed storage, and crash, raises instead, naming the phase (the guards).
 
 Run: python -m pytest tests/test_fusion.py   (W 1, 2 x TP 1, 2; PP; HSDP; W 4: -m slow)
 
@@ -89,11 +82,6 @@ def storages(tensors, device=None):
     stores = [(t._local_tensor if isinstance(t, DTensor) else t).untyped_storage() for t in tensors]
     alive = {s.data_ptr(): s for s in stores if s.nbytes() and device in (None, s.device)}
     return list(alive.values())
-
-
-def held_bytes(tensors, device=None):
-    """The memory accounting: bytes of the distinct storages still allocated behind tensors."""
-    return sum(s.nbytes() for s in storages(tensors, device))
 
 
 def _as_bytes(s):
@@ -248,28 +236,15 @@ class Broadcasts:
                      the bytes this rank received.
       close()        releases what the transport holds.
     params: {name: this rank's parameter}; layout: FusedActor's {name: Weight} over group (None:
-    every rank). Without a layout (options/push.py), a DTensor is gathered over its own mesh."""
+    every rank; for callers without a layout, see _on_own_meshes below)."""
     keeps_shards = False
 
     @contextmanager
     def gathering(self, params, layout=None, group=None):
-        if layout is None:  # over the first DTensor's mesh, if any
-            p = next((p for p in params.values() if isinstance(p, DTensor)), None)
-            group = p.device_mesh.get_group() if p is not None else group
-        ok = torch.ones(1, device=next(iter(params.values())).device)
-        agree = dist.is_initialized() and dist.get_world_size(group) > 1
-        try:
+        if layout is None:
+            group = _first_mesh_group(params, group)
+        with _agreeing(next(iter(params.values())).device, group):  # one all_reduce, on leaving
             yield
-        except BaseException:
-            with suppress(Exception):  # may fail where a collective did: the first error stands
-                if agree:
-                    dist.all_reduce(ok.zero_(), op=dist.ReduceOp.MIN, group=group)
-            raise
-        if agree:
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-        if not ok.item():
-            raise RuntimeError("another rank failed in this switch (its error is in its output); "
-                               "back in TRAIN")
 
     def fill(self, params, outs, layout=None, group=None):
         works, received = [], 0  # issued asynchronously, waited for together
@@ -277,11 +252,8 @@ class Broadcasts:
             p = params.get(name)
             if layout is not None and layout[name].replicas == 1:  # over the actor's ranks
                 received += gather_into(out, _mine(p), layout[name], works, group)
-            elif isinstance(p, DTensor):  # no layout, or HSDP: over this rank's own mesh
-                mesh_group = p.device_mesh.get_group()
-                received += gather_into(out, _mine(p), _weight(name, p), works, mesh_group)
-            else:  # whole on every rank
-                out.copy_(p.detach())
+            else:  # no layout (options/push.py), or HSDP
+                received += _on_own_meshes(name, p, out, works)
         for work in works:
             work.wait()
         return received
@@ -296,17 +268,6 @@ def _synchronize(device):
         torch.accelerator.current_stream(device).synchronize()
 
 
-def _allocated(device):
-    """Bytes the accelerator's allocator holds (torch.cuda's count, torch.xpu's...); None on CPU, or
-    where there is no such count (MPS)."""
-    if device.type == "cpu":
-        return None
-    try:
-        return getattr(torch, device.type).memory_allocated(device)
-    except (AttributeError, RuntimeError):
-        return None
-
-
 @contextmanager
 def rollout(actor):
     """with rollout(actor) as engine: ...  (TRAIN -> ROLLOUT, and back to TRAIN on exit)."""
@@ -319,21 +280,17 @@ def rollout(actor):
 
 class FusedActor:
     """The actor in two phases on the same devices; starts in TRAIN.
-      model, optimizer  this rank's: FSDP2 (fully_shard) over a 1-D mesh, or plain (a pipeline
-                        stage: under the whole model's names); the optimizer built after.
+      model, optimizer  this rank's: FSDP2 (fully_shard) over every rank; the optimizer built after.
       engine            an nn.Module, the whole model on every rank, its weights freed in TRAIN.
-                        Unless inplace, engine.load_weights(iterable of (name, full tensor)) loads
-                        them into its own (the tensors live for the call only) and returns the names
-                        of its parameters it loaded, as vLLM's loaders do (None: the model's names).
       bucket_bytes      B, the most bytes of full weights a bucket holds.
       inplace           True (TP 1): the gather writes into the engine's parameters, the model's
                         by name and shape.
-      offload_params    the training shards go to host memory too in ROLLOUT.
       movers            objects with to_rollout() and to_train(), called last in to_rollout() and
                         first in to_train(); their `names` are not built here, their `stats` join
                         metrics().
       transport         Broadcasts() (the default) or SharedMemory; close() closes it.
-      group             the actor's ranks (None: every rank; a hybrid deployment keeps others)."""
+    Hooks for the options, explained below the marker: inplace=False (engine.load_weights, any TP
+    degree), offload_params, group, and a model that is a pipeline stage or HSDP."""
 
     def __init__(self, model, optimizer, engine, bucket_bytes=1 << 20, inplace=False,
                  offload_params=False, movers=(), transport=None, group=None):
@@ -377,7 +334,7 @@ class FusedActor:
                 off = storages(grads + [v for v in states if torch.is_tensor(v)], self.device)
                 self.stats["switch/offload_bytes"] = sum(s.nbytes() for s in off)
                 self._hosts, self._off = offload(off, self._hosts), off  # all or nothing
-            with self._timed("alloc"):  # 2. the engine's weights, allocated once
+            with self._timed("alloc"):  # 2. the engine's weights, allocated for this phase
                 for p in eng.values():
                     p.untyped_storage().resize_(p.nbytes)
             with self._timed("gather"), self.transport.gathering(params, self.layout, self.group):
@@ -466,19 +423,6 @@ class FusedActor:
         self.stats[f"time/{name}_s"] = time.perf_counter() - t0
         self.record()
 
-    def record(self):
-        """The phase's memory figures: the storages this module manages, and their total (on an
-        accelerator, its allocator's count instead)."""
-        ps, key = list(self.model.parameters()), self.phase.lower()
-        states = [v for st in self.optimizer.state.values() for v in st.values()]
-        held = {"params": ps, "grads": [p.grad for p in ps if p.grad is not None],
-                "optim": [v for v in states if torch.is_tensor(v)],
-                "infer": self._engine_weights().values()}
-        held = {cat: held_bytes(ts, self.device) for cat, ts in held.items()}
-        self.stats.update({f"mem/{key}_{cat}_bytes": nb for cat, nb in held.items()})
-        allocated = _allocated(self.device)
-        self.stats[f"mem/{key}_bytes"] = sum(held.values()) if allocated is None else allocated
-
     def metrics(self):
         """Flat dict for metrics.jsonl: mem/*, time/*, switch/*, the movers' stats. Per switch:
         gather_bytes, the weights built on this rank; received_bytes, those that came from other
@@ -496,6 +440,21 @@ class FusedActor:
     # then the checks of the caller's input and the other training layouts (pipeline stages, HSDP).
     # A learner can stop here.
     # ==============================================================================================
+    # The options' hooks in FusedActor's arguments:
+    #   inplace=False  any TP degree: each bucket of full weights goes to
+    #                  engine.load_weights(iterable of (name, full tensor)), vLLM's interface; the
+    #                  tensors live for the call only; it cuts its TP piece, fuses, renames, copies,
+    #                  and returns the names of its parameters it loaded (None: the model's names).
+    #   offload_params the training shards go to host memory too in ROLLOUT.
+    #   group          the actor's ranks (None: every rank; a hybrid deployment keeps others).
+    #   model          also a pipeline stage (FSDP2 over the stage's ranks, or whole on one rank,
+    #                  under the whole model's names) or HSDP (FSDP2 within each node, a copy per
+    #                  node): every rank gathers the whole engine from the weights' owners, through
+    #                  Broadcasts (SharedMemory needs shards over all W ranks).
+    #   transport      any object with Broadcasts's four members (the seam).
+    # The guards cover the engine in TRAIN; optimizer.step(), a backward, and the model under
+    # offload_params in ROLLOUT. Other reads in ROLLOUT (zero_grad(set_to_none=False), clipping) are
+    # not guarded.
 
     def _expect(self, phase, what, why=None):
         if self.phase != phase:
@@ -564,6 +523,20 @@ class FusedActor:
             (self.to_rollout if state["phase"] == ROLLOUT else self.to_train)()
         self.round_trips = state["round_trips"]
 
+    # the memory accounting, recorded at the end of each switch
+    def record(self):
+        """The phase's memory figures: the storages this module manages, and their total (on an
+        accelerator, its allocator's count instead)."""
+        ps, key = list(self.model.parameters()), self.phase.lower()
+        states = [v for st in self.optimizer.state.values() for v in st.values()]
+        held = {"params": ps, "grads": [p.grad for p in ps if p.grad is not None],
+                "optim": [v for v in states if torch.is_tensor(v)],
+                "infer": self._engine_weights().values()}
+        held = {cat: held_bytes(ts, self.device) for cat, ts in held.items()}
+        self.stats.update({f"mem/{key}_{cat}_bytes": nb for cat, nb in held.items()})
+        allocated = _allocated(self.device)
+        self.stats[f"mem/{key}_bytes"] = sum(held.values()) if allocated is None else allocated
+
 
 class _BackwardCheck(torch.autograd.Function):
     """The identity on the model's output; its backward, the model's first, asks the actor first."""
@@ -577,6 +550,60 @@ class _BackwardCheck(torch.autograd.Function):
         why = "the grads are in host memory (a step forgotten before it?)"
         ctx.actor._expect(TRAIN, "a backward ran", why)
         return None, grad
+
+
+def held_bytes(tensors, device=None):
+    """The memory accounting: bytes of the distinct storages still allocated behind tensors."""
+    return sum(s.nbytes() for s in storages(tensors, device))
+
+
+def _allocated(device):
+    """Bytes the accelerator's allocator holds (torch.cuda's count, torch.xpu's...); None on CPU, or
+    where there is no such count (MPS)."""
+    if device.type == "cpu":
+        return None
+    try:
+        return getattr(torch, device.type).memory_allocated(device)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+# ------------------------------------------------------------ the Broadcasts transport's agreement
+@contextmanager
+def _agreeing(device, group):
+    """Every rank of group leaves a switch's gather knowing whether all succeeded: one all_reduce
+    of a flag on the way out, so that a rank whose gather failed does not leave the others waiting
+    in the next collective, and each raises."""
+    ok = torch.ones(1, device=device)
+    agree = dist.is_initialized() and dist.get_world_size(group) > 1
+    try:
+        yield
+    except BaseException:
+        with suppress(Exception):  # may fail where a collective did: the first error stands
+            if agree:
+                dist.all_reduce(ok.zero_(), op=dist.ReduceOp.MIN, group=group)
+        raise
+    if agree:
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    if not ok.item():
+        raise RuntimeError("another rank failed in this switch (its error is in its output); "
+                           "back in TRAIN")
+
+
+def _first_mesh_group(params, group):
+    """Without a layout (options/push.py): the group of the first DTensor's mesh, if any."""
+    p = next((p for p in params.values() if isinstance(p, DTensor)), None)
+    return p.device_mesh.get_group() if p is not None else group
+
+
+def _on_own_meshes(name, p, out, works):
+    """Fills out with weight name from p: a DTensor gathered over its own mesh (no layout, or
+    HSDP: each node's replica), a plain tensor copied. Returns the bytes received."""
+    if isinstance(p, DTensor):
+        mesh_group = p.device_mesh.get_group()
+        return gather_into(out, _mine(p), _weight(name, p), works, mesh_group)
+    out.copy_(p.detach())  # whole on every rank
+    return 0
 
 
 # ----------------------------------------------------------------- the checks of the caller's input

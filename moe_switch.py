@@ -669,7 +669,7 @@ def _check_switch(layer, taken, layout, group, bucket_bytes, world_group):
     _check_ep_group(layout, group, layer.rank)
     own = layer.layout.owned(layer.rank)
     if any(getattr(layer, n)[e].grad is not None for n in EXPERT_NAMES for e in own):
-        raise ValueError("expert grads are set: clear or offload them before a switch")
+        raise ValueError("expert grads are set: set them to None before a switch (zero_grad())")
     if world_group is None and layer.layout.ranks is not None and dist.is_initialized():
         raise ValueError(f"a layout over ranks {list(layer.layout.ranks)} needs world_group, "
                          "the group of those ranks: the switch's agreement collective runs "
