@@ -31,8 +31,7 @@ Safety rules:
      on CPU, one rank, pipeline stages, another node, no room in /dev/shm or for file descriptors, a
      peer's file not the one announced): the caller takes fusion.Broadcasts. A peer missing at a
      barrier for timeout_s raises TimeoutError; one that exited, RuntimeError at once.
-Costs: /dev/shm holds every FSDP2 shard (the whole model but for EP's experts), and each shard
-storage keeps a file descriptor open.
+Costs: /dev/shm holds every FSDP2 shard (all but EP's experts), one file descriptor per storage.
 
     python -m pytest tests/test_shm_transport.py
     python bench/fusion.py --switch-only  # a switch through shared memory against broadcasts
