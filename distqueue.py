@@ -6,12 +6,12 @@ wrote it until a stage reads it. Three ideas move it:
 - Zero-padding transfer (article figure 7): padding each field to the longest cell (`pad`, the
   naive version) sends mostly zeros on long-tailed lengths. A reader pulls each owner's cells as a
   header of lengths (K,) int64 and ONE uint8 payload (`pack_cells`); dtypes come from the spec.
-- Hierarchical transfer (figure 6): with `group=`, only the group's first rank reads the queue,
-  then broadcasts the packed batch to the rest of its model-parallel group.
 - Balance: with `dp_group=`, n is the global batch, claimed by dp rank 0 and split by length (a
   row weighs its variable-length cells' elements; `balance_split`: max - min <= the longest row).
   A row stays with the rank that wrote it while that rank holds no more than a fair share, so
   colocated readers move few rows.
+- Hierarchical transfer (figure 6, an option): with `group=`, only the group's first rank reads
+  the queue, then broadcasts the packed batch to the rest of its model-parallel group.
 
 Reads are made safe by a protocol on a torch.distributed Store, under keys "<name>/...":
   ready/n, ready/<i>  the ready log, one key per put: "row,column,owner,length;" per cell
@@ -34,7 +34,7 @@ Departures from the source system (Huawei's RL post-training on CloudMatrix 384)
 4. Ids are deterministic (local_count * world + rank), so a resumed run sees the same rows in order.
 
 Above the marker ("# ====" in DistQueue's body) is the default path: the primitives, the spec, put,
-serve and a DP group's get. Below it: input checks, recovery, the hierarchical read, checkpoints.
+serve and a DP group's get. Below: log formats, checks, recovery, metrics, options, checkpoints.
 Run: python -m pytest tests/test_distqueue.py ; python bench/distqueue.py --lengths lognormal:5,1.2
 Shapes: B rows, C fields of a stage, K cells (row x field) in one transfer, N elements, T longest.
 Copy alone: torch (CPU tensors, a gloo group) and a TCPStore or a HashStore (one process); the
@@ -89,23 +89,11 @@ def pad(seqs, pad_value=0):
     return out, lengths
 
 
-def unpad(padded, lengths):
-    return [padded[i, : int(n)].clone() for i, n in enumerate(lengths)]
-
-
 def pack(seqs):
     """Packed: concatenate along the sequence dim; no padding. Returns flat (N,), lengths (B,)."""
     lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)  # (B,)
     flat = torch.cat([s.reshape(-1) for s in seqs]) if seqs else torch.empty(0)  # (N,)
     return flat, lengths
-
-
-def unpack(flat, lengths):
-    lengths = torch.as_tensor(lengths, dtype=torch.int64)
-    if lengths.dim() != 1 or (lengths < 0).any() or int(lengths.sum()) != flat.numel():
-        raise ValueError(f"lengths {lengths.tolist()} (sum {int(lengths.sum())}) do not split a "
-                         f"payload of {flat.numel()} elements; they must be >= 0 and sum to it")
-    return [t.clone() for t in torch.split(flat, lengths.tolist())]
 
 
 def pack_cells(cells):
@@ -244,7 +232,7 @@ class DistQueue:
 
     # --- producers and owners
     def put(self, columns, ids=None):
-        """Write cells. ids=None creates new rows; else writes more columns of existing rows."""
+        """Write the cells of new rows and return their ids (ids=: an option's hook, see below)."""
         n = len(next(iter(columns.values()), []))  # rows: the first column's count
         self._check_columns(columns, n)  # everything is validated before anything is published
         new = ids is None
@@ -260,7 +248,7 @@ class DistQueue:
                 cells[(r, c)] = t.detach().reshape(-1).to("cpu", copy=True)  # the queue's own copy
         self.cells.update(cells)
         self.next_local += len(ids) if new else 0
-        self._publish(self._entries(cells))
+        self._publish(self._entries(cells))  # one ready-log key for this put's cells
         self.serve()
         return ids
 
@@ -279,32 +267,6 @@ class DistQueue:
                     self._delivered(k, stage)
             self.store.delete_key(self._k("ack", tag))
 
-    def drain(self, timeout_s=None):
-        """A producer that is done serves until each cell it owns reached each stage reading it."""
-        deadline = time.monotonic() + (timeout_s or self.spec.timeout_s)
-        self._wait(lambda: not self.cells and not self.inflight, deadline,
-                   lambda: f"in drain: rows {sorted({r for r, _ in self.cells})[:16]} not yet read "
-                           f"by every stage, transfers {sorted(self.inflight)} not acknowledged")
-
-    def _entries(self, cells, stage=""):
-        """{(row, col): tensor or (owner, length)} -> "row,column,owner,length;" per cell, the
-        column by its number in the spec. A stage ends each entry: only its readers see the cell."""
-        out = []
-        for (r, c), v in cells.items():
-            owner, length = (self.rank, v.numel()) if torch.is_tensor(v) else v
-            tail = f",{stage}" if stage else ""
-            out.append(f"{r},{self.col_index[c]},{owner},{length}{tail};")
-        return "".join(out)
-
-    def _parse(self, entries, stage, rows):
-        """Entries of this stage's columns -> rows {row: {col: (owner, length)}}; returns rows."""
-        names = list(self.spec.columns)
-        for e in entries.split(";")[:-1]:
-            r, c, owner, length, *released = e.split(",")  # released: in that stage only
-            if names[int(c)] in self.spec.stages[stage] and released in ([], [stage]):
-                rows.setdefault(int(r), {})[names[int(c)]] = (int(owner), int(length))
-        return rows
-
     def _publish(self, entries):
         """Append to the ready log: count the key in ready/n, then write it."""
         i = int(self.store.add(self._k("ready", "n"), 1)) - 1
@@ -316,12 +278,7 @@ class DistQueue:
         reader, tag, stage, tmax, wanted = request.split("|")
         tag = int(tag)
         keys = [(int(r), c) for r, c in (x.split(":") for x in wanted.split(","))]
-        missing = [k for k in keys if k not in self.cells]
-        state = self._k("state", tag)
-        answer = self.store.compare_set(state, "", f"missing {missing[:8]}" if missing else "sent")
-        if answer != b"sent":  # the reader cancelled first (it never reads this), or cells are gone
-            if answer == b"cancelled":
-                self.store.delete_key(state)
+        if not self._may_send(tag, keys):  # below the marker: the first writer of state/<tag> wins
             return
         cells = [self.cells[k] for k in keys]
         header, payload = pack_cells(cells)  # (K,), (bytes,)
@@ -329,10 +286,7 @@ class DistQueue:
         if payload.numel():
             works.append(dist.isend(payload, int(reader), group=self.pg, tag=2 * tag + 1))
         self.inflight[tag] = (works, (header, payload), keys, stage)
-        longest = {c: int(n) for c, n in (x.split("=") for x in tmax.split(",") if x)}
-        padded = sum(longest.get(c, t.numel()) * t.itemsize for (_, c), t in zip(keys, cells))
-        self._count("bytes_sent", header.nbytes + payload.nbytes)
-        self._count("bytes_padded_equiv", header.nbytes + padded)
+        self._count_sent(keys, cells, tmax, header, payload)  # metrics, below the marker
 
     def _delivered(self, key, stage):
         stages = self.served.setdefault(key, set())
@@ -351,10 +305,10 @@ class DistQueue:
 
     # --- consumers
     def get(self, stage, n, dp_group=None, group=None, min_rows=None, only=None):
-        """Read up to n rows (at least min_rows, default n; 0 = poll) that `stage` has not consumed.
-        dp_group: n is the global batch, split by tokens across its ranks; the get returns once
-        every rank of the group has its rows. group: only its first rank reads, and broadcasts to
-        the rest. only: a set of row ids to take from. A get that raises keeps no row."""
+        """Read n rows that `stage` has not consumed, from the ids in `only` if given. dp_group: n
+        is the global batch, split by tokens across its ranks; the get returns once every rank of
+        the group has its rows. A get that raises keeps no row. min_rows, group: hooks for the
+        options, see below."""
         min_rows = n if min_rows is None else min_rows
         self._check_get(stage, n, min_rows, dp_group, group)  # below the marker
         deadline = time.monotonic() + self.spec.timeout_s
@@ -412,17 +366,8 @@ class DistQueue:
         ids = sorted(rows)
         return Rows(ids, {c: [got[(r, c)] for r in ids] for c in cols}, tmax)
 
-    @staticmethod
-    def _cells_of(rows, cols):
-        """{row: {col: (owner, length)}} -> {(row, col): (owner, length)}, rows ascending."""
-        return {(r, c): rows[r][c] for r in sorted(rows) for c in cols}
-
-    # step 1, claim: rows that the ready log shows complete, won in the claim logs
-    def _token(self):
-        """A name for one read's claims, unique among this queue's readers."""
-        self.claims_made += 1
-        return f"{self.claimer}.{self.claims_made}"
-
+    # step 1, claim: rows that the ready log shows complete, won in the claim logs (their formats,
+    # the token that names a read's claims, and their release: below the marker)
     def _claim(self, stage, n, min_rows, deadline, token, only):
         """Claim up to n complete rows (at least min_rows) as token -> {row: {col: (owner, len)}}.
         A claim that times out releases what it won, so its rows go to the next reader."""
@@ -469,25 +414,6 @@ class DistQueue:
                 if held[r] == token and cells is not None:  # None: won at an earlier poll
                     won[r] = cells
         return won
-
-    @staticmethod
-    def _blocks(rows):
-        """Rows by claim log: (block, "3,7,12") for each block of CLAIM_BLOCK ids holding some."""
-        for block in sorted({r // CLAIM_BLOCK for r in rows}):
-            yield block, ",".join(str(r) for r in sorted(rows) if r // CLAIM_BLOCK == block)
-
-    @staticmethod
-    def _holders(log):
-        """A claim log, "token:ids;" claims and "-token:ids;" releases -> {row: its holder}."""
-        held = {}
-        for entry in log.decode().split(";")[:-1]:
-            who, ids = entry.split(":")
-            for r in map(int, ids.split(",")):
-                if not who.startswith("-"):
-                    held.setdefault(r, who)
-                elif held.get(r) == who[1:]:
-                    del held[r]
-        return held
 
     # step 2, share: each rank of a DP group takes its part of the claimed rows
     def _take_plan(self, stage, n, dp_rank, step, root, deadline):
@@ -558,9 +484,7 @@ class DistQueue:
         state = self._k("state", tag)
         answer = self.store.get(state).decode()
         self.store.delete_key(state)
-        if answer != "sent":
-            raise RuntimeError(f"rank {o}, asked by rank {self.rank} for cells it does not hold, "
-                               f"answered {answer}")
+        self._check_sent(o, answer)  # below the marker: "sent", or the owner lacked cells
         header = torch.empty(len(keys), dtype=torch.int64)  # (K,)
         dist.recv(header, o, group=self.pg, tag=2 * tag)
         dtypes = [DTYPES[self.spec.columns[c]] for _, c in keys]
@@ -568,10 +492,8 @@ class DistQueue:
         payload = torch.empty(nbytes, dtype=torch.uint8)  # (bytes,)
         if nbytes:
             dist.recv(payload, o, group=self.pg, tag=2 * tag + 1)
-        expect = [rows[r][c][1] for r, c in keys]
-        if header.tolist() != expect:  # received whole first: the owner's sends complete either way
-            raise RuntimeError(f"header {header.tolist()} from rank {o} != published lengths "
-                               f"{expect}")
+        # received whole first: the owner's sends complete either way
+        self._check_header(o, header, [rows[r][c][1] for r, c in keys])
         return dict(zip(keys, unpack_cells(header, payload, dtypes)))
 
     # step 4, agree: all or nothing in a DP group (the vote, _agree, is below the marker); then
@@ -580,30 +502,63 @@ class DistQueue:
         for tag in tags:
             self.store.set(self._k("ack", tag), "kept" if keep else "dropped")
 
-    # --- observability
-    COUNTERS = ("bytes_sent", "bytes_padded_equiv", "bytes_bcast")
-
-    def _count(self, name, n):
-        self.store.add(self._k("count", name), int(n))
-
-    def metrics(self):
-        """The whole queue's traffic, counted in the store by the ranks that sent it: packed bytes
-        sent (headers included), what padding each field to the step's longest cell would have
-        sent, bytes broadcast inside model-parallel groups, and stage reads."""
-        out = {f"queue/{c}": int(self.store.add(self._k("count", c), 0)) for c in self.COUNTERS}
-        out["queue/reads"] = sum(self.reads(s) for s in self.spec.stages)
-        return out
-
-    def reads(self, stage):
-        return int(self.store.add(self._k("reads", stage), 0))
-
 # ==================================================================================================
-# What follows, in DistQueue's body and then in the module: the checks of the caller's input, with
-# their long errors; recovery from failures (why a wait still waits, claims given back, pulls
-# cancelled, a DP group's all-or-nothing vote); the hierarchical read (get(group=)), which the
-# default run does not use; checkpoint state; the module's checks of a spec, the environment, a
-# store and a process group. The default path is complete above: a learner can stop here.
+# What follows, in DistQueue's body and then in the module: helpers that the default path calls and
+# a learner can take on trust (the store logs' formats; the checks of the caller's input, with their
+# long errors; recovery from failures, with a DP group's all-or-nothing vote; metrics); what only
+# the options use (put(ids=), get(min_rows=), drain, the hierarchical read get(group=)); checkpoint
+# state; the module's checks of a spec, the environment, a store and a process group; unpad and
+# unpack. The default path reads complete above: a learner can stop here.
 # ==================================================================================================
+
+    # --- the logs' formats: ready-log entries, claim tokens, claim logs
+    def _entries(self, cells, stage=""):
+        """{(row, col): tensor or (owner, length)} -> "row,column,owner,length;" per cell, the
+        column by its number in the spec. A stage ends each entry: only its readers see the cell."""
+        out = []
+        for (r, c), v in cells.items():
+            owner, length = (self.rank, v.numel()) if torch.is_tensor(v) else v
+            tail = f",{stage}" if stage else ""
+            out.append(f"{r},{self.col_index[c]},{owner},{length}{tail};")
+        return "".join(out)
+
+    def _parse(self, entries, stage, rows):
+        """Entries of this stage's columns -> rows {row: {col: (owner, length)}}; returns rows."""
+        names = list(self.spec.columns)
+        for e in entries.split(";")[:-1]:
+            r, c, owner, length, *released = e.split(",")  # released: in that stage only
+            if names[int(c)] in self.spec.stages[stage] and released in ([], [stage]):
+                rows.setdefault(int(r), {})[names[int(c)]] = (int(owner), int(length))
+        return rows
+
+    @staticmethod
+    def _cells_of(rows, cols):
+        """{row: {col: (owner, length)}} -> {(row, col): (owner, length)}, rows ascending."""
+        return {(r, c): rows[r][c] for r in sorted(rows) for c in cols}
+
+    def _token(self):
+        """A name for one read's claims, unique among this queue's readers."""
+        self.claims_made += 1
+        return f"{self.claimer}.{self.claims_made}"
+
+    @staticmethod
+    def _blocks(rows):
+        """Rows by claim log: (block, "3,7,12") for each block of CLAIM_BLOCK ids holding some."""
+        for block in sorted({r // CLAIM_BLOCK for r in rows}):
+            yield block, ",".join(str(r) for r in sorted(rows) if r // CLAIM_BLOCK == block)
+
+    @staticmethod
+    def _holders(log):
+        """A claim log, "token:ids;" claims and "-token:ids;" releases -> {row: its holder}."""
+        held = {}
+        for entry in log.decode().split(";")[:-1]:
+            who, ids = entry.split(":")
+            for r in map(int, ids.split(",")):
+                if not who.startswith("-"):
+                    held.setdefault(r, who)
+                elif held.get(r) == who[1:]:
+                    del held[r]
+        return held
 
     # --- checks of the caller's input
     def _check_columns(self, columns, n):
@@ -650,6 +605,19 @@ class DistQueue:
                              f"for n={n0}: every rank of a dp_group passes the same n (the global "
                              f"batch)")
 
+    def _check_sent(self, o, answer):
+        """A pull's answer: "sent", or the owner lacked some of the cells."""
+        if answer != "sent":
+            raise RuntimeError(f"rank {o}, asked by rank {self.rank} for cells it does not hold, "
+                               f"answered {answer}")
+
+    @staticmethod
+    def _check_header(o, header, expect):
+        """A transfer's header (K,) against the lengths the ready log published."""
+        if header.tolist() != expect:
+            raise RuntimeError(f"header {header.tolist()} from rank {o} != published lengths "
+                               f"{expect}")
+
     # --- recovery: why a wait still waits, claims given back, pulls cancelled, the vote
     def _lacking(self, stage, n, min_rows, claimed, only):
         """Why a claim still waits: rows that miss columns, fewer complete rows than asked, none."""
@@ -676,6 +644,17 @@ class DistQueue:
                 f"{o} is alive but not calling the queue (busy elsewhere: in a collective, in "
                 f"compute), or it is gone. A rank whose cells are still wanted must keep calling "
                 f"the queue, or drain(), before blocking elsewhere")
+
+    def _may_send(self, tag, keys):
+        """_answer's handshake: write "sent" in state/<tag> (or the missing cells) unless the
+        reader cancelled first; True if the transfer goes. A cancelled tag's key is deleted (the
+        reader never reads it)."""
+        missing = [k for k in keys if k not in self.cells]
+        state = self._k("state", tag)
+        answer = self.store.compare_set(state, "", f"missing {missing[:8]}" if missing else "sent")
+        if answer == b"cancelled":
+            self.store.delete_key(state)
+        return answer == b"sent"
 
     def _release(self, stage, token, rows):
         """Give back rows claimed as token: "-token:ids;" in the claim logs ends the claims, and
@@ -721,6 +700,41 @@ class DistQueue:
         kinds = {"TimeoutError": TimeoutError, "ValueError": ValueError}
         return kinds.get(kind, RuntimeError)(f"dp rank {first} of this get's dp_group failed, so "
                                              f"this rank keeps no row: {why}")
+
+    # --- observability
+    COUNTERS = ("bytes_sent", "bytes_padded_equiv", "bytes_bcast")
+
+    def _count(self, name, n):
+        self.store.add(self._k("count", name), int(n))
+
+    def _count_sent(self, keys, cells, tmax, header, payload):
+        """One transfer's bytes, and what padding each field to the step's longest cell (tmax,
+        "col=length,...") would have sent."""
+        longest = {c: int(n) for c, n in (x.split("=") for x in tmax.split(",") if x)}
+        padded = sum(longest.get(c, t.numel()) * t.itemsize for (_, c), t in zip(keys, cells))
+        self._count("bytes_sent", header.nbytes + payload.nbytes)
+        self._count("bytes_padded_equiv", header.nbytes + padded)
+
+    def metrics(self):
+        """The whole queue's traffic, counted in the store by the ranks that sent it: packed bytes
+        sent (headers included), what padding each field to the step's longest cell would have
+        sent, bytes broadcast inside model-parallel groups, and stage reads."""
+        out = {f"queue/{c}": int(self.store.add(self._k("count", c), 0)) for c in self.COUNTERS}
+        out["queue/reads"] = sum(self.reads(s) for s in self.spec.stages)
+        return out
+
+    def reads(self, stage):
+        return int(self.store.add(self._k("reads", stage), 0))
+
+    # --- what only the options use. put(ids=): more columns of rows put before (ids: theirs).
+    # get(min_rows=m): at least m rows, up to n (default n; 0 = a poll, which may find none).
+    # drain(), and get(group=): the hierarchical read, which follows.
+    def drain(self, timeout_s=None):
+        """A producer that is done serves until each cell it owns reached each stage reading it."""
+        deadline = time.monotonic() + (timeout_s or self.spec.timeout_s)
+        self._wait(lambda: not self.cells and not self.inflight, deadline,
+                   lambda: f"in drain: rows {sorted({r for r, _ in self.cells})[:16]} not yet read "
+                           f"by every stage, transfers {sorted(self.inflight)} not acknowledged")
 
     # --- the hierarchical read: a group's leader reads, then broadcasts what it read
     def _read_in_group(self, stage, n, min_rows, dp_group, group, step, deadline, only):
@@ -882,3 +896,18 @@ def check_pg(pg):
     if dist.is_initialized() and dist.get_backend(pg) != "gloo":
         raise ValueError(f"pg backend is {dist.get_backend(pg)}; "
                          f"pass pg=dist.new_group(backend='gloo')")
+
+
+# -------------------------------------------------- unpad and unpack: the inverses of pad and pack
+
+
+def unpad(padded, lengths):
+    return [padded[i, : int(n)].clone() for i, n in enumerate(lengths)]
+
+
+def unpack(flat, lengths):
+    lengths = torch.as_tensor(lengths, dtype=torch.int64)
+    if lengths.dim() != 1 or (lengths < 0).any() or int(lengths.sum()) != flat.numel():
+        raise ValueError(f"lengths {lengths.tolist()} (sum {int(lengths.sum())}) do not split a "
+                         f"payload of {flat.numel()} elements; they must be >= 0 and sum to it")
+    return [t.clone() for t in torch.split(flat, lengths.tolist())]

@@ -7,15 +7,15 @@ layout to the other. The naive switch gathers all E experts onto every rank and 
 Here only the experts whose owner changes move, one bucket at a time, each source slice freed once
 sent: no rank ever holds a redundant copy of an expert.
 
-Contents, the default path first, in reading order, down to the marker "A learner can stop here":
+The default run (train_grpo.py) trains at EP 2 and generates at EP 1. Above the marker "A learner
+can stop here" (in ExpertParallel) is that path, in reading order:
   route, moe_reference      the single-process MoE the EP layer must match, a slow loop
   all_to_all_rows           uneven all_to_all_single; its backward is the reverse all_to_all
-  EPLayout, new_groups      which rank owns which expert; this rank's EP and DP groups
+  EPLayout                  which rank owns which expert; its EP and DP groups (new_groups)
   reshard_naive, reshard    the naive switch, then the bucketed one (plan_reshard packs its rounds)
   EPMoE                     route, send counts then packed tokens, local experts, combine; switch()
   ExpertParallel            a model's MoE layers: apply, to_rollout, to_train, clip_grads
-After it: the input checks, agree_on_switch, layouts over part of the job (ranks=), DenseMoE
-(from_linear: per-expert nn.Linears) and dense_state_dict (the dense model's names and values).
+Below it: the checks, agree_on_switch, the options' hooks, DenseMoE, dense_state_dict.
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
   1. Each expert slice (name, e) is its own tensor, not a view of a stacked (E, D, H) parameter: a
@@ -97,8 +97,7 @@ EVERY_EXPERT_WORK = 3 * 2 ** 18
 # ----------------------------------------------------------------------- the MoE, in one process
 def route(x, router_weight, top_k, routing=None):
     """Softmax router and top-k: (N, D) -> gates (N, k) renormalised over the k chosen, experts
-    (N, k). routing, optional: a hook on the experts chosen that may record or replace them
-    (routing replay). The gates are then this router's probabilities of the experts it returns."""
+    (N, k). routing: a hook for an option (routing replay), see below the marker."""
     probs = F.linear(x, router_weight).float().softmax(-1)          # (N, E)
     top_p, top_e = probs.topk(top_k, dim=-1)                        # (N, k), (N, k)
     if routing is not None:
@@ -185,31 +184,8 @@ class EPLayout:
     def dp_group_ranks(self, rank):
         return self.holders(self.owned(rank)[0])
 
-    # a layout over part of the job (ranks=)
-    def local_rank(self, global_rank):
-        """This process's rank in the layout; ValueError if the layout does not span it."""
-        if self.ranks is None:
-            return global_rank
-        if global_rank not in self.ranks:
-            raise ValueError(f"rank {global_rank} is not one of the layout's ranks "
-                             f"{list(self.ranks)}")
-        return self.ranks.index(global_rank)
-
-
-def new_groups(layout, timeout_s=60.0):
-    """(EP group, DP group) of this rank, None for a rank outside the layout. Every rank of the job
-    calls it, in the same order: new_group is collective."""
-    _check_fits_the_job(layout)
-    if not dist.is_initialized():  # a world of one
-        return None, None
-    rank, timeout, mine = dist.get_rank(), datetime.timedelta(seconds=timeout_s), [None, None]
-    for kind, ranks_of in enumerate((layout.ep_group_ranks, layout.dp_group_ranks)):
-        for local in sorted({tuple(ranks_of(r)) for r in range(layout.world_size)}):
-            ranks = [layout.global_rank(r) for r in local]
-            g = dist.new_group(ranks, timeout=timeout)
-            if rank in ranks:
-                mine[kind] = g
-    return tuple(mine)
+    def local_rank(self, global_rank):  # a layout over part of the job (ranks=): below the marker
+        return _local_rank(self, global_rank)
 
 
 def shard_experts(full, layout, rank):
@@ -218,24 +194,7 @@ def shard_experts(full, layout, rank):
 
 
 # ----------------------------------------------------------------------- re-sharding, naive first
-def _rank(group, layout):
-    """This process's rank: in `group` if given, else in the layout's own numbering."""
-    if not dist.is_initialized():
-        return 0
-    return dist.get_rank(group) if group is not None else layout.local_rank(dist.get_rank())
-
-
-def _held_bytes(*dicts):
-    """Bytes of the distinct storages behind the tensors of the given name -> {e: tensor} dicts."""
-    seen = {}
-    for d in dicts:
-        for slices in d.values():
-            for t in slices.values():
-                s = t.untyped_storage()
-                seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
-
-
+# _rank: this process's rank; _held_bytes: the memory count (both below the marker)
 def reshard_naive(experts, src, dst, group=None):
     """The naive switch: all_reduce every expert onto every rank (one contributor each), keep the
     target's. It moves and briefly holds all E experts per name on every rank."""
@@ -354,7 +313,7 @@ class EPMoE(nn.Module):
         super().__init__()
         self.top_k, self.layout, self.group = top_k, layout, group
         self.rank = _rank(None, layout)
-        self.routing = None  # optional hook on the experts chosen: see route()
+        self.routing = None  # a hook for an option (routing replay): see below the marker
         self.every_expert_below = EVERY_EXPERT_WORK / (d_model * d_hidden)  # tokens
         _check_ep_group(layout, group, self.rank)
         self.router = nn.utils.skip_init(nn.Linear, d_model, n_experts, bias=False)  # (E, D)
@@ -442,23 +401,6 @@ class EPMoE(nn.Module):
 
 
 # ----------------------------------------------------------------------- a whole model
-def is_dense_moe(m):
-    """A dense MoE layer, by attributes: router, top_k, w_gate, w_up and w_down; not an EPMoE."""
-    has_all = all(hasattr(m, a) for a in ("router", "top_k", *EXPERT_NAMES))
-    return has_all and not isinstance(m, EPMoE)
-
-
-def swap_layers(module, make):
-    """Replace each dense MoE submodule m of module by make(m): returns the new layers, in order."""
-    layers = []
-    for name, child in list(module.named_modules()):
-        if is_dense_moe(child):
-            parent, _, attr = name.rpartition(".")
-            layers.append(make(child))
-            setattr(module.get_submodule(parent), attr, layers[-1])
-    return layers
-
-
 class ExpertParallel:
     """Every MoE layer of a model expert-parallel: EP train_ep in training, infer_ep in rollout.
     apply(model, engine) makes the model's dense MoE layers EPMoE layers of the training layout,
@@ -486,17 +428,6 @@ class ExpertParallel:
         self.names = {n for n, _ in model.named_parameters() if n.split(".")[-2] in EXPERT_NAMES}
         if engine is not None:
             self.engine_layers = swap_layers(engine, self._empty_like)
-
-    def shard(self, module):
-        """module's dense MoE layers -> EPMoE layers of the training layout, keeping their weights.
-        Also for a frozen copy (the reference): it then runs the policy's own EP forward and
-        computes what the policy does, bit for bit (a dense forward rounds differently)."""
-        group = self.train_groups[0]
-        return swap_layers(module, lambda m: EPMoE.from_dense(m, self.train_layout, group))
-
-    def params(self, model):
-        """The model's expert Parameters: one per global expert, empty where this rank owns none."""
-        return [p for n, p in model.named_parameters() if n in self.names]
 
     @torch.no_grad()
     def to_rollout(self):
@@ -543,6 +474,31 @@ class ExpertParallel:
         for g, f in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(f.view_as(g))
 
+    # ==============================================================================================
+    # What follows: the rest of ExpertParallel (shard, params, the engine's empty layers, the
+    # figures), optimizer_groups, new_groups, the re-shard's memory count, the checks of the
+    # caller's input (each raises before any collective), the ranks' agreement on a switch, the
+    # layouts over part of the job, DenseMoE for other codebases, and the whole model's dense state.
+    # The code above calls them but reads without them.
+    # A learner can stop here.
+    # ==============================================================================================
+    # The options' hooks: route(..., routing) and EPMoE.routing, a hook (N, k) -> (N, k) on the
+    # experts chosen that records or replaces them (options/routing_replay.py); the gates are then
+    # the router's probabilities of the experts it returns, renormalised. ranks= (EPLayout,
+    # ExpertParallel), group= (reshard) and world_group= (EPMoE.switch): a layout over part of the
+    # job, switched over the group of its ranks.
+
+    def shard(self, module):
+        """module's dense MoE layers -> EPMoE layers of the training layout, keeping their weights.
+        Also for a frozen copy (the reference): it then runs the policy's own EP forward and
+        computes what the policy does, bit for bit (a dense forward rounds differently)."""
+        group = self.train_groups[0]
+        return swap_layers(module, lambda m: EPMoE.from_dense(m, self.train_layout, group))
+
+    def params(self, model):
+        """The model's expert Parameters: one per global expert, empty where this rank owns none."""
+        return [p for n, p in model.named_parameters() if n in self.names]
+
     # helpers of apply, to_rollout and to_train
     def _empty_like(self, moe):
         """An engine's EP layer: the dense layer's router Parameter itself (a loader filling the
@@ -575,12 +531,57 @@ def optimizer_groups(model):
     return [{"params": g} for g in (shards, plain) if g]
 
 
-# ==================================================================================================
-# What follows: the checks of the caller's input (each raises before any collective), the ranks'
-# agreement on a switch (a rank left out makes the others raise), the group of a layout over part
-# of the job, DenseMoE for other codebases, and the whole model's dense state for checkpoints and
-# the reference. The code above calls them but reads without them. A learner can stop here.
-# ==================================================================================================
+# ----------------------------------------------- building: the process groups, a model's MoE layers
+def new_groups(layout, timeout_s=60.0):
+    """(EP group, DP group) of this rank, None for a rank outside the layout. Every rank of the job
+    calls it, in the same order: new_group is collective."""
+    _check_fits_the_job(layout)
+    if not dist.is_initialized():  # a world of one
+        return None, None
+    rank, timeout, mine = dist.get_rank(), datetime.timedelta(seconds=timeout_s), [None, None]
+    for kind, ranks_of in enumerate((layout.ep_group_ranks, layout.dp_group_ranks)):
+        for local in sorted({tuple(ranks_of(r)) for r in range(layout.world_size)}):
+            ranks = [layout.global_rank(r) for r in local]
+            g = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                mine[kind] = g
+    return tuple(mine)
+
+
+def is_dense_moe(m):
+    """A dense MoE layer, by attributes: router, top_k, w_gate, w_up and w_down; not an EPMoE."""
+    has_all = all(hasattr(m, a) for a in ("router", "top_k", *EXPERT_NAMES))
+    return has_all and not isinstance(m, EPMoE)
+
+
+def swap_layers(module, make):
+    """Replace each dense MoE submodule m of module by make(m): returns the new layers, in order."""
+    layers = []
+    for name, child in list(module.named_modules()):
+        if is_dense_moe(child):
+            parent, _, attr = name.rpartition(".")
+            layers.append(make(child))
+            setattr(module.get_submodule(parent), attr, layers[-1])
+    return layers
+
+
+# -------------------------------------------------------------------------- helpers of the re-shard
+def _rank(group, layout):
+    """This process's rank: in `group` if given, else in the layout's own numbering."""
+    if not dist.is_initialized():
+        return 0
+    return dist.get_rank(group) if group is not None else layout.local_rank(dist.get_rank())
+
+
+def _held_bytes(*dicts):
+    """Bytes of the distinct storages behind the tensors of the given name -> {e: tensor} dicts."""
+    seen = {}
+    for d in dicts:
+        for slices in d.values():
+            for t in slices.values():
+                s = t.untyped_storage()
+                seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
 
 
 # --------------------------------------------------------------------- checks of the caller's input
@@ -734,6 +735,17 @@ def agree_on_switch(src, dst, group=None, device="cpu"):
 
 
 # -------------------------------------------------------------------- a layout over part of the job
+def _local_rank(layout, global_rank):
+    """EPLayout.local_rank: this process's rank in the layout; ValueError if the layout does not
+    span it."""
+    if layout.ranks is None:
+        return global_rank
+    if global_rank not in layout.ranks:
+        raise ValueError(f"rank {global_rank} is not one of the layout's ranks "
+                         f"{list(layout.ranks)}")
+    return layout.ranks.index(global_rank)
+
+
 def _group_of_ranks(ranks, timeout_s):
     """ExpertParallel's group of a layout over part of the job: new_group of its ranks, collective
     over the job. None for a layout over the whole job, or with no process group."""
@@ -838,4 +850,3 @@ def load_dense_state_dict(model, full):
             p.to_local().copy_(part.to_local())
         else:
             p.copy_(full[k])
-

@@ -12,12 +12,10 @@ the groups whose last chance it is, and a group that would age past S is restart
 stale (the cut, in StaleSync). Admission caps how far ahead slots open. At S = 0 this is the
 synchronous path, bit for bit.
 
-The file reads naive first: sync_rollout and the sampler's contract; StaleConfig and StaleSync,
-the scheduler (the round, admission, decoding, the cut); the colocated cuts, AllReady (naive:
-each rank its own share, once all are ready) and SharedCut (one shared cut). The default path and
-the naive versions it improves on are all above the marker (the line of `=` signs after
-SharedCut); below it are the checks of the caller's input and of what the callables return, the
-brakes, and the checkpoint state.
+Above the marker (the line of `=` signs after SharedCut) is the default path, naive first:
+sync_rollout and the sampler's contract; StaleConfig and StaleSync, the scheduler (the round,
+admission, decoding, the cut); SharedCut, the replicas' shared cut. Below it: the checks, dynamic
+sampling, the options' hooks, the naive cut AllReady, and the checkpoint state.
 
 Shapes: B samples in a batch, G group size, R rows in flight, n_i tokens of sample i,
 S staleness bound, v policy version (optimizer steps taken), k batch index (trained at v = k).
@@ -28,8 +26,8 @@ the source system (Huawei's RL post-training on CloudMatrix 384) and its kin:
 1. Whole groups are the unit of admission, age and regeneration: GRPO's advantage needs every
    sample of a group, and all of a group's samples start together.
 2. The scheduler is a plain object that the caller drives: colocated, rollout(spans, cut) then
-   update(); separated, admit/decode/ready/take on the generator and update(v) as weights arrive.
-   Moving samples and weights is the caller's job: the only collectives here are the cuts'.
+   update() (separated: see below). Moving samples and weights is the caller's job: the only
+   collectives here are the cuts'.
 3. Ages are counted in optimizer steps (batch indices), not wall time.
 
     python -m pytest tests/test_stalesync.py
@@ -86,12 +84,9 @@ def sync_rollout(step_fn, prompts, group_size, seeds):
 #              (R, T) tensor, whose pads would become response tokens
 #   logprobs   R sequences, the log-prob of each new token
 #   done       R bools, True once a row has ended
-#   per_token  optional attribute: name -> R sequences of one entry per new token (each token's
-#              experts, say: (n, L, K)), kept with the sample and handed on in Batch.per_token.
-#              A field must come with every call.
 # Every call makes a token or ends each row, and every row ends by StaleConfig.max_len tokens.
 # A cached sampler keeps its KV cache between chunks; StaleSync calls its reset() when it is stale.
-# _unpack (below the marker) checks what it returns.
+# _unpack (below the marker) checks what it returns; an optional per_token attribute, too.
 
 
 # ------------------------------------------------------------------------------------ the scheduler
@@ -105,7 +100,7 @@ class StaleConfig:
     chunk_steps: int = 8        # decode steps per sampler call (S > 0, or chunk_s0)
     max_len: int = None         # brake: a row not done at this many tokens raises (None: off)
     max_filtered: int = None    # brake: keep_group drops at most this many per batch (None: off)
-    chunk_s0: bool = False      # S = 0 decodes in chunks too, so that the caller works between them
+    chunk_s0: bool = False      # an option's: S = 0 decodes in chunks too (see below)
 
     def __post_init__(self):
         _check_config(self)  # below the marker
@@ -129,7 +124,7 @@ class Batch:
     start_versions: list  # (B,) version of each sample's first token
     done: list            # (B,) always True
     metrics: dict         # stale/* counters of this batch
-    per_token: dict = field(default_factory=dict)  # name -> (B,) of (n_i, ...): sampler's fields
+    per_token: dict = field(default_factory=dict)  # the sampler's per-token fields: see below
 
 
 def _complete(g):
@@ -147,21 +142,15 @@ class StaleSync:
 
     prompt_fn(slot, attempt) -> a group's prompt, (P,) int64 or a list of ints. The optional ones:
     seed_fn(slot, attempt, member) -> int (default: the sample's id, 0, 1, 2, ... as made);
-    keep_group(prompt, responses) -> bool, dynamic sampling (_filter); on_group(batch) (decode);
-    the sampler's reset() (update), idle() (decode) and state (state_dict), by default step_fn's
-    own, or its owner's for a bound method."""
+    keep_group(prompt, responses) -> bool, dynamic sampling (_filter, below the marker).
+    The sampler's reset(), idle() and state, and on_group: hooks, see below."""
 
     def __init__(self, cfg: StaleConfig, step_fn, prompt_fn, seed_fn=None, keep_group=None,
                  reset=None, state=None, idle=None, on_group=None):
         self.cfg, self.step_fn, self.prompt_fn, self.seed_fn = cfg, step_fn, prompt_fn, seed_fn
         self.keep_group, self.on_group = keep_group, on_group
-        owner = getattr(step_fn, "__self__", step_fn)  # a bound method's object
-        self.reset_fn = reset if reset is not None else getattr(owner, "reset", None)
-        self.idle_fn = idle if idle is not None else getattr(owner, "idle", None)
-        # the sampler itself as the state, if it has one; a model's weights stay out of it
-        stateful = hasattr(owner, "state_dict") and hasattr(owner, "load_state_dict")
-        plain = stateful and not isinstance(owner, torch.nn.Module)
-        self.sampler_state = state if state is not None else (owner if plain else None)
+        hooks = _sampler_hooks(step_fn, reset, idle, state)  # step_fn's own unless given
+        self.reset_fn, self.idle_fn, self.sampler_state = hooks
         self.version = 0          # v: the weights the sampler uses now
         self.batches_out = 0      # k: batches emitted; the next one is trained at version k
         self.slots_opened = 0     # slots opened so far (a reopened one is not counted again)
@@ -180,7 +169,7 @@ class StaleSync:
     def rollout(self, spans=None, cut=None):
         """Colocated round: admit and decode until batch k (k = version) is cut; emit it.
         spans(name) times it ("rollout"). cut(sched) -> None, or this scheduler's share (take()'s
-        arguments), is called once per loop turn on every rank (default: cut_alone; see AllReady,
+        arguments), is called once per loop turn on every rank (default: cut_alone; see
         SharedCut). The round ends with the sampler's reset(): its cache is rollout memory, and
         stale once the step is trained."""
         _check_rollout(self)
@@ -195,8 +184,8 @@ class StaleSync:
         return batch
 
     def update(self, version=None):
-        """New weights reached the sampler: version + 1 (colocated, after the optimizer step), or
-        the version received (separated). The sampler's cache is stale: reset()."""
+        """New weights reached the sampler: version + 1, after the optimizer step (a separated
+        caller's `version`: see below). The sampler's cache is stale: reset()."""
         _check_update(self, version)
         self.version = self.version + 1 if version is None else int(version)
         if self.reset_fn is not None:
@@ -244,18 +233,14 @@ class StaleSync:
 
     # --- decoding
     def decode(self):
-        """One sampler call on every row in flight (idle() if none): up to chunk_steps new tokens
-        each, kept with their log-probs and the current version. Returns the tokens made.
-        At S = 0 the call has no cut (max_steps=None): once per round, and once per refill of
-        dropped groups, the very call sync_rollout makes, so the samples, updates and parameters
-        are the synchronous path's, bit for bit. chunk_s0 decodes S = 0 in chunks instead, so that
-        a caller can work between them; a counter-based sampler then makes the same tokens, its
-        log-probs equal up to float rounding."""
+        """One sampler call on every row in flight: up to chunk_steps new tokens each, kept with
+        their log-probs and the current version. Returns the tokens made. At S = 0 the call has no
+        cut (max_steps=None): once per round, and once per refill of dropped groups, the very call
+        sync_rollout makes, so the samples, updates and parameters are the synchronous path's, bit
+        for bit. Hooks for the options (idle, per_token, on_group, chunk_s0): see below."""
         rows = [(g, s) for g in self.pool for s in g["samples"] if not s["done"]]
-        if not rows:  # a rank of a lock-step engine (expert parallel) joins its peers' call
-            if self.idle_fn is not None:
-                self.idle_fn()
-            return 0
+        if not rows:  # no row in flight: the sampler's idle(), see below
+            return _idle(self)
         for g, _ in rows:
             if g["start_version"] is None:  # the group's first token: its age starts now
                 g["start_version"] = self.version
@@ -267,42 +252,20 @@ class StaleSync:
         max_steps = None if synchronous else self.cfg.chunk_steps
         out = self.step_fn(contexts, seeds, n_done, max_steps)
         tokens, logprobs, done = _unpack(out, len(rows))
-        fields = _per_token(out, tokens)
+        fields = _per_token(out, tokens)  # the sampler's per-token fields, if any
         _check_progress(tokens, done, len(rows), max_steps)
         for r, ((_, s), t, lp, d) in enumerate(zip(rows, tokens, logprobs, done)):
-            for name, values in fields.items():
-                s["per_token"].setdefault(name, []).append(values[r])
+            _keep_per_token(s, fields, r)
             s["tokens"] += t.tolist()
             s["logprobs"] += lp.tolist()  # float32 values, exact in a Python float
             s["versions"] += [self.version] * len(t)
             s["done"] = d
         _check_budget(self, rows)
         completed = [g for g in {id(g): g for g, _ in rows}.values() if _complete(g)]
-        kept = self._filter(completed)
-        for g in kept if self.on_group is not None else []:  # each shown once, as it completes
-            self.on_group(self._as_batch([g], version=None, metrics={}))
+        kept = _filter(self, completed)  # dynamic sampling (keep_group): see below
+        if self.on_group is not None:
+            _show_groups(self, kept)
         return sum(len(t) for t in tokens)
-
-    def _filter(self, completed):
-        """Dynamic sampling: keep_group (say, not every reward equal) drops some of the groups that
-        just completed, counted (stale/filtered), and their slots reopen for a new prompt. Returns
-        the kept ones."""
-        if self.keep_group is None:
-            return completed
-        kept = []
-        for g in completed:
-            responses = [torch.tensor(s["tokens"], dtype=torch.long) for s in g["samples"]]
-            if self.keep_group(g["prompt"], responses):
-                kept.append(g)
-                continue
-            self.pool = [h for h in self.pool if h is not g]
-            for s in g["samples"]:
-                self.fate[s["id"]] = "filtered"
-            self.filtered += 1
-            self.reopen.append((g["slot"], g["attempt"] + 1))
-        self.reopen.sort()
-        _check_filter_limit(self)
-        return kept
 
     # --- the cut of batch k, trained at version k
     # A sample's age is k - start_version, the version of its group's first token. A group that
@@ -358,7 +321,7 @@ class StaleSync:
         samples = [(g, s) for g in chosen for s in g["samples"]]
         for _, s in samples:
             self.fate[s["id"]] = "trained"
-        return self._as_batch(chosen, k, self._metrics(k, samples, len(too_old)))
+        return _as_batch(chosen, k, _metrics(self, k, samples, len(too_old)))  # below the marker
 
     def spare_slots(self, needed):
         """The slots of the complete groups beyond the first `needed` due ones, lowest first."""
@@ -377,65 +340,23 @@ class StaleSync:
         return sorted((g for g in self.pool if _complete(g) and all(g is not h for h in needed)),
                       key=lambda g: g["slot"])
 
-    def _as_batch(self, groups, version, metrics):
-        pairs = [(g, s) for g in groups for s in g["samples"]]
-        samples = [s for _, s in pairs]
-
-        def as_tensors(key, dtype):  # (B,) of (n_i,)
-            return [torch.tensor(s[key], dtype=dtype) for s in samples]
-        return Batch(version=version, ids=[s["id"] for s in samples],
-                     slots=[g["slot"] for g, _ in pairs], seeds=[s["seed"] for s in samples],
-                     prompts=[g["prompt"] for g, _ in pairs],
-                     responses=as_tensors("tokens", torch.long),
-                     logprobs=as_tensors("logprobs", torch.float32),
-                     token_versions=as_tensors("versions", torch.long),
-                     start_versions=[g["start_version"] for g, _ in pairs],
-                     done=[True] * len(samples), metrics=metrics,
-                     per_token={name: [_joined(s, name) for s in samples]
-                                for name in _per_token_names(samples)})
-
-    def _metrics(self, k, samples, regenerated_at_cut):
-        """The stale/* figures of batch k. An empty share (a shared cut's) reports no dropped
-        groups: the next batch with samples does."""
-        filtered_at_cut = self.filtered - self.filtered_reported if samples else 0
-        self.filtered_reported += filtered_at_cut
-        ages = [k - g["start_version"] for g, _ in samples]                                # (B,)
-        groups = len(samples) // self.cfg.group_size
-        return {"stale/age_max": max(ages, default=0),
-                "stale/age_mean": sum(ages) / max(len(ages), 1),
-                "stale/regenerated": self.regenerated,  # so far; at this cut:
-                "stale/regenerated_at_cut": regenerated_at_cut,
-                "stale/filtered": self.filtered, "stale/filtered_at_cut": filtered_at_cut,
-                # a shared cut: the groups given beyond groups_per_step, for a held-back peer
-                "stale/filled_in_at_cut": max(0, groups - self.cfg.groups_per_step),
-                "stale/partial_continued": sum(len(set(s["versions"])) > 1 for _, s in samples),
-                "rollout/response_tokens": sum(len(s["tokens"]) for _, s in samples)}
-
-    # --- accounting
-    def accounting(self):
-        """Sample ids by fate: trained, regenerated, filtered, in flight."""
-        out = {"trained": set(), "regenerated": set(), "filtered": set(), "in_flight": set()}
-        for i, f in self.fate.items():
-            out[f].add(i)
-        out["in_flight"] = {s["id"] for g in self.pool for s in g["samples"]}
-        return out
-
-    # --- checkpoint and resume: their bodies are below the marker
+    # --- off the default path: the accounting, checkpoint and resume (their bodies below)
     COUNTERS = ("version", "batches_out", "slots_opened", "next_id", "regenerated", "filtered",
                 "filtered_reported", "filtered_at_take", "max_admitted_over")
 
+    def accounting(self):
+        """Sample ids by fate: trained, regenerated, filtered, in flight."""
+        return _accounting(self)
+
     def state_dict(self):
-        """The groups in flight, the slots to reopen, the counters, the fates, and the sampler's
-        state. Not prompt_fn's or seed_fn's: a function of (slot, attempt) alone, or of state the
-        caller restores, resumes exactly; one that reads an unsaved stream serves it again."""
+        """The groups in flight, the slots to reopen, the counters, the fates, the sampler's state."""
         return _state_dict(self)
 
     def load_state_dict(self, sd):
         _load_state_dict(self, sd)
 
     def start_at(self, version):
-        """Empty, at `version` with as many batches out: a resume that cannot keep the groups in
-        flight (another world size) opens the next slots again, their first attempts."""
+        """Empty, at `version` with as many batches out (a resume at another world size)."""
         _start_at(self, version)
 
 
@@ -454,25 +375,6 @@ def _post_or_wait(cut, collective, tensors, wait):
     cut.posted.clear()
 
 
-class AllReady:
-    """Colocated, the naive cut: each rank gives its own groups_per_step once every rank that
-    trains together is ready, an all-reduce MIN of a flag per loop turn. A ready rank decodes its
-    tail while the answer is no. One replica's bad luck (a chain of dropped groups) is then the
-    whole step's time: SharedCut fixes that."""
-
-    def __init__(self, group=None, device="cpu", spans=None):  # spans: times the waits
-        self.group, self.device, self.spans = group, device, spans
-        self.posted = []  # collectives in flight: (work, tensor)
-
-    def __call__(self, sched):
-        mine = sched.cut_alone() is not None
-        flag = torch.tensor([float(mine)], device=self.device)                          # (1,)
-        all_reduce = functools.partial(dist.all_reduce, flag, op=dist.ReduceOp.MIN,
-                                       group=self.group)
-        _post_or_wait(self, all_reduce, flag, wait=mine)
-        return (sched.cfg.groups_per_step, None) if mine and flag.item() else None
-
-
 class SharedCut:
     """Colocated: the replicas that train together cut one batch, R * groups_per_step groups,
     from the union of their pools, by StaleSync's rule. A replica's needed groups are its first
@@ -483,10 +385,9 @@ class SharedCut:
     rest. So a replica held back (its groups dropped again and again) no longer holds the step:
     its peers' complete groups of later slots take its place. A replica's share varies, the batch
     does not; every slot is still trained once, within S. At S = 0 each replica gives
-    groups_per_step, as under AllReady.
-    Per loop turn, one all-gather of offer()'s counts; at the cut, one of the spare slots. A
-    replica of several ranks (inference TP) is named by `replica` on each of them, and one of
-    them, the `leader`, speaks for it: the others hold the same pool."""
+    groups_per_step, as under AllReady, the naive cut (below the marker).
+    Per loop turn, one all-gather of offer()'s counts; at the cut, one of the spare slots.
+    replica and leader: for a replica of several ranks, see below."""
 
     FACTS = ("leader", "replica", "due", "done", "complete", "work", "gps")  # posted per turn
 
@@ -543,11 +444,11 @@ class SharedCut:
 
 
 # ==================================================================================================
-# What follows is off the default path, and the code above calls it by name: the checks of the
-# caller's input (the config, the calls' order) with their long error messages, the brakes that
-# stop a run going nowhere, the checks of what the sampler and prompt_fn return, the per-token
-# fields (routing replay), and the checkpoint state (state_dict, load_state_dict, start_at).
-# A learner can stop here.
+# A learner can stop here. What follows, the code above calls by name: the checks of the caller's
+# input with their long error messages, the brakes that stop a run going nowhere, the checks of
+# what the sampler and prompt_fn return; dynamic sampling, a batch's packing and its figures; the
+# options' hooks; the per-token fields (routing replay); the accounting and the checkpoint state
+# (state_dict, load_state_dict, start_at). And the naive cut, AllReady, that SharedCut improves on.
 # ==================================================================================================
 
 
@@ -692,9 +593,132 @@ def _is_int(x):
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)  # numpy integers too
 
 
+# -------------------------------------------------------- dynamic sampling, a batch and its figures
+def _filter(sched, completed):
+    """Dynamic sampling: keep_group (say, not every reward equal) drops some of the groups that
+    just completed, counted (stale/filtered), and their slots reopen for a new prompt. Returns
+    the kept ones."""
+    if sched.keep_group is None:
+        return completed
+    kept = []
+    for g in completed:
+        responses = [torch.tensor(s["tokens"], dtype=torch.long) for s in g["samples"]]
+        if sched.keep_group(g["prompt"], responses):
+            kept.append(g)
+            continue
+        sched.pool = [h for h in sched.pool if h is not g]
+        for s in g["samples"]:
+            sched.fate[s["id"]] = "filtered"
+        sched.filtered += 1
+        sched.reopen.append((g["slot"], g["attempt"] + 1))
+    sched.reopen.sort()
+    _check_filter_limit(sched)
+    return kept
+
+
+def _as_batch(groups, version, metrics):
+    """The groups' samples as a Batch, each group's contiguous."""
+    pairs = [(g, s) for g in groups for s in g["samples"]]
+    samples = [s for _, s in pairs]
+
+    def as_tensors(key, dtype):  # (B,) of (n_i,)
+        return [torch.tensor(s[key], dtype=dtype) for s in samples]
+    return Batch(version=version, ids=[s["id"] for s in samples],
+                 slots=[g["slot"] for g, _ in pairs], seeds=[s["seed"] for s in samples],
+                 prompts=[g["prompt"] for g, _ in pairs],
+                 responses=as_tensors("tokens", torch.long),
+                 logprobs=as_tensors("logprobs", torch.float32),
+                 token_versions=as_tensors("versions", torch.long),
+                 start_versions=[g["start_version"] for g, _ in pairs],
+                 done=[True] * len(samples), metrics=metrics,
+                 per_token=_batch_per_token(samples))
+
+
+def _metrics(sched, k, samples, regenerated_at_cut):
+    """The stale/* figures of batch k. An empty share (a shared cut's) reports no dropped
+    groups: the next batch with samples does."""
+    filtered_at_cut = sched.filtered - sched.filtered_reported if samples else 0
+    sched.filtered_reported += filtered_at_cut
+    ages = [k - g["start_version"] for g, _ in samples]                                # (B,)
+    groups = len(samples) // sched.cfg.group_size
+    return {"stale/age_max": max(ages, default=0),
+            "stale/age_mean": sum(ages) / max(len(ages), 1),
+            "stale/regenerated": sched.regenerated,  # so far; at this cut:
+            "stale/regenerated_at_cut": regenerated_at_cut,
+            "stale/filtered": sched.filtered, "stale/filtered_at_cut": filtered_at_cut,
+            # a shared cut: the groups given beyond groups_per_step, for a held-back peer
+            "stale/filled_in_at_cut": max(0, groups - sched.cfg.groups_per_step),
+            "stale/partial_continued": sum(len(set(s["versions"])) > 1 for _, s in samples),
+            "rollout/response_tokens": sum(len(s["tokens"]) for _, s in samples)}
+
+
+# ------------------------------------------------------------------------------- the options' hooks
+def _sampler_hooks(step_fn, reset, idle, state):
+    """StaleSync's reset(), idle() and sampler state: those given, else the sampler's own
+    (step_fn's, or its owner's for a bound method). reset() drops its KV cache (at a round's end,
+    and in update); idle() is a call with no rows (decode); the state goes into state_dict: the
+    sampler itself if it has one, but a model's weights stay out of it."""
+    owner = getattr(step_fn, "__self__", step_fn)  # a bound method's object
+    reset_fn = reset if reset is not None else getattr(owner, "reset", None)
+    idle_fn = idle if idle is not None else getattr(owner, "idle", None)
+    stateful = hasattr(owner, "state_dict") and hasattr(owner, "load_state_dict")
+    plain = stateful and not isinstance(owner, torch.nn.Module)
+    return reset_fn, idle_fn, state if state is not None else (owner if plain else None)
+
+
+def _idle(sched):
+    """decode() with no row in flight: the sampler's idle(), so that a rank of a lock-step engine
+    (expert parallel) joins its peers' call. Returns the tokens made: none."""
+    if sched.idle_fn is not None:
+        sched.idle_fn()
+    return 0
+
+
+def _show_groups(sched, kept):
+    """on_group(batch): each kept group shown once, as it completes, as a Batch of version None
+    (a streaming caller puts its rows into a queue at once)."""
+    for g in kept:
+        sched.on_group(_as_batch([g], version=None, metrics={}))
+
+
+# chunk_s0 (StaleConfig): S = 0 decodes in chunks of chunk_steps too, so that a caller can work
+# between them. A counter-based sampler then makes the same tokens, its log-probs equal up to float
+# rounding.
+#
+# A separated caller drives the scheduler on its generator itself: admit(), decode(), and take()
+# while ready(); update(v) as the weights of version v arrive (v in [version, batches_out]).
+#
+# SharedCut's replica and leader: a replica of several ranks (inference TP) is named by `replica`
+# on each of them, and one of them, the `leader`, speaks for it: the others hold the same pool.
+# Every rank posts its part of both all-gathers (collectives pair); only the leaders' parts count.
+
+
+# ------------------------------------------------------------------------------------ the naive cut
+class AllReady:
+    """Colocated, the naive cut: each rank gives its own groups_per_step once every rank that
+    trains together is ready, an all-reduce MIN of a flag per loop turn. A ready rank decodes its
+    tail while the answer is no. One replica's bad luck (a chain of dropped groups) is then the
+    whole step's time: SharedCut fixes that."""
+
+    def __init__(self, group=None, device="cpu", spans=None):  # spans: times the waits
+        self.group, self.device, self.spans = group, device, spans
+        self.posted = []  # collectives in flight: (work, tensor)
+
+    def __call__(self, sched):
+        mine = sched.cut_alone() is not None
+        flag = torch.tensor([float(mine)], device=self.device)                          # (1,)
+        all_reduce = functools.partial(dist.all_reduce, flag, op=dist.ReduceOp.MIN,
+                                       group=self.group)
+        _post_or_wait(self, all_reduce, flag, wait=mine)
+        return (sched.cfg.groups_per_step, None) if mine and flag.item() else None
+
+
 # --------------------------------------------------------------- the per-token fields (a sampler's)
 def _per_token(out, tokens):
-    """The per-token fields of one call: name -> R tensors, one entry per new token."""
+    """The per-token fields of one call: name -> R tensors, one entry per new token. A sampler
+    returns them, optionally, as its output's per_token attribute: name -> R sequences of one
+    entry per new token (each token's experts, say: (n, L, K)), kept with the sample and handed on
+    in Batch.per_token. A field must come with every call."""
     fields = {name: [torch.as_tensor(v) for v in rows]
               for name, rows in (getattr(out, "per_token", None) or {}).items()}
     for name, rows in fields.items():
@@ -727,9 +751,32 @@ def _joined(s, name):
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
 
 
-# ----------------------------------------------------------------------------- the checkpoint state
+def _keep_per_token(s, fields, r):
+    """decode(): row r's entries of each field, kept with its sample s."""
+    for name, values in fields.items():
+        s["per_token"].setdefault(name, []).append(values[r])
+
+
+def _batch_per_token(samples):
+    """Batch.per_token: name -> (B,) of (n_i, ...), each sample's pieces joined."""
+    return {name: [_joined(s, name) for s in samples] for name in _per_token_names(samples)}
+
+
+# ------------------------------------------------------------- the accounting, the checkpoint state
+def _accounting(sched):
+    """StaleSync.accounting: sample ids by fate: trained, regenerated, filtered, in flight."""
+    out = {"trained": set(), "regenerated": set(), "filtered": set(), "in_flight": set()}
+    for i, f in sched.fate.items():
+        out[f].add(i)
+    out["in_flight"] = {s["id"] for g in sched.pool for s in g["samples"]}
+    return out
+
+
 def _state_dict(sched):
-    """StaleSync.state_dict: the pool's samples with their lists as tensors."""
+    """StaleSync.state_dict: the groups in flight (their samples' lists as tensors), the slots to
+    reopen, the counters (COUNTERS), the fates, and the sampler's state. Not prompt_fn's or
+    seed_fn's: a function of (slot, attempt) alone, or of state the caller restores, resumes
+    exactly; one that reads an unsaved stream serves it again."""
     _per_token_names([s for g in sched.pool for s in g["samples"]])  # each covers its tokens
 
     def saved(s):  # a sample, its lists as tensors
@@ -773,7 +820,9 @@ def _load_state_dict(sched, sd):
 
 
 def _start_at(sched, version):
-    """StaleSync.start_at: only on a scheduler that has done nothing yet."""
+    """StaleSync.start_at: empty, at `version` with as many batches out, on a scheduler that has
+    done nothing yet: a resume that cannot keep the groups in flight (another world size) opens the
+    next slots again, their first attempts."""
     if sched.batches_out or sched.pool:
         raise RuntimeError("start_at() on a scheduler that has already emitted or admitted "
                            "groups")
