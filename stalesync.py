@@ -349,7 +349,8 @@ class StaleSync:
         return _accounting(self)
 
     def state_dict(self):
-        """The groups in flight, the slots to reopen, the counters, the fates, the sampler's state."""
+        """The groups in flight, the slots to reopen, the counters, the fates, the sampler's
+        state (below the marker: what is saved, and what is not)."""
         return _state_dict(self)
 
     def load_state_dict(self, sd):
