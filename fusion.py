@@ -22,6 +22,8 @@ Departures from the source system (Huawei's RL post-training on CloudMatrix 384)
   1. FSDP2 (ZeRO-3) or PP stages to train, TP to generate; the engine is not pipelined.
   2. The training shards stay on the device in ROLLOUT (1/W of the model) unless offload_params.
   3. The engine's weights are freed in TRAIN (vLLM's sleep mode would); its KV cache is its own.
+  4. On CPU the host is the device: the offload saves nothing there, and its host buffers, kept
+     for the next switch, hold a second copy of the optimizer state (not in the mem/* figures).
 A call that would read a freed storage, and crash, raises instead, naming the phase (the guards).
 
 Run: python -m pytest tests/test_fusion.py   (W 1, 2 x TP 1, 2; PP; HSDP; W 4: -m slow)

@@ -11,7 +11,7 @@ The default run (train_grpo.py) trains at EP 2 and generates at EP 1. Above the 
 can stop here" (in ExpertParallel) is that path, in reading order:
   route, moe_reference      the single-process MoE the EP layer must match, a slow loop
   all_to_all_rows           uneven all_to_all_single; its backward is the reverse all_to_all
-  EPLayout                  which rank owns which expert; its EP and DP groups (new_groups)
+  EPLayout                  which rank owns which expert (its groups: new_groups, below)
   reshard_naive, reshard    the naive switch, then the bucketed one (plan_reshard packs its rounds)
   EPMoE                     route, send counts then packed tokens, local experts, combine; switch()
   ExpertParallel            a model's MoE layers: apply, to_rollout, to_train, clip_grads
@@ -25,7 +25,7 @@ Departures from the source system (Huawei's RL post-training on CloudMatrix 384)
      neither keeps nor sends, it holds at most target + one bucket for layouts that nest
      (stats["peak_switch_bytes"]). Counting the entry, the peak is max(source, target) + one bucket.
   3. Ranks are laid out EP-outer, grid arange(W).view(P, W // P), so degrees that divide each other
-     nest: a switch to a higher degree moves nothing, one to a lower degree only receives.
+     nest: a switch to a higher degree moves nothing, one to a lower degree what each rank lacks.
   4. Grads and optimizer states stay outside: the caller clears grads before a switch, and the
      Parameter objects survive it. The experts stay out of FSDP: clip_grads syncs and clips them.
   5. No capacity factor, token dropping or load-balancing loss: every token reaches its k experts.

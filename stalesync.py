@@ -14,11 +14,11 @@ synchronous path, bit for bit.
 
 Above the marker (the line of `=` signs after SharedCut) is the default path, naive first:
 sync_rollout and the sampler's contract; StaleConfig and StaleSync, the scheduler (the round,
-admission, decoding, the cut); SharedCut, the replicas' shared cut. Below it: the checks, dynamic
-sampling, the options' hooks, the naive cut AllReady, and the checkpoint state.
+admission, decoding, the cut); the replicas' cuts, AllReady (naive) and SharedCut. Below it: the
+checks, dynamic sampling, the options' hooks, and the checkpoint state.
 
 Shapes: B samples in a batch, G group size, R rows in flight, n_i tokens of sample i,
-S staleness bound, v policy version (optimizer steps taken), k batch index (trained at v = k).
+S staleness bound, v policy version (batches trained), k batch index (trained at v = k).
 
 Relatives: AReaL (admission capacity (S + v + 1) * B), MindSpeed-RL and Kimi k1.5 (partial
 rollout, per-sample age cap), Pangu Embedded (stale-synchronous stages, S = 4). Departures from
@@ -28,7 +28,7 @@ the source system (Huawei's RL post-training on CloudMatrix 384) and its kin:
 2. The scheduler is a plain object that the caller drives: colocated, rollout(spans, cut) then
    update() (separated: see below). Moving samples and weights is the caller's job: the only
    collectives here are the cuts'.
-3. Ages are counted in optimizer steps (batch indices), not wall time.
+3. Ages are counted in policy versions (batch indices), not wall time.
 
     python -m pytest tests/test_stalesync.py
     python bench/stalesync.py --lengths lognormal:3,1
@@ -376,6 +376,25 @@ def _post_or_wait(cut, collective, tensors, wait):
     cut.posted.clear()
 
 
+class AllReady:
+    """Colocated, the naive cut: each rank gives its own groups_per_step once every rank that
+    trains together is ready, an all-reduce MIN of a flag per loop turn. A ready rank decodes its
+    tail while the answer is no. One replica's bad luck (a chain of dropped groups) is then the
+    whole step's time: SharedCut fixes that."""
+
+    def __init__(self, group=None, device="cpu", spans=None):  # spans: times the waits
+        self.group, self.device, self.spans = group, device, spans
+        self.posted = []  # collectives in flight: (work, tensor)
+
+    def __call__(self, sched):
+        mine = sched.cut_alone() is not None
+        flag = torch.tensor([float(mine)], device=self.device)                          # (1,)
+        all_reduce = functools.partial(dist.all_reduce, flag, op=dist.ReduceOp.MIN,
+                                       group=self.group)
+        _post_or_wait(self, all_reduce, flag, wait=mine)
+        return (sched.cfg.groups_per_step, None) if mine and flag.item() else None
+
+
 class SharedCut:
     """Colocated: the replicas that train together cut one batch, R * groups_per_step groups,
     from the union of their pools, by StaleSync's rule. A replica's needed groups are its first
@@ -386,7 +405,7 @@ class SharedCut:
     rest. So a replica held back (its groups dropped again and again) no longer holds the step:
     its peers' complete groups of later slots take its place. A replica's share varies, the batch
     does not; every slot is still trained once, within S. At S = 0 each replica gives
-    groups_per_step, as under AllReady, the naive cut (below the marker).
+    groups_per_step, as under AllReady.
     Per loop turn, one all-gather of offer()'s counts; at the cut, one of the spare slots.
     replica and leader: for a replica of several ranks, see below."""
 
@@ -421,6 +440,14 @@ class SharedCut:
         quota = batch - sum(needed)
         return my_needed + self._spares_taken(sched.spare_slots(my_needed), quota), my_needed
 
+    # Why nothing ages out at S = 1 (R replicas, gps groups each, batch k cut at version k):
+    #   - a group due at batch k started at a version <= k - 1, so its slot opened by then, and
+    #     admission kept each replica's slots opened by version k - 1 within (k + 1) * gps;
+    #   - the k batches out took R * k * gps groups, every one from a slot opened by version k - 1
+    #     (batch j's groups started by version j), and each slot is trained once;
+    #   - so at most R * (k + 1) * gps - R * k * gps = R * gps slots opened by then are untrained:
+    #     the due groups fit in one batch, and _needed gives each of them a place.
+    # At S >= 2 the batches out may also take slots opened after version k - S: more can fall due.
     @staticmethod
     def _needed(rows, batch):
         """Each replica's needed groups, the lower replica first."""
@@ -449,7 +476,7 @@ class SharedCut:
 # input with their long error messages, the brakes that stop a run going nowhere, the checks of
 # what the sampler and prompt_fn return; dynamic sampling, a batch's packing and its figures; the
 # options' hooks; the per-token fields (routing replay); the accounting and the checkpoint state
-# (state_dict, load_state_dict, start_at). And the naive cut, AllReady, that SharedCut improves on.
+# (state_dict, load_state_dict, start_at).
 # ==================================================================================================
 
 
@@ -692,26 +719,6 @@ def _show_groups(sched, kept):
 # SharedCut's replica and leader: a replica of several ranks (inference TP) is named by `replica`
 # on each of them, and one of them, the `leader`, speaks for it: the others hold the same pool.
 # Every rank posts its part of both all-gathers (collectives pair); only the leaders' parts count.
-
-
-# ------------------------------------------------------------------------------------ the naive cut
-class AllReady:
-    """Colocated, the naive cut: each rank gives its own groups_per_step once every rank that
-    trains together is ready, an all-reduce MIN of a flag per loop turn. A ready rank decodes its
-    tail while the answer is no. One replica's bad luck (a chain of dropped groups) is then the
-    whole step's time: SharedCut fixes that."""
-
-    def __init__(self, group=None, device="cpu", spans=None):  # spans: times the waits
-        self.group, self.device, self.spans = group, device, spans
-        self.posted = []  # collectives in flight: (work, tensor)
-
-    def __call__(self, sched):
-        mine = sched.cut_alone() is not None
-        flag = torch.tensor([float(mine)], device=self.device)                          # (1,)
-        all_reduce = functools.partial(dist.all_reduce, flag, op=dist.ReduceOp.MIN,
-                                       group=self.group)
-        _post_or_wait(self, all_reduce, flag, wait=mine)
-        return (sched.cfg.groups_per_step, None) if mine and flag.item() else None
 
 
 # --------------------------------------------------------------- the per-token fields (a sampler's)

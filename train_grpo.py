@@ -18,7 +18,7 @@ the README:
 Step 1 scores each group as it completes too: dynamic sampling drops a group whose rewards are all
 equal (its slot is drawn again), and the curriculum (curriculum.py) learns which lengths inform.
 
-A version v counts optimizer steps: RL step k trains batch k - 1, which StaleSync cut for version
+A version v counts the batches trained: RL step k trains batch k - 1, which StaleSync cut for version
 k - 1 (every sample of it started at a version >= k - 1 - S), and makes version k. A supervised
 warm-up comes first; its held-out accuracy is the "before" figure.
 
