@@ -33,8 +33,6 @@ def errors(cfg, world):
         if bad:  # the experts' own gradient sync (moe_switch.py) does not go through gradsync.py
             out.append(f"--nodes {cfg.nodes} with {what} is not supported (colocated, FSDP2 within "
                        "each node, without PP and without EP)")
-    if not 0 < cfg.grad_topk <= 1:
-        out.append(f"--grad-topk {cfg.grad_topk} must be in (0, 1]")
     return out
 
 

@@ -44,6 +44,9 @@ def errors(cfg, world):
         if bad:
             out.append(f"--train-pp {pp} with {what} is not supported yet "
                        "(colocated, without EP and without routing replay)")
+    if cfg.micro_batches < pp:
+        out.append(f"--micro-batches {cfg.micro_batches} must be at least --train-pp {pp}: "
+                   "a pipeline schedule needs a micro-batch per stage")
     rows = cfg.prompts_per_step * cfg.group_size
     per_pipe, chunks = rows // dp, cfg.micro_batches * cfg.updates_per_batch
     if rows % dp or per_pipe % chunks:

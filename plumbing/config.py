@@ -391,6 +391,8 @@ def option_errors(cfg, world):
               "--grad-overlap 1": cfg.grad_overlap}
     errors += [f"{what} acts on the gradient average across nodes: it needs --nodes > 1"
                for what, bad in unused.items() if bad and cfg.nodes == 1]
+    if not 0 < cfg.grad_topk <= 1:  # at any --nodes, as every other flag's range
+        errors.append(f"--grad-topk {cfg.grad_topk} must be in (0, 1]")
     return errors
 
 

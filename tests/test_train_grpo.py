@@ -67,6 +67,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["--train-pp", "2", "--deploy", "separated"], "--train-pp 2 with --deploy separated is not supported"),
     (["--train-pp", "2", "--micro-batches", "3"], "must split into --micro-batches x --updates-per-batch = 3"),
     (["--train-pp", "0"], "--train-pp 0 must be >= 1"),
+    (["--train-pp", "2", "--micro-batches", "1"], "--micro-batches 1 must be at least --train-pp 2"),
     (["--reward-model", "1", "--deploy", "separated"], "--reward-model 1 with --deploy separated is not supported"),
     (["--reward-model", "1", "--rm-steps", "0"], "--rm-steps 0 must be >= 1"),
     (["--nodes", "3"], "--nodes 3 must divide the world size 2"),
@@ -75,6 +76,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["--nodes", "2", "--train-ep", "2", "--infer-ep", "1"], "--nodes 2 with --train-ep 2 is not supported"),
     (["--nodes", "2", "--grad-topk", "0"], "--grad-topk 0.0 must be in (0, 1]"),
     (["--nodes", "2", "--grad-topk", "nan"], "--grad-topk nan must be a finite number"),
+    (["--grad-topk", "1.5"], "--grad-topk 1.5 must be in (0, 1]"),  # at --nodes 1 too
+    (["--grad-topk", "0"], "--grad-topk 0.0 must be in (0, 1]"),
     (["--grad-compress", "int8"], "--grad-compress int8 acts on the gradient average across nodes: it needs --nodes > 1"),
     (["--grad-overlap", "1"], "--grad-overlap 1 acts on the gradient average across nodes"),
     (["--aux-ranks", "1"], "--aux-ranks 1 places the auxiliary stage of --deploy hybrid (got --deploy colocated)"),
