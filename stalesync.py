@@ -225,7 +225,7 @@ class StaleSync:
         """Group g's attempt as G fresh samples; its age starts at its first token."""
         ids = range(self.next_id, self.next_id + self.cfg.group_size)
         self.next_id += self.cfg.group_size
-        seeds = [i if self.seed_fn is None else int(self.seed_fn(g["slot"], g["attempt"], j))
+        seeds = [i if self.seed_fn is None else _seed(self.seed_fn(g["slot"], g["attempt"], j))
                  for j, i in enumerate(ids)]
         g["start_version"] = None
         g["samples"] = [dict(id=i, seed=seed, tokens=[], logprobs=[], versions=[], per_token={},
@@ -619,6 +619,16 @@ def _prompt(p):
 
 def _is_int(x):
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)  # numpy integers too
+
+
+def _seed(x):
+    """seed_fn's seed as an int; a float (int() would truncate it: members sharing a seed) or any
+    other non-integer is refused."""
+    whole = torch.is_tensor(x) and x.numel() == 1 and not (x.is_floating_point() or x.is_complex())
+    if not (_is_int(x) or whole and x.dtype != torch.bool):
+        raise TypeError(f"seed_fn() returned {x!r} ({type(x).__name__}): it must return an integer "
+                        "seed (a float would be truncated, and group members could share a seed)")
+    return int(x)
 
 
 # -------------------------------------------------------- dynamic sampling, a batch and its figures

@@ -439,6 +439,13 @@ def test_the_sampler_contract_bound_methods_lists_and_stalls():
     for bad in (torch.tensor([[2, 3]]), torch.tensor([2.0, 3.0]), torch.tensor([], dtype=torch.long), "23"):
         with pytest.raises(ValueError, match="prompt_fn\\(\\) returned .* a 1-D integer tensor of token ids"):
             StaleSync(cfg, as_lists, prompt_fn=lambda slot, attempt: bad).rollout()
+    prompt = lambda slot, attempt: [2, 3]
+    for good in (lambda s, a, m: np.int64(7 + m), lambda s, a, m: torch.tensor(7 + m)):  # integers of numpy, torch
+        batch = StaleSync(cfg, as_lists, prompt_fn=prompt, seed_fn=good).rollout()
+        assert batch.seeds == [7, 8] and all(type(s) is int for s in batch.seeds)
+    for bad in (lambda s, a, m: 7 + m / 4, lambda s, a, m: torch.tensor(7.5), lambda s, a, m: True):
+        with pytest.raises(TypeError, match="seed_fn\\(\\) returned .* it must return an integer seed"):
+            StaleSync(cfg, as_lists, prompt_fn=prompt, seed_fn=bad).rollout()  # floats: members would share one
 
 
 def test_update_refuses_a_version_it_cannot_have():
