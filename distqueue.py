@@ -50,7 +50,7 @@ example runs in a folder holding only this file (tests/test_copy_alone.py):
                                 timeout=datetime.timedelta(seconds=60))
         spec = QueueSpec(columns={"tokens": "int64", "reward": "float32"}, scalars=("reward",),
                          stages={"train": ("tokens", "reward")}, timeout_s=60)
-        q = DistQueue(spec, rank=rank, world_size=world)  # the store: torchrun's (here env://'s)
+        q = DistQueue(spec)  # rank and world size: the process group's; the store: env://'s
         q.put({"tokens": [torch.arange(n) for n in (2, 30)], "reward": [1.0, 0.0]})  # ragged
         rows = q.get("train", 4, dp_group=dist.group.WORLD)  # 4 rows in all, split by tokens
         print(f"rank {rank}: rows {rows.ids}, {sum(map(len, rows.cols['tokens']))} tokens")
@@ -198,10 +198,12 @@ def default_store(timeout_s=300.0):
 
 class DistQueue:
     """One rank's handle on the queue. store: a TCPStore or HashStore every rank reaches (default:
-    default_store()); rank, world_size: this rank in the ranks that share the queue; pg: a gloo
-    process group over them for the data (default: the default group, if gloo)."""
+    default_store()); rank, world_size: this rank in the ranks that share the queue (default: the
+    default process group's); pg: a gloo process group over them for the data (default: the
+    default group, if gloo)."""
 
-    def __init__(self, spec: QueueSpec, store=None, rank=0, world_size=1, pg=None):
+    def __init__(self, spec: QueueSpec, store=None, rank=None, world_size=None, pg=None):
+        rank, world_size = _rank_and_world(rank, world_size)  # default: the process group's
         store = default_store(spec.timeout_s) if store is None else store
         check_store(store)  # below the marker: the store has the operations the protocol uses
         self.spec, self.store, self.rank, self.world, self.pg = spec, store, rank, world_size, pg
@@ -243,7 +245,7 @@ class DistQueue:
         for c, vals in columns.items():
             want = DTYPES[self.spec.columns[c]]
             for r, v in zip(ids, vals):
-                t = v if torch.is_tensor(v) else torch.tensor(v, dtype=want)
+                t = v if torch.is_tensor(v) else _from_python(v, want, r, c)
                 self._check_cell(r, c, t, want)  # below the marker: dtype, shape, written once
                 cells[(r, c)] = t.detach().reshape(-1).to("cpu", copy=True)  # the queue's own copy
         self.cells.update(cells)
@@ -889,6 +891,35 @@ def check_store(store):
                          "operations (queue_push, queue_pop, queue_len), add, append, compare_set "
                          "and multi_get; pass a TCPStore or a HashStore (a process group started "
                          "with file:// has a FileStore)") from None
+
+
+def _from_python(v, want, r, c):
+    """A cell given as Python values, in the column's dtype; floats for an integer column are
+    refused rather than truncated."""
+    if want.is_floating_point:
+        return torch.tensor(v, dtype=want)
+    t = torch.tensor(v)
+    if t.is_floating_point() and t.numel():
+        given = torch.tensor(v, dtype=torch.float64).flatten().tolist()[:4]  # as written
+        raise TypeError(f"column '{c}' row {r}: float values {given} for a {want} column "
+                        "would be truncated: pass integers, or declare the column float32")
+    return t.to(want)
+
+
+def _rank_and_world(rank, world_size):
+    """This process's rank and the ranks that put rows, by default the default process group's (0
+    and 1 without one). A rank that is not this process's would give two ranks the same row ids."""
+    up = dist.is_initialized()
+    rank = (dist.get_rank() if up else 0) if rank is None else rank
+    world_size = (dist.get_world_size() if up else 1) if world_size is None else world_size
+    if up and rank != dist.get_rank():
+        raise ValueError(f"DistQueue(rank={rank}) in the process of rank {dist.get_rank()}: pass "
+                         "this process's rank, or leave rank and world_size out (the process "
+                         "group's)")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"DistQueue(rank={rank}, world_size={world_size}): rank must be in "
+                         "[0, world_size)")
+    return rank, world_size
 
 
 def check_pg(pg):

@@ -622,6 +622,27 @@ def test_a_leaders_failed_read_is_raised_in_its_whole_group_and_a_retry_works():
     assert ids0 == ids1 == [1, 3] and x0 == x1 == [[0, 1, 2], [0, 1, 2, 3]]
 
 
+def _defaults_and_misuse(rank, world):
+    """DistQueue(spec) in a world of 2 takes its rank and world size from the process group; a rank
+    that is not this process's, and floats for an integer column, are refused."""
+    spec = dq.QueueSpec(columns={"x": "int64"}, stages={"t": ("x",)}, timeout_s=20)
+    if rank == 1:  # both ranks would put ids 0, 2, ...
+        with pytest.raises(ValueError, match="DistQueue\\(rank=0\\) in the process of rank 1"):
+            dq.DistQueue(spec, rank=0, world_size=world)
+    q = dq.DistQueue(spec)
+    with pytest.raises(TypeError, match="column 'x' row .*: float values \\[1.7, 2.2\\] for a torch.int64"):
+        q.put({"x": [[1.7, 2.2]]})
+    q.put({"x": [[rank, 5], [7]]})  # lists of Python ints are fine
+    rows = q.get("t", 4, dp_group=dist.group.WORLD)
+    dist.barrier()
+    return (q.rank, q.world), rows.ids
+
+
+def test_a_queue_takes_its_rank_from_the_process_group_and_refuses_misuse():
+    (r0, ids0), (r1, ids1) = run_distributed(_defaults_and_misuse, world_size=2)
+    assert r0 == (0, 2) and r1 == (1, 2) and sorted(ids0 + ids1) == [0, 1, 2, 3]  # no row lost
+
+
 def _tcp_start(rank, world, port):
     """A world started from tcp://: the queue's error names the store to pass; build exactly that."""
     dist.destroy_process_group()
