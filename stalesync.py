@@ -98,12 +98,16 @@ class StaleConfig:
     threshold: float = 1.0      # in (0, 1]: a round ends once this share of the pool is complete
                                 #   (the pool: groups_per_step / threshold groups decoding at once)
     chunk_steps: int = 8        # decode steps per sampler call (S > 0, or chunk_s0)
-    max_len: int = None         # brake: a row not done at this many tokens raises (None: off)
-    max_filtered: int = None    # brake: keep_group drops at most this many per batch (None: off)
+    max_len: int = 1 << 17      # brake: a row not done at this many tokens raises (raise it for
+                                #   longer outputs; the default is past today's response budgets)
+    max_filtered: int = None    # brake: keep_group drops at most this many groups while one batch
+                                #   is made (None: 128 x groups_per_step)
     chunk_s0: bool = False      # an option's: S = 0 decodes in chunks too (see below)
 
     def __post_init__(self):
         _check_config(self)  # below the marker
+        if self.max_filtered is None:
+            self.max_filtered = 128 * self.groups_per_step
 
     @property
     def pool_groups(self):  # the 1e-9: 21 / 0.7 is 30.000000000000004 in floats
@@ -490,7 +494,7 @@ def _check_config(cfg):
         raise ValueError(f"threshold={cfg.threshold!r} is outside the valid range (0, 1]")
     for name in ("groups_per_step", "group_size", "chunk_steps", "max_len", "max_filtered"):
         x = getattr(cfg, name)
-        if not (x is None and name.startswith("max")) and (not _is_int(x) or x < 1):
+        if not (x is None and name == "max_filtered") and (not _is_int(x) or x < 1):
             raise ValueError(f"{name}={x!r} must be an integer >= 1")
 
 

@@ -597,9 +597,24 @@ def test_the_brakes_a_sampler_that_never_ends_and_a_filter_that_refuses_everythi
     with pytest.raises(RuntimeError, match="dynamic sampling dropped 6 groups while making batch 0, past the limit "
                                            "of 5"):
         sched.rollout()
-    for bad in (dict(max_len=0), dict(max_filtered=-1), dict(max_len=2.5)):
+    for bad in (dict(max_len=0), dict(max_filtered=-1), dict(max_len=2.5), dict(max_len=None)):
         with pytest.raises(ValueError, match="must be an integer >= 1"):
             StaleConfig(**bad)
+
+
+def test_the_brakes_are_on_by_default():
+    """A copied stalesync.py with the defaults: neither a sampler that never ends a row nor a filter
+    that refuses every group runs forever."""
+    cfg = StaleConfig(staleness=1, groups_per_step=1, group_size=1, chunk_steps=1 << 14)  # 8 calls to the brake
+    assert (cfg.max_len, cfg.max_filtered) == (1 << 17, 128)
+    never_done = lambda c, seeds, n, m: ([[5] * m for _ in c], [[-0.5] * m for _ in c], [False] * len(c))
+    with pytest.raises(RuntimeError, match="with 131072 or more tokens and not done: .* by max_len 131072"):
+        StaleSync(cfg, never_done, prompt_fn=lambda slot, attempt: [2, 3]).rollout()
+    sched = StaleSync(StaleConfig(staleness=0, groups_per_step=1, group_size=2), ScriptedSampler(lambda s: 3),
+                      prompt_fn=lambda slot, attempt: [2, 3], keep_group=lambda prompt, responses: False)
+    with pytest.raises(RuntimeError, match="dynamic sampling dropped 129 groups while making batch 0, past the limit "
+                                           "of 128"):
+        sched.rollout()
 
 
 def test_padded_or_float_tokens_are_refused():
