@@ -537,9 +537,14 @@ def _load_residual(run, own, meta):
     """--nodes: the gradient sync's error-feedback residual, where this rank saved it in the same
     layout of nodes, units and compression; otherwise it starts at zero, said on rank 0 (what it
     held, at most the gradient that compression had not yet sent, is lost)."""
-    if run.grad_sync is None:
-        return
     defaults = {"nodes": 1, "grad_compress": "none", "fsdp_units": "model"}
+    if run.grad_sync is None:
+        if run.rank == 0 and meta["config"].get("grad_compress", "none") != "none":
+            print(f"resuming at --nodes {run.cfg.nodes} from a checkpoint of --nodes "
+                  f"{meta['config'].get('nodes', 1)} --grad-compress "
+                  f"{meta['config']['grad_compress']}: its error-feedback residual (the gradient "
+                  "that compression had not yet sent) is dropped", flush=True)
+        return
     same = all(meta["config"].get(k, d) == getattr(run.cfg, k) for k, d in defaults.items())
     if own is not None and same and "grad_sync" in own:
         run.grad_sync.load_state_dict(own["grad_sync"])

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -531,3 +532,18 @@ def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path):
     [(straight, _)] = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "straight"),
                                                                          dict(CKPT, steps=16, save_every=0)))[:1]
     assert summary["params_sha256"] == straight["params_sha256"]
+
+
+def test_a_compressed_residual_dropped_at_one_node_is_said(capsys):
+    """Resumed at --nodes 1 from a --nodes 2 --grad-compress topk-int8 checkpoint: rank 0 says that the
+    unsent gradient is dropped (there is no gradient sync to carry it); other ranks stay quiet."""
+    meta = {"world": 4, "config": {"nodes": 2, "grad_compress": "topk-int8", "fsdp_units": "model"}}
+    for rank in (0, 1):
+        run = types.SimpleNamespace(grad_sync=None, rank=rank, cfg=Config(nodes=1))
+        checkpoint._load_residual(run, {"grad_sync": {}}, meta)
+        said = capsys.readouterr().out
+        assert ("its error-feedback residual (the gradient that compression had not yet sent) is dropped"
+                in said) == (rank == 0)
+    quiet = {"world": 2, "config": {"nodes": 1, "grad_compress": "none"}}
+    checkpoint._load_residual(types.SimpleNamespace(grad_sync=None, rank=0, cfg=Config()), None, quiet)
+    assert capsys.readouterr().out == ""
