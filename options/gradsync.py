@@ -26,11 +26,13 @@ Departures, numbered:
 4. A residual moves only if the unit's average is all finite: a non-finite value on any node makes
    it non-finite on every rank of the cross group; the trainer skips the step, residuals kept.
 5. overlap=True starts each unit's collective in its hook; wait(), before clipping and
-   optimizer.step(), finishes them. The grads must view the hook's buffer, so it is refused under
-   mixed precision, CPU offload or fp16 (FSDP divides after the hook), and where grads exist.
+   optimizer.step(), finishes them (a step before it raises). The grads must view the hook's
+   buffer, so it is refused under mixed precision, CPU offload or fp16 (FSDP divides after the
+   hook), and where grads exist.
 6. apply() sets set_reduce_scatter_unused_params(True): every node's buffer keeps one layout.
 7. One node (N = 1): nothing to average, the hook returns at once.
 Every check reads what all ranks see alike and raises before the collective: all refuse together.
+The first sync checks, by one all-gather, that every node compresses alike.
 
     python -m pytest tests/test_gradsync.py
 
@@ -80,12 +82,14 @@ import datetime
 import functools
 import math
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 COMPRESS = ("none", "int8", "topk-int8")
 
@@ -213,6 +217,30 @@ def average_payloads(payloads, numel, compress, topk, chunk):
     return total / len(payloads)
 
 
+def _settings(compress, topk, chunk):
+    """What must agree across nodes: the codec, with its top-k share and chunk where they act."""
+    compress = COMPRESS[int(compress)]
+    out = {"compress": compress}
+    if compress != "none":
+        out["chunk"] = int(chunk)
+    if compress == "topk-int8":
+        out["topk"] = topk
+    return out
+
+
+def _refuse_pending_step(sync_ref, optimizer, args, kwargs):
+    """A step pre-hook on every optimizer: a step over a GradSync's parameters while its syncs are
+    pending (overlap=True, wait() not yet called) would step on grads not averaged across nodes."""
+    sync = sync_ref()
+    if sync is None or not sync.pending:
+        return
+    mine = {id(p) for params in sync.params.values() for p in params}
+    if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
+        raise RuntimeError(f"optimizer.step() with {len(sync.pending)} gradient syncs pending: "
+                           "call wait() after the backward, before clipping and optimizer.step() "
+                           "(the grads are not yet averaged across nodes)")
+
+
 def own_params(unit):
     """The parameters a FSDP unit reduces itself: its own sharded ones (DTensors: ignored_params
     stay plain), not those of the FSDP units inside it."""
@@ -259,6 +287,8 @@ class GradSync:
         self.pending = []
         self._host = {}         # name -> (n,) host copy for to_rollout(), allocated once
         self._on_host = False
+        self._agreed = False    # the nodes' settings checked alike (the first sync, _agree)
+        self._step_hook = None  # apply(): optimizer.step() refused while syncs are pending
         # cumulative, of the gradient sync only (not the run's other collectives), and modelled
         # under ring algorithms, not measured on the wire: sent_bytes, what this rank sends across
         # nodes (none: a ring all-reduce, 2(N-1)/N x the buffer's bytes; compressed: a ring
@@ -286,6 +316,9 @@ class GradSync:
             # departure 6: the buffer's layout fixed
             unit.set_reduce_scatter_unused_params(True, recurse=False)
             unit.set_all_reduce_hook(functools.partial(self.sync, name))  # FSDP's flat buffer
+        if self._step_hook is None:
+            self._step_hook = register_optimizer_step_pre_hook(
+                functools.partial(_refuse_pending_step, weakref.ref(self)))
         return model
 
     def _check_mesh(self, name, mesh):
@@ -313,12 +346,29 @@ class GradSync:
         if self.nodes == 1:
             return
         self._check(name, buf)
+        if not self._agreed:
+            self._agree(buf.device)
         with self.timer("grad_sync"):
             t0 = time.perf_counter()
             self.pending.append(self._start(name, buf))
             if not self.overlap:
                 self._finish()
             self.stats["gradsync/wait_s"] += time.perf_counter() - t0
+
+    def _agree(self, device):
+        """The first sync: every node's settings, by one all-gather over the cross group. Nodes
+        that compress differently would pair unlike collectives (a crash, or a wait to the
+        timeout): every rank raises instead, naming them."""
+        mine = torch.tensor([COMPRESS.index(self.compress), self.topk, self.chunk],
+                            dtype=torch.float64, device=device)                           # (3,)
+        everyone = [torch.empty_like(mine) for _ in range(self.nodes)]
+        dist.all_gather(everyone, mine, group=self.group)
+        said = [_settings(*t.tolist()) for t in everyone]
+        if any(s != said[0] for s in said):
+            nodes = "; ".join(f"node {n}: {s}" for n, s in enumerate(said))
+            raise ValueError(f"the nodes' GradSync settings differ ({nodes}): every node must "
+                             "pass the same compress, and the same topk and chunk where they act")
+        self._agreed = True
 
     def _start(self, name, buf):
         self.stats["gradsync/dense_bytes"] += dense_bytes(buf.nbytes, self.nodes)

@@ -266,6 +266,34 @@ def test_bad_arguments_fail_before_any_collective():
     assert "'unit'" in errors[4] and "(3,)" in errors[4] and "(10,)" in errors[4]
 
 
+def _misuse_ranks(rank, world):
+    """World 2 as 2 nodes of 1: nodes whose settings differ, and optimizer.step() before wait()."""
+    torch.set_num_threads(1)
+    from torch.distributed.device_mesh import DeviceMesh
+    node_group, cross_group = new_groups(NodeLayout(world, 2), timeout_s=60)
+    errors = {}
+    for case, kwargs in {"topk": dict(compress="topk-int8", topk=0.1 + 0.1 * rank),
+                         "compress": dict(compress=("none", "int8")[rank])}.items():
+        errors[case] = _error(lambda: GradSync(cross_group, **kwargs).sync("u", torch.ones(10)))
+    GradSync(cross_group, compress="none", topk=0.5 + 0.1 * rank).sync("u", torch.ones(10))  # topk unused: fine
+    sync = GradSync(cross_group, overlap=True)
+    model = sync.apply(_model(DeviceMesh.from_group(node_group, "cpu"), per_block=True))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.ones(2, D)).sum().backward()
+    errors["step"] = _error(opt.step)  # the grads are not averaged yet: refused, nothing stepped
+    sync.wait()
+    opt.step()  # after wait(): fine
+    return errors
+
+
+def test_nodes_with_other_settings_and_a_step_before_wait_are_refused():
+    for errors in run_distributed(_misuse_ranks, world_size=2):
+        assert "the nodes' GradSync settings differ (node 0: {'compress': 'topk-int8', 'chunk': 128, 'topk': 0.1}; " \
+               "node 1: {'compress': 'topk-int8', 'chunk': 128, 'topk': 0.2})" in errors["topk"], errors["topk"]
+        assert "node 0: {'compress': 'none'}; node 1: {'compress': 'int8', 'chunk': 128}" in errors["compress"]
+        assert "optimizer.step() with 3 gradient syncs pending: call wait()" in errors["step"], errors["step"]
+
+
 def _error(fn):
     try:
         fn()
