@@ -694,12 +694,36 @@ def check_dense(router_weight, w_gate, w_up, w_down, top_k):
     want = {"router.weight": (E, D), "w_gate": (E, D, H), "w_up": (E, D, H), "w_down": (E, H, D)}
     got = {"router.weight": router_weight, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
     bad = {n: tuple(t.shape) for n, t in got.items() if tuple(t.shape) != want[n]}
+    if bad and w_gate.dim() == 3 and _fits_transposed(router_weight, w_gate, w_up, w_down):
+        raise ValueError(f"the expert stacks are in nn.Linear orientation (E, out, in): w_gate "
+                         f"{tuple(w_gate.shape)}, w_down {tuple(w_down.shape)} for router.weight "
+                         f"{tuple(router_weight.shape)}; pass orientation='nn.Linear', which "
+                         "transposes them")
     if bad or E == 0 or not 1 <= top_k <= E:
         raise ValueError(f"a dense MoE needs, in x @ w orientation, router.weight (E, D), w_gate "
                          f"and w_up (E, D, H), w_down (E, H, D) and 1 <= top_k <= E (E, D, H = "
                          f"{E}, {D}, {H} from w_gate); got shapes {bad or None}, top_k {top_k} "
                          "(per-expert nn.Linear layers: DenseMoE.from_linear; stacks of nn.Linear "
                          "weights: DenseMoE(..., orientation='nn.Linear'))")
+
+
+def _fits_transposed(router_weight, w_gate, w_up, w_down):
+    """Whether the stacks, each transposed, are in this file's layout: stacks of nn.Linear weights
+    given as x @ w (a square stack fits both ways, and is not caught here)."""
+    E, H, D = w_gate.shape
+    want = {"router": (E, D), "w_gate": (E, H, D), "w_up": (E, H, D), "w_down": (E, D, H)}
+    got = {"router": router_weight, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+    return all(tuple(got[n].shape) == shape for n, shape in want.items())
+
+
+def _check_expert_names(experts, names):
+    """from_linear's: every expert holds an nn.Linear under each of names."""
+    for e, m in enumerate(experts):
+        missing = [n for n in names if not isinstance(getattr(m, n, None), nn.Linear)]
+        if missing:
+            held = [n for n, c in m.named_children() if isinstance(c, nn.Linear)]
+            raise ValueError(f"experts[{e}] holds no nn.Linear named {missing}: it holds {held}; "
+                             "pass names=(gate, up, down), e.g. ('w1', 'w3', 'w2') for Mixtral")
 
 
 def _check_dense_layer(moe):
@@ -784,6 +808,7 @@ class DenseMoE(nn.Module):
         """router: nn.Linear(D, E); experts: E modules holding nn.Linear gate (D -> H), up (D -> H)
         and down (H -> D) under `names` (Mixtral: ("w1", "w3", "w2")). A bias is refused by name,
         not dropped. Copies: (E, D, H) x2, (E, H, D)."""
+        _check_expert_names(experts, names)
         biased = [f"experts[{e}].{n}" for e, m in enumerate(experts) for n in names
                   if getattr(m, n).bias is not None]
         biased = ["router"] * (getattr(router, "bias", None) is not None) + biased

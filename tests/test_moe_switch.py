@@ -260,6 +260,18 @@ def test_a_bias_is_refused_by_name_not_dropped():
         EPMoE.from_dense(dense, EPLayout(1, 1, E))
 
 
+def test_wrong_expert_names_and_a_rectangular_stack_in_the_wrong_orientation_are_named():
+    """from_linear with names the experts do not hold: a ValueError naming what they hold (a bare
+    AttributeError before); nn.Linear stacks given as x @ w: the orientation named, not router.weight."""
+    experts = [_Expert(D, H) for _ in range(E)]  # w1, w3, w2
+    with pytest.raises(ValueError, match=r"experts\[0\] holds no nn.Linear named \['gate_proj', 'up_proj', "
+                                         r"'down_proj'\]: it holds \['w1', 'w3', 'w2'\]"):
+        DenseMoE.from_linear(torch.nn.Linear(D, E, bias=False), experts, top_k=K)
+    linear = [torch.stack([getattr(m, n).weight.detach() for m in experts]) for n in ("w1", "w3", "w2")]
+    with pytest.raises(ValueError, match="the expert stacks are in nn.Linear orientation .*orientation='nn.Linear'"):
+        DenseMoE(torch.randn(E, D), *linear, top_k=K, orientation="x @ w")
+
+
 def test_a_square_stack_must_name_its_orientation():
     """H == D: a stack of nn.Linear weights, (E, out, in), has the shape of an x @ w stack, (E, in, out), so
     no shape check can tell them apart. DenseMoE requires orientation= (no default to be silently wrong):
