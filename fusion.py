@@ -315,6 +315,7 @@ class FusedActor:
         self.phase, self.round_trips, self.stats = TRAIN, 0, {}
         self._off, self._hosts = [], []              # grads' and states' storages, host copies
         self._param_off, self._param_hosts = [], []  # the same for the shards (offload_params)
+        self._held_grads = []  # (parameter, its offloaded grad) in ROLLOUT
         self._free_engine()
         self._hooks = self._guard()
         self.record()
@@ -336,6 +337,7 @@ class FusedActor:
                 off = storages(grads + [v for v in states if torch.is_tensor(v)], self.device)
                 self.stats["switch/offload_bytes"] = sum(s.nbytes() for s in off)
                 self._hosts, self._off = offload(off, self._hosts), off  # all or nothing
+                self._held_grads = _hold_grads(params)  # p.grad None in ROLLOUT (see below)
             with self._timed("alloc"):  # 2. the engine's weights, allocated for this phase
                 for p in eng.values():
                     p.untyped_storage().resize_(p.nbytes)
@@ -402,6 +404,9 @@ class FusedActor:
         reload(self._param_off, self._param_hosts)
         reload(self._off, self._hosts)
         self._off, self._param_off = [], []
+        for p, grad in self._held_grads:
+            p.grad = grad
+        self._held_grads = []
 
     def _engine_weights(self):
         return {n: p for n, p in self.engine.named_parameters() if n not in self.skip}
@@ -455,8 +460,9 @@ class FusedActor:
     #                  Broadcasts (SharedMemory needs shards over all W ranks).
     #   transport      any object with Broadcasts's four members (the seam).
     # The guards cover the engine in TRAIN; optimizer.step(), a backward, and the model under
-    # offload_params in ROLLOUT. Other reads in ROLLOUT (zero_grad(set_to_none=False), clipping) are
-    # not guarded.
+    # offload_params in ROLLOUT. In ROLLOUT the grads are held off their parameters (p.grad is
+    # None), so that zero_grad(set_to_none=False) or clipping finds none to touch. Unchecked: an
+    # engine whose load_weights claims a weight it never wrote (names are checked, not bytes).
 
     def _expect(self, phase, what, why=None):
         if self.phase != phase:
@@ -552,6 +558,16 @@ class _BackwardCheck(torch.autograd.Function):
         why = "the grads are in host memory (a step forgotten before it?)"
         ctx.actor._expect(TRAIN, "a backward ran", why)
         return None, grad
+
+
+def _hold_grads(params):
+    """The offloaded grads taken off their parameters until to_train: in ROLLOUT p.grad is None,
+    so that zero_grad(set_to_none=False), clip_grad_norm_ or any read of a grad finds none, where
+    it would touch a freed storage and crash the process."""
+    held = [(p, p.grad) for p in params.values() if p.grad is not None]
+    for p, _ in held:
+        p.grad = None
+    return held
 
 
 def held_bytes(tensors, device=None):

@@ -627,7 +627,8 @@ def test_a_switch_that_fails_in_its_offload_or_a_mover_leaves_train_intact(monke
 def test_calls_that_would_read_freed_storages_raise_naming_the_phase():
     """In ROLLOUT, optimizer.step() (a forgotten to_train()), a backward (a step forgotten across the switch)
     and, under offload_params, the model's forward would read storages resized to 0: the process dies of
-    SIGSEGV, with no error. Each raises instead, before it touches anything, and TRAIN goes on as before."""
+    SIGSEGV, with no error. Each raises instead, before it touches anything, and TRAIN goes on as before.
+    zero_grad(set_to_none=False) and clipping find no grads (the actor holds them) and touch nothing."""
     actor = _plain_actor(offload_params=True)
     model, opt = actor.model, actor.optimizer
     _backward(model, 0, 0)
@@ -643,6 +644,9 @@ def test_calls_that_would_read_freed_storages_raise_naming_the_phase():
         loss.backward()
     with pytest.raises(RuntimeError, match="the model was called in phase ROLLOUT, where its shards are in host"):
         model(tok)
+    assert all(p.grad is None for p in model.parameters())  # held by the actor: nothing freed to touch
+    opt.zero_grad(set_to_none=False)  # each crashed the process on the freed grads
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     actor.to_train()
     after = _snapshot(model, opt) + [p.grad.clone() for p in model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(after, before))
