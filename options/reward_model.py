@@ -143,6 +143,10 @@ def pack(prompts, responses, pad, max_len=None):
     row longer than max_len (None: no limit), or an empty one, is refused."""
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    for what, seqs in (("prompts", prompts), ("responses", responses)):
+        if torch.is_tensor(seqs):  # a padded (B, T) batch: its pads would be read as tokens
+            raise ValueError(f"{what} is a {tuple(seqs.shape)} tensor: pass a list of 1-D token "
+                             "tensors, each unpadded (its own tokens only)")
     rows = [torch.cat([p, r]) for p, r in zip(prompts, responses)]           # B x (P_i + n_i,)
     lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)          # (B,)
     if max_len is not None and lengths.max() > max_len:
@@ -154,6 +158,17 @@ def pack(prompts, responses, pad, max_len=None):
     tokens = nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad)  # (B, T)
     starts = torch.tensor([len(p) for p in prompts], dtype=torch.long)       # (B,)
     return tokens, lengths, starts
+
+
+def check_labels(labels):
+    """(N,) labels as float 0/1: anything else (the +-1 convention, a soft label) is refused."""
+    labels = torch.as_tensor(labels, dtype=torch.float32)
+    odd = labels[(labels != 0) & (labels != 1)].unique()
+    if labels.dim() != 1 or len(odd):
+        raise ValueError(f"labels of shape {tuple(labels.shape)} with values {odd.tolist()[:4]}: "
+                         "they must be a 1-D list of 0 (wrong) and 1 (right); for -1/+1 labels "
+                         "pass (y + 1) / 2")
+    return labels
 
 
 def class_weights(labels):
@@ -170,7 +185,7 @@ def train_reward_model(model, cfg, prompts, responses, labels, device):
     of the training."""
     t0 = time.perf_counter()
     tokens, lengths, starts = pack(prompts, responses, cfg.pad, cfg.max_len)  # (N, T), (N,), (N,)
-    labels = torch.as_tensor(labels, dtype=torch.float32)                     # (N,)
+    labels = check_labels(labels)                                             # (N,)
     weights = class_weights(labels)                                           # (N,)
     tokens, lengths, starts = tokens.to(device), lengths.to(device), starts.to(device)
     labels, weights = labels.to(device), weights.to(device)
@@ -211,8 +226,12 @@ def score(model, prompts, responses, batch_size=256):
 def agreement(probs, labels, threshold=0.5):
     """How the thresholded scores agree with the 0/1 labels: accuracy, true-positive rate (of the
     right responses, the share scored right), true-negative rate, the share of 1 labels, and n."""
-    said = torch.as_tensor(probs) >= threshold  # (B,) scored right
-    truth = torch.as_tensor(labels) > 0.5       # (B,) right by the rule
+    probs, labels = torch.as_tensor(probs), torch.as_tensor(labels)
+    if probs.dim() != 1 or probs.shape != labels.shape:  # (B, 1) against (B,) would broadcast
+        raise ValueError(f"probs {tuple(probs.shape)} and labels {tuple(labels.shape)}: both must "
+                         "be 1-D of one length (squeeze a (B, 1) output)")
+    said = probs >= threshold  # (B,) scored right
+    truth = labels > 0.5       # (B,) right by the rule
     def rate(mask):
         return (said[mask] == truth[mask]).float().mean().item() if mask.any() else float("nan")
     return {"accuracy": rate(torch.ones_like(truth)), "true_positive_rate": rate(truth),

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import task
-from options.reward_model import RMConfig, RewardModel, agreement, class_weights, pack, score, train_reward_model
+from options.reward_model import (RMConfig, RewardModel, agreement, check_labels, class_weights, pack, score,
+                                  train_reward_model)
 
 # One layer, 800 steps of 64 on 8192 samples: the digit check is learnt late, at a step that varies with the seed,
 # and 2 layers at 300-400 steps on fewer samples fell below the bar on some seeds.
@@ -113,6 +114,24 @@ def test_pack_and_class_weights():
         class_weights(torch.ones(4))
     with pytest.raises(ValueError, match="3 prompts but 2 responses"):
         pack([torch.tensor([2])] * 3, [torch.tensor([1])] * 2, pad=0)
+
+
+def test_labels_other_than_0_1_padded_batches_and_a_column_of_scores_are_refused():
+    """+-1 labels (taken as 'every label is 0' when balanced), soft labels, a padded (B, P) prompt tensor
+    (its pads read as tokens) and (B, 1) scores (broadcast into a wrong agreement) each raise, named."""
+    for bad in ([1.0, -1.0, 1.0, -1.0], [0.0, 0.3, 1.0]):
+        with pytest.raises(ValueError, match="they must be a 1-D list of 0 \\(wrong\\) and 1 \\(right\\)"):
+            check_labels(bad)
+    assert check_labels([True, False, 1]).tolist() == [1.0, 0.0, 1.0]
+    model = RewardModel(RMConfig(**CFG))
+    with pytest.raises(ValueError, match="every label is 0"):  # checked before any training: instant
+        train_reward_model(model, RMConfig(**CFG), [torch.tensor([2, 3])] * 2, [torch.tensor([4])] * 2, [0, 0], "cpu")
+    with pytest.raises(ValueError, match="they must be a 1-D list"):
+        train_reward_model(model, RMConfig(**CFG), [torch.tensor([2, 3])] * 2, [torch.tensor([4])] * 2, [1, -1], "cpu")
+    with pytest.raises(ValueError, match="prompts is a \\(2, 3\\) tensor: pass a list of 1-D token tensors"):
+        pack(torch.tensor([[2, 3, 0], [2, 4, 5]]), [torch.tensor([4]), torch.tensor([5])], pad=0)
+    with pytest.raises(ValueError, match="probs \\(3, 1\\) and labels \\(3,\\): both must be 1-D"):
+        agreement(torch.tensor([[0.9], [0.1], [0.8]]), torch.tensor([1.0, 0.0, 1.0]))
 
 
 def test_agreement_counts_each_class():
