@@ -74,7 +74,7 @@ def group_advantages(rewards, group_size, estimator="grpo", eps=1e-6):
                          f"its leave-one-out mean are undefined) for estimator {estimator!r}; use "
                          "groups of 2 or more, or estimator 'reinforce++' (a baseline from the "
                          "whole batch)")
-    if estimator == "reinforce++":
+    if estimator == "reinforce++" or rewards.numel() == 0:  # an empty share: nothing to baseline
         return rewards.clone()
     r = rewards.view(-1, group_size)                                               # (N/G, G)
     adv = r - r.mean(-1, keepdim=True)

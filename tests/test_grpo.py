@@ -1,5 +1,6 @@
 """grpo.py's math against slow loop references, and task.py's task and reward."""
 import dataclasses
+import warnings
 
 import numpy as np
 import pytest
@@ -83,6 +84,15 @@ def test_advantages_refuse_ragged_groups_and_a_group_of_one():
     with pytest.raises(ValueError, match="group_size 1: a group of one has no baseline"):
         grpo.group_advantages(torch.zeros(6), 1)  # an unbiased std of one value is NaN
     assert torch.equal(grpo.group_advantages(torch.arange(3.0), 1, "reinforce++"), torch.arange(3.0))
+
+
+@pytest.mark.parametrize("estimator", grpo.ESTIMATORS)
+def test_an_empty_share_has_no_advantages_and_no_warning(estimator):
+    """A replica whose shared-cut share is empty scores no rows: no std of nothing (torch warned of
+    degrees of freedom <= 0 in normal runs)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert grpo.group_advantages(torch.zeros(0), 4, estimator).shape == (0,)
     with pytest.raises(ValueError, match="estimator='ppo'"):
         grpo.group_advantages(torch.zeros(4), 2, "ppo")
 
