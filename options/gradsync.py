@@ -300,7 +300,8 @@ class GradSync:
                       "gradsync/offload_bytes": 0.0}
 
     def apply(self, model):
-        """A hook on every FSDP unit of the model, keyed by its module name. Returns the model."""
+        """A hook on every FSDP unit of the model, keyed by its module name; the model is changed in
+        place. Returns this GradSync (`sync = GradSync(...).apply(model)`: sync.wait() each step)."""
         units = {name: m for name, m in model.named_modules() if isinstance(m, FSDPModule)}
         if not units:
             raise ValueError(f"{type(model).__name__} has no FSDP2 unit: "
@@ -319,7 +320,7 @@ class GradSync:
         if self._step_hook is None:
             self._step_hook = register_optimizer_step_pre_hook(
                 functools.partial(_refuse_pending_step, weakref.ref(self)))
-        return model
+        return self
 
     def _check_mesh(self, name, mesh):
         """The unit's mesh is this rank's node: it meets the cross group in this rank alone, and N

@@ -41,6 +41,12 @@ def _model(mesh, per_block, **kwargs):
     return fully_shard(model, mesh=mesh, **kwargs)
 
 
+def _applied(sync, model):
+    """The model with sync's hooks on it (apply returns the GradSync, for `sync = GradSync(...).apply(m)`)."""
+    assert sync.apply(model) is sync
+    return model
+
+
 def _train(model, rank, sync=None):
     """STEPS AdamW steps on this rank's own data; the local shards after them."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -77,9 +83,9 @@ def _hsdp_ranks(rank, world, nodes):
         out["native", per_block] = _train(_model(native_mesh, per_block), rank)
         for overlap in (False, True):
             sync = GradSync(cross_group, overlap=overlap)
-            out["gradsync", per_block, overlap] = _train(sync.apply(_model(node_mesh, per_block)), rank, sync)
+            out["gradsync", per_block, overlap] = _train(_applied(sync, _model(node_mesh, per_block)), rank, sync)
     sync = GradSync(cross_group, compress="topk-int8", overlap=True)
-    out["topk"] = _train(sync.apply(_model(node_mesh, per_block=True)), rank, sync)
+    out["topk"] = _train(_applied(sync, _model(node_mesh, per_block=True)), rank, sync)
     out["residuals"] = sorted(sync.state_dict())
     out["guard"] = _accumulate(node_mesh, GradSync(cross_group, overlap=True))
     return out
@@ -87,7 +93,7 @@ def _hsdp_ranks(rank, world, nodes):
 
 def _accumulate(mesh, sync):
     """overlap=True refuses a backward into grads that exist: FSDP would add the buffer before wait() filled it."""
-    model = sync.apply(_model(mesh, per_block=True))
+    model = _applied(sync, _model(mesh, per_block=True))
     x = torch.ones(2, D)  # (2, D)
     model(x).sum().backward()
     sync.wait()
@@ -277,7 +283,7 @@ def _misuse_ranks(rank, world):
         errors[case] = _error(lambda: GradSync(cross_group, **kwargs).sync("u", torch.ones(10)))
     GradSync(cross_group, compress="none", topk=0.5 + 0.1 * rank).sync("u", torch.ones(10))  # topk unused: fine
     sync = GradSync(cross_group, overlap=True)
-    model = sync.apply(_model(DeviceMesh.from_group(node_group, "cpu"), per_block=True))
+    model = _applied(sync, _model(DeviceMesh.from_group(node_group, "cpu"), per_block=True))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(torch.ones(2, D)).sum().backward()
     errors["step"] = _error(opt.step)  # the grads are not averaged yet: refused, nothing stepped
@@ -313,13 +319,13 @@ def _layout_ranks(rank, world):
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # the reduce dtype too: FSDP casts a copy for the grads
     out = {"native": _train(_model(native_mesh, per_block=True, mp_policy=bf16), rank)}
     sync = GradSync(cross_group)
-    out["gradsync"] = _train(sync.apply(_model(node_mesh, per_block=True, mp_policy=bf16)), rank, sync)
+    out["gradsync"] = _train(_applied(sync, _model(node_mesh, per_block=True, mp_policy=bf16)), rank, sync)
     sync = GradSync(cross_group, overlap=True)
-    out["overlap"] = _error(lambda: _train(sync.apply(_model(node_mesh, per_block=True, mp_policy=bf16)), rank, sync))
+    out["overlap"] = _error(lambda: _train(_applied(sync, _model(node_mesh, per_block=True, mp_policy=bf16)), rank, sync))
     world_mesh = init_device_mesh("cpu", (world,))
     out["mesh"] = _error(lambda: GradSync(cross_group).apply(_model(world_mesh, per_block=False)))
     sync = GradSync(cross_group, compress="int8")
-    model = sync.apply(_model(node_mesh, per_block=False))
+    model = _applied(sync, _model(node_mesh, per_block=False))
     model(torch.ones(2, D) + rank, skip=(1,) if rank else ()).square().sum().backward()  # node 1 leaves blocks.1 out
     sync.wait()
     out["unused"] = model.blocks[1].weight.grad.to_local().clone()
