@@ -328,6 +328,7 @@ class EPMoE(nn.Module):
     def from_dense(cls, moe, layout, group=None):
         """Copy a dense MoE (router, w_gate, w_up, w_down, top_k; x @ w) into an EP layer."""
         _check_dense_layer(moe)  # the shapes, top_k, and a router without a bias
+        _check_computes_alike(moe)  # its own forward, if it has one, computes this file's MoE
         E, D, H = moe.w_gate.shape
         ep = cls(D, H, E, moe.top_k, layout, group).to(moe.w_gate.device, moe.w_gate.dtype)
         ep.load_dense(moe.router.weight, {n: getattr(moe, n) for n in EXPERT_NAMES})
@@ -724,6 +725,40 @@ def _check_expert_names(experts, names):
             held = [n for n, c in m.named_children() if isinstance(c, nn.Linear)]
             raise ValueError(f"experts[{e}] holds no nn.Linear named {missing}: it holds {held}; "
                              "pass names=(gate, up, down), e.g. ('w1', 'w3', 'w2') for Mixtral")
+
+
+@torch.no_grad()
+def _check_computes_alike(moe, tokens=4):
+    """A layer found by its attributes, with a forward of its own, must compute what this file's MoE
+    computes from them: a probe of a few tokens through both. It catches what shapes cannot: a
+    square stack (H == D) in nn.Linear orientation, another gate rule, another activation. Skipped
+    where the forward does not take (1, T, D) to (1, T, D) (or a tuple that starts with it), and
+    where the weights are not materialised."""
+    E, D, H = moe.w_gate.shape
+    weights = [moe.router.weight] + [getattr(moe, n) for n in EXPERT_NAMES]
+    if any(w.is_meta for w in weights):
+        return
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, tokens, D, generator=gen)                                     # (1, T, D)
+    x = x.to(moe.w_gate.device, moe.w_gate.dtype)
+    try:
+        theirs = moe(x)
+    except Exception:  # noqa: BLE001 - a forward of another signature: nothing to compare
+        return
+    theirs = theirs[0] if isinstance(theirs, (tuple, list)) else theirs
+    if not torch.is_tensor(theirs) or theirs.shape != x.shape:
+        return
+    experts = {n: getattr(moe, n) for n in EXPERT_NAMES}
+    ours = moe_reference(x[0], moe.router.weight, experts, moe.top_k)                # (T, D)
+    scale = theirs.abs().max().item() + 1e-6
+    if not torch.allclose(ours.float(), theirs[0].float(), rtol=1e-2, atol=1e-2 * scale):
+        gap = (ours.float() - theirs[0].float()).abs().max().item()
+        raise ValueError(f"{type(moe).__name__}'s own forward and this file's MoE of its weights "
+                         f"differ by up to {gap:.3g} (outputs up to {scale:.3g}) on a probe of "
+                         f"{tokens} tokens: this file computes softmax top-{moe.top_k} gates "
+                         "renormalised, SwiGLU experts, stacks in x @ w orientation (w_gate (E, D, "
+                         "H)); stacks of nn.Linear weights (E, out, in) need DenseMoE(..., "
+                         "orientation='nn.Linear')")
 
 
 def _check_dense_layer(moe):

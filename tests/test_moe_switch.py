@@ -6,6 +6,7 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from moe_switch import (DenseMoE, EPLayout, EPMoE, ExpertParallel, dense_state_dict, moe_reference, new_groups,
                         reshard, reshard_naive, shard_experts)
@@ -270,6 +271,39 @@ def test_wrong_expert_names_and_a_rectangular_stack_in_the_wrong_orientation_are
     linear = [torch.stack([getattr(m, n).weight.detach() for m in experts]) for n in ("w1", "w3", "w2")]
     with pytest.raises(ValueError, match="the expert stacks are in nn.Linear orientation .*orientation='nn.Linear'"):
         DenseMoE(torch.randn(E, D), *linear, top_k=K, orientation="x @ w")
+
+
+class _FusedLinearMoE(torch.nn.Module):
+    """A codebase's own fused MoE, its stacks in nn.Linear orientation (E, out, in), square (H == D)."""
+
+    def __init__(self, e, d):
+        super().__init__()
+        self.router, self.top_k = torch.nn.Linear(d, e, bias=False), K
+        self.w_gate, self.w_up, self.w_down = (torch.nn.Parameter(torch.randn(e, d, d) / d ** 0.5) for _ in range(3))
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])                                                      # (N, D)
+        top_p, top_e = torch.softmax(self.router(flat), -1).topk(self.top_k, -1)
+        top_p = top_p / top_p.sum(-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        for n in range(len(flat)):
+            for p, e in zip(top_p[n], top_e[n].tolist()):
+                h = F.silu(F.linear(flat[n], self.w_gate[e])) * F.linear(flat[n], self.w_up[e])
+                out[n] += p * F.linear(h, self.w_down[e])
+        return out.view_as(x)
+
+
+def test_a_layer_whose_own_forward_computes_otherwise_is_refused():
+    """Found by its attributes, a square stack in nn.Linear orientation fits every shape check, and the EP layer
+    would compute something else (off by tens). A probe through its own forward refuses it, naming the gap."""
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match="_FusedLinearMoE's own forward and this file's MoE of its weights differ by"):
+        EPMoE.from_dense(_FusedLinearMoE(E, D), EPLayout(1, 1, E))
+    fused = _FusedLinearMoE(E, D)
+    dense = DenseMoE(fused.router.weight.detach(), fused.w_gate.detach(), fused.w_up.detach(), fused.w_down.detach(),
+                     top_k=K, orientation="nn.Linear")
+    x = torch.randn(5, D)
+    torch.testing.assert_close(EPMoE.from_dense(dense, EPLayout(1, 1, E))(x), fused(x), atol=1e-5, rtol=1e-5)
 
 
 def test_a_square_stack_must_name_its_orientation():
