@@ -203,9 +203,9 @@ class DistQueue:
     default group, if gloo)."""
 
     def __init__(self, spec: QueueSpec, store=None, rank=None, world_size=None, pg=None):
-        rank, world_size = _rank_and_world(rank, world_size)  # default: the process group's
         store = default_store(spec.timeout_s) if store is None else store
         check_store(store)  # below the marker: the store has the operations the protocol uses
+        rank, world_size = _rank_and_world(rank, world_size, store, spec.name)  # default: the pg's
         self.spec, self.store, self.rank, self.world, self.pg = spec, store, rank, world_size, pg
         # per column, the stages that read it: a cell is freed once that many kept it
         self.needers = {c: sum(c in cols for cols in spec.stages.values()) for c in spec.columns}
@@ -302,7 +302,7 @@ class DistQueue:
         while not (self.serve() or done()):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"distqueue '{self.spec.name}' rank {self.rank}: timed out "
-                                   f"after {self.spec.timeout_s}s {what()}")
+                                   f"after {self.spec.timeout_s}s {what()}{_refused(self)}")
             time.sleep(self.spec.poll_s)
 
     # --- consumers
@@ -906,20 +906,32 @@ def _from_python(v, want, r, c):
     return t.to(want)
 
 
-def _rank_and_world(rank, world_size):
+def _rank_and_world(rank, world_size, store, name):
     """This process's rank and the ranks that put rows, by default the default process group's (0
-    and 1 without one). A rank that is not this process's would give two ranks the same row ids."""
+    and 1 without one). A rank that is not this process's would give two ranks the same row ids:
+    refused, and said in the store, so that its peers' waits name it when they time out."""
     up = dist.is_initialized()
     rank = (dist.get_rank() if up else 0) if rank is None else rank
     world_size = (dist.get_world_size() if up else 1) if world_size is None else world_size
+    error = None
     if up and rank != dist.get_rank():
-        raise ValueError(f"DistQueue(rank={rank}) in the process of rank {dist.get_rank()}: pass "
-                         "this process's rank, or leave rank and world_size out (the process "
-                         "group's)")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"DistQueue(rank={rank}, world_size={world_size}): rank must be in "
-                         "[0, world_size)")
+        error = (f"DistQueue(rank={rank}) in the process of rank {dist.get_rank()}: pass this "
+                 "process's rank, or leave rank and world_size out (the process group's)")
+    elif not 0 <= rank < world_size:
+        error = (f"DistQueue(rank={rank}, world_size={world_size}): rank must be in "
+                 "[0, world_size)")
+    if error is not None:
+        store.set(f"{name}/refused", error)
+        raise ValueError(error)
     return rank, world_size
+
+
+def _refused(queue):
+    """A peer's refusal of its own queue (_rank_and_world), for this rank's timeout message."""
+    key = f"{queue.spec.name}/refused"
+    if not queue.store.check([key]):
+        return ""
+    return f"; a peer's queue was refused: {queue.store.get(key).decode()}"
 
 
 def check_pg(pg):

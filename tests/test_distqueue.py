@@ -625,10 +625,14 @@ def test_a_leaders_failed_read_is_raised_in_its_whole_group_and_a_retry_works():
 def _defaults_and_misuse(rank, world):
     """DistQueue(spec) in a world of 2 takes its rank and world size from the process group; a rank
     that is not this process's, and floats for an integer column, are refused."""
-    spec = dq.QueueSpec(columns={"x": "int64"}, stages={"t": ("x",)}, timeout_s=20)
+    refused = dq.QueueSpec(columns={"x": "int64"}, stages={"t": ("x",)}, timeout_s=2, name="refused")
     if rank == 1:  # both ranks would put ids 0, 2, ...
         with pytest.raises(ValueError, match="DistQueue\\(rank=0\\) in the process of rank 1"):
-            dq.DistQueue(spec, rank=0, world_size=world)
+            dq.DistQueue(refused, rank=0, world_size=world)
+    else:  # the peer's read names the refusal when it times out
+        with pytest.raises(TimeoutError, match="a peer's queue was refused: DistQueue\\(rank=0\\) in the process"):
+            dq.DistQueue(refused).get("t", 2)
+    spec = dq.QueueSpec(columns={"x": "int64"}, stages={"t": ("x",)}, timeout_s=20)
     q = dq.DistQueue(spec)
     with pytest.raises(TypeError, match="column 'x' row .*: float values \\[1.7, 2.2\\] for a torch.int64"):
         q.put({"x": [[1.7, 2.2]]})
