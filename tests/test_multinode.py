@@ -34,6 +34,11 @@ def two_nodes(out, *flags):
               for _ in range(2)]
     try:
         outputs = [a.communicate(timeout=300)[0] for a in agents]
+    except subprocess.TimeoutExpired:  # a hang: what each agent said up to it, not a bare timeout
+        for a in agents:
+            a.kill()
+        said = "\n".join(f"agent {i}:\n{a.communicate()[0][-3000:]}" for i, a in enumerate(agents))
+        raise AssertionError(f"the two agents ran past 300 s:\n{said}") from None
     finally:
         for a in agents:
             a.kill()
