@@ -734,9 +734,9 @@ def _check_computes_alike(moe, tokens=4):
     square stack (H == D) in nn.Linear orientation, another gate rule, another activation. Skipped
     where the forward does not take (1, T, D) to (1, T, D) (or a tuple that starts with it), and
     where the weights are not materialised."""
-    E, D, H = moe.w_gate.shape
-    weights = [moe.router.weight] + [getattr(moe, n) for n in EXPERT_NAMES]
-    if any(w.is_meta for w in weights):
+    D = moe.w_gate.shape[1]
+    experts = {n: getattr(moe, n) for n in EXPERT_NAMES}
+    if any(w.is_meta for w in [moe.router.weight, *experts.values()]):
         return
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, tokens, D, generator=gen)                                     # (1, T, D)
@@ -748,7 +748,6 @@ def _check_computes_alike(moe, tokens=4):
     theirs = theirs[0] if isinstance(theirs, (tuple, list)) else theirs
     if not torch.is_tensor(theirs) or theirs.shape != x.shape:
         return
-    experts = {n: getattr(moe, n) for n in EXPERT_NAMES}
     ours = moe_reference(x[0], moe.router.weight, experts, moe.top_k)                # (T, D)
     scale = theirs.abs().max().item() + 1e-6
     if not torch.allclose(ours.float(), theirs[0].float(), rtol=1e-2, atol=1e-2 * scale):
