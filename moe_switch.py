@@ -80,7 +80,9 @@ Shapes: N tokens, D model width, H expert hidden width, E experts, k experts per
 W world size, L = E / P local experts, M tokens received by this rank, B bucket bytes.
 """
 import datetime
+import functools
 import time
+import zlib
 from collections import Counter
 from dataclasses import dataclass
 
@@ -158,9 +160,11 @@ class EPLayout:
     world_size: int      # W ranks, each holding one block
     n_experts: int       # E
     ranks: tuple = None  # the global rank of each layout rank (None: the same numbers)
+    placement: tuple = None  # each row's experts, in slot order (None: the blocks); see below
 
     def __post_init__(self):
-        _check_layout(self)  # below the marker: P divides E and W; ranks distinct, in order
+        _check_layout(self)  # below the marker: P divides E and W; ranks distinct, in order;
+        # a placement's rows the same length, of distinct experts, holding every expert
 
     def global_rank(self, r):
         return r if self.ranks is None else self.ranks[r]
@@ -169,20 +173,31 @@ class EPLayout:
     def dp(self):
         return self.world_size // self.ep  # replicas of each expert block
 
+    @property
+    def slots(self):
+        """The experts each rank holds: L = E / P (more under a placement with copies)."""
+        return self.n_experts // self.ep if self.placement is None else len(self.placement[0])
+
     def owned(self, rank):
-        """The global expert ids that `rank` holds: a contiguous range of L."""
-        L, p = self.n_experts // self.ep, rank // self.dp
-        return range(p * L, (p + 1) * L)
+        """The global expert ids that `rank` holds, in slot order: a contiguous range of L."""
+        L, p = self.slots, rank // self.dp
+        return range(p * L, (p + 1) * L) if self.placement is None else self.placement[p]
 
     def holders(self, e):
-        p = e // (self.n_experts // self.ep)
-        return list(range(p * self.dp, (p + 1) * self.dp))
+        rows = [p for p in range(self.ep) if e in self.owned(p * self.dp)]
+        return [p * self.dp + i for p in rows for i in range(self.dp)]
 
     def ep_group_ranks(self, rank):
         return [p * self.dp + rank % self.dp for p in range(self.ep)]  # group rank p owns block p
 
     def dp_group_ranks(self, rank):
-        return self.holders(self.owned(rank)[0])
+        p = rank // self.dp
+        return list(range(p * self.dp, (p + 1) * self.dp))
+
+    def slot_of(self, experts):
+        """(n,) expert ids -> (n,) slots, p * L + j for row p's j-th expert: the expert id itself
+        for the blocks (a placement's: below the marker)."""
+        return experts if self.placement is None else _spread_over_copies(self, experts)
 
     def local_rank(self, global_rank):  # a layout over part of the job (ranks=): below the marker
         return _local_rank(self, global_rank)
@@ -220,11 +235,11 @@ def reshard_naive(experts, src, dst, group=None):
 def plan_reshard(src, dst, slice_bytes, bucket_bytes):
     """Transfers (name, e, from rank, to rank) of every slice a rank needs and lacks, packed
     first-fit into rounds where each rank sends at most bucket_bytes and receives at most
-    bucket_bytes. Pure: every rank computes the same plan, so no counts are exchanged."""
+    bucket_bytes, and holds at most max(source, target) + bucket_bytes (_fits_memory). Pure: every
+    rank computes the same plan, so no counts are exchanged."""
     W = src.world_size
     _check_bucket(slice_bytes, bucket_bytes)  # a bucket holds one expert slice at least
-    load = [0] * W  # bytes each rank sends in all
-    rounds, out, inn = [], [], []  # per round: its transfers, bytes each rank sends, receives
+    load, todo = [0] * W, []  # bytes each rank sends in all; the transfers, in order
     for r in range(W):
         for e in dst.owned(r):
             if e in src.owned(r):
@@ -232,14 +247,24 @@ def plan_reshard(src, dst, slice_bytes, bucket_bytes):
             s = min(src.holders(e), key=lambda h: (load[h], (h - r) % W))  # least-loaded replica
             for n, nb in slice_bytes.items():
                 load[s] += nb
-                room = (i for i in range(len(rounds))
-                        if max(out[i][s], inn[i][r]) + nb <= bucket_bytes)
-                i = next(room, len(rounds))  # the first round with room at both ends, or a new one
-                if i == len(rounds):
-                    rounds.append([]), out.append([0] * W), inn.append([0] * W)
-                rounds[i].append((n, e, s, r))
-                out[i][s] += nb
-                inn[i][r] += nb
+                todo.append((n, e, s, r))
+    memory = _Memory(src, dst, slice_bytes, bucket_bytes, todo)
+    rounds = []
+    while todo:  # a round takes, in order, every transfer with room at both ends
+        out, inn, rnd, rest = [0] * W, [0] * W, [], []
+        for n, e, s, r in todo:
+            nb = slice_bytes[n]
+            room = max(out[s], inn[r]) + nb <= bucket_bytes
+            if room and memory.fits(r, inn[r] + nb):
+                rnd.append((n, e, s, r))
+                out[s] += nb
+                inn[r] += nb
+            else:
+                rest.append((n, e, s, r))
+        rnd = rnd or [rest.pop(0)]  # none fits the memory bound: the first anyway (counted)
+        memory.done(rnd)
+        rounds.append(rnd)
+        todo = rest
     return rounds
 
 
@@ -314,6 +339,7 @@ class EPMoE(nn.Module):
         self.top_k, self.layout, self.group = top_k, layout, group
         self.rank = _rank(None, layout)
         self.routing = None  # a hook for an option (routing replay): see below the marker
+        self.load = None  # (P * L,) rows per slot, summed, where an option sets it: below too
         self.every_expert_below = EVERY_EXPERT_WORK / (d_model * d_hidden)  # tokens
         _check_ep_group(layout, group, self.rank)
         self.router = nn.utils.skip_init(nn.Linear, d_model, n_experts, bias=False)  # (E, D)
@@ -335,15 +361,17 @@ class EPMoE(nn.Module):
         return ep
 
     def forward(self, x):
-        shape, (P, E), k = x.shape, (self.layout.ep, self.layout.n_experts), self.top_k
-        L, x = E // P, x.reshape(-1, shape[-1])                         # (N, D)
+        shape, P, k = x.shape, self.layout.ep, self.top_k
+        L, x = self.layout.slots, x.reshape(-1, shape[-1])              # (N, D)
         gates, top_e = route(x, self.router.weight, k, self.routing)    # (N, k)
         if P == 1 and x.shape[0] <= self.every_expert_below:  # EP 1, a decode step's few tokens
             return self._every_expert(x, gates, top_e).reshape(shape)
-        flat_e = top_e.reshape(-1)                                      # (N*k,) expert per row
-        order = flat_e.argsort(stable=True)                             # (N*k,) by expert = rank
+        flat_e = self.layout.slot_of(top_e.reshape(-1))                 # (N*k,) slot = expert
+        order = flat_e.argsort(stable=True)                             # (N*k,) by slot = rank
         x_sorted = x[order // k]                                        # (N*k, D)
-        counts = torch.bincount(flat_e, minlength=E)                    # (E,) rows to each expert
+        counts = torch.bincount(flat_e, minlength=P * L)                # (P*L,) rows to each slot
+        if self.load is not None:  # a hook for an option (load balancing): see below the marker
+            self.load += counts
         # step 1: the counts, so every rank knows how many rows it gets per (source, local expert)
         counts_in = all_to_all_rows(counts, [L] * P, [L] * P, self.group)  # (P*L,)
         # .tolist() is a device-to-host sync: the payload's split sizes must live on the host
@@ -422,6 +450,7 @@ class ExpertParallel:
         self.group = _group_of_ranks(ranks, timeout_s)
         self.bucket_bytes, self.world, self.stats = bucket_bytes, world_size, {}
         self.model_layers, self.engine_layers, self.names = [], [], set()
+        self.balancer = None  # an object passed in, for an option (load balancing): see below
 
     def apply(self, model, engine=None):
         self.model_layers = self.shard(model)
@@ -433,8 +462,12 @@ class ExpertParallel:
     @torch.no_grad()
     def to_rollout(self):
         t0, moved, ep_group = time.perf_counter(), [], self.infer_groups[0]
-        for m, e in zip(self.model_layers, self.engine_layers):
-            moved.append(m.switch(self.infer_layout, ep_group, self.bucket_bytes, self.group))
+        layouts = [self.infer_layout] * len(self.model_layers)  # one a layer
+        if self.balancer is not None:
+            layouts = self.balancer.place(self)
+        for m, e, layout in zip(self.model_layers, self.engine_layers, layouts):
+            moved.append(m.switch(layout, ep_group, self.bucket_bytes, self.group))
+            e.layout = layout
             for n in EXPERT_NAMES:
                 for pm, pe in zip(getattr(m, n), getattr(e, n)):
                     pe.data = pm.data  # the engine's experts are the moved tensors themselves
@@ -443,6 +476,8 @@ class ExpertParallel:
     @torch.no_grad()
     def to_train(self):
         t0, moved, ep_group = time.perf_counter(), [], self.train_groups[0]
+        if self.balancer is not None:
+            self.balancer.rollout_done(self)
         for m, e in zip(self.model_layers, self.engine_layers):
             _untie(e)  # the switch must hold the only reference, or nothing could be freed
             moved.append(m.switch(self.train_layout, ep_group, self.bucket_bytes, self.group))
@@ -485,7 +520,13 @@ class ExpertParallel:
     # ==============================================================================================
     # The options' hooks: route(..., routing) and EPMoE.routing, a hook (N, k) -> (N, k) on the
     # experts chosen that records or replaces them (options/routing_replay.py); the gates are then
-    # the router's probabilities of the experts it returns, renormalised. ranks= (EPLayout,
+    # the router's probabilities of the experts it returns, renormalised. Load balancing
+    # (options/eplb.py): EPLayout's placement puts any experts on any row, an expert on several
+    # rows holding copies, and each copy takes its share of the expert's rows (slot_of). A
+    # placement with copies is for inference: no grad sums over the copies. EPMoE.load, a (P * L,)
+    # tensor, sums the rows each slot is sent (none on the EP 1 path that runs every expert).
+    # ExpertParallel.balancer, an object passed in: place(ep) gives each layer's rollout layout at
+    # the switch to rollout, and rollout_done(ep) reads the rollout's loads at the switch back. ranks= (EPLayout,
     # ExpertParallel), group= (reshard) and world_group= (EPMoE.switch): a layout over part of the
     # job, switched over the group of its ranks.
 
@@ -600,6 +641,8 @@ def _check_layout(layout):
         raise ValueError(f"ranks {ranks} must be {layout.world_size} distinct global ranks in "
                          "increasing order (torch.distributed.new_group orders a group's "
                          "ranks so)")
+    if layout.placement is not None:
+        _check_placement(layout)
 
 
 def _check_fits_the_job(layout):
@@ -776,8 +819,8 @@ def agree_on_switch(src, dst, group=None, device="cpu"):
     not return alone: on nesting layouts a rank may move no bytes."""
     if not dist.is_initialized() or src.world_size == 1:
         return
-    mine = torch.tensor([src.ep, dst.ep], device=device)                # (2,)
-    every = [torch.empty_like(mine) for _ in range(src.world_size)]     # W x (2,)
+    mine = torch.tensor([src.ep, dst.ep, _digest(src), _digest(dst)], device=device)  # (4,)
+    every = [torch.empty_like(mine) for _ in range(src.world_size)]     # W x (4,)
     ranks = [src.global_rank(r) for r in range(src.world_size)]
     try:
         dist.all_gather(every, mine, group=group)
@@ -786,10 +829,81 @@ def agree_on_switch(src, dst, group=None, device="cpu"):
                            f"failed; every rank of the layout (ranks {ranks}) must call switch() "
                            f"together, with the same target layout ({err})") from err
     asked = [tuple(t.tolist()) for t in every]  # .tolist(): a device-to-host sync, once per layer
-    if len(set(asked)) > 1:
-        said = ", ".join(f"rank {g}: EP {a} -> {b}" for g, (a, b) in zip(ranks, asked))
+    if len(set(asked)) > 1:  # a placement is named by its digest (0: the blocks)
+        said = ", ".join(f"rank {g}: EP {a} -> {b}" + (f" (placements {c} -> {d})" if c or d else "")
+                         for g, (a, b, c, d) in zip(ranks, asked))
         raise ValueError(f"the ranks of the layout disagree on the switch ({said}); every rank of "
                          "the layout must call switch() together, with the same target layout")
+
+
+def _digest(layout):
+    """A placement's digest, the same in every process (0: the blocks)."""
+    return 0 if layout.placement is None else zlib.crc32(repr(layout.placement).encode()) + 1
+
+
+# ----------------------------------------------------------- a placement: experts anywhere, copies
+def _spread_over_copies(layout, experts):
+    """EPLayout.slot_of under a placement: the i-th row (in row order) of an expert with c copies
+    goes to copy i mod c, so that each copy gets its share of the expert's rows, to within one."""
+    E = layout.n_experts
+    table, n_copies = (t.to(experts.device) for t in _copies(layout))      # (E, P), (E,)
+    order = experts.argsort(stable=True)                                   # (n,) by expert
+    counts = torch.bincount(experts, minlength=E)                          # (E,)
+    first = counts.cumsum(0) - counts                                      # (E,) of each expert
+    nth = torch.empty_like(experts)                                        # (n,) i: row's rank
+    nth[order] = torch.arange(len(experts), device=experts.device) - first[experts[order]]
+    return table[experts, nth % n_copies[experts]]
+
+
+@functools.lru_cache(maxsize=256)
+def _copies(layout):
+    """A placement's slots of each expert, (E, P) padded with its first, and their counts (E,)."""
+    L, P = layout.slots, layout.ep
+    copies = [[p * L + j for p in range(P) for j, x in enumerate(layout.placement[p]) if x == e]
+              for e in range(layout.n_experts)]
+    return (torch.tensor([c + c[:1] * (P - len(c)) for c in copies]),
+            torch.tensor([len(c) for c in copies]))
+
+
+class _Memory:
+    """plan_reshard's count of the bytes each rank holds between rounds: what it keeps, the slices
+    it still has to send, and those it received. A round may add to a rank's holding while it
+    stays within max(source, target) + bucket; a source slice is freed after its last send."""
+
+    def __init__(self, src, dst, slice_bytes, bucket_bytes, todo):
+        W, per_expert = src.world_size, sum(slice_bytes.values())
+        self.sizes, self.dst = slice_bytes, dst
+        self.sends = Counter((n, e, s) for n, e, s, _ in todo)  # sends left of each source slice
+        have = [set(src.owned(r)) for r in range(W)]
+        need = [set(dst.owned(r)) for r in range(W)]
+        self.held = [len(have[r] & need[r]) * per_expert for r in range(W)]  # kept, then the sent
+        for n, e, s in self.sends:
+            self.held[s] += slice_bytes[n] * (e not in need[s])
+        self.cap = [max(len(have[r]), len(need[r])) * per_expert + bucket_bytes for r in range(W)]
+
+    def fits(self, r, received):
+        return self.held[r] + received <= self.cap[r]
+
+    def done(self, rnd):
+        for n, e, s, r in rnd:
+            self.held[r] += self.sizes[n]
+            self.sends[(n, e, s)] -= 1
+            if not self.sends[(n, e, s)] and e not in self.dst.owned(s):
+                self.held[s] -= self.sizes[n]  # its last send: freed
+
+
+def _check_placement(layout):
+    """EPLayout's checks of a placement: P rows of L distinct expert ids each, every expert held."""
+    rows, E = layout.placement, layout.n_experts
+    lengths = {len(r) for r in rows}
+    held = {e for r in rows for e in r}
+    bad = (not isinstance(rows, tuple) or not all(isinstance(r, tuple) for r in rows)
+           or len(rows) != layout.ep or len(lengths) != 1 or held != set(range(E))
+           or any(len(set(r)) != len(r) for r in rows)
+           or any(not isinstance(e, int) for r in rows for e in r))
+    if bad:
+        raise ValueError(f"placement {rows} must be a tuple of P = {layout.ep} tuples of the same "
+                         f"length, each of distinct int expert ids, holding all of 0 .. {E - 1}")
 
 
 # -------------------------------------------------------------------- a layout over part of the job

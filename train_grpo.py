@@ -43,7 +43,7 @@ from plumbing.config import model_config, parse_args, validate
 from model import Policy, Sampler
 from plumbing import checkpoint, shm_transport
 from plumbing.distributed import host_group, setup_distributed, world_size
-from plumbing.run import start, warm_up_target
+from plumbing.run import say_layout, start, warm_up_target
 from plumbing.evaluation import curriculum_figures, eval_figures, held_out_correct, is_eval_step
 from plumbing.runlog import RunLog, all_sum, cut_facts, run_guarded, share_figures, stale_facts
 
@@ -279,9 +279,10 @@ def build(cfg, out_dir=None):
                                   movers=movers, transport=transport)
     run.cut = build_cut(run)
     run.log = RunLog(run, start=run.resume_from[1]["step"] + 1 if run.resume_from else 1)
-    if run.rank == 0:  # how the phases switch, and how the experts are laid out
-        experts = f"EP {cfg.train_ep} -> {cfg.infer_ep}" if cfg.train_ep else "in FSDP2 (EP off)"
-        print(f"switch: {run.actor.path} | experts: {experts}", flush=True)
+    say_layout(run)  # how the phases switch, and how the experts are laid out
+    if cfg.eplb:  # the rollout's experts placed by their measured load, the hottest copied
+        from options import eplb
+        eplb.apply(run)
     if cfg.routing_replay:  # the trainers replay the recorded experts; moe/* in the log
         from options import routing_replay
         routing_replay.apply(run)
@@ -289,9 +290,8 @@ def build(cfg, out_dir=None):
 
 
 def build_cut(run):
-    """How the replicas cut each batch: one cut over every replica's pool, so that a replica held
-    back by its dropped groups does not hold the step (--shared-cut 0: each replica its own share,
-    once every rank is ready)."""
+    """How the replicas cut each batch: SharedCut, one cut over every replica's pool, so that a
+    replica held back by its dropped groups does not hold the step (--shared-cut 0: AllReady)."""
     if not run.cfg.shared_cut:
         return stalesync.AllReady(run.rollout_group, device=run.device, spans=run.spans)
     return stalesync.SharedCut(run.rollout_group, replica=run.roles.replica(run.rank),

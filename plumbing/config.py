@@ -131,6 +131,10 @@ class Config:
     infer_ep: str = flag("auto", "expert-parallel degree of the rollout engine (with "
                                  "--train-ep); above 1 its ranks decode in lock-step "
                                  "(options/lockstep.py); auto: 1 where EP is on")
+    eplb: bool = flag(False, "1: the rollout's experts placed by their measured load, the "
+                             "hottest copied (options/eplb.py); needs --infer-ep >= 2")
+    eplb_redundant: int = flag(None, "--eplb 1: extra expert slots in the inference layout, a "
+                                     "multiple of --infer-ep (default: one a rank)")
     # gradient sync (options/gradsync.py)
     nodes: int = flag(1, "training's nodes: FSDP2 shards within each of --nodes groups of "
                          "world / nodes ranks and the gradients are averaged across them "
@@ -381,6 +385,9 @@ def option_errors(cfg, world):
     elif cfg.aux_ranks is not None:
         errors.append(f"--aux-ranks {cfg.aux_ranks} places the auxiliary stage of --deploy hybrid "
                       f"(got --deploy {cfg.deploy})")
+    if cfg.eplb or cfg.eplb_redundant is not None:
+        from options import eplb
+        errors += eplb.errors(cfg, world)
     if cfg.train_pp != 1:
         from options import pipeline_run
         errors += pipeline_run.errors(cfg, world)

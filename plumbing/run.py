@@ -94,6 +94,16 @@ def start(cfg, out_dir=None, roles=None, cls=Run):
     return run
 
 
+def say_layout(run):
+    """Rank 0 prints, once at start, how the phases switch and how the experts are laid out."""
+    cfg = run.cfg
+    if run.rank != 0:
+        return
+    experts = f"EP {cfg.train_ep} -> {cfg.infer_ep}" if cfg.train_ep else "in FSDP2 (EP off)"
+    placed = ", placed by load (--eplb 1)" if cfg.eplb else ""
+    print(f"switch: {run.actor.path} | experts: {experts}{placed}", flush=True)
+
+
 def warm_up_target(run):
     """What the supervised warm-up trains, and its clip (None: clip_grad_norm_): the policy, or
     under EP its dense twin, built as the run builds it with EP off (the same seed, the same

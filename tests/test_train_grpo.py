@@ -313,14 +313,16 @@ def test_expert_parallel_over_part_of_the_world_with_a_reference_trains_as_one(t
 def test_world_4_expert_parallel_rollout_trains_as_one(tmp_path):
     """World 4, colocated, the experts re-sharded from their training EP degree to the engine's at every
     switch, both ways, the engine decoding in lock-step (dynamic sampling on: a replica whose batch is
-    complete idles through the others' refills). S = 0: a world of one's parameters. S = 1, where the cut
-    depends on the replicas: EP 4 in rollout trains to the parameters of EP 1 at the same world. (2/2 replays
-    the rollout's routes: the ones the training forward picks anyway, so the parameters stay the same.)"""
+    complete idles through the others' refills; 2/4 once more with the experts placed by load, --eplb 1).
+    S = 0: a world of one's parameters. S = 1, where the cut depends on the replicas: EP 4 in rollout trains
+    to the parameters of EP 1 at the same world. (2/2 replays the rollout's routes: the ones the training
+    forward picks anyway, so the parameters stay the same.)"""
     [(s_one, p_one)] = run_distributed(_train_tiny, world_size=1, args=(str(tmp_path / "w1"),))
-    for train_ep, infer_ep, replay in ((2, 4, False), (4, 2, False), (2, 2, True)):
-        name = f"ep{train_ep}to{infer_ep}"
+    for train_ep, infer_ep, replay, balance in ((2, 4, False, False), (4, 2, False, False), (2, 2, True, False),
+                                                (2, 4, False, True)):
+        name = f"ep{train_ep}to{infer_ep}" + ("eplb" if balance else "")
         out = run_distributed(_train_tiny, world_size=4, timeout_s=240, args=(str(tmp_path / name), dict(
-            train_ep=train_ep, infer_ep=infer_ep, routing_replay=replay)))
+            train_ep=train_ep, infer_ep=infer_ep, routing_replay=replay, eplb=balance)))
         assert all(torch.equal(p, out[0][1]) for _, p in out[1:])
         assert_same_training(out[0][1], p_one, name)
         lines = [json.loads(l) for l in open(tmp_path / name / "metrics.jsonl")][1:]
@@ -328,6 +330,8 @@ def test_world_4_expert_parallel_rollout_trains_as_one(tmp_path):
         assert lines[0]["ep/to_rollout_bytes_moved"] == lines[0]["ep/to_rollout_bytes_min"]
         # rank 0 ran forwards of zero rows for its peers (a decode's rows end before its first agreement, 8 forwards)
         assert lines[-1]["lockstep/dummy_forwards"] > 0, name
+        if balance:  # placed by load from the second rollout on: the placement's minimum moved, balance logged
+            assert all(0 < l["moe/rollout_balancedness"] <= 1 for l in lines), name
         if replay:  # the rollout's routes reached the trainers, and the record was used
             assert all(l["moe/routed_tokens"] > 0 for l in lines), name
             assert all(l["moe/routing_mismatch"] == 0 and l["moe/router_mismatch_free"] == 0 for l in lines), name

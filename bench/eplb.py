@@ -1,0 +1,162 @@
+"""Benchmark expert load balancing (options/eplb.py) through the switch: a skewed router, placed by load.
+
+    python bench/eplb.py                 # 4 gloo processes, inference EP 2 and 4 (about a minute)
+
+The model: 4 residual MoE layers (x + moe(x)) of 16 experts, top-2, D = 64, H = 128 (train_grpo.py's default widths), trained at EP 2
+and switched to inference EP P = 2 and 4, as moe_switch.ExpertParallel does in the run. The router is skewed on
+purpose: the router rows of experts 0 to 3 are scaled by 2, and the tokens lean their way (a shared direction
+added to each), so the blocks, which put experts 0 to 3 on one rank, give that rank most of the rows.
+Each decode step is a forward of the engine's 4 layers on 32 fresh tokens a rank (the same tokens in both modes).
+
+Per P, rounds alternate between two balancers (options/eplb.py): the blocks (by_load=False: measured, never
+moved) and by load (one redundant slot a rank, the run's default; its first rollout, in blocks, is a warm-up).
+Each round is a switch to rollout, --steps decode steps, a switch back. Reported, per mode:
+  - balancedness: mean over max of the rows each EP rank receives, mean over layers (all ranks' rows summed);
+  - busiest_rows_per_step: the busiest rank's rows per decode step, summed over layers;
+  - decode_step_s: the median over rounds of the median step time (barrier to the slowest rank);
+  - by load only: the switch's bytes moved against the minimum for the placement, and its peak extra memory
+    against one bucket (the largest rank's).
+Every round checks the engine's output against the dense layers (to 1e-5 of the largest value) and the experts after the switch
+back against the dense ones, bit for bit; a mismatch stops the run. The last line is one JSON object.
+"""
+import argparse
+import copy
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import moe_switch  # noqa: E402
+from options import eplb  # noqa: E402
+
+E, D, H, K, LAYERS, HOT, W = 16, 64, 128, 2, 4, 4, 4
+
+
+class Residual(torch.nn.Module):
+    """x + moe(x): a block's MoE half, so that every layer sees the tokens' lean."""
+
+    def __init__(self, moe):
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x):
+        return x + self.moe(x)
+
+
+def skewed_layers():
+    """The dense MoE blocks (the same on every rank) and the tokens' shared direction."""
+    g = torch.Generator().manual_seed(0)
+    layers, lean = [], torch.zeros(D)
+    for _ in range(LAYERS):
+        router = torch.randn(E, D, generator=g) / D ** 0.5
+        router[:HOT] *= 2
+        lean += router[:HOT].sum(0)
+        w = [torch.randn(E, D, H, generator=g) / D ** 0.5, torch.randn(E, D, H, generator=g) / D ** 0.5,
+             torch.randn(E, H, D, generator=g) / H ** 0.5]
+        layers.append(Residual(moe_switch.DenseMoE(router, *w, top_k=K, orientation="x @ w")))
+    return torch.nn.Sequential(*layers), lean / lean.norm() * D ** 0.5
+
+
+def tokens(step, rank, lean, n):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(n, D, generator=g) + lean                                  # (n, D)
+
+
+def one_round(ep, engine, dense, balancer, lean, args, rank):
+    """A switch to rollout, the decode steps, a switch back: the round's figures."""
+    ep.balancer = balancer
+    ep.to_rollout()
+    times = []
+    for step in range(args.steps):
+        x = tokens(step, rank, lean, args.tokens)
+        dist.barrier()
+        t0 = time.perf_counter()
+        y = engine(x)
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        times.append(dt.item())
+        want = dense(x) if step == 0 else y
+        if (y - want).abs().max() > 1e-5 * want.abs().max():  # float rounding through 4 layers
+            raise AssertionError(f"the engine's output differs from the dense layers' by "
+                                 f"{(y - want).abs().max():.2e} (of values up to {want.abs().max():.1f})")
+    moved = {k: ep.stats[f"ep/to_rollout_{k}"] for k in ("bytes_moved", "bytes_min", "peak_extra_bytes")}
+    ep.to_train()
+    return dict(balancedness=ep.stats["moe/rollout_balancedness"],
+                busiest_rows_per_step=ep.stats["moe/rollout_busiest_rows"] / args.steps,
+                decode_step_s=statistics.median(times), **moved)
+
+
+def worker(rank, args, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=W, timeout=datetime.timedelta(seconds=120))
+    dense, lean = skewed_layers()
+    result = {}
+    with torch.no_grad():
+        for P in (2, 4):
+            model, engine = copy.deepcopy(dense), copy.deepcopy(dense).requires_grad_(False)
+            ep = moe_switch.ExpertParallel(2, P, W, E, bucket_bytes=args.bucket_kb * 1024, timeout_s=120)
+            ep.apply(model, engine)
+            modes = {"blocks": eplb.Balancer(0, by_load=False), "by_load": eplb.Balancer(P)}
+            one_round(ep, engine, dense, modes["by_load"], lean, args, rank)  # its loads: the first rollout's
+            rounds = {m: [] for m in modes}
+            for _ in range(args.rounds):
+                for m, balancer in modes.items():
+                    rounds[m].append(one_round(ep, engine, dense, balancer, lean, args, rank))
+            state = moe_switch.dense_state_dict(model)
+            if not all(torch.equal(state[k], v) for k, v in dense.state_dict().items()):
+                raise AssertionError("the experts after the switch back differ from the dense ones")
+            result[P] = {m: summary(r) for m, r in rounds.items()}
+    if rank == 0:
+        out.put(result)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def summary(rounds):
+    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    med["peak_extra_bytes"] = max(r["peak_extra_bytes"] for r in rounds)
+    return med
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--bucket-kb", type=int, default=256)
+    args = p.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.get_context("spawn").Queue()
+    mp.spawn(worker, args=(args, port, out), nprocs=W)
+    result = out.get()
+    table = {}
+    for P, modes in result.items():
+        a, b = modes["blocks"], modes["by_load"]
+        print(f"EP {P}: balancedness {a['balancedness']:.3f} -> {b['balancedness']:.3f} | busiest rank's rows per "
+              f"step {a['busiest_rows_per_step']:.0f} -> {b['busiest_rows_per_step']:.0f} | decode step "
+              f"{a['decode_step_s'] * 1e3:.2f} -> {b['decode_step_s'] * 1e3:.2f} ms | switch moved "
+              f"{b['bytes_moved']} B of minimum {b['bytes_min']} B, peak extra {b['peak_extra_bytes']} B "
+              f"(bucket {args.bucket_kb * 1024} B)")
+        table[f"ep{P}"] = dict(
+            blocks=a, by_load=b, rows_down=a["busiest_rows_per_step"] / b["busiest_rows_per_step"],
+            decode_over_blocks=b["decode_step_s"] / a["decode_step_s"])
+    print(json.dumps(dict(
+        table, balancedness_before={f"ep{P}": m["blocks"]["balancedness"] for P, m in result.items()},
+        balancedness_after={f"ep{P}": m["by_load"]["balancedness"] for P, m in result.items()},
+        settings=dict(experts=E, d_model=D, d_hidden=H, top_k=K, layers=LAYERS, world=W, train_ep=2,
+                      **vars(args)))))
+
+
+if __name__ == "__main__":
+    main()

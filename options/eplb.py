@@ -1,0 +1,176 @@
+"""--eplb 1: expert load balancing, carried through the switch to rollout.
+
+    torchrun --standalone --nproc_per_node=4 train_grpo.py --train-ep 2 --infer-ep 4 --eplb 1
+    python bench/eplb.py        # balancedness, the busiest rank's rows, decode time, bytes moved
+
+Under expert parallelism a rank's work is the rows its experts are sent. A router that favours a few
+experts makes the rank that holds them the step's straggler: the others wait for it at the
+all-to-all. Balancing places the experts by their measured load instead of in blocks:
+  1. Measure: each MoE layer sums the rows each slot is sent (EPMoE.load), in rollout and in
+     training. At the switch back to training, every rank all-reduces the rollout's counts, so that
+     every rank holds the same loads (integers: exact), and the log gets moe/*.
+  2. Replicate: the inference layout holds `redundant` extra slots (one a rank by default). Each
+     goes to the expert with the most load per copy. A copy takes an equal share of its expert's rows.
+  3. Pack: the experts, most copies first, then the heaviest, each copy onto the lightest row with
+     room that does not hold it yet: every row holds the same number of experts, all distinct.
+  4. Switch: at each switch to rollout, each layer's placement from the loads (decayed by half a
+     rollout); moe_switch.py moves exactly what each rank lacks for it, a bucket at a time, and
+     the switch back restores the training layout bit for bit. The first rollout has no loads: blocks.
+The placement is a function of loads that every rank holds alike, so every rank computes the same
+one (and the switch's agreement compares its digest). It changes every switch: the switch moves
+from the training layout each time, so a new placement costs no more bytes than the old one.
+
+Memory rule: with R redundant slots at inference EP P, a rank holds R / P more experts per layer in
+rollout than the blocks would (E / P + R / P); the switch's peak grows by them. A row never holds two
+copies of one expert, so an expert has at most P copies.
+Placement changes where an expert runs, never the result: every row still meets its k experts with
+their weights, up to the float rounding of another batch split (the EP tolerance, about 5e-7).
+
+    python -m pytest tests/test_eplb.py
+"""
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import moe_switch
+
+
+# ---------------------------------------------------------------------------- the placement
+def balancedness(rows):
+    """The mean over the max of the rows each EP rank gets: 1 is even, 1 / P is one rank doing all."""
+    rows = np.asarray(rows, dtype=np.float64)
+    return float(rows.mean() / rows.max()) if rows.max() > 0 else 1.0
+
+
+def replicate(load, ep, slots):
+    """How many copies of each expert fill ep * slots slots: one each, then each extra slot to the
+    expert with the most load per copy (at most ep copies: one a row)."""
+    load = np.asarray(load, dtype=np.float64)
+    if not len(load) <= ep * slots <= len(load) * ep:
+        raise ValueError(f"{ep} rows of {slots} slots cannot hold each of {len(load)} experts "
+                         "at least once and at most once a row")
+    copies = np.ones(len(load), dtype=np.int64)                                        # (E,)
+    for _ in range(ep * slots - len(load)):
+        per_copy = np.where(copies < ep, load / copies, -np.inf)                         # (E,)
+        copies[int(np.argmax(per_copy))] += 1  # on a tie, the lowest id
+    return copies
+
+
+def placement_by_load(load, ep, slots):
+    """(E,) loads -> a placement: ep rows of `slots` distinct experts each, every expert held. The
+    experts with the most copies first, then by load per copy, each copy onto the lightest rows with
+    room (the greedy packing of the heaviest item onto the lightest bin)."""
+    load = np.asarray(load, dtype=np.float64)
+    copies = replicate(load, ep, slots)
+    rows, weight = [[] for _ in range(ep)], np.zeros(ep)
+    order = sorted(range(len(load)), key=lambda e: (-copies[e], -load[e] / copies[e], e))
+    for e in order:
+        room = [p for p in range(ep) if len(rows[p]) < slots]
+        if len(room) < copies[e]:  # not met in tests/test_eplb.py's sweep; said, never a bad layout
+            raise RuntimeError(f"no placement found for expert {e}'s {copies[e]} copies")
+        for p in sorted(room, key=lambda p: (weight[p], p))[:copies[e]]:
+            rows[p].append(e)
+            weight[p] += load[e] / copies[e]
+    return tuple(tuple(sorted(r)) for r in rows)
+
+
+# ---------------------------------------------------------------------------- the measure
+def rows_per_rank(load, layout):
+    """A layer's (P * L,) rows per slot -> (P,) rows per EP rank."""
+    return load.view(layout.ep, layout.slots).sum(1).tolist()
+
+
+def per_expert(load, layout):
+    """A layer's (P * L,) rows per slot -> (E,) rows per expert, its copies summed."""
+    experts = [e for p in range(layout.ep) for e in layout.owned(p * layout.dp)]  # slot order
+    return np.bincount(experts, weights=load.tolist(), minlength=layout.n_experts)
+
+
+class Balancer:
+    """ExpertParallel.balancer: place(ep) at each switch to rollout, rollout_done(ep) at each switch
+    back. Figures in ep.stats (so in the step's record, as the switch's):
+      moe/{rollout,train}_balancedness  mean over layers of balancedness, under the layout used
+      moe/{rollout,train}_busiest_share the busiest rank's rows over all rows, mean over layers
+      moe/{rollout,train}_busiest_rows  the busiest rank's rows, summed over layers
+      moe/{rollout,train}_expert_rows   rows per expert, summed over layers
+    A rollout's figures are the last rollout's; training's, those since the last switch to rollout.
+    by_load=False measures only: the rollout keeps the blocks (a baseline)."""
+
+    def __init__(self, redundant, decay=0.5, by_load=True):
+        self.redundant, self.decay, self.by_load = redundant, decay, by_load
+        self.loads = None  # per layer, (E,) rows per expert, decayed: what the placement packs
+
+    def place(self, ep):
+        """Each layer's rollout layout: the blocks until a rollout was measured, then by load."""
+        self._measure(ep, ep.model_layers, "train")  # the training since the last rollout
+        base = ep.infer_layout
+        layouts = [base] * len(ep.model_layers)
+        if self.by_load and self.loads is not None and base.ep > 1:
+            slots = base.slots + self.redundant // base.ep
+            layouts = [moe_switch.EPLayout(base.ep, base.world_size, base.n_experts, base.ranks,
+                                           placement_by_load(load, base.ep, slots))
+                       for load in self.loads]
+        for layer, layout in zip(ep.engine_layers, layouts):
+            _start_counting(layer, layout)
+        for layer in ep.model_layers:
+            _start_counting(layer, ep.train_layout)
+        return layouts
+
+    def rollout_done(self, ep):
+        """The rollout's loads, summed over every rank: the figures, and the next placement's."""
+        new = self._measure(ep, ep.engine_layers, "rollout")
+        if new is not None:
+            old = self.loads if self.loads is not None else [0.0] * len(new)
+            self.loads = [self.decay * o + n for o, n in zip(old, new)]
+
+    def _measure(self, ep, layers, phase):
+        """Every layer's counts since _start_counting, all-reduced over the layout's ranks."""
+        counted = [m for m in layers if m.load is not None]
+        if not counted or len(counted) != len(layers):
+            return None
+        loads = torch.cat([m.load for m in counted])
+        dist.all_reduce(loads, group=ep.group)  # the same loads on every rank
+        loads = loads.cpu().split([m.load.numel() for m in counted])
+        ranks = [rows_per_rank(c, m.layout) for c, m in zip(loads, counted)]
+        experts = [per_expert(c, m.layout) for c, m in zip(loads, counted)]
+        ep.stats.update({
+            f"moe/{phase}_balancedness": float(np.mean([balancedness(r) for r in ranks])),
+            f"moe/{phase}_busiest_share": float(np.mean([max(r) / max(sum(r), 1) for r in ranks])),
+            f"moe/{phase}_busiest_rows": int(sum(max(r) for r in ranks)),
+            f"moe/{phase}_expert_rows": [int(x) for x in np.sum(experts, axis=0)]})
+        for m in counted:
+            m.load = None
+        return experts
+
+
+def _start_counting(layer, layout):
+    layer.load = torch.zeros(layout.ep * layout.slots, dtype=torch.long,
+                             device=layer.router.weight.device)                     # (P * L,)
+
+
+# ---------------------------------------------------------------------------- the run
+def errors(cfg, world):
+    """--eplb's checks, before any process group."""
+    if not cfg.eplb:
+        if cfg.eplb_redundant is not None:
+            return [f"--eplb-redundant {cfg.eplb_redundant} sizes --eplb 1's copies: it needs "
+                    "--eplb 1"]
+        return []
+    P, E = cfg.infer_ep, cfg.n_experts
+    if not cfg.train_ep or P < 2:
+        return [f"--eplb 1 places the experts over the inference EP ranks: it needs --train-ep > 0 "
+                f"and --infer-ep >= 2 (got --train-ep {cfg.train_ep}, --infer-ep {P})"]
+    R = redundant(cfg)
+    if R < 0 or R % P or E // P + R // P > E:
+        return [f"--eplb-redundant {R} must be a multiple of --infer-ep {P}, from 0 to "
+                f"{E * (P - 1)} (a rank holds each of the {E} experts at most once)"]
+    return []
+
+
+def redundant(cfg):
+    return cfg.infer_ep if cfg.eplb_redundant is None else cfg.eplb_redundant
+
+
+def apply(run):
+    """The run's expert layers measure their loads, and each switch to rollout places by them."""
+    run.experts.balancer = Balancer(redundant(run.cfg))
