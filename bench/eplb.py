@@ -129,8 +129,8 @@ def summary(rounds):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--steps", type=int, default=40)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--bucket-kb", type=int, default=256)
     args = p.parse_args()
