@@ -526,9 +526,9 @@ class ExpertParallel:
     # placement with copies is for inference: no grad sums over the copies. EPMoE.load, a (P * L,)
     # tensor, sums the rows each slot is sent (none on the EP 1 path that runs every expert).
     # ExpertParallel.balancer, an object passed in: place(ep) gives each layer's rollout layout at
-    # the switch to rollout, and rollout_done(ep) reads the rollout's loads at the switch back. ranks= (EPLayout,
-    # ExpertParallel), group= (reshard) and world_group= (EPMoE.switch): a layout over part of the
-    # job, switched over the group of its ranks.
+    # the switch to rollout, and rollout_done(ep) reads the rollout's loads at the switch back.
+    # ranks= (EPLayout, ExpertParallel), group= (reshard) and world_group= (EPMoE.switch): a layout
+    # over part of the job, switched over the group of its ranks.
 
     def shard(self, module):
         """module's dense MoE layers -> EPMoE layers of the training layout, keeping their weights.
@@ -830,8 +830,9 @@ def agree_on_switch(src, dst, group=None, device="cpu"):
                            f"together, with the same target layout ({err})") from err
     asked = [tuple(t.tolist()) for t in every]  # .tolist(): a device-to-host sync, once per layer
     if len(set(asked)) > 1:  # a placement is named by its digest (0: the blocks)
-        said = ", ".join(f"rank {g}: EP {a} -> {b}" + (f" (placements {c} -> {d})" if c or d else "")
-                         for g, (a, b, c, d) in zip(ranks, asked))
+        placed = [f" (placements {c} -> {d})" if c or d else "" for _, _, c, d in asked]
+        said = ", ".join(f"rank {g}: EP {a} -> {b}{p}"
+                         for g, (a, b, _, _), p in zip(ranks, asked, placed))
         raise ValueError(f"the ranks of the layout disagree on the switch ({said}); every rank of "
                          "the layout must call switch() together, with the same target layout")
 

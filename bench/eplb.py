@@ -2,22 +2,26 @@
 
     python bench/eplb.py                 # 4 gloo processes, inference EP 2 and 4 (about a minute)
 
-The model: 4 residual MoE layers (x + moe(x)) of 16 experts, top-2, D = 64, H = 128 (train_grpo.py's default widths), trained at EP 2
-and switched to inference EP P = 2 and 4, as moe_switch.ExpertParallel does in the run. The router is skewed on
-purpose: the router rows of experts 0 to 3 are scaled by 2, and the tokens lean their way (a shared direction
-added to each), so the blocks, which put experts 0 to 3 on one rank, give that rank most of the rows.
-Each decode step is a forward of the engine's 4 layers on 32 fresh tokens a rank (the same tokens in both modes).
+The model: 4 residual MoE layers (x + moe(x)) of 16 experts, top-2, D = 64, H = 128 (train_grpo.py's default
+widths), trained at EP 2 and switched to inference EP P = 2 and 4, as moe_switch.ExpertParallel does in the run. The
+router is skewed on purpose: the router rows of experts 0 to 3 are scaled by 2, and the tokens lean their way (a
+shared direction added to each), so the blocks, which put experts 0 to 3 on one rank, give that rank most of the
+rows. Each decode step is a forward of the engine's 4 layers on 32 fresh tokens a rank (the same tokens in every
+mode).
 
-Per P, rounds alternate between two balancers (options/eplb.py): the blocks (by_load=False: measured, never
-moved) and by load (one redundant slot a rank, the run's default; its first rollout, in blocks, is a warm-up).
+Per P, rounds alternate between four balancers (options/eplb.py): the blocks (by_load=False: measured, never
+moved); by load, the run's default (up to one redundant slot a rank, the fewest whose predicted balancedness reaches
+0.95); by load with no copies (--eplb-redundant 0); and by load with one copy a rank always (the target out of reach).
+The first rollout of each by-load one, in blocks, gives it its loads (a warm-up).
 Each round is a switch to rollout, --steps decode steps, a switch back. Reported, per mode:
   - balancedness: mean over max of the rows each EP rank receives, mean over layers (all ranks' rows summed);
   - busiest_rows_per_step: the busiest rank's rows per decode step, summed over layers;
-  - decode_step_s: the median over rounds of the median step time (barrier to the slowest rank);
+  - decode_step_s: the median over rounds of the median step time (barrier to the slowest rank), and
+    decode_over_blocks, the median over the pairs of rounds of by load's over the blocks';
   - by load only: the switch's bytes moved against the minimum for the placement, and its peak extra memory
     against one bucket (the largest rank's).
-Every round checks the engine's output against the dense layers (to 1e-5 of the largest value) and the experts after the switch
-back against the dense ones, bit for bit; a mismatch stops the run. The last line is one JSON object.
+Every round checks the engine's output against the dense layers (to 1e-5 of the largest value), and the experts
+after the switch back against the dense ones, bit for bit; a mismatch stops the run. The last line is one JSON object.
 """
 import argparse
 import copy
@@ -38,6 +42,7 @@ import moe_switch  # noqa: E402
 from options import eplb  # noqa: E402
 
 E, D, H, K, LAYERS, HOT, W = 16, 64, 128, 2, 4, 4, 4
+BY_LOAD = ("by_load", "no_copies", "copies")  # the run's default; no copy; always one a rank
 
 
 class Residual(torch.nn.Module):
@@ -105,8 +110,10 @@ def worker(rank, args, port, out):
             model, engine = copy.deepcopy(dense), copy.deepcopy(dense).requires_grad_(False)
             ep = moe_switch.ExpertParallel(2, P, W, E, bucket_bytes=args.bucket_kb * 1024, timeout_s=120)
             ep.apply(model, engine)
-            modes = {"blocks": eplb.Balancer(0, by_load=False), "by_load": eplb.Balancer(P)}
-            one_round(ep, engine, dense, modes["by_load"], lean, args, rank)  # its loads: the first rollout's
+            modes = {"blocks": eplb.Balancer(0, by_load=False), "by_load": eplb.Balancer(P),
+                     "no_copies": eplb.Balancer(0), "copies": eplb.Balancer(P, target=2.0)}
+            for m in BY_LOAD:  # their loads: a first rollout's, in blocks
+                one_round(ep, engine, dense, modes[m], lean, args, rank)
             rounds = {m: [] for m in modes}
             for _ in range(args.rounds):
                 for m, balancer in modes.items():
@@ -115,6 +122,9 @@ def worker(rank, args, port, out):
             if not all(torch.equal(state[k], v) for k, v in dense.state_dict().items()):
                 raise AssertionError("the experts after the switch back differ from the dense ones")
             result[P] = {m: summary(r) for m, r in rounds.items()}
+            for m in BY_LOAD:  # each pair of rounds a moment apart
+                ratios = [b["decode_step_s"] / a["decode_step_s"] for a, b in zip(rounds["blocks"], rounds[m])]
+                result[P][m]["decode_over_blocks"] = statistics.median(ratios)
     if rank == 0:
         out.put(result)
     dist.barrier()
@@ -129,7 +139,7 @@ def summary(rounds):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--bucket-kb", type=int, default=256)
@@ -140,19 +150,19 @@ def main():
     out = mp.get_context("spawn").Queue()
     mp.spawn(worker, args=(args, port, out), nprocs=W)
     result = out.get()
-    table = {}
     for P, modes in result.items():
-        a, b = modes["blocks"], modes["by_load"]
-        print(f"EP {P}: balancedness {a['balancedness']:.3f} -> {b['balancedness']:.3f} | busiest rank's rows per "
-              f"step {a['busiest_rows_per_step']:.0f} -> {b['busiest_rows_per_step']:.0f} | decode step "
-              f"{a['decode_step_s'] * 1e3:.2f} -> {b['decode_step_s'] * 1e3:.2f} ms | switch moved "
-              f"{b['bytes_moved']} B of minimum {b['bytes_min']} B, peak extra {b['peak_extra_bytes']} B "
-              f"(bucket {args.bucket_kb * 1024} B)")
-        table[f"ep{P}"] = dict(
-            blocks=a, by_load=b, rows_down=a["busiest_rows_per_step"] / b["busiest_rows_per_step"],
-            decode_over_blocks=b["decode_step_s"] / a["decode_step_s"])
+        a = modes["blocks"]
+        for m in BY_LOAD:
+            b = modes[m]
+            b["rows_down"] = a["busiest_rows_per_step"] / b["busiest_rows_per_step"]
+            print(f"EP {P}, {m}: balancedness {a['balancedness']:.3f} -> {b['balancedness']:.3f} | busiest rank's "
+                  f"rows per step {a['busiest_rows_per_step']:.0f} -> {b['busiest_rows_per_step']:.0f} | decode step "
+                  f"{a['decode_step_s'] * 1e3:.2f} -> {b['decode_step_s'] * 1e3:.2f} ms (ratio "
+                  f"{b['decode_over_blocks']:.3f}) | switch moved {b['bytes_moved']} B of minimum {b['bytes_min']} B, "
+                  f"peak extra {b['peak_extra_bytes']} B (bucket {args.bucket_kb * 1024} B)")
     print(json.dumps(dict(
-        table, balancedness_before={f"ep{P}": m["blocks"]["balancedness"] for P, m in result.items()},
+        {f"ep{P}": modes for P, modes in result.items()},
+        balancedness_before={f"ep{P}": m["blocks"]["balancedness"] for P, m in result.items()},
         balancedness_after={f"ep{P}": m["by_load"]["balancedness"] for P, m in result.items()},
         settings=dict(experts=E, d_model=D, d_hidden=H, top_k=K, layers=LAYERS, world=W, train_ep=2,
                       **vars(args)))))

@@ -9,20 +9,23 @@ all-to-all. Balancing places the experts by their measured load instead of in bl
   1. Measure: each MoE layer sums the rows each slot is sent (EPMoE.load), in rollout and in
      training. At the switch back to training, every rank all-reduces the rollout's counts, so that
      every rank holds the same loads (integers: exact), and the log gets moe/*.
-  2. Replicate: the inference layout holds `redundant` extra slots (one a rank by default). Each
-     goes to the expert with the most load per copy. A copy takes an equal share of its expert's rows.
+  2. Replicate: the inference layout may hold up to `redundant` extra slots (one a rank by
+     default), the fewest whose predicted balancedness reaches 0.95 (none where packing alone
+     does). Each goes to the expert with the most load per copy. A copy takes an equal share of
+     its expert's rows.
   3. Pack: the experts, most copies first, then the heaviest, each copy onto the lightest row with
      room that does not hold it yet: every row holds the same number of experts, all distinct.
-  4. Switch: at each switch to rollout, each layer's placement from the loads (decayed by half a
-     rollout); moe_switch.py moves exactly what each rank lacks for it, a bucket at a time, and
-     the switch back restores the training layout bit for bit. The first rollout has no loads: blocks.
+  4. Switch: at each switch to rollout, each layer's placement from its loads (each rollout's
+     added to half the older ones); moe_switch.py moves exactly what each rank lacks for it, a
+     bucket at a time, and the switch back restores the training layout bit for bit. The first
+     rollout has no loads: it keeps the blocks.
 The placement is a function of loads that every rank holds alike, so every rank computes the same
 one (and the switch's agreement compares its digest). It changes every switch: the switch moves
 from the training layout each time, so a new placement costs no more bytes than the old one.
 
-Memory rule: with R redundant slots at inference EP P, a rank holds R / P more experts per layer in
-rollout than the blocks would (E / P + R / P); the switch's peak grows by them. A row never holds two
-copies of one expert, so an expert has at most P copies.
+Memory rule: with R redundant slots at inference EP P, a rank holds up to R / P more experts per
+layer in rollout than the blocks would (E / P + R / P); the switch's peak grows by them. A row never holds
+two copies of one expert, so an expert has at most P copies.
 Placement changes where an expert runs, never the result: every row still meets its k experts with
 their weights, up to the float rounding of another batch split (the EP tolerance, about 5e-7).
 
@@ -37,7 +40,7 @@ import moe_switch
 
 # ---------------------------------------------------------------------------- the placement
 def balancedness(rows):
-    """The mean over the max of the rows each EP rank gets: 1 is even, 1 / P is one rank doing all."""
+    """The mean over the max of the rows each EP rank gets: 1 even, 1 / P one rank doing all."""
     rows = np.asarray(rows, dtype=np.float64)
     return float(rows.mean() / rows.max()) if rows.max() > 0 else 1.0
 
@@ -74,6 +77,23 @@ def placement_by_load(load, ep, slots):
     return tuple(tuple(sorted(r)) for r in rows)
 
 
+def predicted(load, rows):
+    """A placement's balancedness under `load`, each copy taking an equal share of its expert's."""
+    copies = np.bincount([e for r in rows for e in r], minlength=len(load))
+    return balancedness([sum(load[e] / copies[e] for e in r) for r in rows])
+
+
+def fewest_copies(load, ep, slots, redundant, target):
+    """The placement with the fewest extra slots (0, ep, 2 ep, ... up to `redundant`) whose
+    predicted balancedness reaches `target`, else the one with the most: a copy costs memory and,
+    where experts are cheap, an expert call per layer and step."""
+    for extra in range(0, redundant + 1, ep):
+        rows = placement_by_load(load, ep, slots + extra // ep)
+        if predicted(load, rows) >= target:
+            break
+    return rows
+
+
 # ---------------------------------------------------------------------------- the measure
 def rows_per_rank(load, layout):
     """A layer's (P * L,) rows per slot -> (P,) rows per EP rank."""
@@ -96,8 +116,8 @@ class Balancer:
     A rollout's figures are the last rollout's; training's, those since the last switch to rollout.
     by_load=False measures only: the rollout keeps the blocks (a baseline)."""
 
-    def __init__(self, redundant, decay=0.5, by_load=True):
-        self.redundant, self.decay, self.by_load = redundant, decay, by_load
+    def __init__(self, redundant, target=0.95, decay=0.5, by_load=True):
+        self.redundant, self.target, self.decay, self.by_load = redundant, target, decay, by_load
         self.loads = None  # per layer, (E,) rows per expert, decayed: what the placement packs
 
     def place(self, ep):
@@ -106,10 +126,10 @@ class Balancer:
         base = ep.infer_layout
         layouts = [base] * len(ep.model_layers)
         if self.by_load and self.loads is not None and base.ep > 1:
-            slots = base.slots + self.redundant // base.ep
-            layouts = [moe_switch.EPLayout(base.ep, base.world_size, base.n_experts, base.ranks,
-                                           placement_by_load(load, base.ep, slots))
-                       for load in self.loads]
+            placements = [fewest_copies(load, base.ep, base.slots, self.redundant, self.target)
+                          for load in self.loads]
+            layouts = [moe_switch.EPLayout(base.ep, base.world_size, base.n_experts, base.ranks, p)
+                       for p in placements]
         for layer, layout in zip(ep.engine_layers, layouts):
             _start_counting(layer, layout)
         for layer in ep.model_layers:

@@ -37,6 +37,10 @@ def test_the_packing_holds_every_expert_on_distinct_rows_and_balances_a_skewed_l
         copies = eplb.replicate(load, P, 16 // P + 1)
         packed = [sum(load[e] / copies[e] for e in r) for r in rows]
         assert eplb.balancedness(blocks) < 0.6 and eplb.balancedness(packed) > 0.9, (P, blocks, packed)
+    # the fewest copies that reach the target: none where packing alone does, else up to the redundant slots
+    assert [len(r) for r in eplb.fewest_copies(load, 2, 8, 2, 0.95)] == [8, 8]
+    assert [len(r) for r in eplb.fewest_copies(load, 4, 4, 8, 0.95)] == [5, 5, 5, 5]
+    assert [len(r) for r in eplb.fewest_copies(load, 4, 4, 4, 2.0)] == [5, 5, 5, 5]  # out of reach: the most
     assert list(eplb.replicate([1, 9, 3, 9], 2, 3)) == [1, 2, 1, 2]  # the extra slots go to the hottest
     with pytest.raises(ValueError, match="at most once a row"):
         eplb.replicate([1, 2], 2, 3)  # 6 slots, 2 experts: some row would hold an expert twice
