@@ -848,6 +848,8 @@ def _spread_over_copies(layout, experts):
     goes to copy i mod c, so that each copy gets its share of the expert's rows, to within one."""
     E = layout.n_experts
     table, n_copies = (t.to(experts.device) for t in _copies(layout))      # (E, P), (E,)
+    if len(layout.placement[0]) * layout.ep == E:  # no copies: each expert's one slot
+        return table[experts, 0]
     order = experts.argsort(stable=True)                                   # (n,) by expert
     counts = torch.bincount(experts, minlength=E)                          # (E,)
     first = counts.cumsum(0) - counts                                      # (E,) of each expert
