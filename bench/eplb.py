@@ -1,6 +1,6 @@
 """Benchmark expert load balancing (options/eplb.py) through the switch: a skewed router, placed by load.
 
-    python bench/eplb.py                 # 4 gloo processes, inference EP 2 and 4 (about a minute)
+    python bench/eplb.py                 # 4 gloo processes, inference EP 2 and 4 (about 3 minutes)
 
 The model: 4 residual MoE layers (x + moe(x)) of 16 experts, top-2, D = 64, H = 128 (train_grpo.py's default
 widths), trained at EP 2 and switched to inference EP P = 2 and 4, as moe_switch.ExpertParallel does in the run. The
@@ -18,8 +18,8 @@ Each round is a switch to rollout, --steps decode steps, a switch back. Reported
   - busiest_rows_per_step: the busiest rank's rows per decode step, summed over layers;
   - decode_step_s: the median over rounds of the median step time (barrier to the slowest rank), and
     decode_over_blocks, the median over the pairs of rounds of by load's over the blocks';
-  - by load only: the switch's bytes moved against the minimum for the placement, and its peak extra memory
-    against one bucket (the largest rank's).
+  - by load only: the switch's bytes moved (received, every rank's over the 4 layers) against the minimum for the
+    placement, and its peak extra memory (the largest rank's, one layer at a time) against one bucket.
 Every round checks the engine's output against the dense layers (to 1e-5 of the largest value), and the experts
 after the switch back against the dense ones, bit for bit; a mismatch stops the run. The last line is one JSON object.
 """
@@ -93,6 +93,11 @@ def one_round(ep, engine, dense, balancer, lean, args, rank):
             raise AssertionError(f"the engine's output differs from the dense layers' by "
                                  f"{(y - want).abs().max():.2e} (of values up to {want.abs().max():.1f})")
     moved = {k: ep.stats[f"ep/to_rollout_{k}"] for k in ("bytes_moved", "bytes_min", "peak_extra_bytes")}
+    for k, op in (("bytes_moved", dist.ReduceOp.SUM), ("bytes_min", dist.ReduceOp.SUM),
+                  ("peak_extra_bytes", dist.ReduceOp.MAX)):  # every rank's bytes, the largest peak
+        t = torch.tensor([moved[k]], dtype=torch.float64)
+        dist.all_reduce(t, op=op)
+        moved[k] = int(t.item())
     ep.to_train()
     return dict(balancedness=ep.stats["moe/rollout_balancedness"],
                 busiest_rows_per_step=ep.stats["moe/rollout_busiest_rows"] / args.steps,
