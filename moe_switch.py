@@ -5,7 +5,7 @@ RL Fusion's zero-redundancy memory switching for MoE. Training and rollout share
 want different expert-parallel (EP) degrees, so at each phase change the experts move from one EP
 layout to the other. The naive switch gathers all E experts onto every rank and keeps the target's.
 Here only the experts whose owner changes move, one bucket at a time, each source slice freed once
-sent: no rank ever holds a redundant copy of an expert.
+sent: no rank holds a copy of an expert that its target layout does not ask for.
 
 The default run (train_grpo.py) trains at EP 2 and generates at EP 1. Above the marker "A learner
 can stop here" (in ExpertParallel) is that path, in reading order:
@@ -77,7 +77,7 @@ raise. On 2 gloo processes (tests/test_copy_alone.py runs it in a folder holding
         mp.spawn(rank_main, args=(2, port), nprocs=2)
 
 Shapes: N tokens, D model width, H expert hidden width, E experts, k experts per token, P EP degree,
-W world size, L = E / P local experts, M tokens received by this rank, B bucket bytes.
+W world size, L local experts (E / P in blocks), M tokens received by this rank, B bucket bytes.
 """
 import datetime
 import functools
@@ -155,12 +155,14 @@ def all_to_all_rows(x, out_splits, in_splits, group):
 class EPLayout:
     """Who owns which expert. Rank grid arange(W).view(P, W // P): row p owns expert block p, and
     the W // P ranks of a row are its data-parallel replicas. An EP group takes one rank from each
-    row. Ranks here are the layout's own, 0 .. W-1: `ranks` names the global ranks they are."""
+    row. Ranks here are the layout's own, 0 .. W-1: `ranks` names the global ranks they are.
+    A row holds L experts, its slots p * L .. p * L + L - 1: the block's, or under a placement
+    (an option, load balancing: below the marker) any L, an expert held by several rows copied."""
     ep: int              # P, the EP degree: the experts split into P blocks of L = E / P
     world_size: int      # W ranks, each holding one block
     n_experts: int       # E
     ranks: tuple = None  # the global rank of each layout rank (None: the same numbers)
-    placement: tuple = None  # each row's experts, in slot order (None: the blocks); see below
+    placement: tuple = None  # each row's experts, increasing (None: the blocks)
 
     def __post_init__(self):
         _check_layout(self)  # below the marker: P divides E and W; ranks distinct, in order;
@@ -179,7 +181,7 @@ class EPLayout:
         return self.n_experts // self.ep if self.placement is None else len(self.placement[0])
 
     def owned(self, rank):
-        """The global expert ids that `rank` holds, in slot order: a contiguous range of L."""
+        """The global expert ids that `rank` holds, in slot order: its block, a range of L."""
         L, p = self.slots, rank // self.dp
         return range(p * L, (p + 1) * L) if self.placement is None else self.placement[p]
 
@@ -194,10 +196,10 @@ class EPLayout:
         p = rank // self.dp
         return list(range(p * self.dp, (p + 1) * self.dp))
 
-    def slot_of(self, experts):
+    def slot_of(self, experts, rank=0):
         """(n,) expert ids -> (n,) slots, p * L + j for row p's j-th expert: the expert id itself
-        for the blocks (a placement's: below the marker)."""
-        return experts if self.placement is None else _spread_over_copies(self, experts)
+        for the blocks (a placement's, where `rank` spreads the copies: below the marker)."""
+        return experts if self.placement is None else _spread_over_copies(self, experts, rank)
 
     def local_rank(self, global_rank):  # a layout over part of the job (ranks=): below the marker
         return _local_rank(self, global_rank)
@@ -235,8 +237,8 @@ def reshard_naive(experts, src, dst, group=None):
 def plan_reshard(src, dst, slice_bytes, bucket_bytes):
     """Transfers (name, e, from rank, to rank) of every slice a rank needs and lacks, packed
     first-fit into rounds where each rank sends at most bucket_bytes and receives at most
-    bucket_bytes, and holds at most max(source, target) + bucket_bytes (_fits_memory). Pure: every
-    rank computes the same plan, so no counts are exchanged."""
+    bucket_bytes, and holds at most max(source, target) + bucket_bytes (_Memory). Pure: every rank
+    computes the same plan, so no counts are exchanged."""
     W = src.world_size
     _check_bucket(slice_bytes, bucket_bytes)  # a bucket holds one expert slice at least
     load, todo = [0] * W, []  # bytes each rank sends in all; the transfers, in order
@@ -261,7 +263,7 @@ def plan_reshard(src, dst, slice_bytes, bucket_bytes):
                 inn[r] += nb
             else:
                 rest.append((n, e, s, r))
-        rnd = rnd or [rest.pop(0)]  # none fits the memory bound: the first anyway (counted)
+        assert rnd, "no transfer fits"  # never: a rank over its bound has sends pending (_Memory)
         memory.done(rnd)
         rounds.append(rnd)
         todo = rest
@@ -366,7 +368,7 @@ class EPMoE(nn.Module):
         gates, top_e = route(x, self.router.weight, k, self.routing)    # (N, k)
         if P == 1 and x.shape[0] <= self.every_expert_below:  # EP 1, a decode step's few tokens
             return self._every_expert(x, gates, top_e).reshape(shape)
-        flat_e = self.layout.slot_of(top_e.reshape(-1))                 # (N*k,) slot = expert
+        flat_e = self.layout.slot_of(top_e.reshape(-1), self.rank)      # (N*k,) slot: expert
         order = flat_e.argsort(stable=True)                             # (N*k,) by slot = rank
         x_sorted = x[order // k]                                        # (N*k, D)
         counts = torch.bincount(flat_e, minlength=P * L)                # (P*L,) rows to each slot
@@ -467,7 +469,7 @@ class ExpertParallel:
             layouts = self.balancer.place(self)
         for m, e, layout in zip(self.model_layers, self.engine_layers, layouts):
             moved.append(m.switch(layout, ep_group, self.bucket_bytes, self.group))
-            e.layout = layout
+            e.layout = layout  # the engine's layer routes to where the experts now are
             for n in EXPERT_NAMES:
                 for pm, pe in zip(getattr(m, n), getattr(e, n)):
                     pe.data = pm.data  # the engine's experts are the moved tensors themselves
@@ -476,11 +478,11 @@ class ExpertParallel:
     @torch.no_grad()
     def to_train(self):
         t0, moved, ep_group = time.perf_counter(), [], self.train_groups[0]
-        if self.balancer is not None:
-            self.balancer.rollout_done(self)
         for m, e in zip(self.model_layers, self.engine_layers):
             _untie(e)  # the switch must hold the only reference, or nothing could be freed
             moved.append(m.switch(self.train_layout, ep_group, self.bucket_bytes, self.group))
+        if self.balancer is not None:
+            self.balancer.rollout_done(self)
         self._record("to_train", t0, moved)
 
     def clip_grads(self, model, max_norm):
@@ -526,7 +528,9 @@ class ExpertParallel:
     # placement with copies is for inference: no grad sums over the copies. EPMoE.load, a (P * L,)
     # tensor, sums the rows each slot is sent (none on the EP 1 path that runs every expert).
     # ExpertParallel.balancer, an object passed in: place(ep) gives each layer's rollout layout at
-    # the switch to rollout, and rollout_done(ep) reads the rollout's loads at the switch back.
+    # the switch to rollout, and rollout_done(ep) reads the rollout's loads at the end of the switch
+    # back. A placement need not nest with the training layout: the switch then holds up to
+    # max(source, target) + one bucket (plan_reshard's memory bound), not target + one bucket.
     # ranks= (EPLayout, ExpertParallel), group= (reshard) and world_group= (EPMoE.switch): a layout
     # over part of the job, switched over the group of its ranks.
 
@@ -560,7 +564,7 @@ class ExpertParallel:
             f"ep/{key}_bytes_min": sum(s["bytes_min"] for s in moved),
             f"ep/{key}_peak_extra_bytes": max(s["peak_extra_bytes"] for s in moved),
             f"ep/{key}_layer_peak_switch_bytes": max(s["peak_switch_bytes"] for s in moved),
-            f"ep/{key}_layer_target_bytes": moved[0]["to_bytes"]})  # one layer at a time
+            f"ep/{key}_layer_target_bytes": max(s["to_bytes"] for s in moved)})  # a layer at a time
 
 
 def optimizer_groups(model):
@@ -843,11 +847,12 @@ def _digest(layout):
 
 
 # ----------------------------------------------------------- a placement: experts anywhere, copies
-def _spread_over_copies(layout, experts):
-    """EPLayout.slot_of under a placement: the i-th row (in row order) of an expert with c copies
-    goes to copy i mod c, so that each copy gets its share of the expert's rows, to within one."""
+def _spread_over_copies(layout, experts, rank):
+    """EPLayout.slot_of under a placement: the i-th token row (in order) of an expert with c copies
+    goes to copy (i + rank) mod c: each copy gets its share of the expert's rows, to within one on
+    each rank, and the ranks start at different copies."""
     E = layout.n_experts
-    table, n_copies = (t.to(experts.device) for t in _copies(layout))      # (E, P), (E,)
+    table, n_copies = _copies(layout, experts.device)                      # (E, P), (E,)
     if len(layout.placement[0]) * layout.ep == E:  # no copies: each expert's one slot
         return table[experts, 0]
     order = experts.argsort(stable=True)                                   # (n,) by expert
@@ -855,23 +860,26 @@ def _spread_over_copies(layout, experts):
     first = counts.cumsum(0) - counts                                      # (E,) of each expert
     nth = torch.empty_like(experts)                                        # (n,) i: row's rank
     nth[order] = torch.arange(len(experts), device=experts.device) - first[experts[order]]
-    return table[experts, nth % n_copies[experts]]
+    return table[experts, (nth + rank) % n_copies[experts]]
 
 
 @functools.lru_cache(maxsize=256)
-def _copies(layout):
+def _copies(layout, device):
     """A placement's slots of each expert, (E, P) padded with its first, and their counts (E,)."""
     L, P = layout.slots, layout.ep
     copies = [[p * L + j for p in range(P) for j, x in enumerate(layout.placement[p]) if x == e]
               for e in range(layout.n_experts)]
-    return (torch.tensor([c + c[:1] * (P - len(c)) for c in copies]),
-            torch.tensor([len(c) for c in copies]))
+    return (torch.tensor([c + c[:1] * (P - len(c)) for c in copies], device=device),
+            torch.tensor([len(c) for c in copies], device=device))
 
 
 class _Memory:
     """plan_reshard's count of the bytes each rank holds between rounds: what it keeps, the slices
     it still has to send, and those it received. A round may add to a rank's holding while it
-    stays within max(source, target) + bucket; a source slice is freed after its last send."""
+    stays within max(source, target) + bucket; a source slice is freed after its last send.
+    Some transfer always fits: a rank whose next receive would pass its bound holds more bytes
+    still to send than it has still to receive, and every byte still to send is some rank's
+    receive, so not every rank with receives left can be at its bound."""
 
     def __init__(self, src, dst, slice_bytes, bucket_bytes, todo):
         W, per_expert = src.world_size, sum(slice_bytes.values())
@@ -896,17 +904,19 @@ class _Memory:
 
 
 def _check_placement(layout):
-    """EPLayout's checks of a placement: P rows of L distinct expert ids each, every expert held."""
+    """EPLayout's checks of a placement: P rows of L expert ids each, increasing (so distinct), and
+    every expert held."""
     rows, E = layout.placement, layout.n_experts
     lengths = {len(r) for r in rows}
     held = {e for r in rows for e in r}
     bad = (not isinstance(rows, tuple) or not all(isinstance(r, tuple) for r in rows)
            or len(rows) != layout.ep or len(lengths) != 1 or held != set(range(E))
-           or any(len(set(r)) != len(r) for r in rows)
+           or any(list(r) != sorted(set(r)) for r in rows)
            or any(not isinstance(e, int) for r in rows for e in r))
     if bad:
         raise ValueError(f"placement {rows} must be a tuple of P = {layout.ep} tuples of the same "
-                         f"length, each of distinct int expert ids, holding all of 0 .. {E - 1}")
+                         f"length, each of int expert ids in increasing order, holding all of "
+                         f"0 .. {E - 1}")
 
 
 # -------------------------------------------------------------------- a layout over part of the job

@@ -3,31 +3,32 @@
     torchrun --standalone --nproc_per_node=4 train_grpo.py --train-ep 2 --infer-ep 4 --eplb 1
     python bench/eplb.py        # balancedness, the busiest rank's rows, decode time, bytes moved
 
-Under expert parallelism a rank's work is the rows its experts are sent. A router that favours a few
-experts makes the rank that holds them the step's straggler: the others wait for it at the
-all-to-all. Balancing places the experts by their measured load instead of in blocks:
+Under expert parallelism a rank's work is the token rows its experts are sent. A router that
+favours a few experts makes the rank that holds them the step's straggler: the others wait for it
+at the all-to-all. Balancing places the experts by their measured load instead of in blocks:
   1. Measure: each MoE layer sums the rows each slot is sent (EPMoE.load), in rollout and in
-     training. At the switch back to training, every rank all-reduces the rollout's counts, so that
-     every rank holds the same loads (integers: exact), and the log gets moe/*.
+     training. At the end of the switch back to training, every rank all-reduces the rollout's
+     counts: every rank holds the same loads (integers: exact). The log gets moe/* for both
+     phases; only the rollout's loads place the experts.
   2. Replicate: the inference layout may hold up to `redundant` extra slots (one a rank by
      default), the fewest whose predicted balancedness reaches 0.95 (none where packing alone
      does). Each goes to the expert with the most load per copy. A copy takes an equal share of
      its expert's rows.
-  3. Pack: the experts, most copies first, then the heaviest, each copy onto the lightest row with
-     room that does not hold it yet: every row holds the same number of experts, all distinct.
-  4. Switch: at each switch to rollout, each layer's placement from its loads (each rollout's
-     added to half the older ones); moe_switch.py moves exactly what each rank lacks for it, a
-     bucket at a time, and the switch back restores the training layout bit for bit. The first
-     rollout has no loads: it keeps the blocks.
+  3. Pack: the experts, most copies first, then the heaviest, each copy onto the lightest EP rank
+     with room that does not hold it yet: every rank holds as many experts, all distinct.
+  4. Switch: at each switch to rollout, each layer's placement from its loads (each rollout's,
+     the evaluation's included, added to half the older ones); moe_switch.py moves exactly what
+     each rank lacks for it, a bucket at a time, and the switch back restores the training layout
+     bit for bit. The first rollout (the warm-up's evaluation) has no loads: it keeps the blocks.
 The placement is a function of loads that every rank holds alike, so every rank computes the same
-one (and the switch's agreement compares its digest). It changes every switch: the switch moves
-from the training layout each time, so a new placement costs no more bytes than the old one.
+one (and the switch's agreement compares its digest). It may change at every switch: each switch
+starts from the training layout, so a placement's cost does not depend on the one before.
 
 Memory rule: with R redundant slots at inference EP P, a rank holds up to R / P more experts per
-layer in rollout than the blocks would (E / P + R / P); the switch's peak grows by them. A row never holds
-two copies of one expert, so an expert has at most P copies.
-Placement changes where an expert runs, never the result: every row still meets its k experts with
-their weights, up to the float rounding of another batch split (the EP tolerance, about 5e-7).
+layer in rollout than the blocks would (E / P + R / P); the switch's peak grows by them. No rank
+holds two copies of one expert, so an expert has at most P copies.
+Placement changes where an expert runs: every token still meets its k experts with their weights,
+and the outputs match the blocks' up to float rounding (about 5e-7, as EP's own).
 
     python -m pytest tests/test_eplb.py
 """
@@ -62,16 +63,20 @@ def replicate(load, ep, slots):
 def placement_by_load(load, ep, slots):
     """(E,) loads -> a placement: ep rows of `slots` distinct experts each, every expert held. The
     experts with the most copies first, then by load per copy, each copy onto the lightest rows with
-    room (the greedy packing of the heaviest item onto the lightest bin)."""
+    room (the greedy packing of the heaviest item onto the lightest bin). Where the lightest would
+    leave too few rows with room for a later expert's copies, the roomiest instead: filling the
+    roomiest first, copies in decreasing number, always finishes."""
     load = np.asarray(load, dtype=np.float64)
     copies = replicate(load, ep, slots)
     rows, weight = [[] for _ in range(ep)], np.zeros(ep)
     order = sorted(range(len(load)), key=lambda e: (-copies[e], -load[e] / copies[e], e))
-    for e in order:
+    for i, e in enumerate(order):
         room = [p for p in range(ep) if len(rows[p]) < slots]
-        if len(room) < copies[e]:  # not met in tests/test_eplb.py's sweep; said, never a bad layout
-            raise RuntimeError(f"no placement found for expert {e}'s {copies[e]} copies")
-        for p in sorted(room, key=lambda p: (weight[p], p))[:copies[e]]:
+        chosen = sorted(room, key=lambda p: (weight[p], p))[:copies[e]]
+        later = max((copies[x] for x in order[i + 1:]), default=0)
+        if sum(len(rows[p]) + (p in chosen) < slots for p in range(ep)) < later:
+            chosen = sorted(room, key=lambda p: (len(rows[p]), weight[p], p))[:copies[e]]
+        for p in chosen:
             rows[p].append(e)
             weight[p] += load[e] / copies[e]
     return tuple(tuple(sorted(r)) for r in rows)
@@ -107,14 +112,16 @@ def per_expert(load, layout):
 
 
 class Balancer:
-    """ExpertParallel.balancer: place(ep) at each switch to rollout, rollout_done(ep) at each switch
-    back. Figures in ep.stats (so in the step's record, as the switch's):
+    """ExpertParallel.balancer: place(ep) at each switch to rollout, rollout_done(ep) at the end of
+    each switch back. Figures in ep.stats (so in the step's record, as the switch's):
       moe/{rollout,train}_balancedness  mean over layers of balancedness, under the layout used
       moe/{rollout,train}_busiest_share the busiest rank's rows over all rows, mean over layers
       moe/{rollout,train}_busiest_rows  the busiest rank's rows, summed over layers
       moe/{rollout,train}_expert_rows   rows per expert, summed over layers
-    A rollout's figures are the last rollout's; training's, those since the last switch to rollout.
-    by_load=False measures only: the rollout keeps the blocks (a baseline)."""
+    Rollout's are the last rollout's (the evaluation's too: it is a rollout). Training's are counted
+    from one switch back to the next switch to rollout: a step's record holds the step before's.
+    Only rollout loads place the experts. by_load=False measures only: the rollout keeps the
+    blocks (a baseline)."""
 
     def __init__(self, redundant, target=0.95, decay=0.5, by_load=True):
         self.redundant, self.target, self.decay, self.by_load = redundant, target, decay, by_load
@@ -122,7 +129,7 @@ class Balancer:
 
     def place(self, ep):
         """Each layer's rollout layout: the blocks until a rollout was measured, then by load."""
-        self._measure(ep, ep.model_layers, "train")  # the training since the last rollout
+        self._measure(ep, ep.model_layers, "train")  # the training since the last switch back
         base = ep.infer_layout
         layouts = [base] * len(ep.model_layers)
         if self.by_load and self.loads is not None and base.ep > 1:
@@ -132,34 +139,50 @@ class Balancer:
                        for p in placements]
         for layer, layout in zip(ep.engine_layers, layouts):
             _start_counting(layer, layout)
-        for layer in ep.model_layers:
-            _start_counting(layer, ep.train_layout)
         return layouts
 
     def rollout_done(self, ep):
-        """The rollout's loads, summed over every rank: the figures, and the next placement's."""
+        """The rollout's loads, summed over every rank: the figures, and the next placement's.
+        The model's layers are back in the training layout: they count from here."""
         new = self._measure(ep, ep.engine_layers, "rollout")
         if new is not None:
             old = self.loads if self.loads is not None else [0.0] * len(new)
             self.loads = [self.decay * o + n for o, n in zip(old, new)]
+        for layer in ep.model_layers:
+            _start_counting(layer, ep.train_layout)
+
+    def state_dict(self):
+        return {"loads": None if self.loads is None else [x.tolist() for x in self.loads]}
+
+    def load_state_dict(self, sd):
+        self.loads = None if sd["loads"] is None else [np.array(x) for x in sd["loads"]]
 
     def _measure(self, ep, layers, phase):
-        """Every layer's counts since _start_counting, all-reduced over the layout's ranks."""
+        """Every layer's counts since _start_counting, all-reduced over the layout's ranks; the
+        counting stops. None where nothing was counted (the same on every rank)."""
         counted = [m for m in layers if m.load is not None]
         if not counted or len(counted) != len(layers):
             return None
         loads = torch.cat([m.load for m in counted])
-        dist.all_reduce(loads, group=ep.group)  # the same loads on every rank
-        loads = loads.cpu().split([m.load.numel() for m in counted])
+        try:
+            dist.all_reduce(loads, group=ep.group)  # the same loads on every rank
+        except RuntimeError as err:  # gloo and nccl report a timeout as a RuntimeError
+            raise RuntimeError(f"--eplb 1: the {phase} loads' all-reduce failed; every rank of "
+                               f"the layout must switch together, each with a balancer ({err})"
+                               ) from err
+        for m in counted:
+            m.load = None
+        if not loads.sum():
+            return None
+        loads = loads.cpu().split([m.layout.ep * m.layout.slots for m in counted])
         ranks = [rows_per_rank(c, m.layout) for c, m in zip(loads, counted)]
         experts = [per_expert(c, m.layout) for c, m in zip(loads, counted)]
         ep.stats.update({
             f"moe/{phase}_balancedness": float(np.mean([balancedness(r) for r in ranks])),
-            f"moe/{phase}_busiest_share": float(np.mean([max(r) / max(sum(r), 1) for r in ranks])),
+            f"moe/{phase}_busiest_share": float(np.mean([max(r) / max(sum(r), 1)
+                                                          for r in ranks])),
             f"moe/{phase}_busiest_rows": int(sum(max(r) for r in ranks)),
             f"moe/{phase}_expert_rows": [int(x) for x in np.sum(experts, axis=0)]})
-        for m in counted:
-            m.load = None
         return experts
 
 

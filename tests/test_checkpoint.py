@@ -41,9 +41,10 @@ SLOW = pytest.mark.slow  # the fast suite keeps one run per deployment; these la
                                                marks=SLOW),
                                   pytest.param({"nodes": 2, "grad_compress": "topk-int8", "staleness": 0}, marks=SLOW),
                                   pytest.param({"reward_model": True, "rm_samples": 64, "rm_steps": 20, "staleness": 0},
-                                               marks=SLOW)],
+                                               marks=SLOW),
+                                  pytest.param({"train_ep": 2, "infer_ep": 2, "eplb": True, "staleness": 0}, marks=SLOW)],
                          ids=["colocated-S0", "colocated-S2-partial", "separated-S0", "expert-parallel",
-                              "nodes-compressed", "reward-model"])
+                              "nodes-compressed", "reward-model", "eplb"])
 def test_stopped_and_resumed_run_trains_to_the_same_parameters(tmp_path, mode):
     """Run 6 steps saving at step 3; then, in new processes, resume from step 3 and run 3 more: the final
     parameters are bit-identical, and metrics.jsonl holds every step once."""
@@ -56,6 +57,8 @@ def test_stopped_and_resumed_run_trains_to_the_same_parameters(tmp_path, mode):
         assert any(s["tokens"].numel() and not s["done"] for g in pool for s in g["samples"])
     if "nodes" in mode:  # the error-feedback residual: part of the cut, and not zero
         assert any(r.abs().sum() > 0 for r in own["grad_sync"].values())
+    if "eplb" in mode:  # the loads that place the experts at the next switch: part of the cut
+        assert own["eplb"]["loads"] is not None
     straight_lr = [l["train/lr"] for l in _lines(tmp_path)[1:]]
     resumed = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path), dict(mode, resume=step_3)))
     assert [l["train/lr"] for l in _lines(tmp_path)[1:]] == straight_lr  # resumed where it was: steps 4 to 6

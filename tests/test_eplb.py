@@ -48,9 +48,17 @@ def test_the_packing_holds_every_expert_on_distinct_rows_and_balances_a_skewed_l
 
 def test_bad_placements_are_refused_by_the_layout():
     for bad in (((0, 1), (2, 3)), ((0, 1, 2, 3), (4, 5, 6, 6)), ((0, 1, 2), (3, 4, 5, 6, 7)), [(0, 1, 2, 3)] * 2,
-                ((0, 1, 2, 3),)):
+                ((0, 1, 2, 3),), ((0, 1, 2, 3, 4), (4, 5, 6, 7, 7)), ((1, 0, 2, 3), (4, 5, 6, 7))):
         with pytest.raises(ValueError, match="placement"):
             EPLayout(2, 4, E, placement=bad)
+
+
+def test_copies_share_their_experts_rows_and_each_rank_starts_at_another():
+    layout = EPLayout(2, 2, 4, placement=((0, 1, 2), (0, 2, 3)))  # experts 0 and 2 copied: slots 0, 3 and 2, 4
+    rows = torch.tensor([0] * 7 + [2] * 4 + [1, 3])
+    for rank, want in ((0, [4, 1, 2, 3, 2, 1]), (1, [3, 1, 2, 4, 2, 1])):
+        assert torch.bincount(layout.slot_of(rows, rank), minlength=6).tolist() == want
+    assert torch.equal(EPLayout(2, 2, 4).slot_of(rows), rows)  # the blocks: a slot is its expert
 
 
 def _dense(seed=0):
@@ -79,11 +87,12 @@ def _exact_under_placements(rank, router, full):
 def _switch_through_placements(rank, full):
     """Blocks -> a placement with copies -> another -> blocks: exact bytes, the minimum moved, and at most
     max(source, target) + one bucket held."""
-    train = EPLayout(2, W, E)
+    train, wide = EPLayout(2, W, E), EPLayout(4, W, E)
     first = EPLayout(4, W, E, placement=_placement(4, 3, seed=1))
     second = EPLayout(4, W, E, placement=_placement(4, 3, seed=2))
+    more = EPLayout(2, W, E, placement=_placement(2, 6, seed=3))  # more experts a rank than training's 2
     experts, stats = shard_experts(full, train, rank), []
-    for src, dst in ((train, first), (first, second), (second, train)):
+    for src, dst in ((train, first), (first, second), (second, train), (train, wide), (wide, more), (more, wide)):
         experts, st = reshard(experts, src, dst, BUCKET)
         assert all(list(experts[n]) == sorted(dst.owned(rank)) for n in NAMES)
         assert all(torch.equal(experts[n][e], full[n][e]) for n in NAMES for e in experts[n])
@@ -180,6 +189,7 @@ def test_a_run_with_balancing_trains_as_one_without_it(tmp_path):
     assert torch.equal(out[0][1], out[1][1])
     assert_same_training(out[0][1], p_one, "EP 2 with --eplb 1")
     lines = [json.loads(l) for l in open(tmp_path / "eplb" / "metrics.jsonl")][1:]
-    assert all(0 < l["moe/rollout_balancedness"] <= 1 and 0 < l["moe/train_balancedness"] <= 1 for l in lines)
+    # step 1 places by the warm-up evaluation's loads; a record's training figures are the step before's
     assert all(l["ep/to_rollout_bytes_moved"] == l["ep/to_rollout_bytes_min"] > 0 for l in lines)
-    assert sum(lines[-1]["moe/rollout_expert_rows"]) > 0
+    assert all(0 < l["moe/rollout_balancedness"] <= 1 and sum(l["moe/rollout_expert_rows"]) > 0 for l in lines)
+    assert all(0 < l["moe/train_balancedness"] <= 1 and sum(l["moe/train_expert_rows"]) > 0 for l in lines[1:])
