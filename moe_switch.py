@@ -198,7 +198,7 @@ class EPLayout:
 
     def slot_of(self, experts, rank=0):
         """(n,) expert ids -> (n,) slots, p * L + j for row p's j-th expert: the expert id itself
-        for the blocks (a placement's, from `rank`, the sender: below the marker)."""
+        for the blocks (a placement's, where `rank` spreads the copies: below the marker)."""
         return experts if self.placement is None else _spread_over_copies(self, experts, rank)
 
     def local_rank(self, global_rank):  # a layout over part of the job (ranks=): below the marker
@@ -848,12 +848,11 @@ def _digest(layout):
 
 # ----------------------------------------------------------- a placement: experts anywhere, copies
 def _spread_over_copies(layout, experts, rank):
-    """EPLayout.slot_of under a placement. A row whose expert has a copy on this rank stays here:
-    it crosses no link. The others go to their expert's copies in turn, the i-th such row of an
-    expert with c copies to copy (i + rank) mod c. Where every rank routes alike, each copy gets
-    an equal share of its expert's rows."""
+    """EPLayout.slot_of under a placement: the i-th token row (in order) of an expert with c copies
+    goes to copy (i + rank) mod c: each copy gets its share of the expert's rows, to within one on
+    each rank, and the ranks start at different copies."""
     E = layout.n_experts
-    table, n_copies, here = _copies(layout, rank // layout.dp, experts.device)  # (E, P), (E,) x 2
+    table, n_copies = _copies(layout, experts.device)                      # (E, P), (E,)
     if len(layout.placement[0]) * layout.ep == E:  # no copies: each expert's one slot
         return table[experts, 0]
     order = experts.argsort(stable=True)                                   # (n,) by expert
@@ -861,21 +860,17 @@ def _spread_over_copies(layout, experts, rank):
     first = counts.cumsum(0) - counts                                      # (E,) of each expert
     nth = torch.empty_like(experts)                                        # (n,) i: row's rank
     nth[order] = torch.arange(len(experts), device=experts.device) - first[experts[order]]
-    in_turn = table[experts, (nth + rank) % n_copies[experts]]             # (n,)
-    return torch.where(here[experts] >= 0, here[experts], in_turn)
+    return table[experts, (nth + rank) % n_copies[experts]]
 
 
 @functools.lru_cache(maxsize=256)
-def _copies(layout, row, device):
-    """A placement's slots of each expert, (E, P) padded with its first; their counts (E,); and
-    each expert's slot on EP row `row`, or -1 (E,)."""
+def _copies(layout, device):
+    """A placement's slots of each expert, (E, P) padded with its first, and their counts (E,)."""
     L, P = layout.slots, layout.ep
     copies = [[p * L + j for p in range(P) for j, x in enumerate(layout.placement[p]) if x == e]
               for e in range(layout.n_experts)]
-    here = [next((s for s in c if s // L == row), -1) for c in copies]
     return (torch.tensor([c + c[:1] * (P - len(c)) for c in copies], device=device),
-            torch.tensor([len(c) for c in copies], device=device),
-            torch.tensor(here, device=device))
+            torch.tensor([len(c) for c in copies], device=device))
 
 
 class _Memory:

@@ -53,14 +53,12 @@ def test_bad_placements_are_refused_by_the_layout():
             EPLayout(2, 4, E, placement=bad)
 
 
-def test_a_copy_here_takes_this_ranks_rows_and_the_others_share_the_rest_in_turn():
-    layout = EPLayout(3, 3, 3, placement=((0, 1), (0, 2), (1, 2)))  # each expert twice: slots 0, 2 | 1, 4 | 3, 5
-    rows = torch.tensor([0] * 5 + [1] * 2 + [2] * 3)
-    here = {0: [5, 2, 0, 2, 0, 1], 1: [0, 1, 5, 3, 1, 0], 2: [3, 0, 2, 0, 2, 3]}  # the rest in turn, from the rank
-    for rank, want in here.items():
-        assert torch.bincount(layout.slot_of(rows, rank), minlength=6).tolist() == want, rank
-    assert torch.bincount(layout.slot_of(rows[:5], 0), minlength=6).tolist() == [5, 0, 0, 0, 0, 0]
-    assert torch.equal(EPLayout(3, 3, 3).slot_of(rows), rows)  # the blocks: a slot is its expert
+def test_copies_share_their_experts_rows_and_each_rank_starts_at_another():
+    layout = EPLayout(2, 2, 4, placement=((0, 1, 2), (0, 2, 3)))  # experts 0 and 2 copied: slots 0, 3 and 2, 4
+    rows = torch.tensor([0] * 7 + [2] * 4 + [1, 3])
+    for rank, want in ((0, [4, 1, 2, 3, 2, 1]), (1, [3, 1, 2, 4, 2, 1])):
+        assert torch.bincount(layout.slot_of(rows, rank), minlength=6).tolist() == want
+    assert torch.equal(EPLayout(2, 2, 4).slot_of(rows), rows)  # the blocks: a slot is its expert
 
 
 def _dense(seed=0):
