@@ -514,9 +514,10 @@ class ExpertParallel:
 
     # ==============================================================================================
     # What follows: the rest of ExpertParallel (shard, params, the engine's empty layers, the
-    # figures), optimizer_groups, new_groups, the re-shard's memory count, the checks of the
-    # caller's input (each raises before any collective), the ranks' agreement on a switch, the
-    # layouts over part of the job, DenseMoE for other codebases, and the whole model's dense state.
+    # figures), optimizer_groups, new_groups, the re-shard's memory count and bound (_Memory), the
+    # checks of the caller's input (each raises before any collective), the ranks' agreement on a
+    # switch, the layouts over part of the job, DenseMoE for other codebases, and the whole model's
+    # dense state.
     # The code above calls them but reads without them.
     # A learner can stop here.
     # ==============================================================================================

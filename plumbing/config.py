@@ -84,7 +84,7 @@ class Config:
                                        "Routing Replay (options/routing_replay.py); "
                                        "moe/routing_mismatch is logged")
     reward_model: bool = flag(False, "1: a learned outcome reward model scores the responses "
-                                     "instead of the rule (options/reward_model.py): trained "
+                                     "instead of the rule (options/learned_reward.py): trained "
                                      "after the warm-up on the policy's own samples, "
                                      "labelled by the rule, then frozen; the rule is still "
                                      "logged (reward/rule_mean)")
