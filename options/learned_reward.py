@@ -31,10 +31,16 @@ def attach(run):
         torch.manual_seed(cfg.seed)
         rm = reward_model.RewardModel(rm_config(cfg)).to(run.device)
     if run.resume_from is None:
-        # the ranks that sample (hybrid: not the auxiliary ones)
-        if run.rank in run.roles.generators:
+        said = [None]  # rank 0's refusal of the fit, said on every rank (hybrid: the auxiliary too)
+        if run.rank in run.roles.generators:  # the ranks that sample (hybrid: not the auxiliary)
             with run.spans("reward_model_fit"):
-                run.step0.update(fit(run, rm))  # rm/*: in step 0's record
+                try:
+                    run.step0.update(fit(run, rm))  # rm/*: in step 0's record
+                except OneLabel as err:
+                    said = [str(err)]
+        dist.broadcast_object_list(said, src=0)
+        if said[0] is not None:
+            raise ValueError(said[0])
         for t in rm.state_dict().values():  # rank 0's fit on every rank (kernels need not be
             dist.broadcast(t, src=0)         # deterministic on a device)
     rm.eval().requires_grad_(False)
@@ -68,12 +74,23 @@ def fit(run, rm):
     prompts = task.PromptStream(cfg.seed + 1, cfg.max_digits, exclude=held_out).next(cfg.rm_samples)
     responses = sample_responses(run, prompts, first_seed=0)
     labels = task.rewards(prompts, responses)
+    if len(set(labels.tolist())) < 2:
+        right = "right" if labels[0] else "wrong"
+        raise OneLabel(f"--reward-model 1: the rule finds all {len(labels)} of the warmed-up "
+                       f"policy's samples {right} (--rm-samples {cfg.rm_samples}, after "
+                       f"--warmup-steps {cfg.warmup_steps}); the fit needs right and wrong "
+                       "answers: draw more samples, or warm up longer (all wrong) or less "
+                       "(all right)")
     figures = reward_model.train_reward_model(rm, rm_config(cfg), prompts, responses, labels,
                                               run.device)
     held = sample_responses(run, run.eval_prompts, first_seed=len(prompts))
     probs = reward_model.score(rm, run.eval_prompts, held)
     agree = reward_model.agreement(probs, task.rewards(run.eval_prompts, held))
     return {**figures, **{f"rm/held_out_{k}": float(v) for k, v in agree.items()}}
+
+
+class OneLabel(ValueError):
+    """The samples of the fit carry one label only."""
 
 
 def fit_seed(seed, i):

@@ -388,6 +388,9 @@ def option_errors(cfg, world):
     if cfg.eplb or cfg.eplb_redundant is not None:
         from options import eplb
         errors += eplb.errors(cfg, world)
+    if cfg.reward_model and cfg.rm_samples < 2:  # one sample, one label: never both
+        errors.append(f"--rm-samples {cfg.rm_samples} gives the reward model's fit one rule label; "
+                      "it needs a right and a wrong answer among them: at least 2")
     if cfg.train_pp != 1:
         from options import pipeline_run
         errors += pipeline_run.errors(cfg, world)

@@ -86,6 +86,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["--deploy", "hybrid", "--save-every", "5"], "--deploy hybrid with --save-every 5 is not supported yet"),
     (["--deploy", "hybrid", "--reward-model", "1"], "--deploy hybrid with --reward-model 1 needs --filter-groups 0 and "
                                                     "--curriculum 0"),
+    (["--reward-model", "1", "--rm-samples", "1"], "--rm-samples 1 gives the reward model's fit one rule label"),
 ])
 def test_bad_arguments_are_named(flags, text):
     _, cfg = parse_args(flags)
@@ -408,6 +409,27 @@ def test_hybrid_places_the_reference_on_an_auxiliary_rank_and_trains_as_colocate
     rollouts = [s for s in spans if s["rank"] == 0 and s["name"] == "rollout"]
     assert any(r["start"] < s["start"] < r["end"] for s in spans if s["rank"] == 2 and s["name"] == "reference"
                for r in rollouts)  # the reference of the first groups ran while the actor still decoded
+
+
+def _fit_refused(rank, world_size, out_dir, overrides):
+    try:
+        _train_tiny(rank, world_size, out_dir, overrides)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("world,deploy", [(2, "colocated"), pytest.param(3, "hybrid", marks=pytest.mark.slow)])
+def test_a_reward_model_fit_with_one_label_is_refused_on_every_rank_naming_the_flags(tmp_path, world, deploy):
+    """No warm-up: the policy answers no sample right, so the fit's samples carry one label. Every rank raises,
+    naming --rm-samples and --warmup-steps (the hybrid's auxiliary rank, which does not sample, too)."""
+    overrides = dict(reward_model=True, rm_samples=8, warmup_steps=0, deploy=deploy)
+    if deploy == "hybrid":
+        overrides.update(filter_groups=False, curriculum=False, train_ep=0)
+    said = run_distributed(_fit_refused, world_size=world, timeout_s=120, args=(str(tmp_path), overrides))
+    for s in said:
+        assert s is not None and "all 8 of the warmed-up policy's samples wrong" in s, said
+        assert "--rm-samples 8" in s and "--warmup-steps 0" in s, s
 
 
 @pytest.mark.slow
