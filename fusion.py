@@ -19,7 +19,8 @@ recovery, the checkpoint state, and the other layouts (FusedActor.path names the
 engine at any TP degree (inplace=False: engine.load_weights), pipeline stages, HSDP, offload_params.
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
-  1. FSDP2 (ZeRO-3) or PP stages to train, TP to generate; the engine is not pipelined.
+  1. FSDP2 (weights sharded at rest, as ZeRO-3) or PP stages to train, TP to generate; the engine is
+     not pipelined.
   2. The training shards stay on the device in ROLLOUT (1/W of the model) unless offload_params.
   3. The engine's weights are freed in TRAIN (vLLM's sleep mode would); its KV cache is its own.
   4. On CPU the host is the device: the offload saves nothing there, and its host buffers, kept
