@@ -43,7 +43,7 @@ from plumbing.config import model_config, parse_args, validate
 from model import Policy, Sampler
 from plumbing import checkpoint, shm_transport
 from plumbing.distributed import host_group, setup_distributed, world_size
-from plumbing.run import say_layout, start, warm_up_target
+from plumbing.run import planned, say_layout, start, warm_up_target
 from plumbing.evaluation import curriculum_figures, eval_figures, held_out_correct, is_eval_step
 from plumbing.runlog import RunLog, all_sum, cut_facts, run_guarded, share_figures, stale_facts
 
@@ -391,7 +391,7 @@ def main(argv=None):
         parser.error(str(e))
     setup_distributed(cfg)
     try:
-        train(cfg)
+        train(planned(cfg))  # --layout auto: the planner's layout (options/layout_auto.py)
     finally:
         dist.destroy_process_group()
 

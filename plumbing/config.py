@@ -119,6 +119,13 @@ class Config:
                                 "(default 1)")
     infer_tp: int = flag(1, "tensor-parallel degree of the rollout engine: 1, 2 "
                             "or 4 (colocated modes; options/tensor_parallel.py)")
+    layout: str = flag("manual", "manual: the layout flags as given; auto: the planner's "
+                                 "fastest layout that fits, measured for this world "
+                                 "(options/layout_auto.py): it sets --infer-tp, --train-ep, "
+                                 "--infer-ep, --train-pp and --micro-batches")
+    device_memory_gib: float = flag(None, "a rank's memory the planner checks the layout "
+                                          "against, before any process group (default: none "
+                                          "checked; --layout auto: the device's)")
     bucket_kb: int = flag(256, "bucket size in KiB for building and pushing inference weights")
     train_pp: int = flag(1, "pipeline stages in training (options/pipeline.py): "
                             "each holds n_layers / train_pp blocks on world / "
@@ -177,7 +184,8 @@ SECTIONS = {"task": "max_digits", "model": "d_model", "supervised warm-up": "war
 COMPRESS = ("none", "int8", "topk-int8")  # options/gradsync.py's (a test holds them equal)
 CHOICES = {"loss_agg": ("auto",) + grpo.LOSS_AGGS, "adv_estimator": grpo.ESTIMATORS,
            "deploy": ("colocated", "separated", "colocated-all", "hybrid"),
-           "grad_compress": COMPRESS, "fsdp_units": ("model", "block")}
+           "grad_compress": COMPRESS, "fsdp_units": ("model", "block"),
+           "layout": ("manual", "auto")}
 
 
 def ep_degree(text):
@@ -391,6 +399,9 @@ def option_errors(cfg, world):
     if cfg.reward_model and cfg.rm_samples < 2:  # one sample, one label: never both
         errors.append(f"--rm-samples {cfg.rm_samples} gives the reward model's fit one rule label; "
                       "it needs a right and a wrong answer among them: at least 2")
+    if cfg.layout == "auto" or cfg.device_memory_gib is not None:
+        from options import layout_auto
+        errors += layout_auto.errors(cfg, world)
     if cfg.train_pp != 1:
         from options import pipeline_run
         errors += pipeline_run.errors(cfg, world)

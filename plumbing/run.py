@@ -94,6 +94,16 @@ def start(cfg, out_dir=None, roles=None, cls=Run):
     return run
 
 
+def planned(cfg):
+    """--layout auto: the Config with the planner's layout for this world (every rank measures,
+    rank 0 prints the table; options/layout_auto.py); else cfg as it is."""
+    if cfg.layout != "auto":
+        return cfg
+    from options import layout_auto
+    rank, _, device = setup_distributed(cfg)
+    return layout_auto.choose(cfg, device, rank)
+
+
 def say_layout(run):
     """Rank 0 prints, once at start, how the phases switch and how the experts are laid out."""
     cfg = run.cfg

@@ -1,0 +1,181 @@
+"""Check the layout planner (options/planner.py) against what this machine measures.
+
+    python bench/planner.py               # about 12 minutes on 2 cores: 2 calibrations, 15 layouts x 3, memory
+    python bench/planner.py --repeats 1 --steps 6                        # a quicker look
+
+One fixed workload (no warm-up, so the untrained policy ends a response at its end token with probability about
+1/14 a token; --rl-seconds 0, --steps, no dynamic sampling, no curriculum, S = 0), run by train_grpo.py at world 2
+and 4 in every layout listed below and in the one the planner chooses for each world. First the machine is
+measured at each world (torchrun -m options.layout_auto: the constants --layout auto plans with). Then the layouts
+run --repeats times, interleaved (layout after layout, then again), each a torchrun; a layout's step time is the
+median over its steps from the third on, and its measured time the median of its repeats. Reported: each layout's
+predicted and measured seconds per RL step and their relative error; the Spearman rank correlation of predicted
+against measured over every layout; chosen_over_best, the planner's choice's measured time over the fastest
+measured at that world (the larger of the two worlds); median_rel_err.
+
+Memory: the same layouts' bytes per rank on a model of about 13M parameters (d_model 256, 4 blocks, 8 experts of
+width 512), each run for two steps (the second switch's, with the Adam state): the run's mem/* figures (training shards, Adam state, the engine's weights, the
+rollout's shards with the inference experts, the switch's bucket) and its switch byte counts against the planner's,
+the largest relative difference. (The gradients are freed before each switch, so mem/train_grads_bytes is 0 there:
+the planner's gradients are the shards' size, as FSDP2's are. Activations and the KV cache have no allocator figure
+on a CPU: predicted, unchecked.) The last line printed is one JSON object.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from options import layout_auto, planner  # noqa: E402
+from plumbing.config import parse_args, resolve  # noqa: E402
+
+WORKLOAD = ["--warmup-steps", "0", "--rl-seconds", "0", "--filter-groups", "0", "--curriculum", "0",
+            "--staleness", "0", "--eval-prompts", "16", "--eval-every", "1000", "--log-every", "1000"]
+LAYOUTS = {2: ["--train-ep 0", "--train-ep 2 --infer-ep 1", "--train-ep 2 --infer-ep 1 --micro-batches 1",
+               "--train-ep 2 --infer-ep 1 --micro-batches 8", "--train-ep 2 --infer-ep 2", "--infer-tp 2",
+               "--train-pp 2"],
+           4: ["--train-ep 0 --micro-batches 2", "--train-ep 2 --infer-ep 1", "--train-ep 4 --infer-ep 4",
+               "--train-ep 2 --infer-ep 4", "--infer-tp 2", "--infer-tp 4", "--train-pp 2"]}
+BIG = ["--d-model", "256", "--n-layers", "4", "--n-experts", "8", "--d-expert", "512", "--bucket-kb", "4096"]
+
+
+ABORTS = []  # runs that finished (summary.json written) and then aborted in gloo's teardown
+
+
+def torchrun(world, script, args, out=None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+    cmd += ["-m", script] if not script.endswith(".py") else [script]
+    cmd += args + (["--out", out] if out else [])
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    finished = out is not None and os.path.exists(os.path.join(out, "summary.json"))
+    if done.returncode and finished and "terminate called without an active exception" in done.stderr:
+        ABORTS.append(" ".join(args))
+    elif done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
+def calibrate(world):
+    """The Machine that --layout auto would plan with at this world."""
+    return planner.Machine.load_dict(json.loads(torchrun(world, "options.layout_auto", []).splitlines()[-1]))
+
+
+def config(world, flags, extra=()):
+    _, cfg = parse_args(WORKLOAD + list(extra) + flags.split())
+    return resolve(cfg, world)
+
+
+def workload(cfg):
+    """The planner's workload for this run: the task's prompts, the untrained policy's responses (an end token
+    with probability about 1 / vocabulary a token, capped by the budget)."""
+    p_end = 1 / 14
+    mean = (1 - (1 - p_end) ** cfg.max_new_tokens) / p_end
+    work = layout_auto.workload_of(cfg)
+    return planner.Workload(**{**work.__dict__, "response_tokens": mean})
+
+
+def measure(world, flags, steps, extra=(), folder=None):
+    with tempfile.TemporaryDirectory() as out:
+        torchrun(world, "train_grpo.py", WORKLOAD + ["--steps", str(steps)] + list(extra) + flags.split(), out)
+        recs = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if line.strip()]
+    return [r for r in recs if r.get("step", 0) >= 1]
+
+
+def spearman(xs, ys):
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        for rank, i in enumerate(order):
+            r[i] = float(rank)
+        return r
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.mean(rx), statistics.mean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+
+
+def ranking(machines, repeats, steps):
+    """Every layout's predicted and measured step time; the planner's choice at each world."""
+    layouts, chosen = dict(), dict()
+    for world, machine in machines.items():
+        cfg = config(world, "")
+        rows = planner.plan(layout_auto.model_of(cfg), machine, workload(cfg), layout_auto.runnable(cfg, world))
+        chosen[world] = " ".join(f"--{k.replace('_', '-')} {getattr(rows[0][0], k)}" for k in layout_auto.FIELDS)
+        for flags in LAYOUTS[world] + [chosen[world]]:
+            layouts[(world, flags)] = []
+    for _ in range(repeats):
+        for (world, flags), times in layouts.items():
+            recs = measure(world, flags, steps)
+            times.append(statistics.median(r["time/step_s"] for r in recs if r["step"] >= 3))
+            print(f"  world {world} {flags}: {times[-1]:.3f} s a step", flush=True)
+    table = []
+    for (world, flags), times in layouts.items():
+        cfg = config(world, flags)
+        stage = planner.stages(layout_auto.model_of(cfg), machines[world], workload(cfg), layout_auto.layout_of(cfg))
+        table.append(dict(world=world, layout=flags, predicted_s=stage["step"], measured_s=statistics.median(times),
+                          chosen=flags == chosen[world], stages={k: round(v, 4) for k, v in stage.items()}))
+    return table, chosen
+
+
+def memory(machines):
+    """The run's mem/* and switch bytes against the planner's, on a 13M-parameter model, for every layout."""
+    rows = []
+    for world in machines:
+        for flags in LAYOUTS[world]:
+            if "pp" in flags and world == 4:
+                continue  # a 4-block model at PP 2 and world 4 is the same check as at world 2
+            rec = measure(world, flags, 2, extra=BIG)[-1]  # step 2: the Adam state exists
+            cfg = config(world, flags, BIG)
+            model, lay = layout_auto.model_of(cfg), layout_auto.layout_of(cfg)
+            machine = machines[world]
+            mem = planner.memory(model, machine, workload(cfg), lay)
+            pairs = {"mem/train_params_bytes": mem["params"], "mem/train_optim_bytes": mem["optim"],
+                     "mem/rollout_params_bytes": mem["rollout_params"], "mem/rollout_infer_bytes": mem["infer"],
+                     "switch/peak_extra_bytes": mem["bucket"],
+                     "switch/received_min_bytes": planner.switch_bytes(model, machine, lay)}
+            if lay.train_ep:
+                pairs["ep/to_rollout_bytes_moved"] = planner.ep_bytes(model, machine, lay)
+            for key, predicted in pairs.items():
+                err = abs(predicted - rec[key]) / max(rec[key], 1)
+                rows.append(dict(world=world, layout=flags, figure=key, predicted=predicted, reported=rec[key],
+                                 rel_err=err))
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=8)
+    a = p.parse_args()
+    machines = {w: calibrate(w) for w in LAYOUTS}
+    for w, m in machines.items():
+        print(f"world {w}: {json.dumps(m.__dict__, default=lambda o: o.__dict__)}", flush=True)
+    table, chosen = ranking(machines, a.repeats, a.steps)
+    print(f"{'world':>5} {'layout':<52} {'predicted':>9} {'measured':>8} {'rel_err':>7}")
+    for r in sorted(table, key=lambda r: r["measured_s"]):
+        err = (r["predicted_s"] - r["measured_s"]) / r["measured_s"]
+        r["rel_err"] = err
+        mark = " (chosen)" if r["chosen"] else ""
+        print(f"{r['world']:>5} {r['layout'] + mark:<52} {r['predicted_s']:9.3f} {r['measured_s']:8.3f} {err:+7.1%}")
+    best = {w: min(r["measured_s"] for r in table if r["world"] == w) for w in machines}
+    over = max(r["measured_s"] / best[r["world"]] for r in table if r["chosen"])
+    mem = memory(machines)
+    worst = max(mem, key=lambda r: r["rel_err"])
+    print(f"memory: {len(mem)} figures over {len({(r['world'], r['layout']) for r in mem})} layouts; largest relative "
+          f"difference {worst['rel_err']:.2%} ({worst['figure']}, world {worst['world']} {worst['layout']})")
+    print(json.dumps(dict(spearman=spearman([r["predicted_s"] for r in table], [r["measured_s"] for r in table]),
+                          chosen_over_best=over,
+                          median_rel_err=statistics.median(abs(r["rel_err"]) for r in table),
+                          candidates=len(table), chosen=chosen, table=table,
+                          memory_max_rel_err=worst["rel_err"], memory=mem, teardown_aborts=ABORTS,
+                          machines={w: json.loads(json.dumps(m, default=lambda o: o.__dict__))
+                                    for w, m in machines.items()})))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""--layout auto: the planner (options/planner.py) run for the world the job started with.
+
+    torchrun --standalone --nproc_per_node=4 train_grpo.py --layout auto
+
+Every rank measures the machine at once (so that ranks sharing a host's cores share them as they
+will in the run): a decode step of the policy at two row counts, a training forward and backward
+at two token counts, a small and a large all-reduce over the world, a host copy. The slopes and
+intercepts are the planner's constants (Machine); the ranks take the largest of each, so that
+every rank plans from the same numbers and chooses the same layout. Rank 0 prints the table; the
+run goes on with the choice. `--layout auto` chooses the parallel layout only (--infer-tp,
+--train-ep, --infer-ep, --train-pp, --micro-batches): the deployment, S and the gradient
+compression stay as given, since they change what is trained.
+
+--device-memory-gib G, with any layout: the planner's memory model checks the layout against G
+GiB a rank before any process group, and a layout that overflows is refused, naming what does.
+"""
+import dataclasses
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import grpo
+import task
+from model import Policy, Sampler
+from options import planner
+from plumbing.config import grpo_config, layout_errors, model_config
+
+FIELDS = ("infer_tp", "train_ep", "infer_ep", "train_pp", "micro_batches")
+
+
+def errors(cfg, world):
+    """--layout and --device-memory-gib, checked before any process group."""
+    out = []
+    if cfg.layout == "auto" and cfg.deploy not in ("colocated", "colocated-all"):
+        out.append(f"--layout auto plans colocated deployments (got --deploy {cfg.deploy})")
+    if cfg.device_memory_gib is not None and cfg.layout != "auto":
+        mem = dataclasses.replace(_nominal(world), memory_bytes=cfg.device_memory_gib * 2**30)
+        over = planner.overflow(model_of(cfg), mem, workload_of(cfg), layout_of(cfg))
+        out += [f"--device-memory-gib {cfg.device_memory_gib}: {over}"] if over else []
+    return out
+
+
+def model_of(cfg):
+    m = model_config(cfg)
+    return planner.Model(m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.n_experts, m.top_k,
+                         m.d_expert)
+
+
+def workload_of(cfg):
+    """The step's shapes: the task's mean prompt and answer lengths (digits 1 .. max_digits)."""
+    mean = (cfg.max_digits + 1) / 2
+    return planner.Workload(cfg.prompts_per_step, cfg.group_size, prompt_tokens=mean + 2,
+                            response_tokens=mean + 1, max_new_tokens=cfg.max_new_tokens,
+                            max_prompt_tokens=cfg.max_digits + 2,
+                            staleness=cfg.staleness, reference=cfg.kl_coef > 0,
+                            updates_per_batch=cfg.updates_per_batch, chunk_steps=cfg.chunk_steps,
+                            bucket_bytes=cfg.bucket_kb * 1024)
+
+
+def layout_of(cfg):
+    return planner.Layout(cfg.infer_tp, cfg.train_ep or 0, cfg.infer_ep or 0, cfg.train_pp,
+                          cfg.micro_batches, cfg.nodes)
+
+
+def _nominal(world):
+    """A machine of `world` devices for the memory check alone (its speeds are not read)."""
+    link = planner.Link(0.0, 1.0)
+    speeds = dict.fromkeys(("memory_bytes", "flops", "host_bandwidth", "step_s", "row_s", "op_s",
+                            "batch_s", "update_s", "sample_s"), 1.0)
+    return planner.Machine(world, world, intra=link, inter=link, **speeds)
+
+
+def runnable(cfg, world):
+    """layout -> whether the run takes it: the run's own checks of the Config it makes."""
+    manual = dataclasses.replace(cfg, layout="manual", device_memory_gib=None)  # the plan's own
+
+    def check(lay):
+        return not layout_errors(dataclasses.replace(manual, **_flags(lay)), world)
+    return check
+
+
+def _flags(lay):
+    return {f: getattr(lay, f) for f in FIELDS}
+
+
+# ----------------------------------------------------------------------------- the measurement
+def _timed(fn, repeat=7):
+    """The median seconds of fn() over `repeat` calls, after one untimed."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _decode_step_s(model, cfg, rows):
+    """Seconds per decode step over `rows` rows that never stop early (no end token)."""
+    steps = 16
+    sampler = Sampler(model, steps, eos_id=-1, pad_id=task.PAD, keep=False)
+    contexts = [torch.ones(cfg.max_digits // 2 + 2, dtype=torch.long)] * rows
+    return _timed(lambda: sampler(contexts, list(range(rows)))) / steps
+
+
+def _samples(cfg, rows, response):
+    """A batch shaped as the run's: rows of a mean prompt and `response` tokens, random."""
+    g = torch.Generator().manual_seed(cfg.seed)
+    prompt = cfg.max_digits // 2 + 2
+    draw = [torch.randint(1, task.VOCAB, (prompt + response,), generator=g) for _ in range(rows)]
+    old = [torch.zeros(response) for _ in range(rows)]
+    return grpo.Samples([d[:prompt] for d in draw], [d[prompt:] for d in draw], old,
+                        torch.randn(rows, generator=g))
+
+
+def _update_s(model, cfg, samples, micro_batches, device):
+    """Seconds of the run's own GRPO update (grpo.grpo_update) on this rank alone."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-9, foreach=True)
+    algo = dataclasses.replace(grpo_config(cfg), micro_batches=micro_batches, updates_per_batch=1)
+    ref = [torch.zeros(len(r)) for r in samples.responses]
+    return _timed(lambda: grpo.grpo_update(model, opt, samples, algo, device, None, ref))
+
+
+def _forward_s(model, tokens, device):
+    """Seconds of a forward (no gradient) over `tokens` tokens in rows of up to 32."""
+    batch = torch.randint(1, task.VOCAB, (max(tokens // 32, 1), min(tokens, 32)), device=device)
+    with torch.no_grad():
+        return _timed(lambda: model(batch))
+
+
+def _in_loop_latency_s(model, device, group, n):
+    """One ring step of a small all-reduce as a decode loop meets it: the ranks arrive a forward's
+    jitter apart, so it costs more than back-to-back calls (the loop with it less the loop
+    without, per step of the ring)."""
+    x, row = torch.zeros(8 * 64, device=device), torch.ones(8, 1, dtype=torch.long, device=device)
+    with torch.no_grad():
+        bare = _timed(lambda: [model(row) for _ in range(16)])
+        both = _timed(lambda: [(model(row), dist.all_reduce(x, group=group)) for _ in range(16)])
+    return max(both - bare, 1e-7) / 16 / (2 * (n - 1))
+
+
+def _bandwidth(device, group, n, latency):
+    big = 4 << 20
+    x = torch.zeros(big // 4, device=device)
+    rest = max(_timed(lambda: dist.all_reduce(x, group=group)) - 2 * (n - 1) * latency, 1e-9)
+    return 2 * (n - 1) / n * big / rest
+
+
+def calibrate(cfg, device, group=None):
+    """The planner's Machine for this world, measured on every rank at once; every rank returns
+    the same one (each constant the ranks' median). Fixed costs are timed on inputs too small to
+    compute on, the throughput on a large one, so that no constant is a difference of two close
+    timings."""
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    torch.manual_seed(cfg.seed)
+    model = Policy(model_config(cfg)).to(device)
+    pm, L = model_of(cfg), model_config(cfg).n_layers
+    tiny, big = _forward_s(model, 1, device), _forward_s(model, 4096, device)
+    flops = 4096 * pm.flops_per_token(16) / max(big - tiny, 1e-9)
+    op_s = tiny / L                                       # a block's forward, nothing to compute
+    with torch.no_grad():
+        one, many = _decode_step_s(model, cfg, 1), _decode_step_s(model, cfg, 64)
+    row_s = max((many - one) / 63, 1e-9)                  # a decode step's cost per row
+    step_s = max(one - tiny - row_s, 1e-7)                # a step beyond its forward and rows
+    two = _samples(cfg, 8, 4)                               # 8 rows of a few tokens
+    one_mb, eight_mb = (_update_s(model, cfg, two, m, device) for m in (1, 8))
+    batch_s = max((eight_mb - one_mb) / 7 - 3 * L * op_s, 1e-7)
+    update_s = max(one_mb - batch_s - 3 * L * op_s, 1e-7)
+    latency, bandwidth = 1e-7, 1e12
+    if world > 1:
+        latency = _in_loop_latency_s(model, device, group, world)
+        bandwidth = _bandwidth(device, group, world, latency)
+    host = torch.empty(16 << 20, dtype=torch.uint8)
+    src = torch.empty_like(host, device=device)
+    host_bw = host.nbytes / _timed(lambda: host.copy_(src))
+    pairs = _samples(cfg, 64, cfg.max_digits // 2 + 1)
+    sample_s = _timed(lambda: task.rewards(pairs.prompts, pairs.responses)) / 64
+    raw = [1 / flops, op_s, max(step_s, 1e-7), batch_s, update_s, latency, 1 / bandwidth,
+           1 / host_bw, sample_s, row_s]
+    if world > 1:  # the median rank's constants, on every rank
+        t = torch.tensor(raw, dtype=torch.float64, device=device)
+        every = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(every, t, group=group)
+        raw = torch.stack(every).median(dim=0).values.tolist()
+    link = planner.Link(raw[5], 1 / raw[6])
+    return planner.Machine(world, world, _memory_bytes(device, world), flops=1 / raw[0],
+                           host_bandwidth=1 / raw[7], step_s=raw[2], op_s=raw[1], batch_s=raw[3],
+                           update_s=raw[4], sample_s=raw[8], row_s=raw[9],
+                           intra=link, inter=link,
+                           name=f"this machine ({device.type})")
+
+
+def _memory_bytes(device, world):
+    """A rank's memory: the accelerator's, or the host's RAM shared by its ranks."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    import os
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world
+
+
+# ----------------------------------------------------------------------------- the choice
+def choose(cfg, device, rank, group=None):
+    """The Config with the planner's layout for this world (rank 0 prints the table)."""
+    machine = calibrate(cfg, device, group)
+    if cfg.device_memory_gib is not None:
+        machine = dataclasses.replace(machine, memory_bytes=cfg.device_memory_gib * 2**30)
+    rows = planner.plan(model_of(cfg), machine, workload_of(cfg), runnable(cfg, machine.devices))
+    if rank == 0:
+        print(f"--layout auto: {len(rows)} candidates on {machine.name}, {machine.devices} "
+              f"rank(s), predicted seconds per RL step\n{planner.table(rows)}", flush=True)
+    return dataclasses.replace(cfg, layout="manual", **_flags(rows[0][0]))
+
+
+def main():
+    """torchrun --nproc_per_node=W -m options.layout_auto [train_grpo flags]: the Machine measured
+    for a world of W, as JSON (a file for `python options/planner.py --machine`)."""
+    from plumbing.config import parse_args
+    from plumbing.distributed import setup_distributed
+    _, cfg = parse_args()
+    rank, _, device = setup_distributed(cfg)
+    machine = calibrate(cfg, device)
+    if rank == 0:
+        print(json.dumps(dataclasses.asdict(machine)))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,526 @@
+"""Choosing the layouts: price every (training layout, inference layout) pair, the switch between
+them included, and keep the fastest that fits in memory.
+
+    python options/planner.py --machine bench/machines/h100x8.json --devices 8 --nodes 2
+    torchrun --standalone --nproc_per_node=4 train_grpo.py --layout auto   # plans, then runs it
+
+An RL run has two layouts: training (FSDP over the data-parallel ranks, EP for the experts, PP
+stages, micro-batches) and rollout (TP for the engine, EP for its experts), with a switch between
+them at every step. The best training layout alone is not the best pair: EP 2 in training with EP 1
+in rollout trains the experts apart yet decodes without an all-to-all, and a wide TP engine leaves
+memory for the KV cache but pays two all-reduces per layer at every decode step. So the planner
+prices the pair: one RL step is
+  rollout    a prefill, then one decode step per token of the response budget (S = 0 waits for the
+             longest sample; S >= 1 is priced the same, an upper bound), each step a fixed cost, the
+             blocks' compute split over TP, TP's all-reduces and EP's all-to-alls;
+  switch     the Adam state to host and back, the engine's weights gathered from the FSDP shards
+             (the least a rank can receive: switch_bytes), the experts re-sharded (ep_bytes);
+  reference  a forward over the rank's share of the batch (when the KL penalty is on);
+  train      a forward and a backward per micro-batch, EP's all-to-alls, PP's bubble;
+  grad sync  FSDP's all-gather and reduce-scatter, across the nodes' link where FSDP spans nodes.
+A collective over n ranks costs the ring's steps at the link's latency plus its bytes at the link's
+bandwidth. Memory per rank: the training shards, their gradients and Adam state, the engine's
+weights, the switch's bucket, the activations and the KV cache (the last two unchecked on a CPU).
+
+The search is exhaustive: every block is alike, so a layout is a handful of degrees (TP, EP in each
+phase, PP, micro-batches, FSDP within or across nodes), each a divisor of the device count. With
+d(W) divisors that is O(d(W)^2) EP pairs and O(d(W)) of the others: 120 candidates at W = 8,
+about 300 at 384, planned in a fraction of a second. A dynamic program over stages (Alpa's) earns
+its place where stages differ; here it would find the same answer more slowly.
+
+The constants (Machine) come from a measurement on the machine planned for (options/
+layout_auto.py's calibrate) or from a file for one we do not have (bench/machines/*.json).
+numpy and the standard library only: it imports nothing of the project (the switch's byte counts
+are recomputed here, and tests/test_planner.py holds them equal to the run's own).
+"""
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+from dataclasses import dataclass
+
+
+# ----------------------------------------------------------------------------- what is planned for
+@dataclass(frozen=True)
+class Link:
+    latency_s: float   # one message, one hop
+    bandwidth: float   # bytes/s, one direction of one rank's link
+
+    def __post_init__(self):
+        _positive(self, "bandwidth")
+        if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
+            raise ValueError(f"latency_s {self.latency_s} must be a finite number >= 0")
+
+
+@dataclass(frozen=True)
+class Machine:
+    devices: int           # W
+    devices_per_node: int  # k: the ranks [i k, (i + 1) k) share a node's fast link
+    memory_bytes: float    # per device
+    flops: float           # per device, with every device busy (shared cores count here)
+    host_bandwidth: float  # device <-> host copies, bytes/s (the Adam state's offload)
+    step_s: float          # a decode step's fixed cost: sampling, the host's sync, bookkeeping
+    row_s: float           # a decode step's cost per row at TP 1: its compute, cache, sampling
+    op_s: float            # a block's fixed cost per forward: kernel launches, dispatch
+    batch_s: float         # a training micro-batch's fixed cost beyond its blocks: loss, copies
+    update_s: float        # an optimizer update's fixed cost: the clip, the step, the zeroing
+    sample_s: float        # scoring one sample and queueing it
+    intra: Link            # within a node
+    inter: Link            # across nodes
+    name: str = "machine"
+
+    def __post_init__(self):
+        if self.devices < 1 or self.devices_per_node < 1 or self.devices % self.devices_per_node:
+            raise ValueError(f"devices {self.devices} must be >= 1 and a multiple of "
+                             f"devices_per_node {self.devices_per_node} (>= 1)")
+        for name in ("memory_bytes", "flops", "host_bandwidth", "step_s", "op_s", "batch_s",
+                     "update_s", "sample_s", "row_s"):
+            _positive(self, name)
+
+    @classmethod
+    def load(cls, path, **changes):
+        """A machine from a JSON file (bench/machines/*.json); `changes` override its fields."""
+        with open(path) as f:
+            return cls.load_dict(json.load(f), **changes)
+
+    @classmethod
+    def load_dict(cls, raw, **changes):
+        """A machine from a dict of its fields (keys starting with _ are notes, ignored)."""
+        raw = {k: v for k, v in raw.items() if not k.startswith("_")}
+        raw.update({k: v for k, v in changes.items() if v is not None})
+        unknown = set(raw) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown machine fields {sorted(unknown)}")
+        return cls(**{**raw, "intra": Link(**raw["intra"]), "inter": Link(**raw["inter"])})
+
+
+@dataclass(frozen=True)
+class Model:
+    """The policy's shapes: a transformer whose MLP is an MoE of E experts, top-k, in float32."""
+    vocab: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_experts: int
+    top_k: int
+    d_expert: int
+    dtype_bytes: int = 4
+
+    def weights(self):
+        """[(name, shape)] in the module's order, as the run's Policy names them."""
+        D, H, E, V = self.d_model, self.d_expert, self.n_experts, self.vocab
+        block = [("attn_norm.weight", (D,)), ("attn.qkv.weight", (3 * D, D)),
+                 ("attn.out.weight", (D, D)), ("moe_norm.weight", (D,)), ("moe.w_gate", (E, D, H)),
+                 ("moe.w_up", (E, D, H)), ("moe.w_down", (E, H, D)), ("moe.router.weight", (E, D))]
+        blocks = [(f"blocks.{i}.{n}", s) for i in range(self.n_layers) for n, s in block]
+        last = [("norm.weight", (D,)), ("head.weight", (V, D))]
+        return [("embed.weight", (V, D))] + blocks + last
+
+    def flops_per_token(self, context):
+        """A forward's FLOPs for one token attending to `context` others: the weights it meets
+        (k experts of E) and the attention's scores and sums."""
+        D, H = self.d_model, self.d_expert
+        per_block = 4 * D * D + self.n_experts * D + 3 * self.top_k * D * H + 2 * context * D
+        return 2 * (self.n_layers * per_block + self.vocab * D)
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts_per_step: int
+    group_size: int
+    prompt_tokens: float     # mean, per sample
+    response_tokens: float   # mean, per sample
+    max_new_tokens: int      # the response budget: a synchronous round's decode steps
+    max_prompt_tokens: float = None  # the longest prompt (default: the mean)
+    staleness: int = 1
+    reference: bool = True   # the KL penalty's frozen reference forward
+    updates_per_batch: int = 1
+    bucket_bytes: int = 256 * 1024
+    chunk_steps: int = 8     # decode steps between the EP engine's agreements
+
+    def __post_init__(self):
+        if self.max_prompt_tokens is None:
+            object.__setattr__(self, "max_prompt_tokens", self.prompt_tokens)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: the training layout and the inference layout. EP 0: the experts are sharded
+    by FSDP like every weight; nodes: FSDP within each of `nodes` groups (HSDP) instead of all."""
+    infer_tp: int = 1
+    train_ep: int = 0
+    infer_ep: int = 0
+    train_pp: int = 1
+    micro_batches: int = 4
+    nodes: int = 1
+
+    def flags(self):
+        """As train_grpo.py's flags."""
+        return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in dataclasses.asdict(self).items())
+
+    def short(self):
+        ep = f"EP {self.train_ep}->{self.infer_ep}" if self.train_ep else "EP off"
+        return (f"TP {self.infer_tp}, {ep}, PP {self.train_pp}, mb {self.micro_batches}"
+                + (f", HSDP x{self.nodes}" if self.nodes > 1 else ""))
+
+
+def _positive(obj, name):
+    value = getattr(obj, name)
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} {value!r} must be a finite number > 0")
+
+
+# ----------------------------------------------------------------------------- the candidates
+def divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(model, machine, work, micro_batches=(1, 2, 4, 8, 16, 32, 64), max_tp=4,
+               max_pp=2):
+    """Every layout the run can take: TP divides the heads and each expert's width; EP on in both
+    phases or neither, dividing the experts, the degrees nesting, with TP 1, no PP and FSDP over
+    every rank; PP divides the blocks, a micro-batch per stage at least; HSDP over the nodes."""
+    W, out = machine.devices, []
+    hsdp = (1, W // machine.devices_per_node)  # FSDP over every rank, or within each node
+    for tp, pp, nodes, mb in itertools.product(divisors(W), divisors(W), set(hsdp), micro_batches):
+        tp_ok = tp <= max_tp and model.n_heads % tp == 0 and model.d_expert % tp == 0
+        pp_ok = pp <= max_pp and model.n_layers % pp == 0 and mb >= pp and (pp == 1 or nodes == 1)
+        shares = work.prompts_per_step % (W // tp) == 0  # each replica an equal share of prompts
+        if tp_ok and pp_ok and shares:
+            out.append(Layout(tp, 0, 0, pp, mb, nodes))
+    eps = [e for e in divisors(W) if model.n_experts % e == 0]
+    for te, ie, mb in itertools.product(eps, eps, micro_batches):
+        if max(te, ie) % min(te, ie) == 0 and work.prompts_per_step % W == 0:
+            out.append(Layout(1, te, ie, 1, mb, 1))
+    return out
+
+
+# ----------------------------------------------------------------------------- bytes and memory
+def _rows(rows, n, i):
+    """FSDP2's dim-0 shard: rank i of n holds rows [i c, (i + 1) c), c = ceil(rows / n)."""
+    c = -(-rows // n)
+    return max(0, min(c, rows - i * c))
+
+
+def _nbytes(model, shape):
+    return math.prod(shape) * model.dtype_bytes
+
+
+def _is_expert(name):
+    return ".moe.w_" in name
+
+
+def _stage_weights(model, layout, stage):
+    """The weights of pipeline stage `stage`: the first holds the embedding, the last the head."""
+    per = model.n_layers // layout.train_pp
+    keep = {f"blocks.{i}." for i in range(stage * per, (stage + 1) * per)}
+    first, last = stage == 0, stage == layout.train_pp - 1
+    return [(n, s) for n, s in model.weights()
+            if any(n.startswith(b) for b in keep) or (first and n.startswith("embed"))
+            or (last and (n.startswith("norm") or n.startswith("head")))]
+
+
+def _shard_ranks(machine, layout):
+    """The ranks FSDP shards rank 0's weights over."""
+    return machine.devices // layout.train_pp // layout.nodes
+
+
+def train_bytes(model, machine, layout, rank=0):
+    """This rank's training shards, bytes: FSDP rows of its stage's weights, and under EP its
+    experts (train_ep blocks of E / train_ep)."""
+    n = _shard_ranks(machine, layout)
+    stage = rank // (machine.devices // layout.train_pp)
+    i = rank % n
+    total = 0
+    for name, shape in _stage_weights(model, layout, stage):
+        if layout.train_ep and _is_expert(name):
+            total += _nbytes(model, shape) // layout.train_ep
+        else:
+            total += _rows(shape[0], n, i) * _nbytes(model, shape) // shape[0]
+    return total
+
+
+def switch_bytes(model, machine, layout, rank=0):
+    """The least a rank can receive to build the engine from the shards (the run's
+    switch/received_min_bytes): every weight the engine gathers (the experts are EP's to move),
+    less the rows the rank holds itself."""
+    W, pp = machine.devices, layout.train_pp
+    mine = {n for n, _ in _stage_weights(model, layout, rank // (W // pp))}
+    n, i, least = _shard_ranks(machine, layout), rank % _shard_ranks(machine, layout), 0
+    for name, shape in model.weights():
+        if layout.train_ep and _is_expert(name):
+            continue
+        held = _rows(shape[0], n, i) * _nbytes(model, shape) // shape[0] if name in mine else 0
+        least += _nbytes(model, shape) - held
+    return least
+
+
+def ep_bytes(model, machine, layout, rank=0):
+    """The experts a rank receives at the switch to rollout (the run's ep/to_rollout_bytes_moved,
+    every layer): those of its inference block that its training block lacks."""
+    if not layout.train_ep:
+        return 0
+    E, W = model.n_experts, machine.devices
+
+    def block(ep):
+        per, p = E // ep, rank // (W // ep)
+        return set(range(p * per, (p + 1) * per))
+    per_expert = 3 * model.d_model * model.d_expert * model.dtype_bytes
+    return len(block(layout.infer_ep) - block(layout.train_ep)) * per_expert * model.n_layers
+
+
+def engine_bytes(model, layout):
+    """The engine's weights on a rank: at TP t, the heads and the experts' hidden units cut t ways
+    (the rest whole); under EP, the experts are the moved ones, not the engine's own."""
+    tp, total = layout.infer_tp, 0
+    for name, shape in model.weights():
+        if layout.train_ep and _is_expert(name):
+            continue
+        cut = tp if ("attn.qkv" in name or "attn.out" in name or _is_expert(name)) else 1
+        total += _nbytes(model, shape) // cut
+    return total
+
+
+def buckets(model, layout, bucket_bytes):
+    """The switch's buckets (consecutive weights, at most bucket_bytes each): their sizes."""
+    sizes = []
+    for name, shape in model.weights():
+        if layout.train_ep and _is_expert(name):
+            continue
+        nb = _nbytes(model, shape)
+        if not sizes or sizes[-1] + nb > bucket_bytes:
+            sizes.append(0)
+        sizes[-1] += nb
+    return sizes
+
+
+def memory(model, machine, work, layout):
+    """Rank 0's bytes by category: training (params, grads, optim, activations) and rollout
+    (params: the shards and EP's inference experts; infer: the engine's; bucket; kv)."""
+    params = train_bytes(model, machine, layout)
+    tensors = sum(1 for n, _ in _stage_weights(model, layout, 0)
+                  if not (layout.train_ep and _is_expert(n)))
+    if layout.train_ep:  # each expert its own tensors
+        tensors += 3 * model.n_layers * model.n_experts // layout.train_ep
+    optim = 2 * params + 4 * tensors  # AdamW's two moments, and a step count per tensor
+    moved = ep_bytes(model, machine, layout) - _experts_leaving(model, machine, layout)
+    inferred = params + moved  # the shards, the training experts swapped for the inference ones
+    rows = work.prompts_per_step * work.group_size
+    dp = machine.devices // layout.train_pp
+    tokens = rows / dp * (work.prompt_tokens + work.response_tokens) / layout.micro_batches
+    per_token = 12 * model.d_model + 4 * model.top_k * model.d_expert  # a block's saved tensors
+    activations = tokens * model.n_layers / layout.train_pp * per_token * model.dtype_bytes
+    replica_rows = rows * layout.infer_tp / machine.devices
+    kv = replica_rows * (work.prompt_tokens + work.max_new_tokens) * model.n_layers * 2 \
+        * model.d_model / layout.infer_tp * model.dtype_bytes
+    bucket = max(buckets(model, layout, work.bucket_bytes)) if layout.infer_tp > 1 else 0
+    return {"params": params, "grads": params, "optim": optim, "activations": activations,
+            "rollout_params": inferred, "infer": engine_bytes(model, layout), "bucket": bucket,
+            "kv": kv}
+
+
+def _experts_leaving(model, machine, layout):
+    """The expert bytes a rank frees at the switch to rollout (its training block's that its
+    inference block lacks): the nested layouts' other direction."""
+    if not layout.train_ep:
+        return 0
+    flipped = dataclasses.replace(layout, train_ep=layout.infer_ep, infer_ep=layout.train_ep)
+    return ep_bytes(model, machine, flipped)
+
+
+def peak(mem):
+    """The larger phase: training (shards, grads, Adam, activations) or rollout (shards with the
+    inference experts, engine, bucket, KV cache; the Adam state on host)."""
+    train = mem["params"] + mem["grads"] + mem["optim"] + mem["activations"]
+    rollout = mem["rollout_params"] + mem["infer"] + mem["bucket"] + mem["kv"]
+    return max(train, rollout)
+
+
+def overflow(model, machine, work, layout):
+    """None if the layout fits in a device's memory, else a sentence naming what overflows."""
+    mem = memory(model, machine, work, layout)
+    need = peak(mem)
+    if need <= machine.memory_bytes:
+        return None
+    parts = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in mem.items() if v)
+    return (f"{layout.flags()} needs {need / 2**20:.1f} MiB a rank ({parts} MiB), more than the "
+            f"{machine.memory_bytes / 2**20:.1f} MiB a device has")
+
+
+# ----------------------------------------------------------------------------- time
+def _link(machine, span):
+    """The link a group of `span` consecutive ranks uses: the node's, or the one across nodes."""
+    return machine.intra if span <= machine.devices_per_node else machine.inter
+
+
+def collective(machine, kind, nbytes, n, span=None):
+    """Seconds for one collective over n ranks, its steps at the link's latency and its bytes at
+    the bandwidth: a ring's all_reduce 2 (n - 1) steps and 2 (n - 1) / n of the bytes, all_gather
+    (and reduce_scatter) n - 1 and (n - 1) / n; all_to_all one step (every message sent at once)
+    and (n - 1) / n; p2p one and all."""
+    if n <= 1:
+        return 0.0
+    link = _link(machine, span or n)
+    steps, share = {"all_reduce": (2 * (n - 1), 2 * (n - 1) / n), "p2p": (1, 1.0),
+                    "all_to_all": (1, (n - 1) / n)}.get(kind, (n - 1, (n - 1) / n))
+    return steps * link.latency_s + share * nbytes / link.bandwidth
+
+
+def forward_s(model, machine, tokens, context, layers, tp=1):
+    """A forward over `tokens` tokens through `layers` blocks, compute cut tp ways."""
+    share = layers / model.n_layers
+    compute = tokens * model.flops_per_token(context) * share / tp / machine.flops
+    return layers * machine.op_s + compute
+
+
+def rollout_s(model, machine, work, lay):
+    """A prefill, then a decode step per token of the budget over this replica's live rows."""
+    W, D, k = machine.devices, model.d_model, model.top_k
+    rows = work.prompts_per_step * work.group_size * lay.infer_tp / W
+    # every row priced at every step: an upper bound (finished rows leave the KV cache)
+    step = machine.step_s + model.n_layers * machine.op_s + rows * machine.row_s / lay.infer_tp
+    step += 2 * model.n_layers * collective(machine, "all_reduce", rows * D * 4, lay.infer_tp)
+    if lay.infer_ep > 1:  # 3 all-to-alls per MoE layer (counts, rows out, rows back)
+        a2a = collective(machine, "all_to_all", rows * k * D * 4, lay.infer_ep)
+        step += 3 * model.n_layers * a2a
+        step += collective(machine, "all_reduce", 8, lay.infer_ep) / work.chunk_steps  # lock-step
+    prefill = forward_s(model, machine, rows * work.prompt_tokens, work.prompt_tokens,
+                        model.n_layers, lay.infer_tp)
+    return prefill + work.max_new_tokens * step
+
+
+def padded_length(work, lay):
+    """A micro-batch's length, padded to its longest row: the rows sorted by length and cut into
+    m micro-batches, lengths spread evenly up to the longest, pad to mean + (longest - mean) / m;
+    under PP every micro-batch to the longest (a stage's shapes are fixed)."""
+    mean = work.prompt_tokens + work.response_tokens
+    longest = work.max_prompt_tokens + work.max_new_tokens
+    return longest if lay.train_pp > 1 else mean + (longest - mean) / lay.micro_batches
+
+
+def train_s(model, machine, work, lay, backward=True):
+    """Forward (and backward: 2 more forwards' cost) over the rank's share, micro-batch by
+    micro-batch; EP's all-to-alls (3 forward, 2 backward per MoE layer); PP's bubble, its
+    micro-batches padded to the longest sample (a stage's shapes are fixed)."""
+    dp, pp = machine.devices // lay.train_pp, lay.train_pp
+    seq = padded_length(work, lay)
+    tokens = work.prompts_per_step * work.group_size / dp * seq / lay.micro_batches  # one's
+    passes = 3 if backward else 1
+    mb = passes * forward_s(model, machine, tokens, seq / 2, model.n_layers // pp)
+    mb += machine.batch_s if backward else 0.0
+    if lay.train_ep > 1:
+        rows_out = tokens * model.top_k * model.d_model * 4
+        mb += (5 if backward else 3) * model.n_layers * collective(
+            machine, "all_to_all", rows_out, lay.train_ep)
+    if pp > 1:  # (m + pp - 1) slots of a stage's micro-batch; activations out, gradients back
+        hop = collective(machine, "p2p", tokens * model.d_model * 4, 2, span=dp + 1)
+        hops = lay.micro_batches * (2 if backward else 1)
+        return (lay.micro_batches + pp - 1) * mb + hops * hop
+    return lay.micro_batches * mb
+
+
+def sync_s(model, machine, work, lay):
+    """FSDP's all-gather of the shards and reduce-scatter of the gradients, once per update (the
+    parameters stay gathered between micro-batches), over the ranks FSDP spans; HSDP adds an
+    all-reduce of each node's shard across the nodes; the AdamW step."""
+    n = _shard_ranks(machine, lay)
+    full = sum(_nbytes(model, s) for nm, s in _stage_weights(model, lay, 0)
+               if not (lay.train_ep and _is_expert(nm)))
+    t = collective(machine, "all_gather", full, n) + collective(machine, "all_gather", full, n)
+    if lay.nodes > 1:
+        t += collective(machine, "all_reduce", full / n, lay.nodes, span=machine.devices)
+    adam = 4 * train_bytes(model, machine, lay) / machine.host_bandwidth  # reads and writes
+    t += machine.update_s + adam
+    return work.updates_per_batch * t
+
+
+def switch_s(model, machine, work, lay):
+    """Both switches of a step: the Adam state and gradients to host and back; the engine gathered
+    from the shards, a broadcast per bucket; the experts re-sharded and back (where they move)."""
+    mem = memory(model, machine, work, lay)
+    offload = 2 * mem["optim"] / machine.host_bandwidth
+    link = _link(machine, machine.devices // lay.train_pp)
+    gather = switch_bytes(model, machine, lay) / link.bandwidth
+    gather += len(buckets(model, lay, work.bucket_bytes)) * link.latency_s
+    experts = 0.0
+    if lay.train_ep:  # each layer's experts in rounds of transfers, then back (nothing moves)
+        per_layer = ep_bytes(model, machine, lay) / model.n_layers
+        experts = 2 * model.n_layers * collective(machine, "p2p", per_layer, 2, machine.devices)
+    return offload + gather + experts
+
+
+def score_s(model, machine, work, lay):
+    """Scoring the replica's samples, the rows into the queue and their ids to every rank."""
+    rows = work.prompts_per_step * work.group_size * lay.infer_tp / machine.devices
+    return rows * machine.sample_s + 3 * collective(machine, "all_reduce", 8, machine.devices)
+
+
+def stages(model, machine, work, lay):
+    """Predicted seconds of each stage of one RL step."""
+    out = {"rollout": rollout_s(model, machine, work, lay),
+           "switch": switch_s(model, machine, work, lay),
+           "score": score_s(model, machine, work, lay),
+           "reference": train_s(model, machine, work, lay, backward=False) * work.reference,
+           "train": work.updates_per_batch * train_s(model, machine, work, lay),
+           "grad_sync": sync_s(model, machine, work, lay)}
+    out["step"] = sum(out.values())
+    return out
+
+
+# ----------------------------------------------------------------------------- the search
+def plan(model, machine, work, runnable=None):
+    """Every candidate priced, fastest first: [(layout, stage seconds, memory, overflow or None)].
+    runnable(layout) -> bool narrows the candidates (the run's own checks)."""
+    rows = []
+    for lay in candidates(model, machine, work):
+        if runnable is not None and not runnable(lay):
+            continue
+        rows.append((lay, stages(model, machine, work, lay), memory(model, machine, work, lay),
+                     overflow(model, machine, work, lay)))
+    rows.sort(key=lambda r: (r[3] is not None, r[1]["step"]))
+    if not rows:
+        raise ValueError(f"no layout of {machine.devices} devices runs this model")
+    if rows[0][3] is not None:
+        raise ValueError(f"no layout fits: the smallest, {rows[0][3]}")
+    return rows
+
+
+def table(rows, top=10):
+    """The candidates as text, the choice first: each stage's predicted seconds, peak MiB."""
+    cols = ("step", "rollout", "switch", "score", "reference", "train", "grad_sync")
+    lines = [f"{'':7} {'layout':<36}" + "".join(f"{c:>10}" for c in cols) + f"{'MiB':>10}"]
+    for i, (lay, t, mem, over) in enumerate(rows[:top]):
+        mark = "chosen" if i == 0 else ("no fit" if over else "")
+        lines.append(f"{mark:7} {lay.short():<36}" + "".join(f"{t[c]:10.4f}" for c in cols)
+                     + f"{peak(mem) / 2**20:10.1f}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="plan the layouts of a machine from its constants")
+    p.add_argument("--machine", required=True, help="a JSON file of Machine's fields")
+    p.add_argument("--devices", type=int, help="override the file's device count")
+    p.add_argument("--nodes", type=int, help="nodes the devices are spread over")
+    for name, default in [("vocab", 14), ("d_model", 64), ("n_layers", 2), ("n_heads", 4),
+                          ("n_experts", 4), ("top_k", 2), ("d_expert", 128),
+                          ("prompts_per_step", 16), ("group_size", 8), ("prompt_tokens", 18.0),
+                          ("response_tokens", 18.0), ("max_new_tokens", 40), ("staleness", 1)]:
+        p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
+    a = p.parse_args(argv)
+    per_node = a.devices // a.nodes if a.devices and a.nodes else None
+    machine = Machine.load(a.machine, devices=a.devices, devices_per_node=per_node)
+    model = Model(a.vocab, a.d_model, a.n_layers, a.n_heads, a.n_experts, a.top_k, a.d_expert)
+    work = Workload(a.prompts_per_step, a.group_size, a.prompt_tokens, a.response_tokens,
+                    a.max_new_tokens, a.staleness)
+    rows = plan(model, machine, work)
+    nodes = machine.devices // machine.devices_per_node
+    print(f"{machine.name}: {machine.devices} devices, {nodes} node(s); {len(rows)} candidates, "
+          "predicted seconds per RL step")
+    print(table(rows))
+    print(json.dumps({"machine": machine.name, "chosen": rows[0][0].flags(),
+                      "step_s": rows[0][1]["step"], "candidates": len(rows)}))
+
+
+if __name__ == "__main__":
+    main()

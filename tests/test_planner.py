@@ -1,0 +1,127 @@
+"""The layout planner (options/planner.py): its byte counts equal the run's own, its machine checks, its refusals,
+its command line alone in a folder, and --layout auto end to end."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from options import layout_auto, planner
+from plumbing.config import Config, resolve, validate
+from tests.distributed import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+H100 = os.path.join(ROOT, "bench", "machines", "h100x8.json")
+
+
+def _one_step(rank, world_size, out_dir, overrides):
+    from tests.test_train_grpo import _train_tiny
+    overrides = dict(overrides, warmup_steps=0, steps=2, eval_every=1000, filter_groups=False)
+    _train_tiny(rank, world_size, out_dir, overrides)  # at step 2's switch the Adam state exists
+
+
+def _check_counts(tmp_path, world, overrides):
+    """One RL step at `world` in this layout: the run's mem/* and switch byte counts (rank 0's) equal the
+    planner's, which recomputes them from the shapes alone."""
+    out = tmp_path / "run"
+    run_distributed(_one_step, world_size=world, timeout_s=240, args=(str(out), overrides))
+    rec = [json.loads(line) for line in open(out / "metrics.jsonl")][-1]
+    from tests.test_train_grpo import TINY
+    cfg = resolve(Config(**dict(TINY, **overrides)), world)
+    model, lay, machine = layout_auto.model_of(cfg), layout_auto.layout_of(cfg), layout_auto._nominal(world)
+    mem = planner.memory(model, machine, layout_auto.workload_of(cfg), lay)
+    expected = {"switch/received_min_bytes": planner.switch_bytes(model, machine, lay),
+                "mem/train_params_bytes": mem["params"], "mem/train_optim_bytes": mem["optim"],
+                "mem/rollout_params_bytes": mem["rollout_params"], "mem/rollout_infer_bytes": mem["infer"],
+                "switch/peak_extra_bytes": mem["bucket"]}
+    if lay.train_ep:
+        expected["ep/to_rollout_bytes_moved"] = planner.ep_bytes(model, machine, lay)
+    assert {k: rec[k] for k in expected} == expected
+
+
+def test_byte_counts_equal_the_runs_ep(tmp_path):
+    """World 2, EP 2 in training and 1 in rollout (the default): the gather's least bytes, the experts moved, the
+    shards, the Adam state and the engine's weights."""
+    _check_counts(tmp_path, 2, dict(train_ep=2, infer_ep=1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, overrides", [
+    (2, dict(train_ep=0, infer_tp=2)), (2, dict(train_ep=0, train_pp=2, micro_batches=2)),
+    (4, dict(train_ep=2, infer_ep=4)), (4, dict(train_ep=4, infer_ep=1)), (4, dict(train_ep=0, infer_tp=4))],
+    ids=["w2-tp2", "w2-pp2", "w4-ep2to4", "w4-ep4to1", "w4-tp4"])
+def test_byte_counts_equal_the_runs(tmp_path, world, overrides):
+    _check_counts(tmp_path, world, overrides)
+
+
+def _machine(**changes):
+    raw = json.load(open(H100))
+    return planner.Machine.load_dict(raw, **changes)
+
+
+def test_bad_machines_are_refused():
+    raw = json.load(open(H100))
+    with pytest.raises(ValueError, match="bandwidth -1"):
+        planner.Machine.load_dict({**raw, "intra": {"latency_s": 1e-6, "bandwidth": -1}})
+    with pytest.raises(ValueError, match="devices 12 must be .* a multiple of devices_per_node 8"):
+        _machine(devices=12)
+    with pytest.raises(ValueError, match="unknown machine fields"):
+        planner.Machine.load_dict({**raw, "cores": 2})
+    with pytest.raises(ValueError, match="flops nan"):
+        _machine(flops=float("nan"))
+    model = planner.Model(14, 64, 2, 4, 4, 2, 128)
+    work = planner.Workload(16, 8, 18.0, 18.0, 40)
+    with pytest.raises(ValueError, match="no layout of 3 devices"):  # 16 prompts over 3 replicas: none divides
+        planner.plan(model, _machine(devices=3, devices_per_node=3), work)
+    with pytest.raises(ValueError, match="no layout fits: .* more than the 0.0 MiB"):
+        planner.plan(model, _machine(memory_bytes=1000), work)
+
+
+def test_the_plan_prices_the_pair():
+    """The choice fits and is the fastest; every stage is priced; a wider machine is planned across its nodes."""
+    model = planner.Model(14, 64, 2, 4, 4, 2, 128)
+    work = planner.Workload(16, 8, 18.0, 18.0, 40)
+    rows = planner.plan(model, _machine(), work)
+    steps = [t["step"] for _, t, _, over in rows if over is None]
+    assert rows[0][1]["step"] == min(steps) and rows[0][3] is None
+    assert set(rows[0][1]) == {"rollout", "switch", "score", "reference", "train", "grad_sync", "step"}
+    two_nodes = planner.plan(model, _machine(devices=16), work)
+    assert any(lay.nodes == 2 for lay, *_ in two_nodes)  # HSDP across the 2 nodes is a candidate
+
+
+def test_layout_flags_are_checked_before_any_process_group():
+    with pytest.raises(ValueError, match="--layout auto plans colocated deployments"):
+        validate(Config(layout="auto", deploy="separated"), 2)
+    with pytest.raises(ValueError, match="--device-memory-gib 0.0001: .* needs .* MiB a rank .*optim"):
+        validate(Config(device_memory_gib=0.0001), 2)
+    validate(Config(device_memory_gib=1.0), 2)  # the default run fits in a GiB
+
+
+def test_the_planner_runs_alone(tmp_path):
+    """Copied into a folder with nothing else, its command line plans an 8-GPU pair of nodes and prints the table
+    and a JSON line."""
+    shutil.copy(os.path.join(ROOT, "options", "planner.py"), tmp_path)
+    done = subprocess.run([sys.executable, "planner.py", "--machine", H100, "--devices", "16", "--nodes", "2"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    last = json.loads(done.stdout.splitlines()[-1])
+    assert last["candidates"] > 10 and "chosen" in done.stdout.splitlines()[2]
+
+
+def _auto(rank, world_size, out_dir):
+    from tests.test_train_grpo import TINY
+    import train_grpo as T
+    from plumbing.run import planned
+    cfg = planned(Config(**dict(TINY, layout="auto", warmup_steps=0, steps=2, out=out_dir)))
+    T.train(cfg, out_dir=out_dir)
+    return {f: getattr(cfg, f) for f in layout_auto.FIELDS} | {"layout": cfg.layout}
+
+
+@pytest.mark.slow
+def test_layout_auto_runs_its_choice(tmp_path):
+    """World 2: every rank measures, every rank makes the same choice, and the run trains in it."""
+    out = run_distributed(_auto, world_size=2, timeout_s=300, args=(str(tmp_path / "auto"),))
+    assert out[0] == out[1] and out[0]["layout"] == "manual"
+    assert len([line for line in open(tmp_path / "auto" / "metrics.jsonl")]) >= 2
