@@ -2,14 +2,19 @@
 
     torchrun --standalone --nproc_per_node=4 train_grpo.py --layout auto
 
-Every rank measures the machine at once (so that ranks sharing a host's cores share them as they
-will in the run): a decode step of the policy at two row counts, a training forward and backward
-at two token counts, a small and a large all-reduce over the world, a host copy. The slopes and
-intercepts are the planner's constants (Machine); the ranks take the largest of each, so that
-every rank plans from the same numbers and chooses the same layout. Rank 0 prints the table; the
-run goes on with the choice. `--layout auto` chooses the parallel layout only (--infer-tp,
---train-ep, --infer-ep, --train-pp, --micro-batches): the deployment, S and the gradient
-compression stay as given, since they change what is trained.
+Every rank measures at once, so that ranks sharing a host's cores share them as they will in the
+run (torchrun --nproc_per_node=W -m options.layout_auto prints what it measured, as JSON):
+  op_s, flops       the policy's forward over 1 token (nothing to compute) and over 4096;
+  step_s, row_s     a decode step of the run's sampler over 1 row and over 64;
+  batch_s, update_s the run's own GRPO update (grpo.grpo_update) in 1 and in 8 micro-batches;
+  latency           a small all-reduce inside a loop of forwards, less the loop without it (the
+                    ranks arrive a forward's jitter apart, as in a decode step);
+  bandwidth         a 4 MiB all-reduce; host_bandwidth a 16 MiB copy; sample_s the task's rule.
+Each constant is the ranks' median (an all-gather), so every rank plans from the same numbers and
+chooses the same layout. Rank 0 prints the table; the run goes on with the choice. `--layout
+auto` chooses the parallel layout only (--infer-tp, --train-ep, --infer-ep, --train-pp,
+--micro-batches): the deployment, S and the gradient compression stay as given, since they
+change what is trained.
 
 --device-memory-gib G, with any layout: the planner's memory model checks the layout against G
 GiB a rank before any process group, and a layout that overflows is refused, naming what does.

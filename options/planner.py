@@ -423,13 +423,19 @@ def train_s(model, machine, work, lay, backward=True):
 def sync_s(model, machine, work, lay):
     """FSDP's all-gather of the shards and reduce-scatter of the gradients, once per update (the
     parameters stay gathered between micro-batches), over the ranks FSDP spans; HSDP adds an
-    all-reduce of each node's shard across the nodes; the AdamW step."""
+    all-reduce of each node's shard across the nodes; EP, each expert's gradient over its
+    replicas; the AdamW step."""
     n = _shard_ranks(machine, lay)
     full = sum(_nbytes(model, s) for nm, s in _stage_weights(model, lay, 0)
                if not (lay.train_ep and _is_expert(nm)))
     t = collective(machine, "all_gather", full, n) + collective(machine, "all_gather", full, n)
     if lay.nodes > 1:
         t += collective(machine, "all_reduce", full / n, lay.nodes, span=machine.devices)
+    if lay.train_ep:  # each expert's gradient summed over its replicas; the clip's norm
+        experts = 3 * model.d_model * model.d_expert * model.dtype_bytes * model.n_layers
+        replicas = machine.devices // lay.train_ep
+        t += collective(machine, "all_reduce", experts * model.n_experts / lay.train_ep, replicas)
+        t += collective(machine, "all_reduce", 8, machine.devices)
     adam = 4 * train_bytes(model, machine, lay) / machine.host_bandwidth  # reads and writes
     t += machine.update_s + adam
     return work.updates_per_batch * t
@@ -444,9 +450,10 @@ def switch_s(model, machine, work, lay):
     gather = switch_bytes(model, machine, lay) / link.bandwidth
     gather += len(buckets(model, lay, work.bucket_bytes)) * link.latency_s
     experts = 0.0
-    if lay.train_ep:  # each layer's experts in rounds of transfers, then back (nothing moves)
+    if lay.train_ep:  # the ranks agree on the plan; each layer's experts in rounds, then back
         per_layer = ep_bytes(model, machine, lay) / model.n_layers
         experts = 2 * model.n_layers * collective(machine, "p2p", per_layer, 2, machine.devices)
+        experts += 2 * collective(machine, "all_gather", 8 * machine.devices, machine.devices)
     return offload + gather + experts
 
 
