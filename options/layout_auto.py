@@ -105,7 +105,7 @@ def _timed(fn, repeat=7):
 
 def _decode_step_s(model, cfg, rows):
     """Seconds per decode step over `rows` rows that never stop early (no end token)."""
-    steps = 16
+    steps = min(16, cfg.max_new_tokens)  # a mean prompt and these fit the model's length
     sampler = Sampler(model, steps, eos_id=-1, pad_id=task.PAD, keep=False)
     contexts = [torch.ones(cfg.max_digits // 2 + 2, dtype=torch.long)] * rows
     return _timed(lambda: sampler(contexts, list(range(rows)))) / steps
@@ -114,6 +114,7 @@ def _decode_step_s(model, cfg, rows):
 def _samples(cfg, rows, response):
     """A batch shaped as the run's: rows of a mean prompt and `response` tokens, random."""
     g = torch.Generator().manual_seed(cfg.seed)
+    response = min(response, cfg.max_new_tokens)
     prompt = cfg.max_digits // 2 + 2
     draw = [torch.randint(1, task.VOCAB, (prompt + response,), generator=g) for _ in range(rows)]
     old = [torch.zeros(response) for _ in range(rows)]
@@ -129,9 +130,10 @@ def _update_s(model, cfg, samples, micro_batches, device):
     return _timed(lambda: grpo.grpo_update(model, opt, samples, algo, device, None, ref))
 
 
-def _forward_s(model, tokens, device):
-    """Seconds of a forward (no gradient) over `tokens` tokens in rows of up to 32."""
-    batch = torch.randint(1, task.VOCAB, (max(tokens // 32, 1), min(tokens, 32)), device=device)
+def _forward_s(model, tokens, device, width):
+    """Seconds of a forward (no gradient) over `tokens` tokens in rows of up to `width`."""
+    shape = (max(tokens // width, 1), min(tokens, width))
+    batch = torch.randint(1, task.VOCAB, shape, device=device)
     with torch.no_grad():
         return _timed(lambda: model(batch))
 
@@ -163,8 +165,9 @@ def calibrate(cfg, device, group=None):
     torch.manual_seed(cfg.seed)
     model = Policy(model_config(cfg)).to(device)
     pm, L = model_of(cfg), model_config(cfg).n_layers
-    tiny, big = _forward_s(model, 1, device), _forward_s(model, 4096, device)
-    flops = 4096 * pm.flops_per_token(16) / max(big - tiny, 1e-9)
+    width = min(32, model_config(cfg).max_seq_len)
+    tiny, big = _forward_s(model, 1, device, width), _forward_s(model, 4096, device, width)
+    flops = 4096 * pm.flops_per_token(width / 2) / max(big - tiny, 1e-9)
     op_s = tiny / L                                       # a block's forward, nothing to compute
     with torch.no_grad():
         one, many = _decode_step_s(model, cfg, 1), _decode_step_s(model, cfg, 64)

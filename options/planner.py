@@ -1,7 +1,7 @@
 """Choosing the layouts: price every (training layout, inference layout) pair, the switch between
 them included, and keep the fastest that fits in memory.
 
-    python options/planner.py --machine bench/machines/h100x8.json --devices 8 --nodes 2
+    python options/planner.py --machine bench/machines/h100x8.json --devices 16 --nodes 2
     torchrun --standalone --nproc_per_node=4 train_grpo.py --layout auto   # plans, then runs it
 
 An RL run has two layouts: training (FSDP over the data-parallel ranks, EP for the experts, PP
@@ -11,27 +11,31 @@ in rollout trains the experts apart yet decodes without an all-to-all, and a wid
 memory for the KV cache but pays two all-reduces per layer at every decode step. So the planner
 prices the pair: one RL step is
   rollout    a prefill, then one decode step per token of the response budget (S = 0 waits for the
-             longest sample; S >= 1 is priced the same, an upper bound), each step a fixed cost, the
-             blocks' compute split over TP, TP's all-reduces and EP's all-to-alls;
+             longest sample; S >= 1 is priced the same, an upper bound), each step a fixed cost,
+             a cost per row split over TP, TP's all-reduces and EP's all-to-alls;
   switch     the Adam state to host and back, the engine's weights gathered from the FSDP shards
              (the least a rank can receive: switch_bytes), the experts re-sharded (ep_bytes);
   reference  a forward over the rank's share of the batch (when the KL penalty is on);
   train      a forward and a backward per micro-batch, EP's all-to-alls, PP's bubble;
-  grad sync  FSDP's all-gather and reduce-scatter, across the nodes' link where FSDP spans nodes.
-A collective over n ranks costs the ring's steps at the link's latency plus its bytes at the link's
+  score      the rule on each sample, the rows into the queue;
+  grad sync  FSDP's all-gather and reduce-scatter (across the nodes' link where FSDP spans nodes),
+             EP's gradient sum over each expert's replicas, the optimizer step.
+A collective over n ranks costs its steps at the link's latency plus its bytes at the link's
 bandwidth. Memory per rank: the training shards, their gradients and Adam state, the engine's
 weights, the switch's bucket, the activations and the KV cache (the last two unchecked on a CPU).
 
 The search is exhaustive: every block is alike, so a layout is a handful of degrees (TP, EP in each
-phase, PP, micro-batches, FSDP within or across nodes), each a divisor of the device count. With
-d(W) divisors that is O(d(W)^2) EP pairs and O(d(W)) of the others: 120 candidates at W = 8,
-about 300 at 384, planned in a fraction of a second. A dynamic program over stages (Alpa's) earns
-its place where stages differ; here it would find the same answer more slowly.
+phase, PP, micro-batches, FSDP within or across nodes), each a divisor of the device count W, and
+a candidate costs a fraction of a millisecond to price. With d(W) divisors and m micro-batch counts there are
+about 2 m d(W) layouts without EP and m e(W)^2 with it (e: the EP degrees dividing both W and the
+experts): 102 at W = 8, 403 at W = 384 with 64 experts. A dynamic program over stages (Alpa's)
+earns its place where stages differ; here every stage is the same block, and it would find the
+same answer.
 
 The constants (Machine) come from a measurement on the machine planned for (options/
 layout_auto.py's calibrate) or from a file for one we do not have (bench/machines/*.json).
-numpy and the standard library only: it imports nothing of the project (the switch's byte counts
-are recomputed here, and tests/test_planner.py holds them equal to the run's own).
+The standard library only: it imports nothing of the project (the switch's byte counts are
+recomputed here, and tests/test_planner.py holds them equal to the run's own).
 """
 import argparse
 import dataclasses

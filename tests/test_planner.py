@@ -114,7 +114,8 @@ def _auto(rank, world_size, out_dir):
     from tests.test_train_grpo import TINY
     import train_grpo as T
     from plumbing.run import planned
-    cfg = planned(Config(**dict(TINY, layout="auto", warmup_steps=0, steps=2, out=out_dir)))
+    cfg = planned(Config(**dict(TINY, layout="auto", warmup_steps=0, steps=2, filter_groups=False,
+                                out=out_dir)))
     T.train(cfg, out_dir=out_dir)
     return {f: getattr(cfg, f) for f in layout_auto.FIELDS} | {"layout": cfg.layout}
 
