@@ -25,12 +25,12 @@ bandwidth. Memory per rank: the training shards, their gradients and Adam state,
 weights, the switch's bucket, the activations and the KV cache (the last two unchecked on a CPU).
 
 The search is exhaustive: every block is alike, so a layout is a handful of degrees (TP, EP in each
-phase, PP, micro-batches, FSDP within or across nodes), each a divisor of the device count W, and
-a candidate costs a fraction of a millisecond to price. With d(W) divisors and m micro-batch counts there are
-about 2 m d(W) layouts without EP and m e(W)^2 with it (e: the EP degrees dividing both W and the
-experts): 102 at W = 8, 403 at W = 384 with 64 experts. A dynamic program over stages (Alpa's)
-earns its place where stages differ; here every stage is the same block, and it would find the
-same answer.
+phase, PP, micro-batches, FSDP within or across nodes), each a divisor of the device count W, and a
+candidate costs a fraction of a millisecond to price. With d(W) divisors and m micro-batch counts
+there are about 2 m d(W) layouts without EP and m e(W)^2 with it (e: the EP degrees dividing both W
+and the experts): 102 at W = 8, 403 at W = 384 with 64 experts. A dynamic program over stages
+(Alpa's) earns its place where stages differ; here every stage is the same block, and it would find
+the same answer.
 
 The constants (Machine) come from a measurement on the machine planned for (options/
 layout_auto.py's calibrate) or from a file for one we do not have (bench/machines/*.json).
@@ -493,7 +493,8 @@ def plan(model, machine, work, runnable=None):
     if not rows:
         raise ValueError(f"no layout of {machine.devices} devices runs this model")
     if rows[0][3] is not None:
-        raise ValueError(f"no layout fits: the smallest, {rows[0][3]}")
+        smallest = min(rows, key=lambda r: peak(r[2]))
+        raise ValueError(f"no layout fits: the smallest, {smallest[3]}")
     return rows
 
 
@@ -520,11 +521,14 @@ def main(argv=None):
         p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
     a = p.parse_args(argv)
     per_node = a.devices // a.nodes if a.devices and a.nodes else None
-    machine = Machine.load(a.machine, devices=a.devices, devices_per_node=per_node)
     model = Model(a.vocab, a.d_model, a.n_layers, a.n_heads, a.n_experts, a.top_k, a.d_expert)
     work = Workload(a.prompts_per_step, a.group_size, a.prompt_tokens, a.response_tokens,
                     a.max_new_tokens, a.staleness)
-    rows = plan(model, machine, work)
+    try:  # a bad machine, or one no layout fits: the reason, no traceback
+        machine = Machine.load(a.machine, devices=a.devices, devices_per_node=per_node)
+        rows = plan(model, machine, work)
+    except ValueError as e:
+        p.error(str(e))
     nodes = machine.devices // machine.devices_per_node
     print(f"{machine.name}: {machine.devices} devices, {nodes} node(s); {len(rows)} candidates, "
           "predicted seconds per RL step")
