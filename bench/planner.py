@@ -62,7 +62,7 @@ def torchrun(world, script, args, out=None):
 
 def calibrate(world):
     """The Machine that --layout auto would plan with at this world."""
-    return planner.Machine.load_dict(json.loads(torchrun(world, "options.layout_auto", []).splitlines()[-1]))
+    return planner.Machine.load(json.loads(torchrun(world, "options.layout_auto", []).splitlines()[-1]))
 
 
 def config(world, flags, extra=()):

@@ -83,15 +83,13 @@ class Machine:
             _positive(self, name)
 
     @classmethod
-    def load(cls, path, **changes):
-        """A machine from a JSON file (bench/machines/*.json); `changes` override its fields."""
-        with open(path) as f:
-            return cls.load_dict(json.load(f), **changes)
-
-    @classmethod
-    def load_dict(cls, raw, **changes):
-        """A machine from a dict of its fields (keys starting with _ are notes, ignored)."""
-        raw = {k: v for k, v in raw.items() if not k.startswith("_")}
+    def load(cls, source, **changes):
+        """A machine from a JSON file (bench/machines/*.json) or a dict of its fields (a key
+        starting with _ is a note); `changes` override its fields."""
+        if isinstance(source, str):
+            with open(source) as f:
+                source = json.load(f)
+        raw = {k: v for k, v in source.items() if not k.startswith("_")}
         raw.update({k: v for k, v in changes.items() if v is not None})
         unknown = set(raw) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
@@ -230,34 +228,33 @@ def _shard_ranks(machine, layout):
     return machine.devices // layout.train_pp // layout.nodes
 
 
+def _gathered(model, layout):
+    """The weights the switch gathers for the engine: every one but EP's experts (EP moves them)."""
+    return [(n, s) for n, s in model.weights() if not (layout.train_ep and _is_expert(n))]
+
+
+def _experts(model, ep):
+    """The bytes of the experts a rank holds at EP degree ep, every layer."""
+    return model.n_experts // ep * 3 * model.d_model * model.d_expert * model.dtype_bytes \
+        * model.n_layers
+
+
 def train_bytes(model, machine, layout, rank=0):
     """This rank's training shards, bytes: FSDP rows of its stage's weights, and under EP its
     experts (train_ep blocks of E / train_ep)."""
-    n = _shard_ranks(machine, layout)
-    stage = rank // (machine.devices // layout.train_pp)
-    i = rank % n
-    total = 0
-    for name, shape in _stage_weights(model, layout, stage):
-        if layout.train_ep and _is_expert(name):
-            total += _nbytes(model, shape) // layout.train_ep
-        else:
-            total += _rows(shape[0], n, i) * _nbytes(model, shape) // shape[0]
-    return total
+    n, W, pp = _shard_ranks(machine, layout), machine.devices, layout.train_pp
+    mine = set(_gathered(model, layout)) & set(_stage_weights(model, layout, rank // (W // pp)))
+    total = sum(_rows(s[0], n, rank % n) * _nbytes(model, s) // s[0] for _, s in mine)
+    return total + (_experts(model, layout.train_ep) if layout.train_ep else 0)
 
 
 def switch_bytes(model, machine, layout, rank=0):
     """The least a rank can receive to build the engine from the shards (the run's
     switch/received_min_bytes): every weight the engine gathers (the experts are EP's to move),
     less the rows the rank holds itself."""
-    W, pp = machine.devices, layout.train_pp
-    mine = {n for n, _ in _stage_weights(model, layout, rank // (W // pp))}
-    n, i, least = _shard_ranks(machine, layout), rank % _shard_ranks(machine, layout), 0
-    for name, shape in model.weights():
-        if layout.train_ep and _is_expert(name):
-            continue
-        held = _rows(shape[0], n, i) * _nbytes(model, shape) // shape[0] if name in mine else 0
-        least += _nbytes(model, shape) - held
-    return least
+    whole = sum(_nbytes(model, s) for _, s in _gathered(model, layout))
+    experts = _experts(model, layout.train_ep) if layout.train_ep else 0
+    return whole - (train_bytes(model, machine, layout, rank) - experts)
 
 
 def ep_bytes(model, machine, layout, rank=0):
@@ -277,21 +274,15 @@ def ep_bytes(model, machine, layout, rank=0):
 def engine_bytes(model, layout):
     """The engine's weights on a rank: at TP t, the heads and the experts' hidden units cut t ways
     (the rest whole); under EP, the experts are the moved ones, not the engine's own."""
-    tp, total = layout.infer_tp, 0
-    for name, shape in model.weights():
-        if layout.train_ep and _is_expert(name):
-            continue
-        cut = tp if ("attn.qkv" in name or "attn.out" in name or _is_expert(name)) else 1
-        total += _nbytes(model, shape) // cut
-    return total
+    cut = [layout.infer_tp if ("attn." in n or _is_expert(n)) else 1
+           for n, _ in _gathered(model, layout)]
+    return sum(_nbytes(model, s) // c for (_, s), c in zip(_gathered(model, layout), cut))
 
 
 def buckets(model, layout, bucket_bytes):
     """The switch's buckets (consecutive weights, at most bucket_bytes each): their sizes."""
     sizes = []
-    for name, shape in model.weights():
-        if layout.train_ep and _is_expert(name):
-            continue
+    for _, shape in _gathered(model, layout):
         nb = _nbytes(model, shape)
         if not sizes or sizes[-1] + nb > bucket_bytes:
             sizes.append(0)
@@ -308,8 +299,9 @@ def memory(model, machine, work, layout):
     if layout.train_ep:  # each expert its own tensors
         tensors += 3 * model.n_layers * model.n_experts // layout.train_ep
     optim = 2 * params + 4 * tensors  # AdamW's two moments, and a step count per tensor
-    moved = ep_bytes(model, machine, layout) - _experts_leaving(model, machine, layout)
-    inferred = params + moved  # the shards, the training experts swapped for the inference ones
+    inferred = params  # the shards, the training experts swapped for the inference ones
+    if layout.train_ep:
+        inferred += _experts(model, layout.infer_ep) - _experts(model, layout.train_ep)
     rows = work.prompts_per_step * work.group_size
     dp = machine.devices // layout.train_pp
     tokens = rows / dp * (work.prompt_tokens + work.response_tokens) / layout.micro_batches
@@ -322,15 +314,6 @@ def memory(model, machine, work, layout):
     return {"params": params, "grads": params, "optim": optim, "activations": activations,
             "rollout_params": inferred, "infer": engine_bytes(model, layout), "bucket": bucket,
             "kv": kv}
-
-
-def _experts_leaving(model, machine, layout):
-    """The expert bytes a rank frees at the switch to rollout (its training block's that its
-    inference block lacks): the nested layouts' other direction."""
-    if not layout.train_ep:
-        return 0
-    flipped = dataclasses.replace(layout, train_ep=layout.infer_ep, infer_ep=layout.train_ep)
-    return ep_bytes(model, machine, flipped)
 
 
 def peak(mem):
@@ -430,8 +413,8 @@ def sync_s(model, machine, work, lay):
     all-reduce of each node's shard across the nodes; EP, each expert's gradient over its
     replicas; the AdamW step."""
     n = _shard_ranks(machine, lay)
-    full = sum(_nbytes(model, s) for nm, s in _stage_weights(model, lay, 0)
-               if not (lay.train_ep and _is_expert(nm)))
+    full = sum(_nbytes(model, s) for _, s in set(_gathered(model, lay))
+               & set(_stage_weights(model, lay, 0)))
     t = collective(machine, "all_gather", full, n) + collective(machine, "all_gather", full, n)
     if lay.nodes > 1:
         t += collective(machine, "all_reduce", full / n, lay.nodes, span=machine.devices)

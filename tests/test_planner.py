@@ -58,17 +58,17 @@ def test_byte_counts_equal_the_runs(tmp_path, world, overrides):
 
 def _machine(**changes):
     raw = json.load(open(H100))
-    return planner.Machine.load_dict(raw, **changes)
+    return planner.Machine.load(raw, **changes)
 
 
 def test_bad_machines_are_refused():
     raw = json.load(open(H100))
     with pytest.raises(ValueError, match="bandwidth -1"):
-        planner.Machine.load_dict({**raw, "intra": {"latency_s": 1e-6, "bandwidth": -1}})
+        planner.Machine.load({**raw, "intra": {"latency_s": 1e-6, "bandwidth": -1}})
     with pytest.raises(ValueError, match="devices 12 must be .* a multiple of devices_per_node 8"):
         _machine(devices=12)
     with pytest.raises(ValueError, match="unknown machine fields"):
-        planner.Machine.load_dict({**raw, "cores": 2})
+        planner.Machine.load({**raw, "cores": 2})
     with pytest.raises(ValueError, match="flops nan"):
         _machine(flops=float("nan"))
     model = planner.Model(14, 64, 2, 4, 4, 2, 128)
