@@ -1,11 +1,12 @@
 """Check the layout planner (options/planner.py) against what this machine measures.
 
-    python bench/planner.py               # about 12 minutes on 2 cores: 2 calibrations, 15 layouts x 3, memory
+    python bench/planner.py               # 13-14 minutes on 2 cores: 2 calibrations, 16 layouts x 3, memory
     python bench/planner.py --repeats 1 --steps 6                        # a quicker look
+    python bench/planner.py --staleness 1 --worlds 2 --memory 0 --repeats 2     # S = 1, world 2 (about 4 minutes)
 
 One fixed workload (no warm-up, so the untrained policy ends a response at its end token with probability about
-1/14 a token; --rl-seconds 0, --steps, no dynamic sampling, no curriculum, S = 0), run by train_grpo.py at world 2
-and 4 in every layout listed below and in the one the planner chooses for each world. First the machine is
+1/14 a token; --rl-seconds 0, --steps, no dynamic sampling, no curriculum, S = 0 or --staleness), run by train_grpo.py
+at world 2 and 4 in every layout listed below and in the one the planner chooses for each world. First the machine is
 measured at each world (torchrun -m options.layout_auto: the constants --layout auto plans with). Then the layouts
 run --repeats times, interleaved (layout after layout, then again), each a torchrun; a layout's step time is the
 median over its steps from the third on, and its measured time the median of its repeats. Reported: each layout's
@@ -13,12 +14,12 @@ predicted and measured seconds per RL step and their relative error; the Spearma
 against measured over every layout; chosen_over_best, the planner's choice's measured time over the fastest
 measured at that world (the larger of the two worlds); median_rel_err.
 
-Memory: the same layouts' bytes per rank on a model of about 13M parameters (d_model 256, 4 blocks, 8 experts of
-width 512), each run for two steps (the second switch's, with the Adam state): the run's mem/* figures (training shards, Adam state, the engine's weights, the
-rollout's shards with the inference experts, the switch's bucket) and its switch byte counts against the planner's,
-the largest relative difference. (The gradients are freed before each switch, so mem/train_grads_bytes is 0 there:
-the planner's gradients are the shards' size, as FSDP2's are. Activations and the KV cache have no allocator figure
-on a CPU: predicted, unchecked.) The last line printed is one JSON object.
+Memory: the same layouts' bytes per rank on a model of about 13M parameters (d_model 256, 4 blocks, 8 experts of width
+512), each run for two steps (the second switch's, with the Adam state): the run's mem/* figures (training shards, Adam
+state, the engine's weights, the rollout's shards with the inference experts, the switch's bucket) and its switch byte
+counts against the planner's, the largest relative difference. (The gradients are freed before each switch, so
+mem/train_grads_bytes is 0 there: the planner's gradients are the shards' size, as FSDP2's are. Activations and the KV
+cache have no allocator figure on a CPU: predicted, unchecked.) The last line printed is one JSON object.
 """
 import argparse
 import json
@@ -151,8 +152,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--staleness", type=int, default=0, help="S of the workload (the planner prices S = 0's round)")
+    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4], choices=[2, 4])
+    p.add_argument("--memory", type=int, default=1, help="0: skip the memory check")
     a = p.parse_args()
-    machines = {w: calibrate(w) for w in LAYOUTS}
+    WORKLOAD[WORKLOAD.index("--staleness") + 1] = str(a.staleness)
+    machines = {w: calibrate(w) for w in a.worlds}
     for w, m in machines.items():
         print(f"world {w}: {json.dumps(m.__dict__, default=lambda o: o.__dict__)}", flush=True)
     table, chosen = ranking(machines, a.repeats, a.steps)
@@ -164,11 +169,12 @@ def main():
         print(f"{r['world']:>5} {r['layout'] + mark:<52} {r['predicted_s']:9.3f} {r['measured_s']:8.3f} {err:+7.1%}")
     best = {w: min(r["measured_s"] for r in table if r["world"] == w) for w in machines}
     over = max(r["measured_s"] / best[r["world"]] for r in table if r["chosen"])
-    mem = memory(machines)
+    mem = memory(machines) if a.memory else [dict(rel_err=0.0, figure="none", world=0, layout="not checked")]
     worst = max(mem, key=lambda r: r["rel_err"])
     print(f"memory: {len(mem)} figures over {len({(r['world'], r['layout']) for r in mem})} layouts; largest relative "
           f"difference {worst['rel_err']:.2%} ({worst['figure']}, world {worst['world']} {worst['layout']})")
-    print(json.dumps(dict(spearman=spearman([r["predicted_s"] for r in table], [r["measured_s"] for r in table]),
+    rho = spearman([r["predicted_s"] for r in table], [r["measured_s"] for r in table])
+    print(json.dumps(dict(staleness=a.staleness, spearman=rho,
                           chosen_over_best=over,
                           median_rel_err=statistics.median(abs(r["rel_err"]) for r in table),
                           candidates=len(table), chosen=chosen, table=table,
