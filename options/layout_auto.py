@@ -41,6 +41,8 @@ def errors(cfg, world):
     out = []
     if cfg.layout == "auto" and cfg.deploy not in ("colocated", "colocated-all"):
         out.append(f"--layout auto plans colocated deployments (got --deploy {cfg.deploy})")
+    if cfg.device_memory_gib is not None and not cfg.device_memory_gib > 0:
+        return out + [f"--device-memory-gib {cfg.device_memory_gib} must be > 0"]
     if cfg.device_memory_gib is not None and cfg.layout != "auto":
         mem = dataclasses.replace(_nominal(world), memory_bytes=cfg.device_memory_gib * 2**30)
         over = planner.overflow(model_of(cfg), mem, workload_of(cfg), layout_of(cfg))

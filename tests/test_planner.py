@@ -96,6 +96,8 @@ def test_layout_flags_are_checked_before_any_process_group():
         validate(Config(layout="auto", deploy="separated"), 2)
     with pytest.raises(ValueError, match="--device-memory-gib 0.0001: .* needs .* MiB a rank .*optim"):
         validate(Config(device_memory_gib=0.0001), 2)
+    with pytest.raises(ValueError, match="--device-memory-gib -1.0 must be > 0"):
+        validate(Config(device_memory_gib=-1.0), 2)
     validate(Config(device_memory_gib=1.0), 2)  # the default run fits in a GiB
 
 
