@@ -9,7 +9,8 @@ run (torchrun --nproc_per_node=W -m options.layout_auto prints what it measured,
   batch_s, update_s the run's own GRPO update (grpo.grpo_update) in 1 and in 8 micro-batches;
   latency           a small all-reduce inside a loop of forwards, less the loop without it (the
                     ranks arrive a forward's jitter apart, as in a decode step);
-  bandwidth         a 4 MiB all-reduce; host_bandwidth a 16 MiB copy; sample_s the task's rule.
+  bandwidth         a 4 MiB all-reduce; host_bandwidth (and memory_bandwidth: on a CPU the host
+                    is the device) a 16 MiB copy; sample_s the task's rule.
 Each constant is the ranks' median (an all-gather), so every rank plans from the same numbers and
 chooses the same layout. Rank 0 prints the table; the run goes on with the choice. `--layout
 auto` chooses the parallel layout only (--infer-tp, --train-ep, --infer-ep, --train-pp,
@@ -75,8 +76,8 @@ def layout_of(cfg):
 def _nominal(world):
     """A machine of `world` devices for the memory check alone (its speeds are not read)."""
     link = planner.Link(0.0, 1.0)
-    speeds = dict.fromkeys(("memory_bytes", "flops", "host_bandwidth", "step_s", "row_s", "op_s",
-                            "batch_s", "update_s", "sample_s"), 1.0)
+    speeds = dict.fromkeys(("memory_bytes", "flops", "host_bandwidth", "memory_bandwidth", "step_s",
+                            "row_s", "op_s", "batch_s", "update_s", "sample_s"), 1.0)
     return planner.Machine(world, world, intra=link, inter=link, **speeds)
 
 
@@ -196,11 +197,11 @@ def calibrate(cfg, device, group=None):
         dist.all_gather(every, t, group=group)
         raw = torch.stack(every).median(dim=0).values.tolist()
     link = planner.Link(raw[5], 1 / raw[6])
+    copy = 1 / raw[7]  # on a CPU the host is the device: one bandwidth for both
     return planner.Machine(world, world, _memory_bytes(device, world), flops=1 / raw[0],
-                           host_bandwidth=1 / raw[7], step_s=raw[2], op_s=raw[1], batch_s=raw[3],
-                           update_s=raw[4], sample_s=raw[8], row_s=raw[9],
-                           intra=link, inter=link,
-                           name=f"this machine ({device.type})")
+                           host_bandwidth=copy, memory_bandwidth=copy, step_s=raw[2], op_s=raw[1],
+                           batch_s=raw[3], update_s=raw[4], sample_s=raw[8], row_s=raw[9],
+                           intra=link, inter=link, name=f"this machine ({device.type})")
 
 
 def _memory_bytes(device, world):

@@ -12,7 +12,8 @@ memory for the KV cache but pays two all-reduces per layer at every decode step.
 prices the pair: one RL step is
   rollout    a prefill, then one decode step per token of the response budget (S = 0 waits for the
              longest sample; S >= 1 is priced the same, an upper bound), each step a fixed cost,
-             a cost per row split over TP, TP's all-reduces and EP's all-to-alls;
+             the weights it reads, a cost per row split over TP, TP's all-reduces and EP's
+             all-to-alls (an EP group spans the world: a rank from each row of the rank grid);
   switch     the Adam state to host and back, the engine's weights gathered from the FSDP shards
              (the least a rank can receive: switch_bytes), the experts re-sharded (ep_bytes);
   reference  a forward over the rank's share of the batch (when the KL penalty is on);
@@ -64,11 +65,12 @@ class Machine:
     memory_bytes: float    # per device
     flops: float           # per device, with every device busy (shared cores count here)
     host_bandwidth: float  # device <-> host copies, bytes/s (the Adam state's offload)
+    memory_bandwidth: float  # the device's own memory, bytes/s (a decode step reads the weights)
     step_s: float          # a decode step's fixed cost: sampling, the host's sync, bookkeeping
     row_s: float           # a decode step's cost per row at TP 1: its compute, cache, sampling
     op_s: float            # a block's fixed cost per forward: kernel launches, dispatch
     batch_s: float         # a training micro-batch's fixed cost beyond its blocks: loss, copies
-    update_s: float        # an optimizer update's fixed cost: the clip, the step, the zeroing
+    update_s: float        # an optimizer update: the clip, AdamW's step, the zeroing
     sample_s: float        # scoring one sample and queueing it
     intra: Link            # within a node
     inter: Link            # across nodes
@@ -78,8 +80,8 @@ class Machine:
         if self.devices < 1 or self.devices_per_node < 1 or self.devices % self.devices_per_node:
             raise ValueError(f"devices {self.devices} must be >= 1 and a multiple of "
                              f"devices_per_node {self.devices_per_node} (>= 1)")
-        for name in ("memory_bytes", "flops", "host_bandwidth", "step_s", "op_s", "batch_s",
-                     "update_s", "sample_s", "row_s"):
+        for name in ("memory_bytes", "flops", "host_bandwidth", "memory_bandwidth", "step_s",
+                     "op_s", "batch_s", "update_s", "sample_s", "row_s"):
             _positive(self, name)
 
     @classmethod
@@ -155,7 +157,7 @@ class Layout:
     infer_ep: int = 0
     train_pp: int = 1
     micro_batches: int = 4
-    nodes: int = 1
+    nodes: int = 1  # the run's --nodes: FSDP within each of this many groups, averaged across
 
     def flags(self):
         """As train_grpo.py's flags."""
@@ -311,15 +313,21 @@ def memory(model, machine, work, layout):
     kv = replica_rows * (work.prompt_tokens + work.max_new_tokens) * model.n_layers * 2 \
         * model.d_model / layout.infer_tp * model.dtype_bytes
     bucket = max(buckets(model, layout, work.bucket_bytes)) if layout.infer_tp > 1 else 0
-    return {"params": params, "grads": params, "optim": optim, "activations": activations,
+    # FSDP keeps its stage's parameters gathered from an update's first forward to its last
+    # backward; a TP engine's load_weights takes one flat bucket at a time (in place: none)
+    stage = set(_gathered(model, layout)) & set(_stage_weights(model, layout, 0))
+    experts = _experts(model, layout.train_ep) if layout.train_ep else 0
+    unsharded = sum(_nbytes(model, s) for _, s in stage) - (params - experts)
+    return {"params": params, "grads": params, "optim": optim, "unsharded": unsharded,
+            "activations": activations,
             "rollout_params": inferred, "infer": engine_bytes(model, layout), "bucket": bucket,
             "kv": kv}
 
 
 def peak(mem):
-    """The larger phase: training (shards, grads, Adam, activations) or rollout (shards with the
-    inference experts, engine, bucket, KV cache; the Adam state on host)."""
-    train = mem["params"] + mem["grads"] + mem["optim"] + mem["activations"]
+    """The larger phase: training (shards, grads, Adam, the gathered parameters, activations) or
+    rollout (shards with the inference experts, engine, bucket, KV cache; Adam's state on host)."""
+    train = mem["params"] + mem["grads"] + mem["optim"] + mem["unsharded"] + mem["activations"]
     rollout = mem["rollout_params"] + mem["infer"] + mem["bucket"] + mem["kv"]
     return max(train, rollout)
 
@@ -350,7 +358,8 @@ def collective(machine, kind, nbytes, n, span=None):
         return 0.0
     link = _link(machine, span or n)
     steps, share = {"all_reduce": (2 * (n - 1), 2 * (n - 1) / n), "p2p": (1, 1.0),
-                    "all_to_all": (1, (n - 1) / n)}.get(kind, (n - 1, (n - 1) / n))
+                    "all_to_all": (1, (n - 1) / n), "all_gather": (n - 1, (n - 1) / n),
+                    "reduce_scatter": (n - 1, (n - 1) / n)}[kind]
     return steps * link.latency_s + share * nbytes / link.bandwidth
 
 
@@ -363,13 +372,16 @@ def forward_s(model, machine, tokens, context, layers, tp=1):
 
 def rollout_s(model, machine, work, lay):
     """A prefill, then a decode step per token of the budget over this replica's live rows."""
-    W, D, k = machine.devices, model.d_model, model.top_k
+    W, D, k, B = machine.devices, model.d_model, model.top_k, model.dtype_bytes
     rows = work.prompts_per_step * work.group_size * lay.infer_tp / W
+    weights = engine_bytes(model, lay) + (_experts(model, lay.infer_ep) if lay.train_ep else 0)
     # every row priced at every step: an upper bound (finished rows leave the KV cache)
     step = machine.step_s + model.n_layers * machine.op_s + rows * machine.row_s / lay.infer_tp
-    step += 2 * model.n_layers * collective(machine, "all_reduce", rows * D * 4, lay.infer_tp)
-    if lay.infer_ep > 1:  # 3 all-to-alls per MoE layer (counts, rows out, rows back)
-        a2a = collective(machine, "all_to_all", rows * k * D * 4, lay.infer_ep)
+    step += weights / machine.memory_bandwidth  # every weight read once a step
+    step += 2 * model.n_layers * collective(machine, "all_reduce", rows * D * B, lay.infer_tp)
+    if lay.infer_ep > 1:  # 3 all-to-alls per MoE layer (counts, rows out, rows back); an EP
+        #                   group takes a rank of each row of the rank grid: it spans the world
+        a2a = collective(machine, "all_to_all", rows * k * D * B, lay.infer_ep, span=W)
         step += 3 * model.n_layers * a2a
         step += collective(machine, "all_reduce", 8, lay.infer_ep) / work.chunk_steps  # lock-step
     prefill = forward_s(model, machine, rows * work.prompt_tokens, work.prompt_tokens,
@@ -397,11 +409,11 @@ def train_s(model, machine, work, lay, backward=True):
     mb = passes * forward_s(model, machine, tokens, seq / 2, model.n_layers // pp)
     mb += machine.batch_s if backward else 0.0
     if lay.train_ep > 1:
-        rows_out = tokens * model.top_k * model.d_model * 4
+        rows_out = tokens * model.top_k * model.d_model * model.dtype_bytes
         mb += (5 if backward else 3) * model.n_layers * collective(
-            machine, "all_to_all", rows_out, lay.train_ep)
+            machine, "all_to_all", rows_out, lay.train_ep, span=machine.devices)
     if pp > 1:  # (m + pp - 1) slots of a stage's micro-batch; activations out, gradients back
-        hop = collective(machine, "p2p", tokens * model.d_model * 4, 2, span=dp + 1)
+        hop = collective(machine, "p2p", tokens * model.d_model * model.dtype_bytes, 2, span=dp + 1)
         hops = lay.micro_batches * (2 if backward else 1)
         return (lay.micro_batches + pp - 1) * mb + hops * hop
     return lay.micro_batches * mb
@@ -411,11 +423,11 @@ def sync_s(model, machine, work, lay):
     """FSDP's all-gather of the shards and reduce-scatter of the gradients, once per update (the
     parameters stay gathered between micro-batches), over the ranks FSDP spans; HSDP adds an
     all-reduce of each node's shard across the nodes; EP, each expert's gradient over its
-    replicas; the AdamW step."""
+    replicas; the update (machine.update_s: the clip, AdamW's step, the zeroing)."""
     n = _shard_ranks(machine, lay)
     full = sum(_nbytes(model, s) for _, s in set(_gathered(model, lay))
                & set(_stage_weights(model, lay, 0)))
-    t = collective(machine, "all_gather", full, n) + collective(machine, "all_gather", full, n)
+    t = collective(machine, "all_gather", full, n) + collective(machine, "reduce_scatter", full, n)
     if lay.nodes > 1:
         t += collective(machine, "all_reduce", full / n, lay.nodes, span=machine.devices)
     if lay.train_ep:  # each expert's gradient summed over its replicas; the clip's norm
@@ -423,17 +435,18 @@ def sync_s(model, machine, work, lay):
         replicas = machine.devices // lay.train_ep
         t += collective(machine, "all_reduce", experts * model.n_experts / lay.train_ep, replicas)
         t += collective(machine, "all_reduce", 8, machine.devices)
-    adam = 4 * train_bytes(model, machine, lay) / machine.host_bandwidth  # reads and writes
-    t += machine.update_s + adam
-    return work.updates_per_batch * t
+    return work.updates_per_batch * (t + machine.update_s)
 
 
 def switch_s(model, machine, work, lay):
-    """Both switches of a step: the Adam state and gradients to host and back; the engine gathered
-    from the shards, a broadcast per bucket; the experts re-sharded and back (where they move)."""
+    """Both switches of a step: the Adam state to host and back (the gradients are freed after
+    each update); the engine gathered from the shards, a broadcast per bucket, over the ranks
+    FSDP shards over (every rank's, under PP: the other stage's weights); the experts re-sharded
+    and back (where they move)."""
     mem = memory(model, machine, work, lay)
     offload = 2 * mem["optim"] / machine.host_bandwidth
-    link = _link(machine, machine.devices // lay.train_pp)
+    span = machine.devices if lay.train_pp > 1 else _shard_ranks(machine, lay)
+    link = _link(machine, span)
     gather = switch_bytes(model, machine, lay) / link.bandwidth
     gather += len(buckets(model, lay, work.bucket_bytes)) * link.latency_s
     experts = 0.0
@@ -500,15 +513,17 @@ def main(argv=None):
     for name, default in [("vocab", 14), ("d_model", 64), ("n_layers", 2), ("n_heads", 4),
                           ("n_experts", 4), ("top_k", 2), ("d_expert", 128),
                           ("prompts_per_step", 16), ("group_size", 8), ("prompt_tokens", 18.0),
-                          ("response_tokens", 18.0), ("max_new_tokens", 40), ("staleness", 1)]:
+                          ("response_tokens", 18.0), ("max_new_tokens", 40),
+                          ("max_prompt_tokens", 34.0), ("staleness", 1)]:
         p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
     a = p.parse_args(argv)
-    per_node = a.devices // a.nodes if a.devices and a.nodes else None
     model = Model(a.vocab, a.d_model, a.n_layers, a.n_heads, a.n_experts, a.top_k, a.d_expert)
     work = Workload(a.prompts_per_step, a.group_size, a.prompt_tokens, a.response_tokens,
-                    a.max_new_tokens, a.staleness)
+                    a.max_new_tokens, max_prompt_tokens=a.max_prompt_tokens, staleness=a.staleness)
     try:  # a bad machine, or one no layout fits: the reason, no traceback
-        machine = Machine.load(a.machine, devices=a.devices, devices_per_node=per_node)
+        devices = a.devices or Machine.load(a.machine).devices
+        per_node = devices // a.nodes if a.nodes else None
+        machine = Machine.load(a.machine, devices=devices, devices_per_node=per_node)
         rows = plan(model, machine, work)
     except ValueError as e:
         p.error(str(e))
@@ -517,7 +532,7 @@ def main(argv=None):
           "predicted seconds per RL step")
     print(table(rows))
     print(json.dumps({"machine": machine.name, "chosen": rows[0][0].flags(),
-                      "step_s": rows[0][1]["step"], "candidates": len(rows)}))
+                      "rl_step_s": rows[0][1]["step"], "candidates": len(rows)}))
 
 
 if __name__ == "__main__":
