@@ -306,9 +306,11 @@ def memory(model, machine, work, layout):
         inferred += _experts(model, layout.infer_ep) - _experts(model, layout.train_ep)
     rows = work.prompts_per_step * work.group_size
     dp = machine.devices // layout.train_pp
-    tokens = rows / dp * (work.prompt_tokens + work.response_tokens) / layout.micro_batches
+    tokens = rows / dp * padded_length(work, layout) / layout.micro_batches  # a micro-batch's
+    in_flight = min(layout.train_pp, layout.micro_batches)  # 1F1B: stage 0 holds pp of them
     per_token = 12 * model.d_model + 4 * model.top_k * model.d_expert  # a block's saved tensors
-    activations = tokens * model.n_layers / layout.train_pp * per_token * model.dtype_bytes
+    activations = in_flight * tokens * model.n_layers / layout.train_pp * per_token \
+        * model.dtype_bytes
     replica_rows = rows * layout.infer_tp / machine.devices
     kv = replica_rows * (work.prompt_tokens + work.max_new_tokens) * model.n_layers * 2 \
         * model.d_model / layout.infer_tp * model.dtype_bytes
@@ -379,13 +381,16 @@ def rollout_s(model, machine, work, lay):
     step = machine.step_s + model.n_layers * machine.op_s + rows * machine.row_s / lay.infer_tp
     step += weights / machine.memory_bandwidth  # every weight read once a step
     step += 2 * model.n_layers * collective(machine, "all_reduce", rows * D * B, lay.infer_tp)
-    if lay.infer_ep > 1:  # 3 all-to-alls per MoE layer (counts, rows out, rows back); an EP
-        #                   group takes a rank of each row of the rank grid: it spans the world
+    if lay.infer_ep > 1:  # per MoE layer the counts, the rows out, the rows back; an EP group
+        #                   takes a rank of each row of the rank grid: it spans the world
         a2a = collective(machine, "all_to_all", rows * k * D * B, lay.infer_ep, span=W)
-        step += 3 * model.n_layers * a2a
+        counts = collective(machine, "all_to_all", 8 * model.n_experts, lay.infer_ep, span=W)
+        step += model.n_layers * (2 * a2a + counts)
         step += collective(machine, "all_reduce", 8, lay.infer_ep) / work.chunk_steps  # lock-step
     prefill = forward_s(model, machine, rows * work.prompt_tokens, work.prompt_tokens,
                         model.n_layers, lay.infer_tp)
+    prefill += 2 * model.n_layers * collective(  # TP's all-reduces of the whole prompts once
+        machine, "all_reduce", rows * work.prompt_tokens * D * B, lay.infer_tp)
     return prefill + work.max_new_tokens * step
 
 
