@@ -162,8 +162,9 @@ def _bandwidth(device, group, n, latency):
 def calibrate(cfg, device, group=None):
     """The planner's Machine for this world, measured on every rank at once; every rank returns
     the same one (each constant the ranks' median). Fixed costs are timed on inputs too small to
-    compute on, the throughput on a large one, so that no constant is a difference of two close
-    timings."""
+    compute on, the throughput on a large one. step_s and batch_s are what a decode step and a
+    micro-batch cost beyond their forwards: differences of close timings, floored at 1e-7 where
+    the noise makes them negative."""
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     torch.manual_seed(cfg.seed)
     model = Policy(model_config(cfg)).to(device)
