@@ -436,9 +436,8 @@ def sync_s(model, machine, work, lay):
     if lay.nodes > 1:
         t += collective(machine, "all_reduce", full / n, lay.nodes, span=machine.devices)
     if lay.train_ep:  # each expert's gradient summed over its replicas; the clip's norm
-        experts = 3 * model.d_model * model.d_expert * model.dtype_bytes * model.n_layers
         replicas = machine.devices // lay.train_ep
-        t += collective(machine, "all_reduce", experts * model.n_experts / lay.train_ep, replicas)
+        t += collective(machine, "all_reduce", _experts(model, lay.train_ep), replicas)
         t += collective(machine, "all_reduce", 8, machine.devices)
     return work.updates_per_batch * (t + machine.update_s)
 
