@@ -15,7 +15,8 @@ can stop here" (in ExpertParallel) is that path, in reading order:
   reshard_naive, reshard    the naive switch, then the bucketed one (plan_reshard packs its rounds)
   EPMoE                     route, send counts then packed tokens, local experts, combine; switch()
   ExpertParallel            a model's MoE layers: apply, to_rollout, to_train, clip_grads
-Below it: the checks, agree_on_switch, the options' hooks, DenseMoE, dense_state_dict.
+Below it: the checks, agree_on_switch, the options' hooks, a layout over part of the job. Other
+codebases' experts convert with options/dense_moe.py; dense_state_dict: plumbing/checkpoint.py.
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
   1. Each expert slice (name, e) is its own tensor, not a view of a stacked (E, D, H) parameter: a
@@ -38,33 +39,39 @@ raise. On 2 gloo processes (tests/test_copy_alone.py runs it in a folder holding
 
     import copy, datetime, os, socket
     import torch, torch.distributed as dist, torch.multiprocessing as mp
-    from moe_switch import EXPERT_NAMES, DenseMoE, ExpertParallel, dense_state_dict, moe_reference
+    from moe_switch import EXPERT_NAMES, ExpertParallel, moe_reference
 
-    def moe_layer(E=4, D=8, H=16):  # stacks in x @ w orientation: (E, D, H), (E, D, H), (E, H, D)
-        w = [torch.randn(E, D, H) / 4, torch.randn(E, D, H) / 4, torch.randn(E, H, D) / 4]
-        return DenseMoE(torch.randn(E, D), *w, top_k=2, orientation="x @ w")
+    class MoE(torch.nn.Module):  # a dense MoE, found by its attributes: router, top_k, stacks
+        def __init__(self, E=4, D=8, H=16):  # x @ w orientation: (E, D, H), (E, D, H), (E, H, D)
+            super().__init__()
+            self.router, self.top_k = torch.nn.Linear(D, E, bias=False), 2
+            for n, shape in zip(EXPERT_NAMES, [(E, D, H), (E, D, H), (E, H, D)]):
+                setattr(self, n, torch.nn.Parameter(torch.randn(shape) / 4))
+
+        def forward(self, x):  # (N, D) -> (N, D): the slow loop that the EP layer must match
+            experts = {n: getattr(self, n) for n in EXPERT_NAMES}
+            return moe_reference(x, self.router.weight, experts, self.top_k)
 
     def rank_main(rank, world, port):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         timeout = datetime.timedelta(seconds=60)
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
         torch.manual_seed(0)  # the same dense model on every rank: two MoE layers
-        dense = torch.nn.Sequential(moe_layer(), moe_layer())
+        dense = torch.nn.Sequential(MoE(), MoE())
         model = copy.deepcopy(dense)  # trained, at EP 2: two experts a rank
         engine = copy.deepcopy(dense).requires_grad_(False)  # generates, at EP 1: every expert
         ep = ExpertParallel(train_ep=2, infer_ep=1, world_size=world, n_experts=4,
                             bucket_bytes=1 << 16)
         ep.apply(model, engine)  # their dense MoE layers become EPMoE layers
         x = torch.randn(5 + rank, 8)  # this rank's tokens
-        one = dense[0]  # one layer: the tokens cross ranks to their experts and come back
-        want = moe_reference(x, one.router.weight, {n: getattr(one, n) for n in EXPERT_NAMES}, 2)
-        with torch.no_grad():
-            assert torch.allclose(model[0](x), want, atol=1e-5)
+        with torch.no_grad():  # one layer: the tokens cross ranks to their experts and come back
+            assert torch.allclose(model[0](x), dense[0](x), atol=1e-5)
             ep.to_rollout()  # every rank, together: EP 2 -> 1; the engine's experts alias the moved
             assert torch.allclose(engine(x), dense(x), atol=1e-5)
             ep.to_train()  # EP 1 -> 2
-        full = dense_state_dict(model)  # collective: the dense model's names and values
-        assert all(torch.equal(full[k], v) for k, v in dense.state_dict().items())  # bit for bit
+        for layer, like in zip(model, dense):  # this rank's experts, back: bit for bit
+            for n, mine in layer.local_experts().items():  # name -> {e: tensor}
+                assert all(torch.equal(t, getattr(like, n)[e]) for e, t in mine.items())
         moved = ep.stats["ep/to_rollout_bytes_moved"]
         print(f"rank {rank}: EP 2 -> 1 -> 2, {moved} bytes moved to roll out")
         dist.barrier()  # every rank done before any tears down
@@ -516,8 +523,7 @@ class ExpertParallel:
     # What follows: the rest of ExpertParallel (shard, params, the engine's empty layers, the
     # figures), optimizer_groups, new_groups, the re-shard's memory count and bound (_Memory), the
     # checks of the caller's input (each raises before any collective), the ranks' agreement on a
-    # switch, the layouts over part of the job, DenseMoE for other codebases, and the whole model's
-    # dense state.
+    # switch, and the layouts over part of the job.
     # The code above calls them but reads without them.
     # A learner can stop here.
     # ==============================================================================================
@@ -746,14 +752,15 @@ def check_dense(router_weight, w_gate, w_up, w_down, top_k):
     if bad and w_gate.dim() == 3 and _fits_transposed(router_weight, w_gate, w_up, w_down):
         raise ValueError(f"the expert stacks are in nn.Linear orientation (E, out, in): w_gate "
                          f"{tuple(w_gate.shape)}, w_down {tuple(w_down.shape)} for router.weight "
-                         f"{tuple(router_weight.shape)}; pass orientation='nn.Linear', which "
-                         "transposes them")
+                         f"{tuple(router_weight.shape)}; pass orientation='nn.Linear' to "
+                         "DenseMoE (options/dense_moe.py), which transposes them")
     if bad or E == 0 or not 1 <= top_k <= E:
         raise ValueError(f"a dense MoE needs, in x @ w orientation, router.weight (E, D), w_gate "
                          f"and w_up (E, D, H), w_down (E, H, D) and 1 <= top_k <= E (E, D, H = "
                          f"{E}, {D}, {H} from w_gate); got shapes {bad or None}, top_k {top_k} "
-                         "(per-expert nn.Linear layers: DenseMoE.from_linear; stacks of nn.Linear "
-                         "weights: DenseMoE(..., orientation='nn.Linear'))")
+                         "(per-expert nn.Linear layers: DenseMoE.from_linear in "
+                         "options/dense_moe.py; stacks of nn.Linear weights: DenseMoE(..., "
+                         "orientation='nn.Linear'))")
 
 
 def _fits_transposed(router_weight, w_gate, w_up, w_down):
@@ -763,16 +770,6 @@ def _fits_transposed(router_weight, w_gate, w_up, w_down):
     want = {"router": (E, D), "w_gate": (E, H, D), "w_up": (E, H, D), "w_down": (E, D, H)}
     got = {"router": router_weight, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
     return all(tuple(got[n].shape) == shape for n, shape in want.items())
-
-
-def _check_expert_names(experts, names):
-    """from_linear's: every expert holds an nn.Linear under each of names."""
-    for e, m in enumerate(experts):
-        missing = [n for n in names if not isinstance(getattr(m, n, None), nn.Linear)]
-        if missing:
-            held = [n for n, c in m.named_children() if isinstance(c, nn.Linear)]
-            raise ValueError(f"experts[{e}] holds no nn.Linear named {missing}: it holds {held}; "
-                             "pass names=(gate, up, down), e.g. ('w1', 'w3', 'w2') for Mixtral")
 
 
 @torch.no_grad()
@@ -805,7 +802,7 @@ def _check_computes_alike(moe, tokens=4):
                          f"{tokens} tokens: this file computes softmax top-{moe.top_k} gates "
                          "renormalised, SwiGLU experts, stacks in x @ w orientation (w_gate (E, D, "
                          "H)); stacks of nn.Linear weights (E, out, in) need DenseMoE(..., "
-                         "orientation='nn.Linear')")
+                         "orientation='nn.Linear') (options/dense_moe.py)")
 
 
 def _check_dense_layer(moe):
@@ -938,102 +935,3 @@ def _group_of_ranks(ranks, timeout_s):
     if ranks is None or not dist.is_initialized():
         return None
     return dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s))
-
-
-# ----------------------------------------------------------------- a dense MoE, for other codebases
-ORIENTATIONS = ("x @ w", "nn.Linear")  # w_gate (E, D, H) used as x @ w; or (E, H, D), x @ w.T
-
-
-class DenseMoE(nn.Module):
-    """The dense MoE as a module: router (E, D), w_gate and w_up (E, D, H), w_down (E, H, D).
-    orientation is required: "x @ w" takes the stacks as they are; "nn.Linear" takes stacks of
-    nn.Linear weights (E, out, in) and transposes them (a copy). A square stack (H == D) fits both,
-    so no default could catch the wrong one."""
-
-    def __init__(self, router_weight, w_gate, w_up, w_down, top_k, *, orientation):
-        super().__init__()
-        if orientation not in ORIENTATIONS:
-            raise ValueError(f"orientation {orientation!r} must be one of {ORIENTATIONS}: 'x @ w' "
-                             "for w_gate, w_up (E, D, H) and w_down (E, H, D); 'nn.Linear' for "
-                             "stacks of nn.Linear weights (out, in)")
-        if orientation == "nn.Linear":  # (E, out, in) -> (E, in, out)
-            w_gate, w_up, w_down = (w.transpose(1, 2).contiguous() for w in (w_gate, w_up, w_down))
-        check_dense(router_weight, w_gate, w_up, w_down, top_k)
-        E, D = router_weight.shape
-        self.router = nn.Linear(D, E, bias=False)
-        self.router.weight = nn.Parameter(router_weight)            # (E, D)
-        self.w_gate, self.w_up, self.w_down = (nn.Parameter(w) for w in (w_gate, w_up, w_down))
-        self.top_k = top_k
-
-    @classmethod
-    def from_linear(cls, router, experts, top_k, names=("gate_proj", "up_proj", "down_proj")):
-        """router: nn.Linear(D, E); experts: E modules holding nn.Linear gate (D -> H), up (D -> H)
-        and down (H -> D) under `names` (Mixtral: ("w1", "w3", "w2")). A bias is refused by name,
-        not dropped. Copies: (E, D, H) x2, (E, H, D)."""
-        _check_expert_names(experts, names)
-        biased = [f"experts[{e}].{n}" for e, m in enumerate(experts) for n in names
-                  if getattr(m, n).bias is not None]
-        biased = ["router"] * (getattr(router, "bias", None) is not None) + biased
-        if biased:
-            raise ValueError(f"{biased[0]} has a bias; this file's MoE has no biases, it would "
-                             f"drop them and compute something else ({len(biased)} biased Linear "
-                             "layers in all): build them with bias=False, or keep this MoE out of "
-                             "a model that has them")
-        stacks = [torch.stack([getattr(m, n).weight.detach() for m in experts]) for n in names]
-        return cls(router.weight.detach().clone(), *stacks, top_k, orientation="nn.Linear")
-
-    def forward(self, x):
-        experts = {n: getattr(self, n) for n in EXPERT_NAMES}
-        y = moe_reference(x.reshape(-1, x.shape[-1]), self.router.weight, experts, self.top_k)
-        return y.view_as(x)
-
-
-# -------------------------------------------------------------------- the whole model's dense state
-def stack_local(experts):
-    """name -> {e: (...)} -> name -> (L, ...) in expert order (a copy, for checks and export)."""
-    return {n: torch.stack([s[e] for e in sorted(s)]) for n, s in experts.items()}
-
-
-def dense_state_dict(model, group=None):
-    """The whole model on every rank, in the dense model's names and order: what a checkpoint or a
-    dense reference loads. Collective over `group` (the EP layout's ranks; None: all). FSDP2 shards
-    are gathered; each expert is broadcast by its first holder, then stacked (E, ...)."""
-    state = model.state_dict()
-    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
-    ep = {name: m for name, m in model.named_modules() if isinstance(m, EPMoE)}
-    out = {}
-    for k, v in full.items():
-        name = k.rsplit(".", 2)[0]
-        # the dense MoE's order: its own w_gate, w_up and w_down, then its router.weight
-        if name in ep and f"{name}.w_gate" not in out:
-            m = ep[name]
-            for n in EXPERT_NAMES:
-                like = getattr(m, n)[m.layout.owned(m.rank)[0]]
-                experts = [p.detach().clone() if p.numel() else torch.empty_like(like)
-                           for p in getattr(m, n)]
-                for e, t in enumerate(experts):
-                    src = m.layout.global_rank(m.layout.holders(e)[0])
-                    dist.broadcast(t, src=src, group=group)
-                out[f"{name}.{n}"] = torch.stack(experts)              # (E, ...)
-        if name not in ep or k.endswith(".router.weight"):
-            out[k] = v
-    return out
-
-
-@torch.no_grad()
-def load_dense_state_dict(model, full):
-    """dense_state_dict's inverse: load a dense model's whole state (the experts stacked (E, ...))
-    into `model`, whatever its layout: an EP layer takes its experts' slices, an FSDP2 shard its
-    part of the whole tensor, any other weight the whole. No communication: every rank holds it."""
-    from torch.distributed.tensor import distribute_tensor
-    ep = {name: m for name, m in model.named_modules() if isinstance(m, EPMoE)}
-    for k, p in model.named_parameters():
-        name, n, e = (k.rsplit(".", 2) + ["", ""])[:3]  # an expert's: <layer>, w_up, <e>
-        if name in ep and n in EXPERT_NAMES:
-            if p.numel():  # owned here
-                p.copy_(full[f"{name}.{n}"][int(e)])
-        elif hasattr(p, "device_mesh"):  # an FSDP2 shard (a DTensor)
-            part = distribute_tensor(full[k], p.device_mesh, p.placements, src_data_rank=None)
-            p.to_local().copy_(part.to_local())
-        else:
-            p.copy_(full[k])

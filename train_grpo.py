@@ -234,7 +234,7 @@ def warm_up(run, supervised=grpo.supervised_step):
             supervised(model, optimizer, prompts, [task.answer(p) for p in prompts], run.device,
                        cfg.grad_clip, run.train_group, clip)
     if model is not run.model:  # EP's twin: gathered whole, each rank's part loaded
-        moe_switch.load_dense_state_dict(run.model, moe_switch.dense_state_dict(model))
+        checkpoint.load_dense_state_dict(run.model, checkpoint.dense_state_dict(model))
     if run.grad_sync is not None:  # --nodes: the warm-up's unsent gradient is not RL's to apply
         run.grad_sync.reset()
 
@@ -245,7 +245,7 @@ def attach_reference(run):
     if run.model is None or not (run.cfg.kl_coef > 0 or run.cfg.deploy == "colocated-all"):
         return
     ref = Policy(model_config(run.cfg)).to(run.device).eval()
-    ref.load_state_dict(moe_switch.dense_state_dict(run.model))
+    ref.load_state_dict(checkpoint.dense_state_dict(run.model))
     if run.experts:
         run.experts.shard(ref)
     ref.requires_grad_(False)

@@ -21,7 +21,7 @@ The save and the plain write alternate which goes first, each after an untimed o
 neighbour on the cores or the disk hits both alike and neither writes back the other's dirty pages;
 each figure is the median over the rounds, and save_over_disk_bound is save_s / disk_bound_s, the
 target's own terms (paired_ratio_median, the median of the rounds' own ratios, is printed beside it).
-Every load is checked: the gathered parameters (moe_switch.dense_state_dict) and this rank's
+Every load is checked: the gathered parameters (checkpoint.dense_state_dict) and this rank's
 optimizer shards must hash to the saved ones, or the run fails. bytes is the size of the step_<N> folder.
 One untimed save and load first warms the imports and DCP's first calls. The checkpoints go to a temporary
 folder under --dir (default: the system's temporary folder), removed at the end.
@@ -130,8 +130,7 @@ def optim_sha256(opt):
 def fingerprint(model, opt):
     """(hash of the whole gathered model, hash of this rank's optimizer shards): collective."""
     from plumbing import checkpoint
-    import moe_switch
-    return checkpoint.params_sha256(moe_switch.dense_state_dict(model)), optim_sha256(opt)
+    return checkpoint.params_sha256(checkpoint.dense_state_dict(model)), optim_sha256(opt)
 
 
 def own_state():

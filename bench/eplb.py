@@ -40,6 +40,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import moe_switch  # noqa: E402
 from options import eplb  # noqa: E402
+from options.dense_moe import DenseMoE  # noqa: E402
+from plumbing import checkpoint  # noqa: E402
 
 E, D, H, K, LAYERS, HOT, W = 16, 64, 128, 2, 4, 4, 4
 BY_LOAD = ("by_load", "no_copies", "copies")  # the run's default; no copy; always one a rank
@@ -66,7 +68,7 @@ def skewed_layers():
         lean += router[:HOT].sum(0)
         w = [torch.randn(E, D, H, generator=g) / D ** 0.5, torch.randn(E, D, H, generator=g) / D ** 0.5,
              torch.randn(E, H, D, generator=g) / H ** 0.5]
-        layers.append(Residual(moe_switch.DenseMoE(router, *w, top_k=K, orientation="x @ w")))
+        layers.append(Residual(DenseMoE(router, *w, top_k=K, orientation="x @ w")))
     return torch.nn.Sequential(*layers), lean / lean.norm() * D ** 0.5
 
 
@@ -124,7 +126,7 @@ def worker(rank, args, port, out):
             for _ in range(args.rounds):
                 for m, balancer in modes.items():
                     rounds[m].append(one_round(ep, engine, dense, balancer, lean, args, rank))
-            state = moe_switch.dense_state_dict(model)
+            state = checkpoint.dense_state_dict(model)
             if not all(torch.equal(state[k], v) for k, v in dense.state_dict().items()):
                 raise AssertionError("the experts after the switch back differ from the dense ones")
             result[P] = {m: summary(r) for m, r in rounds.items()}

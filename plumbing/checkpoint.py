@@ -17,6 +17,9 @@ One checkpoint is one folder, <out>/checkpoints/step_<N>/, which exists only onc
 
 Two halves: `folder`, `write`, `complete_checkpoints`, `prune` and `read_*` are the mechanism (any
 run's dicts); `find`, `save` and `resume` decide what a train_grpo.py run saves, where and when.
+`dense_state_dict` gathers a model under EP (moe_switch.py) into the dense model's names, whole on
+every rank, and `load_dense_state_dict` loads it back into any layout: the warm-up's dense twin,
+the reference, the log's params_sha256.
 Every rank writes into one folder: the ranks must share a filesystem.
 
 A checkpoint is code to trust: DCP's .metadata is a pickle that its load unpickles (whoever can
@@ -434,6 +437,54 @@ def _unstacked(entries, module):
                     out[f"{name}.{n}.{e}"] = {k: (v if v.dim() == 0 else v[e]).clone()
                                               for k, v in stack.items()}
     return out
+
+
+# --- the whole model's dense state under EP: what a dense reference or an export loads ---------
+def dense_state_dict(model, group=None):
+    """The whole model on every rank, in the dense model's names and order: what a checkpoint or a
+    dense reference loads. Collective over `group` (the EP layout's ranks; None: all). FSDP2 shards
+    are gathered; each expert is broadcast by its first holder, then stacked (E, ...)."""
+    import moe_switch
+    state = model.state_dict()
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
+    ep = _expert_layers(model)
+    out = {}
+    for k, v in full.items():
+        name = k.rsplit(".", 2)[0]
+        # the dense MoE's order: its own w_gate, w_up and w_down, then its router.weight
+        if name in ep and f"{name}.w_gate" not in out:
+            m = ep[name]
+            for n in moe_switch.EXPERT_NAMES:
+                like = getattr(m, n)[m.layout.owned(m.rank)[0]]
+                experts = [p.detach().clone() if p.numel() else torch.empty_like(like)
+                           for p in getattr(m, n)]
+                for e, t in enumerate(experts):
+                    src = m.layout.global_rank(m.layout.holders(e)[0])
+                    dist.broadcast(t, src=src, group=group)
+                out[f"{name}.{n}"] = torch.stack(experts)              # (E, ...)
+        if name not in ep or k.endswith(".router.weight"):
+            out[k] = v
+    return out
+
+
+@torch.no_grad()
+def load_dense_state_dict(model, full):
+    """dense_state_dict's inverse: load a dense model's whole state (the experts stacked (E, ...))
+    into `model`, whatever its layout: an EP layer takes its experts' slices, an FSDP2 shard its
+    part of the whole tensor, any other weight the whole. No communication: every rank holds it."""
+    import moe_switch
+    from torch.distributed.tensor import distribute_tensor
+    ep = _expert_layers(model)
+    for k, p in model.named_parameters():
+        name, n, e = (k.rsplit(".", 2) + ["", ""])[:3]  # an expert's: <layer>, w_up, <e>
+        if name in ep and n in moe_switch.EXPERT_NAMES:
+            if p.numel():  # owned here
+                p.copy_(full[f"{name}.{n}"][int(e)])
+        elif hasattr(p, "device_mesh"):  # an FSDP2 shard (a DTensor)
+            part = distribute_tensor(full[k], p.device_mesh, p.placements, src_data_rank=None)
+            p.to_local().copy_(part.to_local())
+        else:
+            p.copy_(full[k])
 
 
 def resume(run):

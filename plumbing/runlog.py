@@ -17,7 +17,6 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import grpo
-import moe_switch
 import stalesync
 from plumbing import checkpoint, timeline
 
@@ -94,7 +93,7 @@ class RunLog:
     which writes spans_rank<N>.jsonl, trace.json, timeline.svg and curves.svg (timeline.py).
     Collective: every rank builds one (the ranks agree on when the run started) and closes it."""
 
-    def __init__(self, run, start=1, gather=moe_switch.dense_state_dict):
+    def __init__(self, run, start=1, gather=checkpoint.dense_state_dict):
         self.run, self.t_start = run, run.spans.t0
         self.start = start  # the first RL step of this run
         self.gather = gather  # the trained model whole on every rank (collective): summary's hash

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-import moe_switch
 import train_grpo as T
 from options import hybrid
+from plumbing import checkpoint
 from plumbing.config import Config, parse_args, validate
 from tests.distributed import run_distributed
 
@@ -150,7 +150,7 @@ def full_state_dict(model):
     from options import pipeline
     if isinstance(model, pipeline.Stage):
         return pipeline.full_state_dict(model)
-    return moe_switch.dense_state_dict(model)
+    return checkpoint.dense_state_dict(model)
 
 
 def _train_tiny(rank, world_size, out_dir, overrides=None):
@@ -213,7 +213,7 @@ def _warmed_up(rank, world_size, out_dir, train_ep):
     """The whole policy after the warm-up, built with --train-ep `train_ep`."""
     run = T.build(Config(**dict(TINY, train_ep=train_ep), out=out_dir), out_dir=out_dir)
     T.warm_up(run)
-    return moe_switch.dense_state_dict(run.model)
+    return checkpoint.dense_state_dict(run.model)
 
 
 def test_the_warm_up_ends_at_the_same_weights_with_ep_on_or_off(tmp_path):
