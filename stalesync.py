@@ -277,19 +277,22 @@ class StaleSync:
         return sum(len(t) for t in tokens)
 
     # --- the cut of batch k, trained at version k
-    # A sample's age is k - start_version, the version of its group's first token. A group that
-    # started at a version <= k - S is due: batch k is its last chance. Batch k needs the first
-    # groups_per_step due groups, and is ready once those are complete and groups_per_step are
-    # complete in all. It takes the needed groups, then the lowest-slot complete ones. A due group
-    # left out (more fell due at once than a batch holds, which needs S >= 2) is regenerated:
-    # restarted with fresh samples, counted (stale/regenerated), never trained. Dropping it would
-    # lose its prompt, and the prompts with long answers are the ones that age out. A retry keeps
-    # the prompt mix, though for each prompt it still favours the attempts that finish in time.
-    # At S = 0 every started group is due, so the cut waits for all of them.
+    # A sample's age at batch k is k - start_version, the version of its group's first token. At
+    # batch k a group in the pool is one of three kinds:
+    #   due     it started at a version <= k - S: batch k is its last chance to train within S;
+    #   needed  one of the first groups_per_step due groups, in admission order: batch k takes it;
+    #   spare   any other complete group: the spare groups fill the batch, lowest slot first.
+    # Batch k is ready once its needed groups are complete and groups_per_step groups are complete
+    # in all. A due group left out (more fell due at once than a batch holds, which needs S >= 2)
+    # is regenerated: restarted with fresh samples, counted (stale/regenerated), never trained.
+    # Dropping it would lose its prompt, and the prompts with long answers are the ones that age
+    # out. A retry keeps the prompt mix, though for each prompt it still favours the attempts that
+    # finish in time. At S = 0 every started group is due, so the cut waits for all of them.
     def offer(self):
-        """The counts of the rule: batch k's due groups, how many of them are complete before the
-        first that is not, the complete groups, and whether there is work left (a group in flight,
-        or one to start). SharedCut gathers every replica's."""
+        """The rule's counts at batch k: due, the due groups; done, how many due groups are
+        complete before the first that is not (the needed ones are complete once done >=
+        min(due, groups_per_step)); complete, the complete groups; work, whether a group is in
+        flight or may start. SharedCut gathers every replica's."""
         due = self._due()
         done = next((i for i, g in enumerate(due) if not _complete(g)), len(due))
         work = self.in_flight() > 0 or bool(self.reopen) or self.slots_opened < self.capacity()
@@ -401,14 +404,17 @@ class AllReady:
 
 
 class SharedCut:
-    """Colocated: the replicas that train together cut one batch, R * groups_per_step groups,
-    from the union of their pools, by StaleSync's rule. A replica's needed groups are its first
-    due ones, up to its groups_per_step, then more while the batch has room (the lower replica
-    first; at S = 1 that is every due group, so none ages out). The batch is ready once every
-    replica's needed groups are complete and together they hold as many complete groups as the
-    batch. Each gives its needed groups, and the lowest (slot, replica) of all the others fill the
-    rest. So a replica held back (its groups dropped again and again) no longer holds the step:
-    its peers' complete groups of later slots take its place. A replica's share varies, the batch
+    """Colocated, the real cut: the R replicas that train together cut one batch of
+    R * groups_per_step groups from the union of their pools, by StaleSync's rule:
+      1. needed: each replica's first due groups, up to its groups_per_step; then, while the batch
+         has room, its other due groups, the lower replica first (at S = 1: every due group, so
+         none ages out; why, below);
+      2. ready: once every replica's needed groups are complete, and together the replicas hold
+         as many complete groups as the batch;
+      3. taken: each replica's needed groups, then the spare groups of the lowest (slot, replica)
+         of all, until the batch is full.
+    So a replica held back (its groups dropped again and again) no longer holds the step: its
+    peers' complete groups of later slots take its place. A replica's share varies, the batch
     does not; every slot is still trained once, within S. At S = 0 each replica gives
     groups_per_step, as under AllReady.
     Per loop turn, one all-gather of offer()'s counts; at the cut, one of the spare slots.
