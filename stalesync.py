@@ -131,7 +131,7 @@ class Batch:
     start_versions: list  # (B,) version of each sample's first token
     done: list            # (B,) always True
     metrics: dict         # stale/* counters of this batch
-    per_token: dict = field(default_factory=dict)  # name -> (B,) of (n_i, ...): `fields`' (below)
+    per_token: dict = field(default_factory=dict)  # name -> (B,) of (n_i, ...): see `fields` below
 
 
 def _complete(g):
@@ -703,8 +703,9 @@ def _metrics(sched, k, samples, regenerated_at_cut):
 def _sampler_hooks(step_fn, reset, idle, state, fields):
     """StaleSync's reset(), idle(), sampler state and fields: those given, else the sampler's own
     (step_fn's, or its owner's for a bound method). reset() drops its KV cache (at a round's end,
-    and in update); idle() is a call with no rows (decode); the state goes into state_dict: the
-    sampler itself if it has one, but a model's weights stay out of it."""
+    and in update); idle() is a call with no rows (decode); the state goes into the checkpoint
+    state (plumbing/stale_state.py): the sampler itself if it has one, but a model's weights stay
+    out of it."""
     owner = getattr(step_fn, "__self__", step_fn)  # a bound method's object
     reset_fn = reset if reset is not None else getattr(owner, "reset", None)
     idle_fn = idle if idle is not None else getattr(owner, "idle", None)
