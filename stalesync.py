@@ -15,9 +15,8 @@ synchronous path, bit for bit.
 Above the marker (the line of `=` signs after SharedCut) is the default path, naive first:
 sync_rollout and the sampler's contract; StaleConfig and StaleSync, the scheduler (the round,
 admission, decoding, the cut); the replicas' cuts, AllReady (naive) and SharedCut. Below it: the
-checks, dynamic sampling, a batch's figures, the options' hooks. Elsewhere: the checkpoint state
-(state_dict, load_state_dict, start_at) in plumbing/stale_state.py, to copy beside this file to
-resume; routing replay's per-token fields (StaleSync's `fields`) in options/routing_replay.py.
+checks, dynamic sampling, a batch's figures, the options' hooks, the checkpoint state. Routing
+replay's per-token fields (StaleSync's `fields`) are in options/routing_replay.py.
 
 Shapes: B samples in a batch, G group size, R rows in flight, n_i tokens of sample i,
 S staleness bound, v policy version (batches trained), k batch index (trained at v = k).
@@ -359,7 +358,7 @@ class StaleSync:
             return {}
         return self.fields.batch([s for g in groups for s in g["samples"]])
 
-    # --- nothing lost: every sample's fate (its checkpoint state: plumbing/stale_state.py)
+    # --- off the default path: the accounting, checkpoint and resume (their bodies below)
     def accounting(self):
         """Sample ids by fate: trained, regenerated, filtered, in flight."""
         out = {"trained": set(), "regenerated": set(), "filtered": set(), "in_flight": set()}
@@ -367,6 +366,18 @@ class StaleSync:
             out[f].add(i)
         out["in_flight"] = {s["id"] for g in self.pool for s in g["samples"]}
         return out
+
+    def state_dict(self):
+        """The groups in flight, the slots to reopen, the counters, the fates, the sampler's
+        state (below the marker: what is saved, and what is not)."""
+        return _state_dict(self)
+
+    def load_state_dict(self, sd):
+        _load_state_dict(self, sd)
+
+    def start_at(self, version):
+        """Empty, at `version` with as many batches out (a resume at another world size)."""
+        _start_at(self, version)
 
 
 # ----------------------------------------------------------------------------------------- the cuts
@@ -486,7 +497,7 @@ class SharedCut:
 # A learner can stop here. What follows, the code above calls by name: the checks of the caller's
 # input with their long error messages, the brakes that stop a run going nowhere, the checks of
 # what the sampler and prompt_fn return; dynamic sampling, a batch's packing and its figures; the
-# options' hooks.
+# options' hooks; the checkpoint state (state_dict, load_state_dict, start_at).
 # ==================================================================================================
 
 
@@ -703,9 +714,8 @@ def _metrics(sched, k, samples, regenerated_at_cut):
 def _sampler_hooks(step_fn, reset, idle, state, fields):
     """StaleSync's reset(), idle(), sampler state and fields: those given, else the sampler's own
     (step_fn's, or its owner's for a bound method). reset() drops its KV cache (at a round's end,
-    and in update); idle() is a call with no rows (decode); the state goes into the checkpoint
-    state (plumbing/stale_state.py): the sampler itself if it has one, but a model's weights stay
-    out of it."""
+    and in update); idle() is a call with no rows (decode); the state goes into state_dict: the
+    sampler itself if it has one, but a model's weights stay out of it."""
     owner = getattr(step_fn, "__self__", step_fn)  # a bound method's object
     reset_fn = reset if reset is not None else getattr(owner, "reset", None)
     idle_fn = idle if idle is not None else getattr(owner, "idle", None)
@@ -740,3 +750,74 @@ def _show_groups(sched, kept):
 # SharedCut's replica and leader: a replica of several ranks (inference TP) is named by `replica`
 # on each of them, and one of them, the `leader`, speaks for it: the others hold the same pool.
 # Every rank posts its part of both all-gathers (collectives pair); only the leaders' parts count.
+
+
+# -------------------------------------------------------------------------- the checkpoint state
+_COUNTERS = ("version", "batches_out", "slots_opened", "next_id", "regenerated", "filtered",
+             "filtered_reported", "filtered_at_take", "max_admitted_over")
+
+
+def _state_dict(sched):
+    """StaleSync.state_dict: the groups in flight (their samples' lists as tensors), the slots
+    to reopen, the counters (_COUNTERS), the fates, the sampler's state, and the samples' other
+    per-token fields (the `fields` object's). Not prompt_fn's or seed_fn's: a function of (slot,
+    attempt) alone, or of state the caller restores, resumes exactly; one that reads an unsaved
+    stream serves it again."""
+    fields = sched.fields
+    if fields is not None:
+        fields.names([s for g in sched.pool for s in g["samples"]])  # each covers its tokens
+
+    def saved(s):  # a sample, its lists as tensors
+        return dict(s, tokens=torch.tensor(s["tokens"], dtype=torch.long),
+                    logprobs=torch.tensor(s["logprobs"], dtype=torch.float32),
+                    versions=torch.tensor(s["versions"], dtype=torch.long),
+                    per_token=fields.save(s) if fields is not None else {})
+    pool = [dict(g, prompt=g["prompt"].clone(), samples=[saved(s) for s in g["samples"]])
+            for g in sched.pool]
+    sampler = sched.sampler_state.state_dict() if sched.sampler_state is not None else None
+    return dict(cfg=vars(sched.cfg).copy(), **{k: getattr(sched, k) for k in _COUNTERS},
+                reopen=[list(r) for r in sched.reopen], fate=dict(sched.fate), pool=pool,
+                sampler=sampler)
+
+
+def _load_state_dict(sched, sd):
+    """StaleSync.load_state_dict: refuses another config (the brakes aside)."""
+    brakes = ("max_len", "max_filtered")  # they bound a run, not its state: free to change
+    saved, mine = ({k: v for k, v in c.items() if k not in brakes}
+                   for c in (sd["cfg"], vars(sched.cfg)))
+    if saved != mine:
+        raise ValueError(f"checkpoint config {saved} differs from this scheduler's {mine}")
+    fields = sched.fields
+
+    def loaded(s):  # a saved sample, its tensors as lists (older checkpoints: no per_token)
+        out = dict(s, tokens=s["tokens"].tolist(), logprobs=s["logprobs"].tolist(),
+                   versions=s["versions"].tolist())
+        out.pop("per_token", None)
+        if fields is not None:
+            out["per_token"] = fields.load(s)
+        return out
+    pool = [dict(g, prompt=g["prompt"].clone(), samples=[loaded(s) for s in g["samples"]])
+            for g in sd["pool"]]
+    if fields is not None:
+        fields.names([s for g in pool for s in g["samples"]])  # a field some samples lack
+    for key in _COUNTERS:  # older checkpoints have no filtered_at_take
+        fallback = sd["filtered_reported"] if key == "filtered_at_take" else sd[key]
+        setattr(sched, key, sd.get(key, fallback))
+    if sd["sampler"] is not None:  # the held rows' KV cache too, if it saves it: bit-exact
+        sched.sampler_state.load_state_dict(sd["sampler"])
+    elif sched.reset_fn is not None:  # a cache not checkpointed: the prefixes are read again
+        sched.reset_fn()
+    sched.reopen = [tuple(r) for r in sd["reopen"]]
+    sched.fate = dict(sd["fate"])
+    sched.pool = pool
+
+
+def _start_at(sched, version):
+    """StaleSync.start_at: empty, at `version` with as many batches out, on a scheduler that has
+    done nothing yet: a resume that cannot keep the groups in flight (another world size) opens the
+    next slots again, their first attempts."""
+    if sched.batches_out or sched.pool:
+        raise RuntimeError("start_at() on a scheduler that has already emitted or admitted "
+                           "groups")
+    sched.version = sched.batches_out = version
+    sched.slots_opened = version * sched.cfg.groups_per_step

@@ -188,7 +188,7 @@ class PerTokenFields:
     """StaleSync's `fields` (stalesync.py), RoutesSampler's: the sampler's per-token outputs, its
     Generation's per_token (name -> R sequences of one entry per new token, each token's experts
     (n, L, K)), kept with each sample across the chunks of a partial rollout, saved with the
-    samples in flight (plumbing/stale_state.py), and handed on in Batch.per_token. A field must
+    samples in flight (StaleSync.state_dict), and handed on in Batch.per_token. A field must
     come with every call."""
 
     def keep(self, samples, out, tokens):

@@ -49,8 +49,6 @@ import stat
 import torch
 import torch.distributed as dist
 
-from plumbing import stale_state
-
 SHAPE_FIELDS = ("max_digits", "d_model", "n_layers", "n_heads", "n_experts", "top_k", "d_expert",
                 "group_size", "prompts_per_step", "max_new_tokens", "staleness", "threshold",
                 "chunk_steps", "filter_groups", "seed", "kl_coef")
@@ -346,7 +344,7 @@ def save(run, step):
         if run.device.type != "cpu":
             own["rng"][run.device.type] = _device_rng(run.device)
         if run.sched is not None:
-            own["sched"] = stale_state.state_dict(run.sched)
+            own["sched"] = run.sched.state_dict()
         if run.actor is not None:
             own["actor"] = run.actor.state_dict()
         if run.experts is not None and run.experts.balancer is not None:  # --eplb: its loads
@@ -518,7 +516,7 @@ def _load_own(run, own):
     run.warm_stream.load_state_dict(own["warm_stream"])
     run.curriculum.load_state_dict(own["curriculum"])
     if run.sched is not None:
-        stale_state.load_state_dict(run.sched, own["sched"])
+        run.sched.load_state_dict(own["sched"])
     if run.actor is not None:
         run.actor.load_state_dict(own["actor"])
     if run.experts is not None and run.experts.balancer is not None and "eplb" in own:
@@ -581,7 +579,7 @@ def _regenerate(run, path, meta):
     rows = step * cfg.prompts_per_step * cfg.group_size
     run.queue.next_local = rows // max(run.roles.replicas, 1)
     if run.sched is not None:
-        stale_state.start_at(run.sched, step)
+        run.sched.start_at(step)
     if run.rank == 0:
         print(f"resuming at world {run.roles.world} ({cfg.deploy}) from world {meta['world']} "
               f"({saved['deploy']}): {dropped} groups not yet trained are regenerated", flush=True)

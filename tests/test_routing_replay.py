@@ -12,7 +12,6 @@ from grpo import GRPOConfig, Samples, chunk_logprobs
 from model import ModelConfig, Policy, Sampler
 from options.routing_replay import (Around, PerTokenFields, RecordRoutes, means, moe_layers, routing,
                                     sampler_class)
-from plumbing import stale_state
 from stalesync import StaleConfig, StaleSync
 from tests.test_model import EOS, _contexts, _model
 from tests.test_stalesync import ScriptedSampler, _lengths
@@ -149,7 +148,7 @@ def test_per_token_fields_follow_their_samples_across_chunks_and_a_resume():
     a.rollout(), a.update()
     a.admit(), a.decode()  # mid-round: partial samples hold a piece of their field
     b = make()
-    stale_state.load_state_dict(b, torch.load(io.BytesIO(_saved(stale_state.state_dict(a))), weights_only=True))
+    b.load_state_dict(torch.load(io.BytesIO(_saved(a.state_dict())), weights_only=True))
     for _ in range(3):
         x, y = a.rollout(), b.rollout()
         a.update(), b.update()
@@ -184,13 +183,13 @@ def test_a_per_token_field_that_does_not_cover_its_tokens_is_refused_naming_the_
     sched = StaleSync(cfg, Sometimes(lambda s: 5), prompt)
     sched.admit(), sched.decode(), sched.decode()  # 2 tokens without the field, then 2 with it
     with pytest.raises(ValueError, match=r"sample 0: per_token\['tag'\] holds 2 entries for its 4 tokens"):
-        stale_state.state_dict(sched)
+        sched.state_dict()
     with pytest.raises(ValueError, match=r"sample 0: per_token\['tag'\] holds 3 entries for its 5 tokens"):
         sched.rollout()
     good = StaleSync(cfg, TaggingSampler(lambda s: 5), prompt)
     good.admit(), good.decode()
-    sd = stale_state.state_dict(good)
+    sd = good.state_dict()
     del sd["pool"][0]["samples"][1]["per_token"]  # as a checkpoint saved before the field existed, for one sample
     with pytest.raises(ValueError, match=r"sample 1: per_token\['tag'\] holds 0 entries for its 2 tokens"):
-        stale_state.load_state_dict(StaleSync(cfg, TaggingSampler(lambda s: 5), prompt), sd)
+        StaleSync(cfg, TaggingSampler(lambda s: 5), prompt).load_state_dict(sd)
     assert StaleSync(cfg, ScriptedSampler(lambda s: 2), prompt).rollout().per_token == {}

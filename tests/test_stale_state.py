@@ -1,6 +1,6 @@
-"""plumbing/stale_state.py: StaleSync's checkpoint state. A scheduler saved mid-round, its partial rollouts in
-flight, resumes bit for bit (with a scripted sampler, and with model.Sampler's KV cache); an empty share's dropped
-groups survive the round trip; another config is refused."""
+"""stalesync.py: StaleSync's checkpoint state (state_dict, load_state_dict). A scheduler saved mid-round, its
+partial rollouts in flight, resumes bit for bit (with a scripted sampler, and with model.Sampler's KV cache); an
+empty share's dropped groups survive the round trip; another config is refused."""
 import io
 
 import numpy as np
@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from model import ModelConfig, Policy, Sampler
-from plumbing import stale_state
 from stalesync import StaleConfig, StaleSync
 from task import EOS, PAD, VOCAB, make_prompts
 from tests.test_stalesync import ScriptedSampler, _lengths
@@ -26,10 +25,10 @@ def test_state_dict_resumes_bit_exactly():
         a.rollout(), a.update()
     a.admit(), a.decode()  # mid-round: samples in flight, some partial
     buf = io.BytesIO()
-    torch.save(stale_state.state_dict(a), buf)
+    torch.save(a.state_dict(), buf)
     b = make()
     buf.seek(0)
-    stale_state.load_state_dict(b, torch.load(buf, weights_only=True))
+    b.load_state_dict(torch.load(buf, weights_only=True))
     assert b.accounting() == a.accounting() and any(s["tokens"] for g in b.pool for s in g["samples"])
     assert b.max_admitted_over == a.max_admitted_over > -10**9  # the admission record survives a resume
     for _ in range(4):
@@ -38,7 +37,7 @@ def test_state_dict_resumes_bit_exactly():
         assert x.ids == y.ids and x.metrics == y.metrics and x.start_versions == y.start_versions
         assert all(torch.equal(p, q) for p, q in zip(x.responses + x.logprobs, y.responses + y.logprobs))
     with pytest.raises(ValueError, match="config"):
-        stale_state.load_state_dict(StaleSync(StaleConfig(staleness=1), None, None), stale_state.state_dict(a))
+        StaleSync(StaleConfig(staleness=1), None, None).load_state_dict(a.state_dict())
 
 
 def test_state_dict_with_a_cached_sampler_resumes_bit_exactly():
@@ -59,9 +58,9 @@ def test_state_dict_with_a_cached_sampler_resumes_bit_exactly():
     a.admit(), a.decode()  # mid-round: the sampler holds the cut rows' cache
     assert a.step_fn.state is not None
     buf = io.BytesIO()
-    torch.save(stale_state.state_dict(a), buf)
+    torch.save(a.state_dict(), buf)
     buf.seek(0)
-    stale_state.load_state_dict(b, torch.load(buf, weights_only=True))
+    b.load_state_dict(torch.load(buf, weights_only=True))
     rb.bit_generator.state = ra.bit_generator.state
     assert b.step_fn.state["seeds"] == a.step_fn.state["seeds"]
     for _ in range(3):
@@ -85,7 +84,7 @@ def test_an_empty_share_reports_its_dropped_groups_in_the_next_batch_and_resumes
     empty = sched.take(0, 0)  # batch 0 has no due group at S = 1
     assert empty.ids == [] and empty.metrics["stale/filtered_at_cut"] == 0 and empty.metrics["stale/age_max"] == 0
     resumed = make()
-    stale_state.load_state_dict(resumed, stale_state.state_dict(sched))
+    resumed.load_state_dict(sched.state_dict())
     resumed.update()
     batch = resumed.rollout()
     assert len(batch.ids) == 4 and batch.metrics["stale/filtered_at_cut"] == resumed.filtered >= 2

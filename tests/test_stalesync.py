@@ -12,7 +12,6 @@ import torch
 
 from grpo import grpo_loss, group_advantages, pad_responses, sequence_logprobs, token_logprobs
 from model import ModelConfig, Policy, Sampler, counter_uniform, generate, sample_tokens
-from plumbing import stale_state
 from stalesync import StaleConfig, StaleSync, sync_rollout
 from task import EOS, PAD, VOCAB, make_prompts, score
 
@@ -362,12 +361,12 @@ def test_the_sampler_contract_bound_methods_lists_and_stalls():
         sched.rollout()
         sched.update()
     # found on its owner; reset at each round's end (rollout memory) and each update (new weights)
-    assert sampler.resets == 6 and stale_state.state_dict(sched)["sampler"] == {"resets": 6}
+    assert sampler.resets == 6 and sched.state_dict()["sampler"] == {"resets": 6}
     model_sampler = torch.nn.Linear(2, 2)  # an nn.Module as step_fn: its weights stay out of the checkpoint
     model_sampler.forward = ScriptedSampler(lambda s: 3)
     sched = StaleSync(cfg, model_sampler, prompt_fn=lambda slot, attempt: torch.tensor([2, 3]))
     sched.rollout()
-    assert stale_state.state_dict(sched)["sampler"] is None
+    assert sched.state_dict()["sampler"] is None
     as_lists = lambda c, seeds, n, m: ([[5] * 2 for _ in c], [[-0.5] * 2 for _ in c], [True] * len(c))
     batch = StaleSync(cfg, as_lists, prompt_fn=lambda slot, attempt: torch.tensor([2, 3])).rollout()  # lists are fine
     assert [r.tolist() for r in batch.responses] == [[5, 5]] * 2 and batch.logprobs[0].dtype == torch.float32
