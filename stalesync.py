@@ -15,7 +15,8 @@ synchronous path, bit for bit.
 Above the marker (the line of `=` signs after SharedCut) is the default path, naive first:
 sync_rollout and the sampler's contract; StaleConfig and StaleSync, the scheduler (the round,
 admission, decoding, the cut); the replicas' cuts, AllReady (naive) and SharedCut. Below it: the
-checks, dynamic sampling, the options' hooks, and the checkpoint state.
+checks, dynamic sampling, a batch's figures, the options' hooks, the checkpoint state. Routing
+replay's per-token fields (StaleSync's `fields`) are in options/routing_replay.py.
 
 Shapes: B samples in a batch, G group size, R rows in flight, n_i tokens of sample i,
 S staleness bound, v policy version (batches trained), k batch index (trained at v = k).
@@ -86,7 +87,8 @@ def sync_rollout(step_fn, prompts, group_size, seeds):
 #   done       R bools, True once a row has ended
 # Every call makes a token or ends each row, and every row ends by StaleConfig.max_len tokens.
 # A cached sampler keeps its KV cache between chunks; StaleSync calls its reset() when it is stale.
-# _unpack (below the marker) checks what it returns; an optional per_token attribute, too.
+# _unpack (below the marker) checks what it returns. Other per-token outputs of the sampler (routing
+# replay's experts) ride with their samples through a `fields` object: see StaleSync.
 
 
 # ------------------------------------------------------------------------------------ the scheduler
@@ -128,7 +130,7 @@ class Batch:
     start_versions: list  # (B,) version of each sample's first token
     done: list            # (B,) always True
     metrics: dict         # stale/* counters of this batch
-    per_token: dict = field(default_factory=dict)  # the sampler's per-token fields: see below
+    per_token: dict = field(default_factory=dict)  # name -> (B,) of (n_i, ...): see `fields` below
 
 
 def _complete(g):
@@ -147,14 +149,16 @@ class StaleSync:
     prompt_fn(slot, attempt) -> a group's prompt, (P,) int64 or a list of ints. The optional ones:
     seed_fn(slot, attempt, member) -> int (default: the sample's id, 0, 1, 2, ... as made);
     keep_group(prompt, responses) -> bool, dynamic sampling (_filter, below the marker).
-    The sampler's reset(), idle() and state, and on_group: hooks, see below."""
+    The sampler's reset(), idle() and state, and on_group: hooks, see below. fields: an object
+    that keeps the sampler's other per-token outputs with their samples, keep(samples, out, tokens)
+    per call and batch(samples) -> Batch.per_token (routing replay's: options/routing_replay.py)."""
 
     def __init__(self, cfg: StaleConfig, step_fn, prompt_fn, seed_fn=None, keep_group=None,
-                 reset=None, state=None, idle=None, on_group=None):
+                 reset=None, state=None, idle=None, on_group=None, fields=None):
         self.cfg, self.step_fn, self.prompt_fn, self.seed_fn = cfg, step_fn, prompt_fn, seed_fn
         self.keep_group, self.on_group = keep_group, on_group
-        hooks = _sampler_hooks(step_fn, reset, idle, state)  # step_fn's own unless given
-        self.reset_fn, self.idle_fn, self.sampler_state = hooks
+        hooks = _sampler_hooks(step_fn, reset, idle, state, fields)  # step_fn's own unless given
+        self.reset_fn, self.idle_fn, self.sampler_state, self.fields = hooks
         self.version = 0          # v: the weights the sampler uses now
         self.batches_out = 0      # k: batches emitted; the next one is trained at version k
         self.slots_opened = 0     # slots opened so far (a reopened one is not counted again)
@@ -232,8 +236,8 @@ class StaleSync:
         seeds = [i if self.seed_fn is None else _seed(self.seed_fn(g["slot"], g["attempt"], j))
                  for j, i in enumerate(ids)]
         g["start_version"] = None
-        g["samples"] = [dict(id=i, seed=seed, tokens=[], logprobs=[], versions=[], per_token={},
-                             done=False) for i, seed in zip(ids, seeds)]
+        g["samples"] = [dict(id=i, seed=seed, tokens=[], logprobs=[], versions=[], done=False)
+                        for i, seed in zip(ids, seeds)]
 
     # --- decoding
     def decode(self):
@@ -241,7 +245,7 @@ class StaleSync:
         their log-probs and the current version. Returns the tokens made. At S = 0 the call has no
         cut (max_steps=None): once per round, and once per refill of dropped groups, the very call
         sync_rollout makes, so the samples, updates and parameters are the synchronous path's, bit
-        for bit. Hooks for the options (idle, per_token, on_group, chunk_s0): see below."""
+        for bit. Hooks for the options (idle, fields, on_group, chunk_s0): see below."""
         rows = [(g, s) for g in self.pool for s in g["samples"] if not s["done"]]
         if not rows:  # no row in flight: the sampler's idle(), see below
             return _idle(self)
@@ -256,10 +260,10 @@ class StaleSync:
         max_steps = None if synchronous else self.cfg.chunk_steps
         out = self.step_fn(contexts, seeds, n_done, max_steps)
         tokens, logprobs, done = _unpack(out, len(rows))
-        fields = _per_token(out, tokens)  # the sampler's per-token fields, if any
+        if self.fields is not None:  # the sampler's other per-token outputs, kept with each sample
+            self.fields.keep([s for _, s in rows], out, tokens)
         _check_progress(tokens, done, len(rows), max_steps)
-        for r, ((_, s), t, lp, d) in enumerate(zip(rows, tokens, logprobs, done)):
-            _keep_per_token(s, fields, r)
+        for (_, s), t, lp, d in zip(rows, tokens, logprobs, done):
             s["tokens"] += t.tolist()
             s["logprobs"] += lp.tolist()  # float32 values, exact in a Python float
             s["versions"] += [self.version] * len(t)
@@ -272,19 +276,22 @@ class StaleSync:
         return sum(len(t) for t in tokens)
 
     # --- the cut of batch k, trained at version k
-    # A sample's age is k - start_version, the version of its group's first token. A group that
-    # started at a version <= k - S is due: batch k is its last chance. Batch k needs the first
-    # groups_per_step due groups, and is ready once those are complete and groups_per_step are
-    # complete in all. It takes the needed groups, then the lowest-slot complete ones. A due group
-    # left out (more fell due at once than a batch holds, which needs S >= 2) is regenerated:
-    # restarted with fresh samples, counted (stale/regenerated), never trained. Dropping it would
-    # lose its prompt, and the prompts with long answers are the ones that age out. A retry keeps
-    # the prompt mix, though for each prompt it still favours the attempts that finish in time.
-    # At S = 0 every started group is due, so the cut waits for all of them.
+    # A sample's age at batch k is k - start_version, the version of its group's first token. At
+    # batch k a group in the pool is one of three kinds:
+    #   due     it started at a version <= k - S: batch k is its last chance to train within S;
+    #   needed  one of the first groups_per_step due groups, in admission order: batch k takes it;
+    #   spare   any other complete group: the spare groups fill the batch, lowest slot first.
+    # Batch k is ready once its needed groups are complete and groups_per_step groups are complete
+    # in all. A due group left out (more fell due at once than a batch holds, which needs S >= 2)
+    # is regenerated: restarted with fresh samples, counted (stale/regenerated), never trained.
+    # Dropping it would lose its prompt, and the prompts with long answers are the ones that age
+    # out. A retry keeps the prompt mix, though for each prompt it still favours the attempts that
+    # finish in time. At S = 0 every started group is due, so the cut waits for all of them.
     def offer(self):
-        """The counts of the rule: batch k's due groups, how many of them are complete before the
-        first that is not, the complete groups, and whether there is work left (a group in flight,
-        or one to start). SharedCut gathers every replica's."""
+        """The rule's counts at batch k: due, the due groups; done, how many due groups are
+        complete before the first that is not (the needed ones are complete once done >=
+        min(due, groups_per_step)); complete, the complete groups; work, whether a group is in
+        flight or may start. SharedCut gathers every replica's."""
         due = self._due()
         done = next((i for i, g in enumerate(due) if not _complete(g)), len(due))
         work = self.in_flight() > 0 or bool(self.reopen) or self.slots_opened < self.capacity()
@@ -311,7 +318,7 @@ class StaleSync:
         spare = self._spare(needed)
         _check_take(k, n, needed, spare)
         chosen = sorted(needed + spare[:n - len(needed)], key=lambda g: g["slot"])
-        _per_token_names([s for g in chosen for s in g["samples"]])  # raises before any change
+        per_token = self._fields_of(chosen)  # it may raise: before any change
         too_old = [g for g in self._due() if all(g is not c for c in chosen)]
         self.pool = [g for g in self.pool if all(g is not c for c in chosen)]
         self.batches_out += 1
@@ -325,7 +332,8 @@ class StaleSync:
         samples = [(g, s) for g in chosen for s in g["samples"]]
         for _, s in samples:
             self.fate[s["id"]] = "trained"
-        return _as_batch(chosen, k, _metrics(self, k, samples, len(too_old)))  # below the marker
+        metrics = _metrics(self, k, samples, len(too_old))  # below the marker
+        return _as_batch(chosen, k, metrics, per_token)
 
     def spare_slots(self, needed):
         """The slots of the complete groups beyond the first `needed` due ones, lowest first."""
@@ -344,13 +352,20 @@ class StaleSync:
         return sorted((g for g in self.pool if _complete(g) and all(g is not h for h in needed)),
                       key=lambda g: g["slot"])
 
-    # --- off the default path: the accounting, checkpoint and resume (their bodies below)
-    COUNTERS = ("version", "batches_out", "slots_opened", "next_id", "regenerated", "filtered",
-                "filtered_reported", "filtered_at_take", "max_admitted_over")
+    def _fields_of(self, groups):
+        """Batch.per_token of these groups: the fields object's (it refuses a gap), else none."""
+        if self.fields is None:
+            return {}
+        return self.fields.batch([s for g in groups for s in g["samples"]])
 
+    # --- off the default path: the accounting, checkpoint and resume (their bodies below)
     def accounting(self):
         """Sample ids by fate: trained, regenerated, filtered, in flight."""
-        return _accounting(self)
+        out = {"trained": set(), "regenerated": set(), "filtered": set(), "in_flight": set()}
+        for i, f in self.fate.items():
+            out[f].add(i)
+        out["in_flight"] = {s["id"] for g in self.pool for s in g["samples"]}
+        return out
 
     def state_dict(self):
         """The groups in flight, the slots to reopen, the counters, the fates, the sampler's
@@ -400,14 +415,17 @@ class AllReady:
 
 
 class SharedCut:
-    """Colocated: the replicas that train together cut one batch, R * groups_per_step groups,
-    from the union of their pools, by StaleSync's rule. A replica's needed groups are its first
-    due ones, up to its groups_per_step, then more while the batch has room (the lower replica
-    first; at S = 1 that is every due group, so none ages out). The batch is ready once every
-    replica's needed groups are complete and together they hold as many complete groups as the
-    batch. Each gives its needed groups, and the lowest (slot, replica) of all the others fill the
-    rest. So a replica held back (its groups dropped again and again) no longer holds the step:
-    its peers' complete groups of later slots take its place. A replica's share varies, the batch
+    """Colocated, the real cut: the R replicas that train together cut one batch of
+    R * groups_per_step groups from the union of their pools, by StaleSync's rule:
+      1. needed: each replica's first due groups, up to its groups_per_step; then, while the batch
+         has room, its other due groups, the lower replica first (at S = 1: every due group, so
+         none ages out; why, below);
+      2. ready: once every replica's needed groups are complete, and together the replicas hold
+         as many complete groups as the batch;
+      3. taken: each replica's needed groups, then the spare groups of the lowest (slot, replica)
+         of all, until the batch is full.
+    So a replica held back (its groups dropped again and again) no longer holds the step: its
+    peers' complete groups of later slots take its place. A replica's share varies, the batch
     does not; every slot is still trained once, within S. At S = 0 each replica gives
     groups_per_step, as under AllReady.
     Per loop turn, one all-gather of offer()'s counts; at the cut, one of the spare slots.
@@ -479,8 +497,7 @@ class SharedCut:
 # A learner can stop here. What follows, the code above calls by name: the checks of the caller's
 # input with their long error messages, the brakes that stop a run going nowhere, the checks of
 # what the sampler and prompt_fn return; dynamic sampling, a batch's packing and its figures; the
-# options' hooks; the per-token fields (routing replay); the accounting and the checkpoint state
-# (state_dict, load_state_dict, start_at).
+# options' hooks; the checkpoint state (state_dict, load_state_dict, start_at).
 # ==================================================================================================
 
 
@@ -658,7 +675,7 @@ def _filter(sched, completed):
     return kept
 
 
-def _as_batch(groups, version, metrics):
+def _as_batch(groups, version, metrics, per_token):
     """The groups' samples as a Batch, each group's contiguous."""
     pairs = [(g, s) for g in groups for s in g["samples"]]
     samples = [s for _, s in pairs]
@@ -672,8 +689,7 @@ def _as_batch(groups, version, metrics):
                  logprobs=as_tensors("logprobs", torch.float32),
                  token_versions=as_tensors("versions", torch.long),
                  start_versions=[g["start_version"] for g, _ in pairs],
-                 done=[True] * len(samples), metrics=metrics,
-                 per_token=_batch_per_token(samples))
+                 done=[True] * len(samples), metrics=metrics, per_token=per_token)
 
 
 def _metrics(sched, k, samples, regenerated_at_cut):
@@ -695,8 +711,8 @@ def _metrics(sched, k, samples, regenerated_at_cut):
 
 
 # ------------------------------------------------------------------------------- the options' hooks
-def _sampler_hooks(step_fn, reset, idle, state):
-    """StaleSync's reset(), idle() and sampler state: those given, else the sampler's own
+def _sampler_hooks(step_fn, reset, idle, state, fields):
+    """StaleSync's reset(), idle(), sampler state and fields: those given, else the sampler's own
     (step_fn's, or its owner's for a bound method). reset() drops its KV cache (at a round's end,
     and in update); idle() is a call with no rows (decode); the state goes into state_dict: the
     sampler itself if it has one, but a model's weights stay out of it."""
@@ -705,7 +721,8 @@ def _sampler_hooks(step_fn, reset, idle, state):
     idle_fn = idle if idle is not None else getattr(owner, "idle", None)
     stateful = hasattr(owner, "state_dict") and hasattr(owner, "load_state_dict")
     plain = stateful and not isinstance(owner, torch.nn.Module)
-    return reset_fn, idle_fn, state if state is not None else (owner if plain else None)
+    fields = fields if fields is not None else getattr(owner, "fields", None)
+    return reset_fn, idle_fn, state if state is not None else (owner if plain else None), fields
 
 
 def _idle(sched):
@@ -720,7 +737,7 @@ def _show_groups(sched, kept):
     """on_group(batch): each kept group shown once, as it completes, as a Batch of version None
     (a streaming caller puts its rows into a queue at once)."""
     for g in kept:
-        sched.on_group(_as_batch([g], version=None, metrics={}))
+        sched.on_group(_as_batch([g], None, {}, sched._fields_of([g])))
 
 
 # chunk_s0 (StaleConfig): S = 0 decodes in chunks of chunk_steps too, so that a caller can work
@@ -735,81 +752,30 @@ def _show_groups(sched, kept):
 # Every rank posts its part of both all-gathers (collectives pair); only the leaders' parts count.
 
 
-# --------------------------------------------------------------- the per-token fields (a sampler's)
-def _per_token(out, tokens):
-    """The per-token fields of one call: name -> R tensors, one entry per new token. A sampler
-    returns them, optionally, as its output's per_token attribute: name -> R sequences of one
-    entry per new token (each token's experts, say: (n, L, K)), kept with the sample and handed on
-    in Batch.per_token. A field must come with every call."""
-    fields = {name: [torch.as_tensor(v) for v in rows]
-              for name, rows in (getattr(out, "per_token", None) or {}).items()}
-    for name, rows in fields.items():
-        bad = [i for i, (v, t) in enumerate(zip(rows, tokens)) if len(v) != len(t)]
-        bad = bad if len(rows) == len(tokens) else [-1]
-        if bad:
-            raise ValueError(f"per_token[{name!r}]: rows {bad[:8]} do not hold one entry per new "
-                             f"token ({len(rows)} rows for {len(tokens)})")
-    return fields
-
-
-def _per_token_names(samples):
-    """The per-token fields these samples hold. Refuses a sample whose field misses some of its
-    tokens (returned on some calls only, or a checkpoint saved without it)."""
-    names = list(dict.fromkeys(n for s in samples for n in s["per_token"]))
-    for s in samples:
-        for name in names:
-            n = sum(len(piece) for piece in s["per_token"].get(name, []))
-            if n != len(s["tokens"]):
-                raise ValueError(f"sample {s['id']}: per_token[{name!r}] holds {n} entries for its "
-                                 f"{len(s['tokens'])} tokens; the sampler must return the field on "
-                                 "every call (a checkpoint saved without it cannot continue "
-                                 "samples that need it)")
-    return names
-
-
-def _joined(s, name):
-    """A sample's per-token field, its calls' pieces joined: (n_i, ...); no piece: (0,)."""
-    pieces = s["per_token"].get(name, [])
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
-
-
-def _keep_per_token(s, fields, r):
-    """decode(): row r's entries of each field, kept with its sample s."""
-    for name, values in fields.items():
-        s["per_token"].setdefault(name, []).append(values[r])
-
-
-def _batch_per_token(samples):
-    """Batch.per_token: name -> (B,) of (n_i, ...), each sample's pieces joined."""
-    return {name: [_joined(s, name) for s in samples] for name in _per_token_names(samples)}
-
-
-# ------------------------------------------------------------- the accounting, the checkpoint state
-def _accounting(sched):
-    """StaleSync.accounting: sample ids by fate: trained, regenerated, filtered, in flight."""
-    out = {"trained": set(), "regenerated": set(), "filtered": set(), "in_flight": set()}
-    for i, f in sched.fate.items():
-        out[f].add(i)
-    out["in_flight"] = {s["id"] for g in sched.pool for s in g["samples"]}
-    return out
+# -------------------------------------------------------------------------- the checkpoint state
+_COUNTERS = ("version", "batches_out", "slots_opened", "next_id", "regenerated", "filtered",
+             "filtered_reported", "filtered_at_take", "max_admitted_over")
 
 
 def _state_dict(sched):
-    """StaleSync.state_dict: the groups in flight (their samples' lists as tensors), the slots to
-    reopen, the counters (COUNTERS), the fates, and the sampler's state. Not prompt_fn's or
-    seed_fn's: a function of (slot, attempt) alone, or of state the caller restores, resumes
-    exactly; one that reads an unsaved stream serves it again."""
-    _per_token_names([s for g in sched.pool for s in g["samples"]])  # each covers its tokens
+    """StaleSync.state_dict: the groups in flight (their samples' lists as tensors), the slots
+    to reopen, the counters (_COUNTERS), the fates, the sampler's state, and the samples' other
+    per-token fields (the `fields` object's). Not prompt_fn's or seed_fn's: a function of (slot,
+    attempt) alone, or of state the caller restores, resumes exactly; one that reads an unsaved
+    stream serves it again."""
+    fields = sched.fields
+    if fields is not None:
+        fields.names([s for g in sched.pool for s in g["samples"]])  # each covers its tokens
 
     def saved(s):  # a sample, its lists as tensors
         return dict(s, tokens=torch.tensor(s["tokens"], dtype=torch.long),
                     logprobs=torch.tensor(s["logprobs"], dtype=torch.float32),
                     versions=torch.tensor(s["versions"], dtype=torch.long),
-                    per_token={n: _joined(s, n) for n in s["per_token"]})
+                    per_token=fields.save(s) if fields is not None else {})
     pool = [dict(g, prompt=g["prompt"].clone(), samples=[saved(s) for s in g["samples"]])
             for g in sched.pool]
     sampler = sched.sampler_state.state_dict() if sched.sampler_state is not None else None
-    return dict(cfg=vars(sched.cfg).copy(), **{k: getattr(sched, k) for k in sched.COUNTERS},
+    return dict(cfg=vars(sched.cfg).copy(), **{k: getattr(sched, k) for k in _COUNTERS},
                 reopen=[list(r) for r in sched.reopen], fate=dict(sched.fate), pool=pool,
                 sampler=sampler)
 
@@ -821,15 +787,20 @@ def _load_state_dict(sched, sd):
                    for c in (sd["cfg"], vars(sched.cfg)))
     if saved != mine:
         raise ValueError(f"checkpoint config {saved} differs from this scheduler's {mine}")
+    fields = sched.fields
 
     def loaded(s):  # a saved sample, its tensors as lists (older checkpoints: no per_token)
-        return dict(s, tokens=s["tokens"].tolist(), logprobs=s["logprobs"].tolist(),
-                    versions=s["versions"].tolist(),
-                    per_token={n: [v] for n, v in s.get("per_token", {}).items()})
+        out = dict(s, tokens=s["tokens"].tolist(), logprobs=s["logprobs"].tolist(),
+                   versions=s["versions"].tolist())
+        out.pop("per_token", None)
+        if fields is not None:
+            out["per_token"] = fields.load(s)
+        return out
     pool = [dict(g, prompt=g["prompt"].clone(), samples=[loaded(s) for s in g["samples"]])
             for g in sd["pool"]]
-    _per_token_names([s for g in pool for s in g["samples"]])  # a field some samples lack
-    for key in sched.COUNTERS:  # older checkpoints have no filtered_at_take
+    if fields is not None:
+        fields.names([s for g in pool for s in g["samples"]])  # a field some samples lack
+    for key in _COUNTERS:  # older checkpoints have no filtered_at_take
         fallback = sd["filtered_reported"] if key == "filtered_at_take" else sd[key]
         setattr(sched, key, sd.get(key, fallback))
     if sd["sampler"] is not None:  # the held rows' KV cache too, if it saves it: bit-exact

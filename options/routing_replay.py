@@ -5,12 +5,13 @@ the experts the rollout chose for it, gated by the trained router's probabilitie
 
 The engine records, per response token and MoE layer, the experts the decode forward that read it
 chose (a routing hook on each MoE layer: model.MoE's `routing`, moe_switch.EPMoE's). The record
-travels with the sample, through StaleSync's per-token fields and a queue column, to the trainer,
-whose forward takes it (Around). A prefix read again under new weights (a cut row's prefill after
-the sampler's reset) routes its response tokens with their record too, so that what training replays
-is what the behaviour computed with. Figures (moe/*): the response tokens with a record, those whose
-experts in training differ from it (0 under replay), and those the trained router alone would route
-elsewhere: like the log-prob gap, from the batch's first mini-batch, before any optimizer step.
+travels with the sample, through StaleSync's `fields` (PerTokenFields) and a queue column, to the
+trainer, whose forward takes it (Around). A prefix read again under new weights (a cut row's prefill
+after the sampler's reset) routes its response tokens with their record too, so that what training
+replays is what the behaviour computed with. Figures (moe/*): the response tokens with a record,
+those whose experts in training differ from it (0 under replay), and those the trained router alone
+would route elsewhere: like the log-prob gap, from the batch's first mini-batch, before any
+optimizer step.
 
 -1 marks a token that no forward of the call that made it read: a finished row's last token (nothing
 reads it, training neither), or a cut row's last under keep=False (the next call's prefill first
@@ -80,6 +81,8 @@ def sampler_class(base):
     refused."""
 
     class RoutesSampler(base):
+        fields = PerTokenFields()  # StaleSync keeps the routes with each sample (its `fields`)
+
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.recorded = {}  # seed -> (its response so far (n,), their experts (n, L, K))
@@ -178,6 +181,67 @@ def sampler_class(base):
                 self.recorded[s] = (tokens, experts)  # experts: (n + n_new, L, K)
 
     return RoutesSampler
+
+
+# ----------------------------------------------------------- the routes ride with their samples
+class PerTokenFields:
+    """StaleSync's `fields` (stalesync.py), RoutesSampler's: the sampler's per-token outputs, its
+    Generation's per_token (name -> R sequences of one entry per new token, each token's experts
+    (n, L, K)), kept with each sample across the chunks of a partial rollout, saved with the
+    samples in flight (StaleSync.state_dict), and handed on in Batch.per_token. A field must
+    come with every call."""
+
+    def keep(self, samples, out, tokens):
+        """decode(): each of this call's R rows' entries, kept with its sample."""
+        fields = _per_token(out, tokens)
+        for r, s in enumerate(samples):
+            for name, values in fields.items():
+                s.setdefault("per_token", {}).setdefault(name, []).append(values[r])
+
+    def batch(self, samples):
+        """Batch.per_token: name -> (B,) of (n_i, ...), each sample's pieces joined."""
+        return {name: [_joined(s, name) for s in samples] for name in self.names(samples)}
+
+    def names(self, samples):
+        """The per-token fields these samples hold. Refuses a sample whose field misses some of its
+        tokens (returned on some calls only, or a checkpoint saved without it)."""
+        names = list(dict.fromkeys(n for s in samples for n in s.get("per_token", {})))
+        for s in samples:
+            for name in names:
+                n = sum(len(piece) for piece in s.get("per_token", {}).get(name, []))
+                if n != len(s["tokens"]):
+                    raise ValueError(f"sample {s['id']}: per_token[{name!r}] holds {n} entries "
+                                     f"for its {len(s['tokens'])} tokens; the sampler must return "
+                                     "the field on every call (a checkpoint saved without it "
+                                     "cannot continue samples that need it)")
+        return names
+
+    def save(self, s):
+        """A sample's fields for its checkpoint: each joined, (n_i, ...)."""
+        return {n: _joined(s, n) for n in s.get("per_token", {})}
+
+    def load(self, saved):
+        """A saved sample's fields, one piece each (older checkpoints: none)."""
+        return {n: [v] for n, v in saved.get("per_token", {}).items()}
+
+
+def _per_token(out, tokens):
+    """The per-token fields of one call: name -> R tensors, one entry per new token."""
+    fields = {name: [torch.as_tensor(v) for v in rows]
+              for name, rows in (getattr(out, "per_token", None) or {}).items()}
+    for name, rows in fields.items():
+        bad = [i for i, (v, t) in enumerate(zip(rows, tokens)) if len(v) != len(t)]
+        bad = bad if len(rows) == len(tokens) else [-1]
+        if bad:
+            raise ValueError(f"per_token[{name!r}]: rows {bad[:8]} do not hold one entry per new "
+                             f"token ({len(rows)} rows for {len(tokens)})")
+    return fields
+
+
+def _joined(s, name):
+    """A sample's per-token field, its calls' pieces joined: (n_i, ...); no piece: (0,)."""
+    pieces = s.get("per_token", {}).get(name, [])
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
 
 
 # ----------------------------------------------------------------------------- training replays

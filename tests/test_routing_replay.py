@@ -2,6 +2,7 @@
 them, and training replays them (or measures how often its own routing differs)."""
 import io
 
+import numpy as np
 import pytest
 import torch
 
@@ -9,8 +10,11 @@ import grpo
 import task
 from grpo import GRPOConfig, Samples, chunk_logprobs
 from model import ModelConfig, Policy, Sampler
-from options.routing_replay import Around, RecordRoutes, means, moe_layers, routing, sampler_class
+from options.routing_replay import (Around, PerTokenFields, RecordRoutes, means, moe_layers, routing,
+                                    sampler_class)
+from stalesync import StaleConfig, StaleSync
 from tests.test_model import EOS, _contexts, _model
+from tests.test_stalesync import ScriptedSampler, _lengths
 
 Recording = sampler_class(Sampler)
 
@@ -117,3 +121,75 @@ def test_the_engine_records_each_response_tokens_experts_and_training_replays_th
     lp_own = grpo.chunk_logprobs(model, s, grpo.GRPOConfig(), "cpu", around=Around())  # replaying its own choice
     lp_free = grpo.chunk_logprobs(model, s, grpo.GRPOConfig(), "cpu")
     assert all(torch.equal(a, b) for a, b in zip(lp_own, lp_free))
+
+
+# ------------------------------------------------------- the routes ride with their samples (StaleSync's fields)
+class TaggingSampler(ScriptedSampler):
+    """ScriptedSampler that also gives, per new token, a (2,) field: its seed and its position."""
+    fields = PerTokenFields()  # StaleSync keeps the field with each sample
+
+    def __call__(self, contexts, seeds, n_done, max_steps):
+        toks, lps, done = super().__call__(contexts, seeds, n_done, max_steps)
+        tags = [torch.stack([torch.full((len(t),), s), torch.arange(n0, n0 + len(t))], 1)
+                for t, s, n0 in zip(toks, seeds.tolist(), n_done.tolist())]
+        return type("Out", (), dict(tokens=toks, logprobs=lps, done=done, per_token={"tag": tags}))()
+
+
+def test_per_token_fields_follow_their_samples_across_chunks_and_a_resume():
+    """A sampler's per-token fields (the engine's experts per token, say) are joined over the chunks of a partial
+    rollout, saved with the samples in flight, and handed on with each trained sample: one entry per token."""
+    lengths = _lengths(np.random.default_rng(7))
+    cfg = StaleConfig(staleness=1, groups_per_step=2, group_size=3, threshold=0.5, chunk_steps=4)
+
+    def make():
+        return StaleSync(cfg, TaggingSampler(lengths), lambda slot, attempt: torch.tensor([2, slot % 10 + 4, 3]))
+
+    a = make()
+    a.rollout(), a.update()
+    a.admit(), a.decode()  # mid-round: partial samples hold a piece of their field
+    b = make()
+    b.load_state_dict(torch.load(io.BytesIO(_saved(a.state_dict())), weights_only=True))
+    for _ in range(3):
+        x, y = a.rollout(), b.rollout()
+        a.update(), b.update()
+        for seed, r, tag, tag_b in zip(x.seeds, x.responses, x.per_token["tag"], y.per_token["tag"]):
+            assert torch.equal(tag, torch.stack([torch.full((len(r),), seed), torch.arange(len(r))], 1))
+            assert torch.equal(tag, tag_b)
+    one_row = type("Out", (), dict(tokens=[[5]], logprobs=[[-0.1]], done=[True], per_token={"tag": [[1, 2]]}))()
+    bad = StaleSync(StaleConfig(groups_per_step=1, group_size=1), lambda *a: one_row, lambda s, a: [2, 3],
+                    fields=PerTokenFields())
+    with pytest.raises(ValueError, match=r"per_token\['tag'\]: rows \[0\] do not hold one entry per new token"):
+        bad.admit(), bad.decode()
+
+
+def _saved(sd):
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    return buf.getvalue()
+
+
+def test_a_per_token_field_that_does_not_cover_its_tokens_is_refused_naming_the_sample():
+    """A field the sampler returns on some calls only, and a checkpoint whose sample lacks a field its peers hold, are
+    refused (take(), state_dict(), load_state_dict()), naming the sample and the field; none: Batch.per_token {}."""
+    cfg = StaleConfig(staleness=1, groups_per_step=1, group_size=2, threshold=1.0, chunk_steps=2)
+    prompt = lambda slot, attempt: torch.tensor([2, 3])  # noqa: E731
+
+    class Sometimes(TaggingSampler):  # the field from the second call on
+        def __call__(self, contexts, seeds, n_done, max_steps):
+            out = super().__call__(contexts, seeds, n_done, max_steps)
+            out.per_token = out.per_token if int(n_done.max()) > 0 else {}
+            return out
+
+    sched = StaleSync(cfg, Sometimes(lambda s: 5), prompt)
+    sched.admit(), sched.decode(), sched.decode()  # 2 tokens without the field, then 2 with it
+    with pytest.raises(ValueError, match=r"sample 0: per_token\['tag'\] holds 2 entries for its 4 tokens"):
+        sched.state_dict()
+    with pytest.raises(ValueError, match=r"sample 0: per_token\['tag'\] holds 3 entries for its 5 tokens"):
+        sched.rollout()
+    good = StaleSync(cfg, TaggingSampler(lambda s: 5), prompt)
+    good.admit(), good.decode()
+    sd = good.state_dict()
+    del sd["pool"][0]["samples"][1]["per_token"]  # as a checkpoint saved before the field existed, for one sample
+    with pytest.raises(ValueError, match=r"sample 1: per_token\['tag'\] holds 0 entries for its 2 tokens"):
+        StaleSync(cfg, TaggingSampler(lambda s: 5), prompt).load_state_dict(sd)
+    assert StaleSync(cfg, ScriptedSampler(lambda s: 2), prompt).rollout().per_token == {}

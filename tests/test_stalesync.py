@@ -1,11 +1,10 @@
 """stalesync.py: the staleness bound, admission capacity, nothing lost, S = 0 equals the synchronous path,
-partial rollouts continued under new weights, checkpoints, bad input.
+partial rollouts continued under new weights, bad input (checkpoints: tests/test_stale_state.py).
 
 The bound and accounting tests drive the scheduler with a scripted sampler (response lengths drawn per
 seed) in a discrete-time simulation of a generator and a trainer of random speeds; the equivalence and
 partial-rollout tests use the real tiny model.Policy, grpo.py's math and task.py's task."""
 import copy
-import io
 
 import numpy as np
 import pytest
@@ -324,63 +323,6 @@ def test_partial_rollout_continues_under_new_weights(cached):
         assert (lp[tv != tv[0]] - stale_only[tv != tv[0]]).abs().max() > 1e-3, "later tokens used old weights"
 
 
-def test_state_dict_resumes_bit_exactly():
-    lengths = _lengths(np.random.default_rng(5))
-    cfg = StaleConfig(staleness=2, groups_per_step=2, group_size=3, threshold=0.5, chunk_steps=5)
-
-    def make():  # a prompt that is a function of its slot and attempt: nothing of it to save
-        return StaleSync(cfg, ScriptedSampler(lengths), lambda slot, attempt: torch.tensor([2, slot % 10 + 4, 3]))
-
-    a = make()
-    for _ in range(3):
-        a.rollout(), a.update()
-    a.admit(), a.decode()  # mid-round: samples in flight, some partial
-    buf = io.BytesIO()
-    torch.save(a.state_dict(), buf)
-    b = make()
-    buf.seek(0)
-    b.load_state_dict(torch.load(buf, weights_only=True))
-    assert b.accounting() == a.accounting() and any(s["tokens"] for g in b.pool for s in g["samples"])
-    assert b.max_admitted_over == a.max_admitted_over > -10**9  # the admission record survives a resume
-    for _ in range(4):
-        x, y = a.rollout(), b.rollout()
-        a.update(), b.update()
-        assert x.ids == y.ids and x.metrics == y.metrics and x.start_versions == y.start_versions
-        assert all(torch.equal(p, q) for p, q in zip(x.responses + x.logprobs, y.responses + y.logprobs))
-    with pytest.raises(ValueError, match="config"):
-        StaleSync(StaleConfig(staleness=1), None, None).load_state_dict(a.state_dict())
-
-
-def test_state_dict_with_a_cached_sampler_resumes_bit_exactly():
-    """model.Sampler holds the KV cache of the rows cut mid-round: it travels in the checkpoint, so the
-    resumed run continues from it, as the original does, with the very same log-prob bits."""
-    torch.manual_seed(1)  # the default policy: re-reading a prefix then changes some log-prob bits
-    model = Policy(ModelConfig(vocab_size=VOCAB, max_seq_len=60))
-    cfg = StaleConfig(staleness=1, groups_per_step=2, group_size=3, threshold=0.5, chunk_steps=3)
-
-    def make():
-        rng = np.random.default_rng(3)
-        prompt_fn = lambda slot, attempt: make_prompts(rng, 1, max_digits=8)[0]
-        return StaleSync(cfg, Sampler(model, 30, EOS, PAD), prompt_fn), rng
-
-    (a, ra), (b, rb) = make(), make()
-    for _ in range(2):
-        a.rollout(), a.update()
-    a.admit(), a.decode()  # mid-round: the sampler holds the cut rows' cache
-    assert a.step_fn.state is not None
-    buf = io.BytesIO()
-    torch.save(a.state_dict(), buf)
-    buf.seek(0)
-    b.load_state_dict(torch.load(buf, weights_only=True))
-    rb.bit_generator.state = ra.bit_generator.state
-    assert b.step_fn.state["seeds"] == a.step_fn.state["seeds"]
-    for _ in range(3):
-        x, y = a.rollout(), b.rollout()
-        a.update(), b.update()
-        assert x.ids == y.ids
-        assert all(torch.equal(p, q) for p, q in zip(x.responses + x.logprobs, y.responses + y.logprobs))
-
-
 @pytest.mark.parametrize("kwargs, match", [(dict(staleness=-1), r"staleness=-1 .*>= 0"),
                                            (dict(threshold=0.0), r"threshold=0.0 .*\(0, 1\]"),
                                            (dict(threshold=1.5), r"threshold=1.5 .*\(0, 1\]"),
@@ -554,27 +496,6 @@ def test_a_shared_cut_lets_a_replica_fill_in_for_one_held_back_by_dropped_groups
         assert max(out["shared"]["turns"]) < max(out["all"]["turns"]), (out["shared"], out["all"])
 
 
-def test_an_empty_share_reports_its_dropped_groups_in_the_next_batch_and_resumes():
-    """take(0): a shared cut's empty share, a batch of no group. The groups dropped before it are reported by the next
-    batch that holds groups, not lost, across a state_dict round trip; the brake counts from the last take."""
-    cfg = StaleConfig(staleness=1, groups_per_step=2, group_size=2, threshold=0.5, chunk_steps=8, max_filtered=3)
-    make = lambda: StaleSync(cfg, ScriptedSampler(lambda seed: 2 + seed % 2),
-                             prompt_fn=lambda slot, attempt: torch.tensor([2, slot + attempt, 3]),
-                             keep_group=lambda prompt, responses: int(prompt[1]) % 2 == 0)  # odd: dropped
-    sched = make()
-    sched.admit()
-    sched.decode()  # every row ends within a chunk: slots 1 and 3 dropped, reopened
-    assert sched.filtered == 2
-    empty = sched.take(0, 0)  # batch 0 has no due group at S = 1
-    assert empty.ids == [] and empty.metrics["stale/filtered_at_cut"] == 0 and empty.metrics["stale/age_max"] == 0
-    resumed = make()
-    resumed.load_state_dict(sched.state_dict())
-    resumed.update()
-    batch = resumed.rollout()
-    assert len(batch.ids) == 4 and batch.metrics["stale/filtered_at_cut"] == resumed.filtered >= 2
-    assert resumed.filtered_at_take == resumed.filtered  # the brake's count starts again at each take
-
-
 def test_update_twice_is_refused_at_once():
     cfg = StaleConfig(staleness=1, groups_per_step=1, group_size=2, threshold=0.5, chunk_steps=2)
     sched = StaleSync(cfg, ScriptedSampler(lambda s: 3), prompt_fn=lambda slot, attempt: torch.tensor([2, 3]))
@@ -665,75 +586,6 @@ def test_a_slot_gets_the_same_prompt_and_samples_however_the_batch_is_split(S):
                 assert rows[0][0] == draw(g, attempt).tolist()
                 assert [r[1] for r in rows] == [seed(g, attempt, j) for j in range(3)]
     assert sum(s.filtered for s, _ in one) > 0, "no group was dropped: the test does not exercise the refill"
-
-
-class TaggingSampler(ScriptedSampler):
-    """ScriptedSampler that also gives, per new token, a (2,) field: its seed and its position."""
-
-    def __call__(self, contexts, seeds, n_done, max_steps):
-        toks, lps, done = super().__call__(contexts, seeds, n_done, max_steps)
-        tags = [torch.stack([torch.full((len(t),), s), torch.arange(n0, n0 + len(t))], 1)
-                for t, s, n0 in zip(toks, seeds.tolist(), n_done.tolist())]
-        return type("Out", (), dict(tokens=toks, logprobs=lps, done=done, per_token={"tag": tags}))()
-
-
-def test_per_token_fields_follow_their_samples_across_chunks_and_a_resume():
-    """A sampler's per-token fields (the engine's experts per token, say) are joined over the chunks of a partial
-    rollout, saved with the samples in flight, and handed on with each trained sample: one entry per token."""
-    lengths = _lengths(np.random.default_rng(7))
-    cfg = StaleConfig(staleness=1, groups_per_step=2, group_size=3, threshold=0.5, chunk_steps=4)
-
-    def make():
-        return StaleSync(cfg, TaggingSampler(lengths), lambda slot, attempt: torch.tensor([2, slot % 10 + 4, 3]))
-
-    a = make()
-    a.rollout(), a.update()
-    a.admit(), a.decode()  # mid-round: partial samples hold a piece of their field
-    b = make()
-    b.load_state_dict(torch.load(io.BytesIO(_saved(a.state_dict())), weights_only=True))
-    for _ in range(3):
-        x, y = a.rollout(), b.rollout()
-        a.update(), b.update()
-        for seed, r, tag, tag_b in zip(x.seeds, x.responses, x.per_token["tag"], y.per_token["tag"]):
-            assert torch.equal(tag, torch.stack([torch.full((len(r),), seed), torch.arange(len(r))], 1))
-            assert torch.equal(tag, tag_b)
-    one_row = type("Out", (), dict(tokens=[[5]], logprobs=[[-0.1]], done=[True], per_token={"tag": [[1, 2]]}))()
-    bad = StaleSync(StaleConfig(groups_per_step=1, group_size=1), lambda *a: one_row, lambda s, a: [2, 3])
-    with pytest.raises(ValueError, match=r"per_token\['tag'\]: rows \[0\] do not hold one entry per new token"):
-        bad.admit(), bad.decode()
-
-
-def _saved(sd):
-    buf = io.BytesIO()
-    torch.save(sd, buf)
-    return buf.getvalue()
-
-
-def test_a_per_token_field_that_does_not_cover_its_tokens_is_refused_naming_the_sample():
-    """A field the sampler returns on some calls only, and a checkpoint whose sample lacks a field its peers hold, are
-    refused (take(), state_dict(), load_state_dict()), naming the sample and the field; none: Batch.per_token {}."""
-    cfg = StaleConfig(staleness=1, groups_per_step=1, group_size=2, threshold=1.0, chunk_steps=2)
-    prompt = lambda slot, attempt: torch.tensor([2, 3])  # noqa: E731
-
-    class Sometimes(TaggingSampler):  # the field from the second call on
-        def __call__(self, contexts, seeds, n_done, max_steps):
-            out = super().__call__(contexts, seeds, n_done, max_steps)
-            out.per_token = out.per_token if int(n_done.max()) > 0 else {}
-            return out
-
-    sched = StaleSync(cfg, Sometimes(lambda s: 5), prompt)
-    sched.admit(), sched.decode(), sched.decode()  # 2 tokens without the field, then 2 with it
-    with pytest.raises(ValueError, match=r"sample 0: per_token\['tag'\] holds 2 entries for its 4 tokens"):
-        sched.state_dict()
-    with pytest.raises(ValueError, match=r"sample 0: per_token\['tag'\] holds 3 entries for its 5 tokens"):
-        sched.rollout()
-    good = StaleSync(cfg, TaggingSampler(lambda s: 5), prompt)
-    good.admit(), good.decode()
-    sd = good.state_dict()
-    del sd["pool"][0]["samples"][1]["per_token"]  # as a checkpoint saved before the field existed, for one sample
-    with pytest.raises(ValueError, match=r"sample 1: per_token\['tag'\] holds 0 entries for its 2 tokens"):
-        StaleSync(cfg, TaggingSampler(lambda s: 5), prompt).load_state_dict(sd)
-    assert StaleSync(cfg, ScriptedSampler(lambda s: 2), prompt).rollout().per_token == {}
 
 
 class IdleCounting(ScriptedSampler):
