@@ -15,8 +15,9 @@ The default run (train_grpo.py): FSDP2 over all W ranks; the engine is the whole
 own parameters gathered into (inplace=True); the bytes move through plumbing/shm_transport.py's
 SharedMemory on one CPU host, else through Broadcasts (gloo; nccl on GPUs, untested past one rank).
 Above the marker "A learner can stop here" (in FusedActor) is that path. Below it: the guards, the
-recovery, the checkpoint state, and the other layouts (FusedActor.path names the path taken): an
-engine at any TP degree (inplace=False: engine.load_weights), pipeline stages, HSDP, offload_params.
+recovery, the checkpoint state, and the hooks of the other paths (FusedActor.path names the one
+taken): an engine at any TP degree (inplace=False: engine.load_weights), offload_params, and meta
+for the other training layouts (pipeline stages, HSDP: options/owners.py agrees their owners).
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
   1. FSDP2 (weights sharded at rest, as ZeRO-3) or PP stages to train, TP to generate; the engine is
@@ -27,7 +28,7 @@ Departures from the source system (Huawei's RL post-training on CloudMatrix 384)
      for the next switch, hold a second copy of the optimizer state (not in the mem/* figures).
 A call that would read a freed storage, and crash, raises instead, naming the phase (the guards).
 
-Run: python -m pytest tests/test_fusion.py   (W 1, 2 x TP 1, 2; PP; HSDP; W 4: -m slow)
+Run: python -m pytest tests/test_fusion.py   (W 1, 2 x TP 1, 2; W 4: -m slow; PP, HSDP: test_owners)
 
 Using this file elsewhere: torch >= 2.6, gloo or nccl. The default path on 2 gloo processes
 (tests/test_copy_alone.py runs it in a folder holding only this file):
@@ -189,6 +190,20 @@ def weight_meta(module):
     return [_weight(n, p) for n, p in module.named_parameters()]
 
 
+def own_meta(mine, group=None):
+    """FusedActor's default meta: the weights to build are this rank's own, mine, which under FSDP2
+    over the actor's ranks (group) every rank reports alike. A weight held otherwise (a pipeline
+    stage's, a node's) is refused before any collective: such layouts pass another meta."""
+    ranks = _group_ranks(group)
+    for w in mine:
+        if set(w.owners) != set(ranks):
+            raise ValueError(f"{w.name} is held by ranks {list(w.owners)}, not by the actor's "
+                             f"ranks {ranks}: shard it with fully_shard over the actor's ranks, or "
+                             "pass a meta that agrees the owners (options/owners.py's union_meta: "
+                             "pipeline stages, HSDP)")
+    return list(mine)
+
+
 def plan_buckets(meta, bucket_bytes):
     """Consecutive weights of one dtype, each bucket's gathered bytes <= B; the same on every rank.
     The naive switch is one bucket as large as the model."""
@@ -239,13 +254,11 @@ class Broadcasts:
                      the bytes this rank received.
       close()        releases what the transport holds.
     params: {name: this rank's parameter}; layout: FusedActor's {name: Weight} over group (None:
-    every rank; for callers without a layout, see _on_own_meshes below)."""
+    every rank). fill without a layout (options/push.py) gathers each DTensor over its own mesh."""
     keeps_shards = False
 
     @contextmanager
     def gathering(self, params, layout=None, group=None):
-        if layout is None:
-            group = _first_mesh_group(params, group)
         with _agreeing(next(iter(params.values())).device, group):  # one all_reduce, on leaving
             yield
 
@@ -293,10 +306,10 @@ class FusedActor:
                         metrics().
       transport         Broadcasts() (the default) or SharedMemory; close() closes it.
     Hooks for the options, explained below the marker: inplace=False (engine.load_weights, any TP
-    degree), offload_params, group, and a model that is a pipeline stage or HSDP."""
+    degree), offload_params, group, and meta (another training layout: pipeline stages, HSDP)."""
 
     def __init__(self, model, optimizer, engine, bucket_bytes=1 << 20, inplace=False,
-                 offload_params=False, movers=(), transport=None, group=None):
+                 offload_params=False, movers=(), transport=None, group=None, meta=own_meta):
         reshard_all(model)  # the parameters are the shards again
         _check(model, optimizer)
         self.transport = transport if transport is not None else Broadcasts()
@@ -307,9 +320,9 @@ class FusedActor:
         self.device = next(model.parameters()).device
         self.skip = {n for m in self.movers for n in getattr(m, "names", ())}  # the movers' weights
         self.path = f"{'in place' if inplace else 'load_weights'}, {type(self.transport).__name__}"
-        # the weights to build, the same [Weight] on every rank (union_meta: collective; under
-        # FSDP2 over all ranks, every rank reports the same list)
-        meta = union_meta([w for w in weight_meta(model) if w.name not in self.skip], group)
+        # the weights to build, the same [Weight] on every rank (own_meta: this rank's own list,
+        # which FSDP2 over all ranks makes the same everywhere)
+        meta = meta([w for w in weight_meta(model) if w.name not in self.skip], group)
         self.layout, self.buckets = {w.name: w for w in meta}, plan_buckets(meta, bucket_bytes)
         if inplace:
             _check_inplace(meta, self._engine_weights())
@@ -445,8 +458,8 @@ class FusedActor:
     # ==============================================================================================
     # What follows: the phase checks and the guards, the recovery from a failed switch, the code of
     # the paths the default run does not take (load_weights, offload_params), the checkpoint state;
-    # then the checks of the caller's input and the other training layouts (pipeline stages, HSDP).
-    # A learner can stop here.
+    # then the checks of the caller's input and the gather from each rank's own mesh (HSDP, the
+    # separated push). A learner can stop here.
     # ==============================================================================================
     # The options' hooks in FusedActor's arguments:
     #   inplace=False  any TP degree: each bucket of full weights goes to
@@ -455,9 +468,11 @@ class FusedActor:
     #                  and returns the names of its parameters it loaded (None: the model's names).
     #   offload_params the training shards go to host memory too in ROLLOUT.
     #   group          the actor's ranks (None: every rank; a hybrid deployment keeps others).
-    #   model          also a pipeline stage (FSDP2 over the stage's ranks, or whole on one rank,
-    #                  under the whole model's names) or HSDP (FSDP2 within each node, a copy per
-    #                  node): every rank gathers the whole engine from the weights' owners, through
+    #   meta           (this rank's [Weight], group) -> the [Weight] every rank builds, the same
+    #                  on every rank. options/owners.py's union_meta takes a model that is a
+    #                  pipeline stage (FSDP2 over the stage's ranks, or whole on one rank, under the
+    #                  whole model's names) or HSDP (FSDP2 within each node, a copy per node):
+    #                  every rank gathers the whole engine from the weights' owners, through
     #                  Broadcasts (SharedMemory needs shards over all W ranks).
     #   transport      any object with Broadcasts's four members (the seam).
     # The guards cover the engine in TRAIN; optimizer.step(), a backward, and the model under
@@ -609,12 +624,6 @@ def _agreeing(device, group):
                            "back in TRAIN")
 
 
-def _first_mesh_group(params, group):
-    """Without a layout (options/push.py): the group of the first DTensor's mesh, if any."""
-    p = next((p for p in params.values() if isinstance(p, DTensor)), None)
-    return p.device_mesh.get_group() if p is not None else group
-
-
 def _on_own_meshes(name, p, out, works):
     """Fills out with weight name from p: a DTensor gathered over its own mesh (no layout, or
     HSDP: each node's replica), a plain tensor copied. Returns the bytes received."""
@@ -690,66 +699,3 @@ def bucket_views(bucket, device):
     sizes = [torch.Size(w[1]).numel() for w in bucket]
     flat = torch.empty(sum(sizes), dtype=bucket[0][2], device=device)    # (numels summed,)
     return flat, [(w[0], v.view(w[1])) for w, v in zip(bucket, flat.split(sizes))]
-
-
-# ------------------------------------------------- the other training layouts: PP stages and HSDP
-# Under FSDP2 over all ranks, every rank reports the same weights. A pipeline stage holds its own,
-# under the whole model's names; under HSDP each node shards the model on a mesh of its own.
-def union_meta(mine, group=None):
-    """The weights to build: the union of every rank's weight_meta over group (None: every rank), by
-    one all_gather_object; the same list on every rank, in rank 0's order, then the names each next
-    rank adds. A weight held whole by several ranks is held by each. Where two ranks' reports of a
-    weight disagree, raises on every rank before any gather."""
-    ranks = _group_ranks(group)
-    if len(ranks) == 1:
-        return list(mine)
-    everyone = [None] * len(ranks)
-    plain = [tuple(w) for w in mine]  # plain tuples: a receiver needs no class
-    dist.all_gather_object(everyone, plain, group=group)
-    reports = {}  # name -> [(rank, Weight)], in first-seen order
-    for rank, weights in zip(ranks, everyone):
-        for w in map(Weight._make, weights):
-            reports.setdefault(w.name, []).append((rank, w))
-    return [_agreed(name, said, len(ranks)) for name, said in reports.items()]
-
-
-def _held_as(w):
-    how = "Shard(0) over" if w.sharded else "whole on"
-    return f"{how} ranks {list(w.owners)}, {w.shape} {w.dtype}"
-
-
-def _compatible(w, w0):
-    """Two ranks' reports of one weight agree: shape, dtype and sharded alike; sharded on one mesh,
-    or on disjoint meshes of one size (replicas)."""
-    alike = (w.shape, w.dtype, w.sharded) == (w0.shape, w0.dtype, w0.sharded)
-    if not alike or not w.sharded or w.owners == w0.owners:
-        return alike
-    return not set(w.owners) & set(w0.owners) and len(w.owners) == len(w0.owners)
-
-
-def _agreed(name, said, n_ranks):
-    """One Weight from its holders' reports said, [(rank, Weight)], of n_ranks ranks; a ValueError
-    naming it where two disagree."""
-    (r0, w0), holders = said[0], tuple(rank for rank, _ in said)
-    for rank, w in said[1:]:
-        if not _compatible(w, w0):
-            raise ValueError(f"{name}: rank {r0} holds it {_held_as(w0)}; rank {rank} "
-                             f"{_held_as(w)}: the ranks that hold a weight must agree on its "
-                             "owners, shape and dtype (a pipeline stage's parameters sharded over "
-                             "that stage's one mesh, or over disjoint meshes of one size, or "
-                             "whole)")
-    if not w0.sharded:
-        return w0._replace(owners=holders)
-    meshes = list(dict.fromkeys(w.owners for _, w in said))  # one, or one per node: its replicas
-    ranks = [r for owners in meshes for r in owners]
-    if len(set(ranks)) != len(ranks):  # each report was checked against the first only
-        raise ValueError(f"{name}: sharded on meshes {meshes} that overlap: a weight's meshes "
-                         "must be one, or disjoint")
-    if set(holders) != set(ranks) or any(rank not in w.owners for rank, w in said):
-        raise ValueError(f"{name}: {_held_as(w0)}, but ranks {list(holders)} hold it: every rank "
-                         "of its mesh must")
-    if len(meshes) > 1 and len(holders) != n_ranks:  # each rank gathers from its own replica
-        raise ValueError(f"{name}: sharded on {len(meshes)} meshes {meshes}, but ranks "
-                         f"{list(holders)} hold it: a weight sharded in replicas must be held by "
-                         "every rank")
-    return w0._replace(replicas=len(meshes))
