@@ -16,13 +16,14 @@ own parameters gathered into (inplace=True); the bytes move through plumbing/shm
 SharedMemory on one CPU host, else through Broadcasts (gloo; nccl on GPUs, untested past one rank).
 Above the marker "A learner can stop here" (in FusedActor) is that path. Below it: the guards, the
 recovery, the checkpoint state, and the hooks of the other paths (FusedActor.path names the one
-taken): an engine at any TP degree (inplace=False: engine.load_weights), offload_params, and meta
-for the other training layouts (pipeline stages, HSDP: options/owners.py agrees their owners).
+taken): an engine at any TP degree (inplace=False: engine.load_weights), and meta for the other
+training layouts (pipeline stages, HSDP: options/owners.py agrees their owners). The training
+shards offloaded too: options/offload_params.py, a FusedActor of its own.
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
   1. FSDP2 (weights sharded at rest, as ZeRO-3) or PP stages to train, TP to generate; the engine is
      not pipelined.
-  2. The training shards stay on the device in ROLLOUT (1/W of the model) unless offload_params.
+  2. The training shards stay on the device in ROLLOUT (1/W of the model), unless offloaded too.
   3. The engine's weights are freed in TRAIN (vLLM's sleep mode would); its KV cache is its own.
   4. On CPU the host is the device: the offload saves nothing there, and its host buffers, kept
      for the next switch, hold a second copy of the optimizer state (not in the mem/* figures).
@@ -246,7 +247,7 @@ def gather_into(out, mine, w, works, group=None):
 class Broadcasts:
     """The portable transport, gather_into's broadcasts: any backend, any hosts. The seam, what
     FusedActor calls of a transport (plumbing/shm_transport.py's SharedMemory implements it too):
-      keeps_shards   True where the shards must stay in their storages: offload_params is refused.
+      keeps_shards   True where the shards must stay in their storages (never offloaded).
       gathering(params, layout, group)   a context around a switch's whole gather; leaving it, the
                      ranks agree on an ok flag: where one raised inside, every rank raises.
       fill(params, outs, layout, group)  fills each (name, full-size out) with that weight from its
@@ -306,29 +307,28 @@ class FusedActor:
                         metrics().
       transport         Broadcasts() (the default) or SharedMemory; close() closes it.
     Hooks for the options, explained below the marker: inplace=False (engine.load_weights, any TP
-    degree), offload_params, group, and meta (another training layout: pipeline stages, HSDP)."""
+    degree), group, and meta (another training layout: pipeline stages, HSDP)."""
 
     def __init__(self, model, optimizer, engine, bucket_bytes=1 << 20, inplace=False,
-                 offload_params=False, movers=(), transport=None, group=None, meta=own_meta):
+                 movers=(), transport=None, group=None, meta=own_meta):
         reshard_all(model)  # the parameters are the shards again
         _check(model, optimizer)
         self.transport = transport if transport is not None else Broadcasts()
-        _check_transport(self.transport, offload_params)
         self.model, self.optimizer, self.engine = model, optimizer, engine
         self.movers, self.group = list(movers), group
-        self.bucket_bytes, self.inplace, self.offload_params = bucket_bytes, inplace, offload_params
+        self.bucket_bytes, self.inplace = bucket_bytes, inplace
         self.device = next(model.parameters()).device
         self.skip = {n for m in self.movers for n in getattr(m, "names", ())}  # the movers' weights
         self.path = f"{'in place' if inplace else 'load_weights'}, {type(self.transport).__name__}"
         # the weights to build, the same [Weight] on every rank (own_meta: this rank's own list,
         # which FSDP2 over all ranks makes the same everywhere)
-        meta = meta([w for w in weight_meta(model) if w.name not in self.skip], group)
-        self.layout, self.buckets = {w.name: w for w in meta}, plan_buckets(meta, bucket_bytes)
+        weights = meta([w for w in weight_meta(model) if w.name not in self.skip], group)
+        self.layout = {w.name: w for w in weights}
+        self.buckets = plan_buckets(weights, bucket_bytes)
         if inplace:
-            _check_inplace(meta, self._engine_weights())
+            _check_inplace(weights, self._engine_weights())
         self.phase, self.round_trips, self.stats = TRAIN, 0, {}
         self._off, self._hosts = [], []              # grads' and states' storages, host copies
-        self._param_off, self._param_hosts = [], []  # the same for the shards (offload_params)
         self._held_grads = []  # (parameter, its offloaded grad) in ROLLOUT
         self._free_engine()
         self._hooks = self._guard()
@@ -357,8 +357,7 @@ class FusedActor:
                     p.untyped_storage().resize_(p.nbytes)
             with self._timed("gather"), self.transport.gathering(params, self.layout, self.group):
                 extra, gathered, received, least = self._fill(params, eng)
-            if self.offload_params:  # the training shards too, now gathered from (1/W of the model)
-                self._offload_shards(params)
+            self._gathered(params)  # a subclass's hook (options/offload_params.py)
             for m in self.movers:  # 3. whatever else changes layout (the experts' EP re-shard)
                 m.to_rollout()
                 switched.append(m)
@@ -415,9 +414,8 @@ class FusedActor:
 
     def _reload(self):
         """What the switch offloaded, back into its device storages."""
-        reload(self._param_off, self._param_hosts)
         reload(self._off, self._hosts)
-        self._off, self._param_off = [], []
+        self._off = []
         for p, grad in self._held_grads:
             p.grad = grad
         self._held_grads = []
@@ -457,16 +455,15 @@ class FusedActor:
 
     # ==============================================================================================
     # What follows: the phase checks and the guards, the recovery from a failed switch, the code of
-    # the paths the default run does not take (load_weights, offload_params), the checkpoint state;
-    # then the checks of the caller's input and the gather from each rank's own mesh (HSDP, the
-    # separated push). A learner can stop here.
+    # the paths the default run does not take (load_weights, a subclass's hook), the checkpoint
+    # state; then the checks of the caller's input and the gather from each rank's own mesh (HSDP,
+    # the separated push). A learner can stop here.
     # ==============================================================================================
     # The options' hooks in FusedActor's arguments:
     #   inplace=False  any TP degree: each bucket of full weights goes to
     #                  engine.load_weights(iterable of (name, full tensor)), vLLM's interface; the
     #                  tensors live for the call only; it cuts its TP piece, fuses, renames, copies,
     #                  and returns the names of its parameters it loaded (None: the model's names).
-    #   offload_params the training shards go to host memory too in ROLLOUT.
     #   group          the actor's ranks (None: every rank; a hybrid deployment keeps others).
     #   meta           (this rank's [Weight], group) -> the [Weight] every rank builds, the same
     #                  on every rank. options/owners.py's union_meta takes a model that is a
@@ -475,10 +472,10 @@ class FusedActor:
     #                  every rank gathers the whole engine from the weights' owners, through
     #                  Broadcasts (SharedMemory needs shards over all W ranks).
     #   transport      any object with Broadcasts's four members (the seam).
-    # The guards cover the engine in TRAIN; optimizer.step(), a backward, and the model under
-    # offload_params in ROLLOUT. In ROLLOUT the grads are held off their parameters (p.grad is
-    # None), so that zero_grad(set_to_none=False) or clipping finds none to touch. Unchecked: an
-    # engine whose load_weights claims a weight it never wrote (names are checked, not bytes).
+    # The guards cover the engine in TRAIN; optimizer.step() and a backward in ROLLOUT. In ROLLOUT
+    # the grads are held off their parameters (p.grad is None), so that zero_grad(set_to_none=
+    # False) or clipping finds none to touch. Unchecked: an engine whose load_weights claims a
+    # weight it never wrote (names are checked, not bytes).
 
     def _expect(self, phase, what, why=None):
         if self.phase != phase:
@@ -494,17 +491,11 @@ class FusedActor:
             why = "the optimizer states are in host memory"
             self._expect(TRAIN, "optimizer.step() was called", why)
 
-        def forward(module, args):
-            if self.offload_params:
-                why = "its shards are in host memory (offload_params)"
-                self._expect(TRAIN, "the model was called", why)
-
         def output(module, args, out):  # its backward, the model's first, checks the phase
             checked = torch.is_tensor(out) and out.requires_grad
             return _BackwardCheck.apply(self, out) if checked else out
         return [self.engine.register_forward_pre_hook(engine),
                 self.optimizer.register_step_pre_hook(step),
-                self.model.register_forward_pre_hook(forward, prepend=True),
                 self.model.register_forward_hook(output)]
 
     def close(self):
@@ -533,10 +524,9 @@ class FusedActor:
             return e
         return None
 
-    def _offload_shards(self, params):
-        """offload_params: the training shards to host memory, once the gather has read them."""
-        off = storages([p for n, p in params.items() if n not in self.skip], self.device)
-        self._param_hosts, self._param_off = offload(off, self._param_hosts), off
+    def _gathered(self, params):
+        """Called in to_rollout() once the engine is built from params, before the movers: nothing
+        here; options/offload_params.py's subclass frees the training shards."""
 
     # resume: the phase and counters (save the model and optimizer in TRAIN, their state on device)
     def state_dict(self):
@@ -651,13 +641,6 @@ def _check(model, optimizer):
         raise ValueError(f"the optimizer holds {foreign} tensors that are not the model's "
                          "parameters (built before fully_shard?): build it on model.parameters() "
                          "after fully_shard")
-
-
-def _check_transport(transport, offload_params):
-    if offload_params and transport.keeps_shards:
-        raise ValueError("offload_params=True frees the shards, which "
-                         f"{type(transport).__name__} keeps in place: use "
-                         "offload_params=False or the Broadcasts transport")
 
 
 def _check_inplace(meta, eng):

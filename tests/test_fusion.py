@@ -16,6 +16,7 @@ import fusion
 from fusion import (ROLLOUT, TRAIN, FusedActor, HostOffloaded, held_bytes, plan_buckets,
                     rollout, weight_meta)
 from model import ModelConfig, Policy, generate
+from options.offload_params import ShardsOffloaded
 from options.tensor_parallel import TPLayout, engine as tp_engine
 from options.push import push_weights
 from tests.distributed import run_distributed
@@ -119,8 +120,8 @@ def _check_bit_identical(rank, world, offload_params, round_trips, connect=None)
     b, opt_b = _train_model(world)
     layout = TPLayout(world, 2 if world > 1 else 1, n_heads=CFG.n_heads)
     tp_group, _ = layout.new_groups(timeout_s=60)
-    actor = FusedActor(a, opt_a, tp_engine(CFG, tp_group), bucket_bytes=BUCKET, offload_params=offload_params,
-                       transport=connect(a) if connect else None)
+    cls = ShardsOffloaded if offload_params else FusedActor  # options/offload_params.py
+    actor = cls(a, opt_a, tp_engine(CFG, tp_group), bucket_bytes=BUCKET, transport=connect(a) if connect else None)
     for step in range(3):
         for model, opt in ((a, opt_a), (b, opt_b)):
             _backward(model, rank, step)
@@ -234,11 +235,12 @@ def test_fusion_distributed(world):
 
 
 # ----------------------------------------------------------------------------- single process, no spawn
-def _plain_actor(**kw):
+def _plain_actor(offload_params=False, **kw):
     torch.manual_seed(0)
     model = Policy(CFG)
     opt = torch.optim.AdamW(model.parameters())
-    return FusedActor(model, opt, Policy(CFG), bucket_bytes=BUCKET, **kw)
+    cls = ShardsOffloaded if offload_params else FusedActor  # options/offload_params.py
+    return cls(model, opt, Policy(CFG), bucket_bytes=BUCKET, **kw)
 
 
 def test_bad_layouts_name_their_sizes():
