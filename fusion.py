@@ -15,19 +15,21 @@ The default run (train_grpo.py): FSDP2 over all W ranks; the engine is the whole
 own parameters gathered into (inplace=True); the bytes move through plumbing/shm_transport.py's
 SharedMemory on one CPU host, else through Broadcasts (gloo; nccl on GPUs, untested past one rank).
 Above the marker "A learner can stop here" (in FusedActor) is that path. Below it: the guards, the
-recovery, the checkpoint state, and the other layouts (FusedActor.path names the path taken): an
-engine at any TP degree (inplace=False: engine.load_weights), pipeline stages, HSDP, offload_params.
+recovery, the checkpoint state, and the hooks of the other paths (FusedActor.path names the one
+taken): an engine at any TP degree (inplace=False: engine.load_weights), and meta for the other
+training layouts (pipeline stages, HSDP: options/owners.py agrees their owners). The training
+shards offloaded too: options/offload_params.py, a FusedActor of its own.
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
   1. FSDP2 (weights sharded at rest, as ZeRO-3) or PP stages to train, TP to generate; the engine is
      not pipelined.
-  2. The training shards stay on the device in ROLLOUT (1/W of the model) unless offload_params.
+  2. The training shards stay on the device in ROLLOUT (1/W of the model), unless offloaded too.
   3. The engine's weights are freed in TRAIN (vLLM's sleep mode would); its KV cache is its own.
   4. On CPU the host is the device: the offload saves nothing there, and its host buffers, kept
      for the next switch, hold a second copy of the optimizer state (not in the mem/* figures).
 A call that would read a freed storage, and crash, raises instead, naming the phase (the guards).
 
-Run: python -m pytest tests/test_fusion.py   (W 1, 2 x TP 1, 2; PP; HSDP; W 4: -m slow)
+Run: python -m pytest tests/test_fusion.py   (W 1, 2 x TP 1, 2; W 4: -m slow; PP, HSDP: test_owners)
 
 Using this file elsewhere: torch >= 2.6, gloo or nccl. The default path on 2 gloo processes
 (tests/test_copy_alone.py runs it in a folder holding only this file):
@@ -189,6 +191,20 @@ def weight_meta(module):
     return [_weight(n, p) for n, p in module.named_parameters()]
 
 
+def own_meta(mine, group=None):
+    """FusedActor's default meta: the weights to build are this rank's own, mine, which under FSDP2
+    over the actor's ranks (group) every rank reports alike. A weight held otherwise (a pipeline
+    stage's, a node's) is refused before any collective: such layouts pass another meta."""
+    ranks = _group_ranks(group)
+    for w in mine:
+        if set(w.owners) != set(ranks):
+            raise ValueError(f"{w.name} is held by ranks {list(w.owners)}, not by the actor's "
+                             f"ranks {ranks}: shard it with fully_shard over the actor's ranks, or "
+                             "pass a meta that agrees the owners (options/owners.py's union_meta: "
+                             "pipeline stages, HSDP)")
+    return list(mine)
+
+
 def plan_buckets(meta, bucket_bytes):
     """Consecutive weights of one dtype, each bucket's gathered bytes <= B; the same on every rank.
     The naive switch is one bucket as large as the model."""
@@ -231,7 +247,7 @@ def gather_into(out, mine, w, works, group=None):
 class Broadcasts:
     """The portable transport, gather_into's broadcasts: any backend, any hosts. The seam, what
     FusedActor calls of a transport (plumbing/shm_transport.py's SharedMemory implements it too):
-      keeps_shards   True where the shards must stay in their storages: offload_params is refused.
+      keeps_shards   True where the shards must stay in their storages (never offloaded).
       gathering(params, layout, group)   a context around a switch's whole gather; leaving it, the
                      ranks agree on an ok flag: where one raised inside, every rank raises.
       fill(params, outs, layout, group)  fills each (name, full-size out) with that weight from its
@@ -239,13 +255,11 @@ class Broadcasts:
                      the bytes this rank received.
       close()        releases what the transport holds.
     params: {name: this rank's parameter}; layout: FusedActor's {name: Weight} over group (None:
-    every rank; for callers without a layout, see _on_own_meshes below)."""
+    every rank). fill without a layout (options/push.py) gathers each DTensor over its own mesh."""
     keeps_shards = False
 
     @contextmanager
     def gathering(self, params, layout=None, group=None):
-        if layout is None:
-            group = _first_mesh_group(params, group)
         with _agreeing(next(iter(params.values())).device, group):  # one all_reduce, on leaving
             yield
 
@@ -293,29 +307,28 @@ class FusedActor:
                         metrics().
       transport         Broadcasts() (the default) or SharedMemory; close() closes it.
     Hooks for the options, explained below the marker: inplace=False (engine.load_weights, any TP
-    degree), offload_params, group, and a model that is a pipeline stage or HSDP."""
+    degree), group, and meta (another training layout: pipeline stages, HSDP)."""
 
     def __init__(self, model, optimizer, engine, bucket_bytes=1 << 20, inplace=False,
-                 offload_params=False, movers=(), transport=None, group=None):
+                 movers=(), transport=None, group=None, meta=own_meta):
         reshard_all(model)  # the parameters are the shards again
         _check(model, optimizer)
         self.transport = transport if transport is not None else Broadcasts()
-        _check_transport(self.transport, offload_params)
         self.model, self.optimizer, self.engine = model, optimizer, engine
         self.movers, self.group = list(movers), group
-        self.bucket_bytes, self.inplace, self.offload_params = bucket_bytes, inplace, offload_params
+        self.bucket_bytes, self.inplace = bucket_bytes, inplace
         self.device = next(model.parameters()).device
         self.skip = {n for m in self.movers for n in getattr(m, "names", ())}  # the movers' weights
         self.path = f"{'in place' if inplace else 'load_weights'}, {type(self.transport).__name__}"
-        # the weights to build, the same [Weight] on every rank (union_meta: collective; under
-        # FSDP2 over all ranks, every rank reports the same list)
-        meta = union_meta([w for w in weight_meta(model) if w.name not in self.skip], group)
-        self.layout, self.buckets = {w.name: w for w in meta}, plan_buckets(meta, bucket_bytes)
+        # the weights to build, the same [Weight] on every rank (own_meta: this rank's own list,
+        # which FSDP2 over all ranks makes the same everywhere)
+        weights = meta([w for w in weight_meta(model) if w.name not in self.skip], group)
+        self.layout = {w.name: w for w in weights}
+        self.buckets = plan_buckets(weights, bucket_bytes)
         if inplace:
-            _check_inplace(meta, self._engine_weights())
+            _check_inplace(weights, self._engine_weights())
         self.phase, self.round_trips, self.stats = TRAIN, 0, {}
         self._off, self._hosts = [], []              # grads' and states' storages, host copies
-        self._param_off, self._param_hosts = [], []  # the same for the shards (offload_params)
         self._held_grads = []  # (parameter, its offloaded grad) in ROLLOUT
         self._free_engine()
         self._hooks = self._guard()
@@ -344,8 +357,7 @@ class FusedActor:
                     p.untyped_storage().resize_(p.nbytes)
             with self._timed("gather"), self.transport.gathering(params, self.layout, self.group):
                 extra, gathered, received, least = self._fill(params, eng)
-            if self.offload_params:  # the training shards too, now gathered from (1/W of the model)
-                self._offload_shards(params)
+            self._gathered(params)  # a subclass's hook (options/offload_params.py)
             for m in self.movers:  # 3. whatever else changes layout (the experts' EP re-shard)
                 m.to_rollout()
                 switched.append(m)
@@ -402,9 +414,8 @@ class FusedActor:
 
     def _reload(self):
         """What the switch offloaded, back into its device storages."""
-        reload(self._param_off, self._param_hosts)
         reload(self._off, self._hosts)
-        self._off, self._param_off = [], []
+        self._off = []
         for p, grad in self._held_grads:
             p.grad = grad
         self._held_grads = []
@@ -444,26 +455,27 @@ class FusedActor:
 
     # ==============================================================================================
     # What follows: the phase checks and the guards, the recovery from a failed switch, the code of
-    # the paths the default run does not take (load_weights, offload_params), the checkpoint state;
-    # then the checks of the caller's input and the other training layouts (pipeline stages, HSDP).
-    # A learner can stop here.
+    # the paths the default run does not take (load_weights, a subclass's hook), the checkpoint
+    # state; then the checks of the caller's input and the gather from each rank's own mesh (HSDP,
+    # the separated push). A learner can stop here.
     # ==============================================================================================
     # The options' hooks in FusedActor's arguments:
     #   inplace=False  any TP degree: each bucket of full weights goes to
     #                  engine.load_weights(iterable of (name, full tensor)), vLLM's interface; the
     #                  tensors live for the call only; it cuts its TP piece, fuses, renames, copies,
     #                  and returns the names of its parameters it loaded (None: the model's names).
-    #   offload_params the training shards go to host memory too in ROLLOUT.
     #   group          the actor's ranks (None: every rank; a hybrid deployment keeps others).
-    #   model          also a pipeline stage (FSDP2 over the stage's ranks, or whole on one rank,
-    #                  under the whole model's names) or HSDP (FSDP2 within each node, a copy per
-    #                  node): every rank gathers the whole engine from the weights' owners, through
+    #   meta           (this rank's [Weight], group) -> the [Weight] every rank builds, the same
+    #                  on every rank. options/owners.py's union_meta takes a model that is a
+    #                  pipeline stage (FSDP2 over the stage's ranks, or whole on one rank, under the
+    #                  whole model's names) or HSDP (FSDP2 within each node, a copy per node):
+    #                  every rank gathers the whole engine from the weights' owners, through
     #                  Broadcasts (SharedMemory needs shards over all W ranks).
     #   transport      any object with Broadcasts's four members (the seam).
-    # The guards cover the engine in TRAIN; optimizer.step(), a backward, and the model under
-    # offload_params in ROLLOUT. In ROLLOUT the grads are held off their parameters (p.grad is
-    # None), so that zero_grad(set_to_none=False) or clipping finds none to touch. Unchecked: an
-    # engine whose load_weights claims a weight it never wrote (names are checked, not bytes).
+    # The guards cover the engine in TRAIN; optimizer.step() and a backward in ROLLOUT. In ROLLOUT
+    # the grads are held off their parameters (p.grad is None), so that zero_grad(set_to_none=
+    # False) or clipping finds none to touch. Unchecked: an engine whose load_weights claims a
+    # weight it never wrote (names are checked, not bytes).
 
     def _expect(self, phase, what, why=None):
         if self.phase != phase:
@@ -479,17 +491,11 @@ class FusedActor:
             why = "the optimizer states are in host memory"
             self._expect(TRAIN, "optimizer.step() was called", why)
 
-        def forward(module, args):
-            if self.offload_params:
-                why = "its shards are in host memory (offload_params)"
-                self._expect(TRAIN, "the model was called", why)
-
         def output(module, args, out):  # its backward, the model's first, checks the phase
             checked = torch.is_tensor(out) and out.requires_grad
             return _BackwardCheck.apply(self, out) if checked else out
         return [self.engine.register_forward_pre_hook(engine),
                 self.optimizer.register_step_pre_hook(step),
-                self.model.register_forward_pre_hook(forward, prepend=True),
                 self.model.register_forward_hook(output)]
 
     def close(self):
@@ -518,10 +524,9 @@ class FusedActor:
             return e
         return None
 
-    def _offload_shards(self, params):
-        """offload_params: the training shards to host memory, once the gather has read them."""
-        off = storages([p for n, p in params.items() if n not in self.skip], self.device)
-        self._param_hosts, self._param_off = offload(off, self._param_hosts), off
+    def _gathered(self, params):
+        """Called in to_rollout() once the engine is built from params, before the movers: nothing
+        here; options/offload_params.py's subclass frees the training shards."""
 
     # resume: the phase and counters (save the model and optimizer in TRAIN, their state on device)
     def state_dict(self):
@@ -609,12 +614,6 @@ def _agreeing(device, group):
                            "back in TRAIN")
 
 
-def _first_mesh_group(params, group):
-    """Without a layout (options/push.py): the group of the first DTensor's mesh, if any."""
-    p = next((p for p in params.values() if isinstance(p, DTensor)), None)
-    return p.device_mesh.get_group() if p is not None else group
-
-
 def _on_own_meshes(name, p, out, works):
     """Fills out with weight name from p: a DTensor gathered over its own mesh (no layout, or
     HSDP: each node's replica), a plain tensor copied. Returns the bytes received."""
@@ -642,13 +641,6 @@ def _check(model, optimizer):
         raise ValueError(f"the optimizer holds {foreign} tensors that are not the model's "
                          "parameters (built before fully_shard?): build it on model.parameters() "
                          "after fully_shard")
-
-
-def _check_transport(transport, offload_params):
-    if offload_params and transport.keeps_shards:
-        raise ValueError("offload_params=True frees the shards, which "
-                         f"{type(transport).__name__} keeps in place: use "
-                         "offload_params=False or the Broadcasts transport")
 
 
 def _check_inplace(meta, eng):
@@ -690,66 +682,3 @@ def bucket_views(bucket, device):
     sizes = [torch.Size(w[1]).numel() for w in bucket]
     flat = torch.empty(sum(sizes), dtype=bucket[0][2], device=device)    # (numels summed,)
     return flat, [(w[0], v.view(w[1])) for w, v in zip(bucket, flat.split(sizes))]
-
-
-# ------------------------------------------------- the other training layouts: PP stages and HSDP
-# Under FSDP2 over all ranks, every rank reports the same weights. A pipeline stage holds its own,
-# under the whole model's names; under HSDP each node shards the model on a mesh of its own.
-def union_meta(mine, group=None):
-    """The weights to build: the union of every rank's weight_meta over group (None: every rank), by
-    one all_gather_object; the same list on every rank, in rank 0's order, then the names each next
-    rank adds. A weight held whole by several ranks is held by each. Where two ranks' reports of a
-    weight disagree, raises on every rank before any gather."""
-    ranks = _group_ranks(group)
-    if len(ranks) == 1:
-        return list(mine)
-    everyone = [None] * len(ranks)
-    plain = [tuple(w) for w in mine]  # plain tuples: a receiver needs no class
-    dist.all_gather_object(everyone, plain, group=group)
-    reports = {}  # name -> [(rank, Weight)], in first-seen order
-    for rank, weights in zip(ranks, everyone):
-        for w in map(Weight._make, weights):
-            reports.setdefault(w.name, []).append((rank, w))
-    return [_agreed(name, said, len(ranks)) for name, said in reports.items()]
-
-
-def _held_as(w):
-    how = "Shard(0) over" if w.sharded else "whole on"
-    return f"{how} ranks {list(w.owners)}, {w.shape} {w.dtype}"
-
-
-def _compatible(w, w0):
-    """Two ranks' reports of one weight agree: shape, dtype and sharded alike; sharded on one mesh,
-    or on disjoint meshes of one size (replicas)."""
-    alike = (w.shape, w.dtype, w.sharded) == (w0.shape, w0.dtype, w0.sharded)
-    if not alike or not w.sharded or w.owners == w0.owners:
-        return alike
-    return not set(w.owners) & set(w0.owners) and len(w.owners) == len(w0.owners)
-
-
-def _agreed(name, said, n_ranks):
-    """One Weight from its holders' reports said, [(rank, Weight)], of n_ranks ranks; a ValueError
-    naming it where two disagree."""
-    (r0, w0), holders = said[0], tuple(rank for rank, _ in said)
-    for rank, w in said[1:]:
-        if not _compatible(w, w0):
-            raise ValueError(f"{name}: rank {r0} holds it {_held_as(w0)}; rank {rank} "
-                             f"{_held_as(w)}: the ranks that hold a weight must agree on its "
-                             "owners, shape and dtype (a pipeline stage's parameters sharded over "
-                             "that stage's one mesh, or over disjoint meshes of one size, or "
-                             "whole)")
-    if not w0.sharded:
-        return w0._replace(owners=holders)
-    meshes = list(dict.fromkeys(w.owners for _, w in said))  # one, or one per node: its replicas
-    ranks = [r for owners in meshes for r in owners]
-    if len(set(ranks)) != len(ranks):  # each report was checked against the first only
-        raise ValueError(f"{name}: sharded on meshes {meshes} that overlap: a weight's meshes "
-                         "must be one, or disjoint")
-    if set(holders) != set(ranks) or any(rank not in w.owners for rank, w in said):
-        raise ValueError(f"{name}: {_held_as(w0)}, but ranks {list(holders)} hold it: every rank "
-                         "of its mesh must")
-    if len(meshes) > 1 and len(holders) != n_ranks:  # each rank gathers from its own replica
-        raise ValueError(f"{name}: sharded on {len(meshes)} meshes {meshes}, but ranks "
-                         f"{list(holders)} hold it: a weight sharded in replicas must be held by "
-                         "every rank")
-    return w0._replace(replicas=len(meshes))

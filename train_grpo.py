@@ -276,7 +276,7 @@ def build(cfg, out_dir=None):
     movers = [m for m in (run.experts, run.grad_sync) if m is not None]
     run.actor = fusion.FusedActor(run.model, run.optimizer, run.engine,
                                   bucket_bytes=cfg.bucket_kb * 1024, inplace=cfg.infer_tp == 1,
-                                  movers=movers, transport=transport)
+                                  movers=movers, transport=transport, meta=run.switch_meta)
     run.cut = build_cut(run)
     run.log = RunLog(run, start=run.resume_from[1]["step"] + 1 if run.resume_from else 1)
     say_layout(run)  # how the phases switch, and how the experts are laid out

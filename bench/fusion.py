@@ -230,8 +230,9 @@ def pp_actor(engine, opt, bucket_bytes, inplace, rank):
     pp_engine = tensor_parallel(Policy(engine.cfg), getattr(engine, "tp_group", None))
     pp_engine.eval().requires_grad_(False)
     transport = shm_transport.SharedMemory.connect(stage) or fusion.Broadcasts()
+    from options.owners import union_meta
     return fusion.FusedActor(stage, stage_opt, pp_engine, bucket_bytes=bucket_bytes, inplace=inplace,
-                             transport=transport)
+                             transport=transport, meta=union_meta)
 
 
 def bench_switch(args, rank, tmp):

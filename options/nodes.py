@@ -17,7 +17,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
-from options import gradsync
+from options import gradsync, owners
 
 
 def errors(cfg, world):
@@ -45,6 +45,7 @@ def apply(run):
     run.grad_sync = gradsync.GradSync(cross_group, cfg.grad_compress, cfg.grad_topk,
                                       overlap=cfg.grad_overlap, timer=run.spans)
     run.clip_grads = functools.partial(synced_clip, run.grad_sync, run.clip_grads)
+    run.switch_meta = owners.union_meta  # each node's replica: the ranks agree on the owners
     return DeviceMesh.from_group(node_group, run.device.type)
 
 

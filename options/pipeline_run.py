@@ -24,6 +24,7 @@ from plumbing.config import model_config
 from model import Policy
 from options.pipeline import (Pipeline, PPLayout, clip_grads, full_state_dict, grpo_update,
                               logprobs, new_groups, split, supervised_step)
+from options import owners
 from plumbing.run import Run, start
 from plumbing.runlog import RunLog, share_figures
 
@@ -103,7 +104,7 @@ def build(cfg, out_dir=None):
     T.build_rollout(run)
     run.actor = fusion.FusedActor(run.model, run.optimizer, run.engine,
                                   bucket_bytes=cfg.bucket_kb * 1024, inplace=cfg.infer_tp == 1,
-                                  transport=fusion.Broadcasts())
+                                  transport=fusion.Broadcasts(), meta=owners.union_meta)
     run.cut = T.build_cut(run)
     if run.rank == 0:
         print(f"switch: {run.actor.path}", flush=True)

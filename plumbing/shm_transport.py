@@ -26,7 +26,7 @@ Safety rules:
      inode) is the one announced. Each gather checks that the shards are still the ones shared.
   3. One node. connect() goes on only if every rank reports the same hostname and torchrun node
      index (GROUP_RANK): two torchrun agents on one host decline, though /proc would let them map.
-  4. Shards stay shared (one freed and grown back crashes torch): FusedActor refuses offload_params.
+  4. Shards stay shared (one freed and grown back crashes torch): offload_params is refused.
   5. Fallbacks. connect() returns None on every rank together where any rank cannot connect (not
      on CPU, one rank, pipeline stages, another node, no room in /dev/shm or for file descriptors, a
      peer's file not the one announced): the caller takes fusion.Broadcasts. A peer missing at a
@@ -85,7 +85,7 @@ def keep_freed_memory():
 class SharedMemory:
     """fusion.py's transport for the ranks of one host on CPU: each reads its peers' FSDP2 shards
     from shared memory. Built by SharedMemory.connect(model)."""
-    # rule 4: a shared storage is never freed (FusedActor refuses offload_params)
+    # rule 4: a shared storage is never freed (options/offload_params.py refuses this transport)
     keeps_shards = True
 
     def __init__(self, group, peer_rows, shared, readers, writers, timeout_s):

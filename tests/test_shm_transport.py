@@ -17,6 +17,7 @@ import fusion
 from plumbing import shm_transport
 from fusion import TRAIN, FusedActor, rollout
 from model import Policy
+from options.offload_params import ShardsOffloaded
 from plumbing.shm_transport import SharedMemory
 from tests.distributed import run_distributed
 from tests.test_fusion import (CFG, _backward, _check_bit_identical, _check_exact_and_memory, _check_one_rank_fails,
@@ -177,13 +178,13 @@ def _through_fused_actor(rank, world):
     _backward(model, rank, 0)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    early = FusedActor(model, opt, Policy(CFG), offload_params=True)
+    early = ShardsOffloaded(model, opt, Policy(CFG))
     peaks = _check_exact_and_memory(rank, world, model, opt, _reference(model), connect=_connected)
     assert all(_local(p).is_shared() for p in model.parameters() if _local(p).numel())
     if world > 2:
         return peaks
     with pytest.raises(ValueError, match="which SharedMemory keeps in place"):
-        FusedActor(model, opt, Policy(CFG), offload_params=True, transport=_connected(model))
+        ShardsOffloaded(model, opt, Policy(CFG), transport=_connected(model))
     with pytest.raises(ValueError, match="in shared memory"):  # refused before anything moves
         early.to_rollout()
     assert early.phase == TRAIN
