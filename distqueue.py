@@ -33,8 +33,8 @@ Departures from the source system (Huawei's RL post-training on CloudMatrix 384)
 3. The padded equivalent (metrics) pads each field to the longest cell of the step's global batch.
 4. Ids are deterministic (local_count * world + rank), so a resumed run sees the same rows in order.
 
-Above the marker ("# ====" in DistQueue's body) is the default path: the primitives, the spec, put,
-serve and a DP group's get. Below: log formats, checks, recovery, metrics, options, checkpoints.
+Above the marker ("# ====" in DistQueue's body): the default path, put, serve and a DP group's get.
+Below: log formats, checks, recovery, metrics, options' hooks (ids=, min_rows=, group=), state_dict.
 Run: python -m pytest tests/test_distqueue.py ; python bench/distqueue.py --lengths lognormal:5,1.2
 Shapes: B rows, C fields of a stage, K cells (row x field) in one transfer, N elements, T longest.
 Copy alone: torch (CPU tensors, a gloo group) and a TCPStore or a HashStore (one process); the
@@ -321,22 +321,27 @@ class DistQueue:
         return self._read(stage, n, min_rows, dp_group, step, deadline, only)
 
     def _read(self, stage, n, min_rows, dp_group, step, deadline, only):
-        """One read, in the four steps below:
-        1. claim: dp rank 0 claims the rows; for a DP group it publishes them as the plan;
-        2. share: each DP rank takes its share by tokens, of the claim or of the plan;
-        3. fetch: each rank pulls its share's cells, one packed transfer per owner;
-        4. agree: a DP group votes, so that every rank keeps what it fetched, or none does.
+        """One read, in four steps, each with the store keys it uses:
+        1. claim (dp rank 0): the new ready/<i> keys show which rows are complete; it appends
+           "token:rows;" to claims/<stage>/<block>, reads that log back and keeps the rows that
+           its token holds; for a DP group it writes them in plan/<stage>/<step>/<root>;
+        2. share: each DP rank takes its part of the rows by tokens (balance_split);
+        3. fetch: per owner, a request in req/<owner>; the owner's answer in state/<tag>; then a
+           header (K,) and one payload, point to point;
+        4. agree (a DP group): every rank votes in done/... or outcome/..., so that every rank
+           keeps what it fetched, or none does; ack/<tag> tells each owner "kept" or "dropped".
         A read that fails drops its transfers, and dp rank 0 releases the claims (the vote and the
         recovery: below the marker)."""
         cols = self.spec.stages[stage]
         dp_rank = dist.get_rank(dp_group) if dp_group else 0
         dp_size = dist.get_world_size(dp_group) if dp_group else 1
-        root = dist.get_global_rank(dp_group, 0) if dp_group else self.rank  # names group keys
+        # dp rank 0's global rank: it names the group's keys, plan/, done/ and outcome/
+        root = dist.get_global_rank(dp_group, 0) if dp_group else self.rank
         plan = self._k("plan", stage, step, root)
         token, claimed, tags, error = self._token(), {}, [], None
         try:
             if dp_rank == 0:
-                least = n if dp_size > 1 else min_rows
+                least = n if dp_size > 1 else min_rows  # a DP group shares all n rows
                 claimed = self._claim(stage, n, least, deadline, token, only)
                 rows = claimed
                 if dp_size > 1:
@@ -344,6 +349,7 @@ class DistQueue:
             else:  # wait past dp rank 0's deadline: if its claim times out, that is the error
                 late = deadline + self.spec.timeout_s
                 rows = self._take_plan(stage, n, dp_rank, step, root, late)
+            # per field, the longest cell of the global batch: the padded equivalent's measure
             tmax = {c: max(rows[r][c][1] for r in rows) for c in cols} if rows else {}
             if dp_size > 1:
                 rows = self._share(rows, cols, dp_group)
@@ -382,6 +388,7 @@ class DistQueue:
             if len(mine) + len(ready) < min_rows:  # not enough yet: claim nothing
                 return False
             mine.update(self._claim_rows(stage, ready[: n - len(mine)], token))
+            # done: n rows, or at least min_rows once every ready row has been tried
             return len(mine) >= n or (len(mine) >= min_rows and len(ready) <= n - len(mine))
         try:
             self._wait(poll, deadline, lambda: self._lacking(stage, n, min_rows, len(mine), only))
@@ -396,8 +403,8 @@ class DistQueue:
         read: it and the keys after it wait for a later poll (if its writer died, for ever)."""
         n = int(self.store.add(self._k("ready", "n"), 0))
         keys = [self._k("ready", i) for i in range(self.ready_off[stage], n)]
-        while keys and not self.store.check(keys):  # keep the prefix that is written
-            keys = keys[:-1] if self.store.check(keys[:1]) else []
+        while keys and not self.store.check(keys):  # some key is not written yet:
+            keys = keys[:-1] if self.store.check(keys[:1]) else []  # drop the last, or all
         for entries in self.store.multi_get(keys) if keys else []:
             self._parse(entries.decode(), stage, self.unclaimed[stage])
         self.ready_off[stage] += len(keys)
@@ -410,7 +417,7 @@ class DistQueue:
         for block, ids in self._blocks(rows):
             key = self._k("claims", stage, block)
             self.store.append(key, f"{token}:{ids};")
-            held = self._holders(self.store.get(key))
+            held = self._holders(self.store.get(key))  # row -> the token whose claim holds it
             for r in held:
                 cells = self.unclaimed[stage].pop(r, None)
                 if held[r] == token and cells is not None:  # None: won at an earlier poll
@@ -461,7 +468,7 @@ class DistQueue:
         longest = ",".join(f"{c}={length}" for c, length in tmax.items())
         tags, received = {}, []
         for o, keys in owners.items():
-            tags[o] = int(self.store.add(self._k("tag"), 1))
+            tags[o] = int(self.store.add(self._k("tag"), 1))  # state/, ack/, p2p tags 2t, 2t+1
             wanted = ",".join(f"{r}:{c}" for r, c in keys)
             request = f"{self.rank}|{tags[o]}|{stage}|{longest}|{wanted}"
             self.store.queue_push(self._k("req", o), request)
