@@ -517,7 +517,8 @@ class DistQueue:
 # long errors; recovery from failures, with a DP group's all-or-nothing vote; metrics); what only
 # the options use (put(ids=), get(min_rows=), drain, the hierarchical read get(group=)); checkpoint
 # state; the module's checks of a spec, the environment, a store and a process group; unpad and
-# unpack. The default path reads complete above. A learner can stop here.
+# unpack. The default path reads complete above, but for one helper worth reading: the DP group's
+# vote (_agree, step 4 of a read). A learner can stop here.
 # ==================================================================================================
 
     # --- the logs' formats: ready-log entries, claim tokens, claim logs

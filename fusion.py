@@ -11,14 +11,15 @@ rank, beside grads and AdamW states that ROLLOUT never reads. The fix, to_rollou
   3. call the movers, the state that changes layout too (the experts, re-sharded by moe_switch.py).
 to_train() undoes the three, in reverse.
 
-The default run (train_grpo.py): FSDP2 over all W ranks; the engine is the whole model at TP 1, its
-own parameters gathered into (inplace=True); the bytes move through plumbing/shm_transport.py's
-SharedMemory on one CPU host, else through Broadcasts (gloo; nccl on GPUs, untested past one rank).
-Above the marker "A learner can stop here" (in FusedActor) is that path. Below it: the guards, the
-recovery, the checkpoint state, and the hooks of the other paths (FusedActor.path names the one
-taken): an engine at any TP degree (inplace=False: engine.load_weights), and meta for the other
-training layouts (pipeline stages, HSDP: options/owners.py agrees their owners). The training
-shards offloaded too: options/offload_params.py, a FusedActor of its own.
+The default run (train_grpo.py): FSDP2 over all W ranks (the experts aside: moe_switch.py's, a
+mover); the engine is the whole model at TP 1, its own parameters gathered into (inplace=True); the
+bytes move through plumbing/shm_transport.py's SharedMemory on one CPU host, else through Broadcasts
+(gloo; nccl on GPUs, untested past one rank). Above the marker "A learner can stop here" (in
+FusedActor) is that path. Below it: the guards, the recovery, the checkpoint state, and the hooks of
+the other paths (FusedActor.path names the one taken): an engine at any TP degree (inplace=False:
+engine.load_weights), and meta for the other training layouts (pipeline stages, HSDP:
+options/owners.py agrees their owners). The training shards offloaded too:
+options/offload_params.py, a FusedActor of its own.
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
   1. FSDP2 (weights sharded at rest, as ZeRO-3) or PP stages to train, TP to generate; the engine is

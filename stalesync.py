@@ -497,7 +497,9 @@ class SharedCut:
 # A learner can stop here. What follows, the code above calls by name: the checks of the caller's
 # input with their long error messages, the brakes that stop a run going nowhere, the checks of
 # what the sampler and prompt_fn return; dynamic sampling, a batch's packing and its figures; the
-# options' hooks; the checkpoint state (state_dict, load_state_dict, start_at).
+# options' hooks; the checkpoint state (state_dict, load_state_dict, start_at). One of them the
+# default run uses in every round: dynamic sampling (_filter), which drops a group whose rewards
+# are all equal and reopens its slot.
 # ==================================================================================================
 
 

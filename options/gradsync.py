@@ -10,7 +10,7 @@ node (the "cross" group j) crosses the slow links, so this file does it itself, 
 FSDPModule.set_all_reduce_hook, and can compress it: int8 with one fp32 scale per chunk, or the
 top-k values in int8 with their int32 indices. Error feedback (1-bit SGD, Seide et al. 2014; Deep
 Gradient Compression, Lin et al. 2018) adds what a step did not send (the residual) to the next
-step's gradient: nothing is lost, only late.
+step's gradient: it arrives late, not never (unless a step is skipped for a non-finite average).
 
 Contents, naive first: NodeLayout, new_groups (the node and cross groups); allreduce_mean (the naive
 sync, native HSDP's op); gather_payloads, encode, decode, average_payloads (the compressed sync);

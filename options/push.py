@@ -25,7 +25,7 @@ from fusion import Broadcasts, bucket_views, plan_buckets, reshard_all, weight_m
 
 @torch.no_grad()
 def push_weights(model, engine, src, group, bucket_bytes):
-    """Separated deployment, after a step: every trainer (model given) gathers each bucket over its
+    """After a step of the separated deployment (and once, the hybrid's reference): every trainer (model given) gathers each bucket over its
     FSDP mesh, trainer `src` (a global rank) broadcasts it over `group` (src and the generators),
     and each generator (engine given) hands it to engine.load_weights. Every trainer and generator
     calls it. Returns bytes sent."""

@@ -96,8 +96,9 @@ class Config:
     grad_clip: float = flag(1.0, "gradient norm clip")
     # staleness (stalesync.py)
     staleness: int = flag(1, "S: most policy versions a trained sample may lag (0: synchronous)")
-    threshold: float = flag(0.5, "in (0, 1]: decode pool of prompts_per_step / threshold groups; a "
-                                 "round ends when prompts_per_step groups are complete")
+    threshold: float = flag(0.5, "in (0, 1]: a replica's decode pool holds its share of "
+                                 "prompts_per_step / threshold groups; a round ends when "
+                                 "prompts_per_step groups are complete")
     chunk_steps: int = flag(8, "decode steps between checks for a finished batch (S > 0)")
     shared_cut: bool = flag(True, "colocated: 1, the replicas cut each batch from all "
                                   "their pools (a replica held back by dropped groups "
