@@ -18,9 +18,9 @@ the README:
 Step 1 scores each group as it completes too: dynamic sampling drops a group whose rewards are all
 equal (its slot is drawn again), and the curriculum (curriculum.py) learns which lengths inform.
 
-A version v counts the batches trained: RL step k trains batch k - 1, which StaleSync cut for version
-k - 1 (every sample of it started at a version >= k - 1 - S), and makes version k. A supervised
-warm-up comes first; its held-out accuracy is the "before" figure.
+A version v counts the batches trained: RL step k trains batch k - 1, which StaleSync cut for
+version k - 1 (each of its samples started at a version >= k - 1 - S), and makes version k. A
+supervised warm-up comes first; its held-out accuracy is the "before" figure.
 
 Departures from the source system, on purpose:
 1. Scoring is a rule on the generating rank: reward and advantage travel with the sample.
@@ -207,10 +207,10 @@ def learn_curriculum(run):
 
 
 def evaluate(run):
-    """Held-out greedy accuracy of the current weights, each rollout replica scoring its slice."""
+    """Held-out greedy accuracy (each rollout replica scores its slice), and run.watch()'s."""
     with run.spans("eval"), fusion.rollout(run.actor):
         correct = held_out_correct(run)
-    figures = eval_figures(run, all_sum(correct, run.device, run.rollout_group))
+    figures = eval_figures(run, all_sum(correct, run.device, run.rollout_group)) | run.watch()
     return figures | (curriculum_figures(run.curriculum) if run.cfg.curriculum else {})
 
 
@@ -269,8 +269,8 @@ def build(cfg, out_dir=None):
         from options import tensor_parallel
         tensor_parallel.apply_to_run(run)
     build_rollout(run)
-    # the actor: one phase switch moves everything (shards, Adam state, experts); the gather reads
-    # the peers' shards in shared memory on one CPU host, else broadcasts (collective)
+    # the actor: one phase switch (Adam state to host, the engine built from the shards, experts
+    # moved); the gather reads the peers' shards in shared memory on one host, else broadcasts
     transport = shm_transport.SharedMemory.connect(run.model, cfg.pg_timeout_s)
     transport = transport or fusion.Broadcasts()
     movers = [m for m in (run.experts, run.grad_sync) if m is not None]

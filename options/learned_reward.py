@@ -8,8 +8,10 @@ fit); every rank fits the same one on the same samples, rank 0's weights broadca
 frozen and kept in host memory except while it scores (fusion.HostOffloaded), and the run's scorer
 (run.score) is its verdict, P(correct) >= 0.5. The rule is still logged beside it
 (reward/rule_mean), and its agreement with the rule on the held-out prompts' samples goes into
-step 0's record (rm/*). The hybrid deployment keeps it on the auxiliary ranks, on their device,
-which score with it.
+step 0's record (rm/*). At each evaluation the gap is watched (watch: rm/watch_*): the model against
+the rule on the policy's fresh samples of held-out prompts, and a warning below --rm-watch-below,
+the sign of a policy that games the model. The hybrid deployment keeps the model on the auxiliary
+ranks, on their device, which score with it (and its gap is not watched there).
 
     python -m pytest tests/test_train_grpo.py -k reward_model
 """
@@ -49,6 +51,7 @@ def attach(run):
         run.reward_model = fusion.HostOffloaded(rm, offload=False) if held else None
     else:
         run.reward_model = fusion.HostOffloaded(rm, offload=True)
+        run.watch = functools.partial(watch, run)  # hybrid: the model is not on the sampling ranks
     run.score = functools.partial(model_rewards, run)
 
 
@@ -59,6 +62,44 @@ def model_rewards(run, prompts, responses):
     with run.spans("reward_model"), run.reward_model.on_device() as rm:
         probs = reward_model.score(rm, prompts, responses, batch_size=run.cfg.group_size)
     return (probs >= 0.5).float()
+
+
+WATCH_PROMPTS = 256  # the held-out slice the model is checked on at each evaluation
+
+
+def watch(run):
+    """At each evaluation, the gap: the reward model against the rule on the current policy's
+    sampled answers (temperature 1, as RL samples) to a held-out slice, fresh seeds each version.
+    rm/watch_*: agreement; right_rate and wrong_rate, the shares of the rule's right and wrong
+    answers the model calls so (a gamed model calls wrong answers right); balanced, their mean.
+    Below --rm-watch-below, rank 0 warns. Collective (every sampling rank samples its slice)."""
+    cfg, prompts = run.cfg, run.eval_prompts[:WATCH_PROMPTS]
+    first = cfg.rm_samples + len(run.eval_prompts) * (1 + run.sched.version)  # past fit()'s seeds
+    responses = sample_responses(run, prompts, first_seed=first)
+    verdict, rule = model_rewards(run, prompts, responses), task.rewards(prompts, responses)  # (B,)
+    figures = gap(verdict, rule)
+    figures["rm/watch_warning"] = float(figures["rm/watch_agreement"] < cfg.rm_watch_below)
+    if figures["rm/watch_warning"]:
+        wrong = figures["rm/watch_wrong_rate"]
+        called = "no wrong answer" if wrong is None else f"{1 - wrong:.3f} of the wrong answers"
+        run.log.say(f"warning: the reward model agrees with the rule on "
+                    f"{figures['rm/watch_agreement']:.3f} of {len(prompts)} sampled answers to "
+                    f"held-out prompts (below --rm-watch-below {cfg.rm_watch_below}); it calls "
+                    f"{called} right, and the rule finds {figures['rm/watch_rule_accuracy']:.3f} "
+                    "right: the policy may be gaming it")
+    return figures
+
+
+def gap(verdict, rule):
+    """The model's verdicts (B,) against the rule's (B,), both 0/1. A share over no answers (no
+    wrong answer in the slice, say) is None, and so is the balanced mean then."""
+    def share(mask):
+        return float((verdict[mask] == rule[mask]).float().mean()) if mask.any() else None
+    right, wrong = share(rule == 1), share(rule == 0)
+    balanced = None if right is None or wrong is None else (right + wrong) / 2
+    return {"rm/watch_agreement": float((verdict == rule).float().mean()),
+            "rm/watch_right_rate": right, "rm/watch_wrong_rate": wrong,
+            "rm/watch_balanced": balanced, "rm/watch_rule_accuracy": float(rule.float().mean())}
 
 
 def rm_config(cfg):

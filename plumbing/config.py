@@ -90,15 +90,20 @@ class Config:
                                      "logged (reward/rule_mean)")
     rm_samples: int = flag(2048, "--reward-model: the policy's samples it is trained on")
     rm_steps: int = flag(300, "--reward-model: its training steps (batches of 64)")
+    rm_watch_below: float = flag(0.9, "--reward-model: at each evaluation, a warning when the "
+                                      "model agrees with the rule on less than this share of "
+                                      "the policy's sampled answers to held-out prompts (0: "
+                                      "never)")
     updates_per_batch: int = flag(1, "optimizer steps per rollout batch")
     micro_batches: int = flag(4, "length-sorted chunks per mini-batch (less padding; "
-                                 "hybrid: in put order), gradients accumulated")
+                                 "hybrid: in put order; --train-pp: equal slices of one "
+                                 "shape), gradients accumulated")
     grad_clip: float = flag(1.0, "gradient norm clip")
     # staleness (stalesync.py)
     staleness: int = flag(1, "S: most policy versions a trained sample may lag (0: synchronous)")
     threshold: float = flag(0.5, "in (0, 1]: a replica's decode pool holds its share of "
-                                 "prompts_per_step / threshold groups; a round ends when "
-                                 "prompts_per_step groups are complete")
+                                 "prompts_per_step / threshold groups; a round ends once the "
+                                 "batch can be cut (its due groups and enough others complete)")
     chunk_steps: int = flag(8, "decode steps between checks for a finished batch (S > 0)")
     shared_cut: bool = flag(True, "colocated: 1, the replicas cut each batch from all "
                                   "their pools (a replica held back by dropped groups "
@@ -415,6 +420,8 @@ def option_errors(cfg, world):
                for what, bad in unused.items() if bad and cfg.nodes == 1]
     if not 0 < cfg.grad_topk <= 1:  # at any --nodes, as every other flag's range
         errors.append(f"--grad-topk {cfg.grad_topk} must be in (0, 1]")
+    if not 0 <= cfg.rm_watch_below <= 1:  # NaN fails too
+        errors.append(f"--rm-watch-below {cfg.rm_watch_below} must be in [0, 1]")
     return errors
 
 

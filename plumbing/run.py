@@ -64,6 +64,7 @@ class Run:
     cut: object = None            # how the replicas cut each batch: SharedCut (AllReady: apart)
     batch_ids: set = None         # the row ids of the batch this step trains
     score: object = task.rewards  # (prompts, responses) -> (B,) rewards (options: a model's)
+    watch: object = dict          # () -> figures, at each evaluation (a learned scorer's checks)
     per_token: dict = field(default_factory=dict)  # the sampler's per-token fields: queue dtypes
     around: object = None         # grpo's context around each forward (Samples.around)
     step0: dict = field(default_factory=dict)  # figures an option adds to step 0's record

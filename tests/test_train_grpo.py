@@ -70,6 +70,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["--train-pp", "2", "--micro-batches", "1"], "--micro-batches 1 must be at least --train-pp 2"),
     (["--reward-model", "1", "--deploy", "separated"], "--reward-model 1 with --deploy separated is not supported"),
     (["--reward-model", "1", "--rm-steps", "0"], "--rm-steps 0 must be >= 1"),
+    (["--reward-model", "1", "--rm-watch-below", "1.5"], "--rm-watch-below 1.5 must be in [0, 1]"),
+    (["--rm-watch-below", "nan"], "--rm-watch-below nan must be in [0, 1]"),
     (["--nodes", "3"], "--nodes 3 must divide the world size 2"),
     (["--nodes", "0"], "--nodes 0 must be >= 1"),
     (["--nodes", "2", "--deploy", "separated"], "--nodes 2 with --deploy separated is not supported"),
@@ -370,14 +372,22 @@ def test_a_learned_reward_model_scores_the_same_on_every_deployment(tmp_path):
     """--reward-model 1: fit after the warm-up on the policy's samples labelled by the rule, then frozen; it scores
     every group (the filter's verdict and the trained rewards). World 2 (two replicas sampling half the fit's data
     each, every rank fitting the same model on all of it) trains to a world of one's parameters; the rule is logged
-    beside the model's reward, and its agreement on the held-out prompts' samples is in step 0's record."""
-    mode = {"reward_model": True, "rm_samples": 64, "rm_steps": 20}
+    beside the model's reward, and its agreement on the held-out prompts' samples is in step 0's record. At each
+    evaluation the gap is watched (rm/watch_*, the same at both worlds), with a warning below --rm-watch-below."""
+    mode = {"reward_model": True, "rm_samples": 64, "rm_steps": 20, "rm_watch_below": 0.95}
     [(_, p_one)] = run_distributed(_train_tiny, world_size=1, args=(str(tmp_path / "w1"), mode))
     (_, p), (_, q) = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "w2"), mode))
     assert torch.equal(p, q)
     assert_same_training(p, p_one, "--reward-model 1, world 2")
     lines = [json.loads(l) for l in open(tmp_path / "w2" / "metrics.jsonl")]
     assert 0 <= lines[0]["rm/held_out_accuracy"] <= 1 and lines[0]["rm/held_out_n"] == TINY["eval_prompts"]
+    watched = [{k: v for k, v in l.items() if k.startswith("rm/watch")} for l in lines if "eval/accuracy" in l]
+    alone = [{k: v for k, v in l.items() if k.startswith("rm/watch")}
+             for l in map(json.loads, open(tmp_path / "w1" / "metrics.jsonl")) if "eval/accuracy" in l]
+    assert len(watched) == 4 and watched == alone  # steps 0 to 3; the same answers, the same verdicts
+    for w in watched:
+        assert 0 <= w["rm/watch_agreement"] <= 1
+        assert w["rm/watch_warning"] == float(w["rm/watch_agreement"] < 0.95)
     assert all(0 <= l["reward/rule_mean"] <= 1 for l in lines[1:])
     from plumbing import timeline
     assert {"reward_model_fit", "reward_model"} <= {s["name"] for s in timeline.load_spans(tmp_path / "w2")}
