@@ -524,8 +524,9 @@ class ExpertParallel:
     # figures), optimizer_groups, new_groups, the re-shard's memory count and bound (_Memory), the
     # checks of the caller's input (each raises before any collective), the ranks' agreement on a
     # switch, and the layouts over part of the job.
-    # The code above calls them by name. One is part of the concept: _Memory, the bound that each
-    # round of plan_reshard keeps (a rank holds at most max(source, target) + one bucket).
+    # The code above calls them by name, and the default run builds with some of them (shard,
+    # optimizer_groups, new_groups): wiring, to take on trust. One is part of the concept: _Memory,
+    # the bound that each round of plan_reshard keeps (at most max(source, target) + one bucket).
     # A learner can stop here.
     # ==============================================================================================
     # The options' hooks: route(..., routing) and EPMoE.routing, a hook (N, k) -> (N, k) on the
