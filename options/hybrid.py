@@ -60,6 +60,10 @@ def errors(cfg, world):
             out.append(f"--deploy hybrid with {what} is not supported yet "
                        "(the actor colocated with --infer-tp 1, FSDP2 over its ranks, S <= 1, "
                        "no checkpoints)")
+    if cfg.kl_coef == 0 and not cfg.reward_model:
+        out.append("--deploy hybrid with --kl-coef 0 and no --reward-model leaves the auxiliary "
+                   "ranks nothing to compute (they hold the KL term's reference and the reward "
+                   "model): use --deploy colocated")
     if cfg.reward_model and (cfg.filter_groups or cfg.curriculum):
         out.append("--deploy hybrid with --reward-model 1 "
                    "needs --filter-groups 0 and --curriculum 0: "
@@ -87,8 +91,8 @@ def build(cfg, out_dir=None):
     scheduler streaming each group as it completes."""
     run = start(cfg, out_dir, cls=HybridRun)
     cfg = run.cfg  # --train-ep auto resolved
-    columns = {"ref_logprobs": "float32"}  # (n_i,)
-    added = ("ref_logprobs", "reward", "advantage") if cfg.reward_model else ("ref_logprobs",)
+    added = aux_added(cfg)
+    columns = {"ref_logprobs": "float32"} if "ref_logprobs" in added else {}  # (n_i,)
     names = ("prompt", "response", "old_logprobs", "reward", "rule_reward", "advantage", "stale",
              *run.per_token, *columns)
     stages = {"aux": ("prompt", "response"), "train": tuple(c for c in names if c not in added),
@@ -119,6 +123,13 @@ def build(cfg, out_dir=None):
     return run
 
 
+def aux_added(cfg):
+    """The columns the auxiliary stage adds: the reference's log-probs where the KL term reads
+    them; with a reward model, rewards and advantages."""
+    reference = ("ref_logprobs",) if cfg.kl_coef > 0 else ()
+    return reference + (("reward", "advantage") if cfg.reward_model else ())
+
+
 def serving(base, queue):
     """`base`, a Sampler class, that answers the queue's requests before each decode forward."""
     class ServingSampler(base):
@@ -130,7 +141,10 @@ def serving(base, queue):
 
 def send_reference(run):
     """The warmed-up policy, gathered over the actor's ranks and broadcast by rank 0 to the
-    auxiliary ranks, which keep it as the frozen reference on their device. Collective."""
+    auxiliary ranks, which keep it as the frozen reference on their device. Collective. None
+    where the KL term is off: nothing would read it."""
+    if run.cfg.kl_coef == 0:
+        return
     ref = Policy(model_config(run.cfg)).to(run.device).eval() if run.model is None else None
     push_weights(run.model, ref, 0, run.push_group, run.cfg.bucket_kb * 1024)
     if ref is not None:
@@ -161,7 +175,7 @@ def actor_loop(run):
         # 5. GRPO updates, micro-batches in put order, each waiting for its rows' columns
         with spans("train"):
             sums = grpo.grpo_update(run.model, run.optimizer, samples, run.algo, run.device,
-                                    run.train_group, queued.ref_logprobs, run.clip_grads,
+                                    run.train_group, queued.ref_logprobs(), run.clip_grads,
                                     arrive=queued)
         sched.update()
         T.learn_curriculum(run)
@@ -232,7 +246,7 @@ def read_share(run, step):
 class AuxColumns:
     """A trainer: the auxiliary stage's columns of its rows (the reference's log-probs; with a
     reward model, rewards and advantages), read micro-batch by micro-batch as the update reaches
-    them (grpo_update's arrive). A row whose ref_logprobs is still None has not had its columns
+    them (grpo_update's arrive). A row whose first column is still None has not had its columns
     yet."""
 
     def __init__(self, run, step, rows, samples):
@@ -240,18 +254,22 @@ class AuxColumns:
         self.names = run.queue.spec.stages["from_aux"]
         for name in self.names:  # filled in place as they arrive
             rows.cols[name] = [None] * len(rows.ids)
-        self.ref_logprobs = rows.cols["ref_logprobs"]                               # (B,) of (n_i,)
+        self.first = rows.cols[self.names[0]]  # (B,): None until a row's columns arrive
         self.calls = 0  # arrive calls so far: the same count on every trainer (the barrier's name)
+
+    def ref_logprobs(self):
+        """(B,) of (n_i,), filled in as they arrive; None where the KL term is off."""
+        return self.rows.cols.get("ref_logprobs")
 
     def __call__(self, which):
         """Rows `which` complete: their columns read if they are not yet (with those of any other
         row the auxiliary stage has finished), then every trainer waits for its peers' (serving the
         queue: a peer's rows may need this rank's groups pulled first) before the micro-batch's
         collectives."""
-        if any(self.ref_logprobs[i] is None for i in which):
+        if any(self.first[i] is None for i in which):
             with self.run.spans("queue"):
-                self._take([i for i, lp in enumerate(self.ref_logprobs) if lp is None], at_least=0)
-                self._take([i for i in which if self.ref_logprobs[i] is None])
+                self._take([i for i, c in enumerate(self.first) if c is None], at_least=0)
+                self._take([i for i in which if self.first[i] is None])
         self.calls += 1
         serve_until_all(self.run, f"{self.step}/{self.calls}")
 
@@ -356,12 +374,12 @@ def aux_columns(run, rows, ids):
     run.spans.args = {"rows": len(ids)}
     where = {r: i for i, r in enumerate(rows.ids)}  # the queue returns ids ascending
     prompts, responses = ([rows.cols[c][where[r]] for r in ids] for c in ("prompt", "response"))
-    samples = grpo.Samples(prompts, responses, None, None)
-    with run.spans("reference"), run.reference.on_device() as ref:
-        ref_logprobs = grpo.chunk_logprobs(ref, samples, replace(run.algo, micro_batches=1),
-                                           run.device)
-    columns = {"ref_logprobs": ref_logprobs}
-    run.queue.serve()  # between the two models: a trainer may wait for columns put before
+    samples, columns = grpo.Samples(prompts, responses, None, None), {}
+    if run.reference is not None:  # the KL term on
+        with run.spans("reference"), run.reference.on_device() as ref:
+            columns["ref_logprobs"] = grpo.chunk_logprobs(
+                ref, samples, replace(run.algo, micro_batches=1), run.device)
+        run.queue.serve()  # between the two models: a trainer may wait for columns put before
     if run.reward_model is not None:
         rewards = run.score(prompts, responses)  # (B,)
         advantages = grpo.group_advantages(rewards, cfg.group_size, cfg.adv_estimator)

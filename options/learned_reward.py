@@ -24,6 +24,7 @@ import torch.distributed as dist
 import fusion
 import task
 from options import reward_model
+from options.push import wait_for
 
 
 def attach(run):
@@ -40,6 +41,7 @@ def attach(run):
                     run.step0.update(fit(run, rm))  # rm/*: in step 0's record
                 except OneLabel as err:
                     said = [str(err)]
+        fitted(run)  # the others wait on rank 0's heartbeat, not in the collective below
         dist.broadcast_object_list(said, src=0)
         if said[0] is not None:
             raise ValueError(said[0])
@@ -107,6 +109,21 @@ def rm_config(cfg):
                                  max_len=cfg.max_digits + 2 + cfg.max_new_tokens, seed=cfg.seed)
 
 
+def fit_keys(run):
+    return f"w:{run.key}/rm_fit_step", f"w:{run.key}/rm_fit_done"
+
+
+def fitted(run):
+    """After the fit: rank 0 says it is done; a rank that does not sample (the hybrid's
+    auxiliary) waits for that on the store, where rank 0 posts each fit step, so that a fit longer
+    than --pg-timeout-s times out only if it stops making progress."""
+    heartbeat, done = fit_keys(run)
+    if run.rank == 0:
+        run.store.set(done, "1")
+    elif run.rank not in run.roles.generators:
+        wait_for(run, [done], "end of the reward model's fit on rank 0", moving=heartbeat)
+
+
 def fit(run, rm):
     """The reward model trained on rm_samples of the policy's responses, labelled by the rule; its
     agreement with the rule on the policy's responses to the held-out prompts. rm/*."""
@@ -122,8 +139,10 @@ def fit(run, rm):
                        f"--warmup-steps {cfg.warmup_steps}); the fit needs right and wrong "
                        "answers: draw more samples, or warm up longer (all wrong) or less "
                        "(all right)")
+    heartbeat, _ = fit_keys(run)
+    beat = (lambda step: run.store.set(heartbeat, str(step))) if run.rank == 0 else None
     figures = reward_model.train_reward_model(rm, rm_config(cfg), prompts, responses, labels,
-                                              run.device)
+                                              run.device, on_step=beat)
     held = sample_responses(run, run.eval_prompts, first_seed=len(prompts))
     probs = reward_model.score(rm, run.eval_prompts, held)
     agree = reward_model.agreement(probs, task.rewards(run.eval_prompts, held))

@@ -179,9 +179,10 @@ def class_weights(labels):
     return torch.where(labels > 0.5, 0.5 / positive, 0.5 / (1 - positive))  # (N,)
 
 
-def train_reward_model(model, cfg, prompts, responses, labels, device):
+def train_reward_model(model, cfg, prompts, responses, labels, device, on_step=None):
     """AdamW (cosine to 0) on the class-balanced BCE, cfg.steps steps of cfg.batch rows drawn by a
-    generator seeded by cfg.seed; the model is left frozen (eval mode, no grad). Returns the figures
+    generator seeded by cfg.seed; the model is left frozen (eval mode, no grad). on_step(step),
+    optional, is called before each step (a heartbeat for ranks that wait). Returns the figures
     of the training."""
     t0 = time.perf_counter()
     tokens, lengths, starts = pack(prompts, responses, cfg.pad, cfg.max_len)  # (N, T), (N,), (N,)
@@ -193,6 +194,8 @@ def train_reward_model(model, cfg, prompts, responses, labels, device):
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     gen = torch.Generator().manual_seed(cfg.seed)  # the draw of rows, on CPU
     for step in range(cfg.steps):
+        if on_step is not None:
+            on_step(step)
         rows = torch.randint(len(labels), (cfg.batch,), generator=gen).to(device)  # (batch,)
         T = int(lengths[rows].max())  # trim the padding no drawn row needs (a device-to-host sync)
         logits = model(tokens[rows, :T], lengths[rows], starts[rows])         # (batch,)

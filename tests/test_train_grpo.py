@@ -86,6 +86,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["--deploy", "hybrid", "--aux-ranks", "2"], "--aux-ranks 2 must be in [1, world size 2)"),
     (["--deploy", "hybrid", "--aux-ranks", "0"], "--aux-ranks 0 must be in [1, world size 2)"),
     (["--deploy", "hybrid", "--save-every", "5"], "--deploy hybrid with --save-every 5 is not supported yet"),
+    (["--deploy", "hybrid", "--kl-coef", "0"], "--deploy hybrid with --kl-coef 0 and no --reward-model leaves the "
+                                               "auxiliary ranks nothing to compute"),
     (["--deploy", "hybrid", "--reward-model", "1"], "--deploy hybrid with --reward-model 1 needs --filter-groups 0 and "
                                                     "--curriculum 0"),
     (["--reward-model", "1", "--rm-samples", "1"], "--rm-samples 1 gives the reward model's fit one rule label"),
@@ -443,21 +445,53 @@ def test_a_reward_model_fit_with_one_label_is_refused_on_every_rank_naming_the_f
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("estimator", ["grpo", "reinforce++"])
-def test_hybrid_with_a_reward_model_on_the_auxiliary_rank_trains_as_colocated_all(tmp_path, estimator):
+@pytest.mark.parametrize("estimator,kl", [("grpo", 0.05), ("reinforce++", 0.05), ("grpo", 0.0)])
+def test_hybrid_with_a_reward_model_on_the_auxiliary_rank_trains_as_colocated_all(tmp_path, estimator, kl):
     """--deploy hybrid --reward-model 1: the actor's ranks fit the reward model, rank 2 keeps it and scores every group
     (rewards and group advantages put back as columns). Without the filter and the curriculum (which need each
     group's rewards during the round), it trains to colocated-all's parameters with the same reward model; with
-    reinforce++ (advantages normalised over the batch) too: the trainers read every row's columns before the update."""
+    reinforce++ (advantages normalised over the batch) too: the trainers read every row's columns before the update.
+    With --kl-coef 0 nothing reads the reference: rank 2 neither receives nor runs it, and adds the rewards alone."""
     mode = {"reward_model": True, "rm_samples": 64, "rm_steps": 20, "filter_groups": False, "curriculum": False,
-            "adv_estimator": estimator}
+            "adv_estimator": estimator, "kl_coef": kl}
     (_, p), _, _ = run_distributed(_train_tiny, world_size=3, args=(str(tmp_path / "h"), dict(mode, deploy="hybrid")))
     (_, c), _ = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "ca"), dict(mode, **COLOCATED_ALL)))
     assert_same_training(p, c, "hybrid with a reward model against colocated-all")
     from plumbing import timeline
-    assert "reward_model" in {s["name"] for s in timeline.load_spans(tmp_path / "h") if s["rank"] == 2}
+    on_aux = {s["name"] for s in timeline.load_spans(tmp_path / "h") if s["rank"] == 2}
+    assert "reward_model" in on_aux and ("reference" in on_aux) == (kl > 0), on_aux
     lines = [json.loads(l) for l in open(tmp_path / "h" / "metrics.jsonl")]
     assert 0 <= lines[0]["rm/held_out_accuracy"] <= 1 and all(0 <= l["reward/rule_agreement"] <= 1 for l in lines[1:])
+
+
+def _train_with_a_slow_fit(rank, world_size, out_dir, overrides=None, pause_s=0.4):
+    """_train_tiny, each step of the reward model's fit made pause_s longer (its heartbeat still posted)."""
+    from options import reward_model
+    fit = reward_model.train_reward_model
+
+    def slow(*args, on_step=None, **kwargs):
+        def step(i):
+            time.sleep(pause_s)
+            if on_step is not None:
+                on_step(i)
+        return fit(*args, on_step=step, **kwargs)
+    reward_model.train_reward_model = slow
+    return _train_tiny(rank, world_size, out_dir, overrides)
+
+
+@pytest.mark.slow
+def test_a_hybrid_reward_model_fit_longer_than_the_timeout_is_waited_out_on_its_heartbeat(tmp_path):
+    """The actor's ranks fit the reward model (20 steps of 0.4 s here: 8 s) while the auxiliary rank waits. It waits on
+    rank 0's heartbeat in the store, not in a collective: a fit longer than --pg-timeout-s (5 s) that keeps stepping
+    does not time out."""
+    mode = {"deploy": "hybrid", "reward_model": True, "rm_samples": 64, "rm_steps": 20, "filter_groups": False,
+            "curriculum": False, "pg_timeout_s": 5, "steps": 1}
+    out = run_distributed(_train_with_a_slow_fit, world_size=3, timeout_s=120, pg_timeout_s=5,
+                          args=(str(tmp_path), mode))
+    assert [p is None for _, p in out] == [False, False, True]
+    from plumbing import timeline
+    fit = [s for s in timeline.load_spans(tmp_path) if s["name"] == "reward_model_fit"]
+    assert fit and min(s["end"] - s["start"] for s in fit) > mode["pg_timeout_s"]  # longer than the timeout
 
 
 @pytest.mark.slow
