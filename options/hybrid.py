@@ -19,6 +19,8 @@ It trains to colocated-all's parameters (the reference on host, computed on the 
     python -m pytest tests/test_train_grpo.py -k hybrid
 """
 import datetime
+import json
+import os
 import time
 from dataclasses import dataclass, field, replace
 
@@ -33,7 +35,8 @@ import task
 import train_grpo as T
 from plumbing.config import model_config
 from model import Policy
-from options.push import push_weights, wait_for, warm_up_or_wait
+from options.liveness import PeerLost, Watchdog
+from options.push import Inbox, push_weights, wait_for, warm_up_or_wait
 from plumbing.run import Run, start
 from plumbing.runlog import RunLog, cut_facts, share_figures, stale_facts
 
@@ -78,12 +81,36 @@ class HybridRun(Run):
     push_group: object = None     # rank 0 and the auxiliary ranks: the reference goes out on it
     rows_ahead: dict = field(default_factory=dict)  # sample id -> row id, put, not yet in a batch
     at_cut: tuple = (0, 0, 0)     # this rank's last cut's facts (not in the rows: put before it)
+    groups_put: int = 0           # a writer's groups put so far (m: the m-th goes to an aux rank)
+    inbox: Inbox = None           # an auxiliary rank's notices: a group put, a read, the end
+    watchdog: Watchdog = None     # liveness: a lost peer named within --liveness-s
+    idle: dict = field(default_factory=lambda: {"gets": 0, "cpu_s": 0.0})  # an aux rank's waits
 
 
 def train(cfg, out_dir=None):
     run = build(cfg, out_dir)
     loop = aux_loop if run.rank in run.roles.auxiliaries else actor_loop
-    return T.run_loop(run, loop, warm=warm_up_or_wait, attach=send_reference)
+    try:
+        out = T.run_loop(run, loop, warm=warm_up_or_wait, attach=send_reference)
+    except Exception as e:
+        lost = run.watchdog.explain(e)  # a broken collective or wait: which peer is gone?
+        if lost is not None and not isinstance(e.__cause__, PeerLost):
+            e = PeerLost(f"rank {run.rank}: {lost} ({type(e).__name__}: {e})").with_traceback(
+                e.__traceback__)
+        run.watchdog.close(error=f"{type(e).__name__}: {e}")  # its peers name it at once
+        raise e
+    run.watchdog.close()
+    if run.rank == 0:
+        idle_figures(run, out[0])
+    return out
+
+
+def idle_figures(run, summary):
+    """The auxiliary ranks' idle reads of the queue and CPU seconds, summed, in summary.json."""
+    idle = [json.loads(run.store.get(aux_done_key(run, r))) for r in run.roles.auxiliaries]
+    summary.update({f"aux_idle_{k}": sum(i[k] for i in idle) for k in ("gets", "cpu_s")})
+    with open(os.path.join(run.out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
 
 
 def build(cfg, out_dir=None):
@@ -91,6 +118,12 @@ def build(cfg, out_dir=None):
     scheduler streaming each group as it completes."""
     run = start(cfg, out_dir, cls=HybridRun)
     cfg = run.cfg  # --train-ep auto resolved
+    roles = run.roles
+    peers = {r: "auxiliary" if r in roles.auxiliaries else "actor"
+             for r in range(roles.world) if r != run.rank}
+    run.inbox = Inbox(run.store, inbox_key(run, run.rank))
+    wake = (lambda store: Inbox(store, run.inbox.key).post("lost"))  # a blocked take() returns
+    run.watchdog = Watchdog(f"w:{run.key}", run.rank, peers, run.spans, cfg.liveness_s, wake=wake)
     added = aux_added(cfg)
     columns = {"ref_logprobs": "float32"} if "ref_logprobs" in added else {}  # (n_i,)
     names = ("prompt", "response", "old_logprobs", "reward", "rule_reward", "advantage", "stale",
@@ -98,7 +131,7 @@ def build(cfg, out_dir=None):
     stages = {"aux": ("prompt", "response"), "train": tuple(c for c in names if c not in added),
               "from_aux": added}  # the actor puts; the auxiliary ranks read "aux", add "from_aux"
     T.build_queue(run, columns, stages, poll_s=0.0005)  # each step waits on its round trips
-    roles, timeout = run.roles, datetime.timedelta(seconds=cfg.pg_timeout_s)
+    timeout = datetime.timedelta(seconds=cfg.pg_timeout_s)
     run.train_group = run.rollout_group = dist.new_group(roles.trainers, timeout=timeout)
     run.push_group = dist.new_group([0] + roles.auxiliaries, timeout=timeout)
     actor = run.rank in roles.trainers
@@ -185,6 +218,7 @@ def actor_loop(run):
         last = T.end_step(run, step, mark, sums | figures, actor.metrics())
         if last and run.rank == 0:  # the auxiliary ranks serve until the last batch has been read
             run.store.set(final_key(run), str(step))
+            notify(run, run.roles.auxiliaries, "final")
         if last:
             break
     wait_for(run, [aux_done_key(run, r) for r in run.roles.auxiliaries], "the auxiliary ranks' end")
@@ -206,6 +240,9 @@ def put_group(run, group):
                              "old_logprobs": group.logprobs, "rule_reward": rule.tolist(),
                              "stale": stale_facts(group, (0, 0, 0)), **T.per_token(run, group)}
                             | scored)
+        aux, writer = run.roles.auxiliaries, run.roles.writers().index(run.rank)
+        notify(run, [aux[(run.groups_put + writer) % len(aux)]], "group")  # aux_groups' rule
+        run.groups_put += 1
     run.rows_ahead.update(zip(group.ids, ids))
 
 
@@ -308,7 +345,9 @@ def serve_until_all(run, name):
 
 def read_from_aux(run, step, ids, min_rows=None):
     """The auxiliary stage's columns of rows `ids`, once it has put them (at least min_rows: default
-    all); rows that still lack them past the timeout name that stage, with the rows."""
+    all); rows that still lack them past the timeout name that stage, with the rows. The
+    auxiliary ranks hold the columns: told that a read is open, they serve until it closes."""
+    notify(run, run.roles.auxiliaries, "open")
     try:
         return run.queue.get("from_aux", len(ids), min_rows=min_rows, only=set(ids))
     except TimeoutError as e:
@@ -316,6 +355,8 @@ def read_from_aux(run, step, ids, min_rows=None):
                            "columns (the reference's log-probs; with a reward model, rewards and "
                            f"advantages) to rows {sorted(ids)} of step {step}'s batch in "
                            f"{run.cfg.pg_timeout_s}s: is it alive? ({e})") from e
+    finally:
+        notify(run, run.roles.auxiliaries, "close")
 
 
 # ----------------------------------------------------------------------------- the auxiliary ranks
@@ -325,6 +366,17 @@ def final_key(run):
 
 def aux_done_key(run, rank):
     return f"w:{run.key}/aux_done/{rank}"
+
+
+def inbox_key(run, rank):
+    return f"w:{run.key}/inbox/{rank}"
+
+
+def notify(run, ranks, notice):
+    """Post `notice` to each auxiliary rank's inbox: "group" (one is put for it), "open" and
+    "close" (a trainer's read of its columns), "final" (the run is over)."""
+    for r in ranks:
+        Inbox(run.store, inbox_key(run, r)).post(notice)
 
 
 def aux_loop(run):
@@ -338,8 +390,10 @@ def aux_loop(run):
     piece = aux_piece(run)                        # rows per piece of work
     while True:
         pending = aux_groups(run, seen, done)
+        cpu = time.process_time()
         with run.spans("idle"):
             rows = wait_for_groups(run, pending)
+        run.idle["cpu_s"] += time.process_time() - cpu  # what waiting costs this rank's CPU
         if rows is None:  # the run is over: every batch it trains has been read
             break
         got = set(rows.ids)
@@ -356,7 +410,7 @@ def aux_loop(run):
                 done.discard((w, seen[w]))
                 seen[w] += 1
     run.queue.serve()  # retire the transfers the trainers acknowledged
-    run.store.set(aux_done_key(run, run.rank), "1")
+    run.store.set(aux_done_key(run, run.rank), json.dumps(run.idle))
 
 
 def aux_piece(run):
@@ -406,17 +460,40 @@ def aux_groups(run, seen, done):
 
 def wait_for_groups(run, groups):
     """The rows of whichever of `groups` ((writer, k) -> row ids) the actor has put, once there is
-    one; None once trainer 0 has said the run is over. An actor that puts nothing for pg_timeout_s
-    times out, naming the groups waited for."""
+    one; None once trainer 0 has said the run is over. Between reads it blocks on its inbox, not
+    polling: the next notice wakes it (a trainer's read is served until it closes). An actor that
+    puts nothing for pg_timeout_s times out, naming the groups waited for."""
     only = {r for ids in groups.values() for r in ids}
     deadline = time.monotonic() + run.cfg.pg_timeout_s
     while not run.store.check([final_key(run)]):
         rows = run.queue.get("aux", len(only), min_rows=0, only=only)  # what there is
+        run.idle["gets"] += 1
         if rows.ids:
             return rows
-        if time.monotonic() > deadline:
+        notice = run.inbox.take(deadline - time.monotonic())
+        if notice is None:
             raise TimeoutError(f"rank {run.rank}: the actor put none of groups "
                                f"{sorted(groups)[:8]} (writer, index) "
                                f"in {run.cfg.pg_timeout_s}s: is the actor alive?")
-        time.sleep(run.queue.spec.poll_s)
+        if notice in ("open", "lost"):
+            serve_readers(run, notice)
     return None
+
+
+def serve_readers(run, notice):
+    """Serve the queue until every trainer's open read of this rank's columns has closed (the
+    reads are short: the columns are there). A lost peer raises here, named by the watchdog."""
+    readers, deadline = 0, time.monotonic() + run.cfg.pg_timeout_s
+    while True:
+        if notice == "lost":
+            raise PeerLost(run.watchdog.error)
+        readers += {"open": 1, "close": -1}.get(notice, 0)  # "group", "final": seen by the loop
+        run.queue.serve()
+        if readers == 0:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {run.rank}: a trainer's read of this rank's columns did not "
+                               f"end in {run.cfg.pg_timeout_s}s")
+        notice = run.inbox.take(0)
+        if notice is None:
+            time.sleep(run.queue.spec.poll_s)

@@ -10,9 +10,11 @@ vLLM's weight update does. No rank holds more than one bucket beyond its own wei
 wait_for: a rank of one role waits for the other's post in the store, serving the queue meanwhile,
 and times out naming what it waited for; warm_up_or_wait: a rank that does not train waits out the
 trainers' warm-up on a heartbeat, not in a collective that a long warm-up would time out.
+Inbox: a rank's notices in order, which it blocks on (store.wait) instead of polling.
 
     python -m pytest tests/test_fusion.py -k distributed  # world 4: two trainers, two TP generators
 """
+import datetime
 import itertools
 import time
 
@@ -25,10 +27,10 @@ from fusion import Broadcasts, bucket_views, plan_buckets, reshard_all, weight_m
 
 @torch.no_grad()
 def push_weights(model, engine, src, group, bucket_bytes):
-    """After a step of the separated deployment (and once, the hybrid's reference): every trainer (model given) gathers each bucket over its
-    FSDP mesh, trainer `src` (a global rank) broadcasts it over `group` (src and the generators),
-    and each generator (engine given) hands it to engine.load_weights. Every trainer and generator
-    calls it. Returns bytes sent."""
+    """After a step of the separated deployment (and once, the hybrid's reference): every trainer
+    (model given) gathers each bucket over its FSDP mesh, trainer `src` (a global rank) broadcasts
+    it over `group` (src and the generators), and each generator (engine given) hands it to
+    engine.load_weights. Every trainer and generator calls it. Returns bytes sent."""
     in_group = group is None or dist.get_rank(group) >= 0  # outside: a placeholder for the group
     members = dist.get_process_group_ranks(group) if group is not None and in_group else [src]
     if in_group and src not in members:
@@ -84,3 +86,30 @@ def warm_up_or_wait(run):
     train_grpo.warm_up(run, supervised=counted)
     if run.rank == 0:
         run.store.set(done, "1")
+
+
+class Inbox:
+    """A rank's notices, in the order posted: the n-th under key/<n>, their count under key/n. Any
+    rank posts; the owner takes them one by one, blocking in the store until the next is posted."""
+
+    def __init__(self, store, key):
+        self.store, self.key, self.taken = store, key, 0
+
+    def post(self, notice):
+        n = int(self.store.add(f"{self.key}/n", 1))
+        self.store.set(f"{self.key}/{n}", notice)
+
+    def take(self, timeout_s):
+        """The next notice, once it is posted; None after timeout_s (0: at once)."""
+        key = f"{self.key}/{self.taken + 1}"
+        if timeout_s <= 0 and not self.store.check([key]):
+            return None
+        if timeout_s > 0:
+            try:
+                self.store.wait([key], datetime.timedelta(seconds=timeout_s))
+            except dist.DistStoreError:  # the timeout
+                return None
+        self.taken += 1
+        notice = self.store.get(key).decode()
+        self.store.delete_key(key)
+        return notice

@@ -123,6 +123,8 @@ class Config:
                                     "--aux-ranks ranks, a queue stage between rollout and training")
     aux_ranks: int = flag(None, "--deploy hybrid: ranks holding the reference and the reward model "
                                 "(default 1)")
+    liveness_s: float = flag(10.0, "--deploy hybrid: a rank whose heartbeat stops this long is "
+                                   "named lost by its peers (options/liveness.py)")
     infer_tp: int = flag(1, "tensor-parallel degree of the rollout engine: 1, 2 "
                             "or 4 (colocated modes; options/tensor_parallel.py)")
     layout: str = flag("manual", "manual: the layout flags as given; auto: the planner's "
@@ -422,6 +424,8 @@ def option_errors(cfg, world):
         errors.append(f"--grad-topk {cfg.grad_topk} must be in (0, 1]")
     if not 0 <= cfg.rm_watch_below <= 1:  # NaN fails too
         errors.append(f"--rm-watch-below {cfg.rm_watch_below} must be in [0, 1]")
+    if not cfg.liveness_s > 0:  # NaN fails too
+        errors.append(f"--liveness-s {cfg.liveness_s} must be > 0")
     return errors
 
 

@@ -577,6 +577,46 @@ def test_hybrid_with_a_silent_auxiliary_rank_fails_naming_the_stage(tmp_path, ho
     assert "is it alive?" in message
 
 
+def _train_saying_its_error(rank, world_size, out_dir, overrides=None, dies=None):
+    """_train_with_a_silent_aux's "dead" auxiliary rank (dies="aux"), or the actor's rank 1 gone once the second step's
+    rollout has begun (dies="actor"); every other rank returns its error's message, and the seconds from its start
+    to the error."""
+    if dies == "aux" and rank == world_size - 1:
+        return _train_with_a_silent_aux(rank, world_size, out_dir, overrides, how="dead")
+    if dies == "actor" and rank == 1:
+        rollout = hybrid.serve_then
+
+        def dead_in_step_2(queue, cut, sched):
+            if sched.version >= 1:
+                os._exit(9)
+            return rollout(queue, cut, sched)
+        hybrid.serve_then = dead_in_step_2
+    t0 = time.monotonic()
+    try:
+        _train_tiny(rank, world_size, out_dir, overrides)
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return str(e), time.monotonic() - t0
+    return None, time.monotonic() - t0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dies", ["aux", "actor"])
+def test_a_lost_hybrid_peer_is_named_within_the_liveness_interval(tmp_path, dies):
+    """A peer's process gone (os._exit: no exception, no goodbye), with --pg-timeout-s 60 and --liveness-s 3: the
+    ranks that wait on it through the store name it, its role and the phase it was last seen in, within the liveness
+    interval and well before the timeout (its heartbeat, posted by a thread of its own, stopped)."""
+    lost = 2 if dies == "aux" else 1
+    mode = {"deploy": "hybrid", "pg_timeout_s": 60, "liveness_s": 3.0}
+    out = run_distributed(_train_saying_its_error, world_size=3, timeout_s=55, may_die=(lost,),
+                          args=(str(tmp_path), mode, dies))
+    role = "auxiliary" if dies == "aux" else "actor"
+    watchers = [0, 1] if dies == "aux" else [0, 2]  # rank 0's collective with rank 1 breaks: it names rank 1 too
+    for r in watchers:
+        message, seconds = out[r]
+        assert message is not None and f"rank {lost} ({role}) gave no sign of life for" in message, (r, message)
+        assert "--liveness-s 3" in message and "last seen in" in message and seconds < 45, (r, message, seconds)
+
+
 def _train_with_a_silent_actor(rank, world_size, out_dir, overrides=None):
     """_train_tiny, the actor's ranks hung after the warm-up: they never put a group."""
     if rank < world_size - 1:
