@@ -23,6 +23,8 @@ Figures, over the RL steps of each run (rank 0's metrics.jsonl and every rank's 
                   a micro-batch's columns (a wait for its work, not for the queue): the queue's round trips, transfers
                   and polling (target in the hybrid: < 5%)
   hybrid_over_colocated_all   the hybrid's tokens/s over colocated-all's, in the same round
+  aux idle        the auxiliary rank's waits for work, per RL step (summary.json): its reads of the queue and the
+                  CPU seconds it burns (it blocks on its inbox in the store between notices)
 The bound: what this machine allows the hybrid. Per RL step k, the actor must do its own work a_k (its step time less
 its waits) and the auxiliary rank its own, x_k (its `reference` and `reward_model` spans inside step k's window, from
 the actor's first span of step k to its last); at best they overlap completely, so step k takes at least
@@ -49,8 +51,8 @@ sys.path.insert(0, ROOT)
 from plumbing import timeline  # noqa: E402
 
 FLAGS = ["--kl-coef", "0.05", "--lr", "5e-4", "--lr-decay", "1", "--train-ep", "0",  # like for like: EP off
-         "--reward-model", "1", "--rm-samples", "512", "--rm-steps", "100", "--filter-groups", "0", "--curriculum", "0", "--warmup-steps", "300",
-         "--eval-every", "1000", "--eval-prompts", "64", "--rl-seconds", "0"]
+         "--reward-model", "1", "--rm-samples", "512", "--rm-steps", "100", "--filter-groups", "0", "--curriculum", "0",
+         "--warmup-steps", "300", "--eval-every", "1000", "--eval-prompts", "64", "--rl-seconds", "0"]
 WAITS = ("queue", "idle")
 AUX_WORK = ("reference", "reward_model")
 
@@ -65,7 +67,9 @@ def train(out, deploy, staleness, steps):
     if r.returncode:
         sys.exit(f"the run failed ({r.returncode}):\n{r.stderr[-4000:]}")
     lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][1:]
-    return lines, timeline.load_spans(out)
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    idle = {k: summary[f"aux_idle_{k}"] / len(lines) for k in ("gets", "cpu_s") if f"aux_idle_{k}" in summary}
+    return lines, timeline.load_spans(out), idle
 
 
 def inside(spans, rank, names, lo, hi):
@@ -120,11 +124,16 @@ def main():
     result = {}
     for S in args.staleness:
         ratios, bounds, shares, tails, own = [], [], [], [], {"colocated-all": [], "hybrid": []}
+        idles = []
         for i in range(args.rounds):
             f = {}
             for deploy in ("colocated-all", "hybrid") if i % 2 == 0 else ("hybrid", "colocated-all"):
-                lines, spans = train(os.path.join(args.out, f"{deploy}_s{S}_{i}"), deploy, S, args.steps)
+                lines, spans, idle = train(os.path.join(args.out, f"{deploy}_s{S}_{i}"), deploy, S, args.steps)
                 f[deploy] = figures(lines, spans, deploy)
+                if idle:
+                    idles.append(idle)
+                    print(f"  S = {S} hybrid: the auxiliary rank's idle reads {idle['gets']:.1f} and CPU "
+                          f"{idle['cpu_s'] * 1e3:.1f} ms per step", flush=True)
                 print(f"  S = {S} {deploy:13s}: {f[deploy]['tokens_per_s']:6.0f} tok/s | actor idle "
                       f"{f[deploy]['actor_idle']:.3f} | reference and reward model {f[deploy]['aux_share']:.3f} of the "
                       f"actor's step time ({'on it' if deploy == 'colocated-all' else 'on rank 1'}; after its "
@@ -139,7 +148,9 @@ def main():
             print(f"  S = {S} round {i}: hybrid / colocated-all {ratio:.3f}, bound {bound:.3f}, share of the bound "
                   f"{ratio / bound:.3f}", flush=True)
         result[f"s{S}"] = {"hybrid_over_colocated_all": ratios, "bound": bounds, "share_of_bound": shares,
-                           "median_share_of_bound": statistics.median(shares), "tail": tails, "queue_own": own}
+                           "median_share_of_bound": statistics.median(shares), "tail": tails, "queue_own": own,
+                           "aux_idle_gets_per_step": [i["gets"] for i in idles],
+                           "aux_idle_cpu_s_per_step": [i["cpu_s"] for i in idles]}
     print(json.dumps(result))
 
 

@@ -121,7 +121,8 @@ def fitted(run):
     if run.rank == 0:
         run.store.set(done, "1")
     elif run.rank not in run.roles.generators:
-        wait_for(run, [done], "end of the reward model's fit on rank 0", moving=heartbeat)
+        wait_for(run, [done], "end of the reward model's fit on rank 0", moving=heartbeat,
+                 poll_s=0.05)
 
 
 def fit(run, rm):

@@ -55,9 +55,10 @@ def push_weights(model, engine, src, group, bucket_bytes):
     return sent
 
 
-def wait_for(run, keys, what, moving=None):
-    """Poll the store until every key exists, serving the queue all along. Times out where a peer
-    posts nothing for pg_timeout_s (or leaves `moving`, a key it updates as it works, unchanged)."""
+def wait_for(run, keys, what, moving=None, poll_s=0.001):
+    """Poll the store every poll_s until every key exists, serving the queue all along. Times out
+    where a peer posts nothing for pg_timeout_s (or leaves `moving`, a key it updates as it works,
+    unchanged). A wait with nothing to serve (a warm-up's) polls seldom: it leaves the CPU alone."""
     seen, deadline = None, time.monotonic() + run.cfg.pg_timeout_s
     while not run.store.check(keys):
         run.queue.serve()
@@ -67,7 +68,7 @@ def wait_for(run, keys, what, moving=None):
         if time.monotonic() > deadline:
             raise TimeoutError(f"rank {run.rank}: no {what} after {run.cfg.pg_timeout_s}s "
                                f"(keys {keys}, last progress {seen!r}): is the peer alive?")
-        time.sleep(0.001)
+        time.sleep(poll_s)
 
 
 def warm_up_or_wait(run):
@@ -76,7 +77,7 @@ def warm_up_or_wait(run):
     import train_grpo
     heartbeat, done = f"w:{run.key}/warmup_steps", f"w:{run.key}/warmup_done"
     if run.rank not in run.roles.trainers:
-        return wait_for(run, [done], "end of trainer 0's warm-up", moving=heartbeat)
+        return wait_for(run, [done], "end of trainer 0's warm-up", moving=heartbeat, poll_s=0.05)
     count = itertools.count()
 
     def counted(*args):  # one supervised step, its count posted first
