@@ -38,6 +38,7 @@ from model import Policy
 from options.liveness import PeerLost, Watchdog
 from options.push import Inbox, push_weights, wait_for, warm_up_or_wait
 from plumbing.run import Run, start
+from plumbing import checkpoint
 from plumbing.runlog import RunLog, cut_facts, share_figures, stale_facts
 
 
@@ -55,14 +56,11 @@ def errors(cfg, world):
                    f"--infer-tp {cfg.infer_tp}": cfg.infer_tp > 1,
                    f"--train-ep {cfg.train_ep}": cfg.train_ep not in (0, "auto"),
                    f"--train-pp {cfg.train_pp}": cfg.train_pp > 1,
-                   f"--nodes {cfg.nodes}": cfg.nodes > 1,
-                   f"--save-every {cfg.save_every}": cfg.save_every > 0,
-                   f"--resume {cfg.resume}": bool(cfg.resume)}
+                   f"--nodes {cfg.nodes}": cfg.nodes > 1}
     for what, bad in unsupported.items():
         if bad:
             out.append(f"--deploy hybrid with {what} is not supported yet "
-                       "(the actor colocated with --infer-tp 1, FSDP2 over its ranks, S <= 1, "
-                       "no checkpoints)")
+                       "(the actor colocated with --infer-tp 1, FSDP2 over its ranks, S <= 1)")
     if cfg.kl_coef == 0 and not cfg.reward_model:
         out.append("--deploy hybrid with --kl-coef 0 and no --reward-model leaves the auxiliary "
                    "ranks nothing to compute (they hold the KL term's reference and the reward "
@@ -85,6 +83,38 @@ class HybridRun(Run):
     inbox: Inbox = None           # an auxiliary rank's notices: a group put, a read, the end
     watchdog: Watchdog = None     # liveness: a lost peer named within --liveness-s
     idle: dict = field(default_factory=lambda: {"gets": 0, "cpu_s": 0.0})  # an aux rank's waits
+    aux_seen: dict = field(default_factory=dict)  # an aux rank: writer -> its groups done, in order
+    aux_done: set = field(default_factory=set)  # (writer, k): its k-th group, done out of order
+
+    def own_state(self):
+        """The loop's own state at a checkpoint: an actor rank's groups put ahead of their batch,
+        an auxiliary rank's progress through the groups and the models it holds."""
+        if self.rank not in self.roles.auxiliaries:
+            return {"rows_ahead": dict(self.rows_ahead), "groups_put": self.groups_put,
+                    "at_cut": tuple(self.at_cut)}
+        held = {}
+        for name in ("reference", "reward_model"):
+            if getattr(self, name) is not None:
+                with getattr(self, name).on_device() as m:
+                    held[name] = {k: v.detach().to("cpu", copy=True)
+                                  for k, v in m.state_dict().items()}
+        return {"seen": dict(self.aux_seen), "done": sorted(self.aux_done),
+                "idle": dict(self.idle), **held}
+
+    def load_own_state(self, state):
+        if self.rank not in self.roles.auxiliaries:
+            self.rows_ahead, self.groups_put = dict(state["rows_ahead"]), state["groups_put"]
+            self.at_cut = tuple(state["at_cut"])
+            return
+        self.aux_seen, self.aux_done = dict(state["seen"]), {tuple(g) for g in state["done"]}
+        self.idle = dict(state["idle"])
+        for name in ("reference", "reward_model"):
+            if getattr(self, name) is not None:
+                with getattr(self, name).on_device() as m:
+                    m.load_state_dict(state[name])
+
+    def saved_models(self):  # on the auxiliary ranks, in their own files
+        return {"reference": self.cfg.kl_coef > 0, "reward_model": self.cfg.reward_model}
 
 
 def train(cfg, out_dir=None):
@@ -149,7 +179,7 @@ def build(cfg, out_dir=None):
         run.cut = lambda sched: serve_then(run.queue, cut, sched)
         if run.rank == 0:
             print(f"switch: {run.actor.path}", flush=True)
-    run.log = RunLog(run, start=1)
+    run.log = RunLog(run, start=run.resume_from[1]["step"] + 1 if run.resume_from else 1)
     if cfg.routing_replay:  # the trainers replay the recorded experts; moe/* in the log
         from options import routing_replay
         routing_replay.apply(run)
@@ -179,7 +209,8 @@ def send_reference(run):
     if run.cfg.kl_coef == 0:
         return
     ref = Policy(model_config(run.cfg)).to(run.device).eval() if run.model is None else None
-    push_weights(run.model, ref, 0, run.push_group, run.cfg.bucket_kb * 1024)
+    if run.resume_from is None:  # resumed: the auxiliary ranks' checkpoint files hold it
+        push_weights(run.model, ref, 0, run.push_group, run.cfg.bucket_kb * 1024)
     if ref is not None:
         run.reference = fusion.HostOffloaded(ref.requires_grad_(False), offload=False)
 
@@ -189,7 +220,8 @@ def actor_loop(run):
     """An actor rank: the colocated step, each group put as it completes; then it answers the
     auxiliary ranks' last pulls until each says it is done, so that none waits on it."""
     spans, sched, actor = run.spans, run.sched, run.actor
-    run.log.warmed_up(T.evaluate(run) | run.step0)
+    if run.resume_from is None:
+        run.log.warmed_up(T.evaluate(run) | run.step0)
     for step in run.log.progress():
         mark = run.log.mark(step=step, version=step - 1)
         # 6. switch to ROLLOUT
@@ -215,6 +247,7 @@ def actor_loop(run):
         figures = share_figures(step, rows)
         figures.update({name: figures[name] + fact for name, fact in zip(
             ("regenerated", "filtered", "filled_in"), run.at_cut)}, rows_ahead=len(run.rows_ahead))
+        quiesce(run, step)  # a checkpoint at this step: the auxiliary ranks join it, quiet
         last = T.end_step(run, step, mark, sums | figures, actor.metrics())
         if last and run.rank == 0:  # the auxiliary ranks serve until the last batch has been read
             run.store.set(final_key(run), str(step))
@@ -222,6 +255,20 @@ def actor_loop(run):
         if last:
             break
     wait_for(run, [aux_done_key(run, r) for r in run.roles.auxiliaries], "the auxiliary ranks' end")
+
+
+def quiesce(run, step):
+    """Before a step's checkpoint (end_step saves every --save-every): rank 0 asks the auxiliary
+    ranks to save; each first finishes the groups put before the request, then says it is ready and
+    joins the save. The actor's ranks serve the queue until then: the snapshot of their queue
+    then holds no read half done."""
+    aux = run.roles.auxiliaries
+    if not run.cfg.save_every or step % run.cfg.save_every:
+        return
+    if run.rank == 0:
+        notify(run, aux, f"save:{step}")
+    wait_for(run, [ready_key(run, step, r) for r in aux], f"the auxiliary ranks' readiness to "
+             f"save step {step}")
 
 
 def put_group(run, group):
@@ -372,9 +419,13 @@ def inbox_key(run, rank):
     return f"w:{run.key}/inbox/{rank}"
 
 
+def ready_key(run, step, rank):
+    return f"w:{run.key}/aux_ready/{step}/{rank}"
+
+
 def notify(run, ranks, notice):
     """Post `notice` to each auxiliary rank's inbox: "group" (one is put for it), "open" and
-    "close" (a trainer's read of its columns), "final" (the run is over)."""
+    "close" (a trainer's read of its columns), "save:<step>" (a checkpoint), "final" (the end)."""
     for r in ranks:
         Inbox(run.store, inbox_key(run, r)).post(notice)
 
@@ -384,18 +435,22 @@ def aux_loop(run):
     groups as the actor puts them, whole groups, and adds their columns (aux_columns) in pieces of a
     micro-batch's groups, the earliest put first; each put serves the queue, so that a trainer waits
     on this rank for at most a piece. Runs until trainer 0 says the last batch has been read."""
-    # per writer: this rank's groups of it done, in order
-    seen = dict.fromkeys(run.roles.writers(), 0)
-    done = set()                                  # (writer, k): its k-th group, done out of order
+    seen, done = run.aux_seen, run.aux_done  # what a checkpoint keeps of this loop
+    for w in run.roles.writers():
+        seen.setdefault(w, 0)
     piece = aux_piece(run)                        # rows per piece of work
     while True:
         pending = aux_groups(run, seen, done)
         cpu = time.process_time()
         with run.spans("idle"):
-            rows = wait_for_groups(run, pending)
+            kind, rows = wait_for_groups(run, pending)
         run.idle["cpu_s"] += time.process_time() - cpu  # what waiting costs this rank's CPU
-        if rows is None:  # the run is over: every batch it trains has been read
+        if kind == "end":  # the run is over: every batch it trains has been read
             break
+        if kind == "save":  # every group put before the request is done: ready, then saved
+            run.store.set(ready_key(run, rows, run.rank), "1")
+            checkpoint.save(run, rows)
+            continue
         got = set(rows.ids)
         groups = [g for g in sorted(pending, key=lambda g: g[::-1]) if set(pending[g]) <= got]
         ids = [r for g in groups for r in pending[g]]  # group by group, in put order
@@ -459,17 +514,18 @@ def aux_groups(run, seen, done):
 
 
 def wait_for_groups(run, groups):
-    """The rows of whichever of `groups` ((writer, k) -> row ids) the actor has put, once there is
-    one; None once trainer 0 has said the run is over. Between reads it blocks on its inbox, not
-    polling: the next notice wakes it (a trainer's read is served until it closes). An actor that
-    puts nothing for pg_timeout_s times out, naming the groups waited for."""
+    """("rows", the rows of whichever of `groups` ((writer, k) -> row ids) the actor has put), once
+    there is one; ("save", step) when the actor asks for a checkpoint (groups put before it are
+    read first); ("end", None) once trainer 0 has said the run is over. Between reads it blocks on
+    its inbox, not polling: the next notice wakes it (a trainer's read is served until it closes).
+    An actor that puts nothing for pg_timeout_s times out, naming the groups waited for."""
     only = {r for ids in groups.values() for r in ids}
     deadline = time.monotonic() + run.cfg.pg_timeout_s
     while not run.store.check([final_key(run)]):
         rows = run.queue.get("aux", len(only), min_rows=0, only=only)  # what there is
         run.idle["gets"] += 1
         if rows.ids:
-            return rows
+            return "rows", rows
         notice = run.inbox.take(deadline - time.monotonic())
         if notice is None:
             raise TimeoutError(f"rank {run.rank}: the actor put none of groups "
@@ -477,7 +533,9 @@ def wait_for_groups(run, groups):
                                f"in {run.cfg.pg_timeout_s}s: is the actor alive?")
         if notice in ("open", "lost"):
             serve_readers(run, notice)
-    return None
+        if notice.startswith("save:"):
+            return "save", int(notice.split(":")[1])
+    return "end", None
 
 
 def serve_readers(run, notice):
@@ -487,6 +545,8 @@ def serve_readers(run, notice):
     while True:
         if notice == "lost":
             raise PeerLost(run.watchdog.error)
+        if notice and notice.startswith("save:"):  # asked once every trainer's reads are closed
+            raise RuntimeError(f"rank {run.rank}: a checkpoint was asked for during a read")
         readers += {"open": 1, "close": -1}.get(notice, 0)  # "group", "final": seen by the loop
         run.queue.serve()
         if readers == 0:

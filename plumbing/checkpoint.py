@@ -328,6 +328,7 @@ def _check(cfg, path):
         raise ValueError(f"checkpoint {path} was saved by older code "
                          f"with --train-ep {saved['train_ep']}, "
                          "each expert under a name of its own: resume it with that code")
+    _check_hybrid(cfg, path, meta)
     if meta["step"] >= cfg.steps:
         raise ValueError(f"checkpoint {path} is at step {meta['step']}: "
                          f"--steps {cfg.steps} leaves nothing to run")
@@ -355,10 +356,10 @@ def save(run, step):
         # --nodes: the error-feedback residual, this rank's shard of its node's
         if run.grad_sync is not None:
             own["grad_sync"] = run.grad_sync.state_dict()
+        own["run"] = run.own_state()  # a deployment's loop's own (the hybrid's counters)
         dcp_state, own["optim_groups"] = _dcp_state(run)
         meta = {"world": run.roles.world, "config": dataclasses.asdict(cfg),
-                "log": run.log.state_dict(), "reference": run.reference is not None,
-                "reward_model": run.reward_model is not None,
+                "log": run.log.state_dict(), **run.saved_models(),
                 "experts": "stacked"}  # under EP too (_dcp_state)
         write(run.out_dir, step, run.rank, own, meta, dcp_state=dcp_state,
               dcp_group=run.train_group, keep_last=cfg.keep_last)
@@ -487,6 +488,25 @@ def load_dense_state_dict(model, full):
             p.copy_(full[k])
 
 
+def _check_hybrid(cfg, path, meta):
+    """A hybrid checkpoint holds the reference (and the reward model) in its auxiliary ranks' files:
+    it resumes as it was saved, at the same world and --aux-ranks, and nothing else resumes it."""
+    saved = meta["config"]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+
+    def placed(deploy, aux, w):
+        return (deploy, (aux or 1) if deploy == "hybrid" else None, w)
+    there = placed(saved["deploy"], saved.get("aux_ranks"), meta["world"])
+    here = placed(cfg.deploy, cfg.aux_ranks, world)
+    if "hybrid" in (there[0], here[0]) and there != here:
+        raise ValueError(f"checkpoint {path} was saved by --deploy {there[0]} at world {there[2]}"
+                         f"{f' (--aux-ranks {there[1]})' if there[1] else ''}, this run is "
+                         f"--deploy {here[0]} at world {here[2]}"
+                         f"{f' (--aux-ranks {here[1]})' if here[1] else ''}: a hybrid run's "
+                         "reference lives on its auxiliary ranks, so it resumes only as it was "
+                         "saved")
+
+
 def resume(run):
     """Load the checkpoint `find` chose into a built run: the trainers' DCP state, resharded if the
     world changed; then each rank's own state, or, at another layout, the in-flight prompts to
@@ -555,8 +575,10 @@ def _device_rng(device, state=None):
 def _load_own(run, own):
     _drop_per_token(own, set(run.queue.spec.columns), set(run.per_token))
     cells = own["queue"]["cells"]
-    # else a read would wait on it
-    if any(c == "reward" and (row, "rule_reward") not in cells for (row, c) in cells):
+    # else a read would wait on it (a row written here: a hybrid's auxiliary rank holds only the
+    # columns it added)
+    if any(c == "reward" and (row, "prompt") in cells and (row, "rule_reward") not in cells
+           for (row, c) in cells):
         raise ValueError("the checkpoint's queued rows have no rule_reward column "
                          "(saved by older code): resume it with that code, "
                          "or from a checkpoint without queued rows")
@@ -572,6 +594,7 @@ def _load_own(run, own):
         run.actor.load_state_dict(own["actor"])
     if run.experts is not None and run.experts.balancer is not None and "eplb" in own:
         run.experts.balancer.load_state_dict(own["eplb"])  # else the blocks, until a rollout
+    run.load_own_state(own.get("run", {}))
     run.queue.load_state_dict(own["queue"])  # collective: every rank publishes the rows it holds
 
 

@@ -72,6 +72,18 @@ class Run:
     switch_meta: object = fusion.own_meta  # the switch's weights (--nodes: options/owners.py's)
     reward_model: fusion.HostOffloaded = None  # --reward-model (options/learned_reward.py)
 
+    # a deployment whose loop keeps state of its own saves it with the rank's (options/hybrid.py)
+    def own_state(self):
+        return {}
+
+    def load_own_state(self, state):
+        pass
+
+    def saved_models(self):
+        """Which frozen models this run's checkpoint holds (on some rank)."""
+        return {"reference": self.reference is not None,
+                "reward_model": self.reward_model is not None}
+
 
 def start(cfg, out_dir=None, roles=None, cls=Run):
     """A `cls` (Run, or a deployment's subclass) with what every deployment has (see above)."""

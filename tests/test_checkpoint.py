@@ -75,6 +75,43 @@ def test_stopped_and_resumed_run_trains_to_the_same_parameters(tmp_path, mode):
     assert summary["params_sha256"] == straight[0][0]["params_sha256"]
 
 
+@pytest.mark.parametrize("mode", [{"staleness": 0},
+                                  pytest.param({"staleness": 1, "chunk_steps": 1, "filter_groups": 0}, marks=SLOW),
+                                  pytest.param({"reward_model": True, "rm_samples": 64, "rm_steps": 20, "staleness": 1,
+                                                "chunk_steps": 1, "filter_groups": 0, "curriculum": 0}, marks=SLOW)],
+                         ids=["S0", "S1-ahead", "reward-model"])
+def test_a_stopped_and_resumed_hybrid_run_trains_to_the_same_parameters(tmp_path, mode):
+    """--deploy hybrid at world 3 (the actor on ranks 0 and 1, the reference and the reward model on rank 2), 6 steps
+    saving at step 3, then resumed from step 3 in new processes: the parameters of the run that never stopped, bit for
+    bit. Rank 2's file holds the reference (and the reward model) and its progress through the groups; at S = 1 the
+    actor's groups put ahead of their batch, and their columns on rank 2, wait in the queue's saved rows."""
+    mode = dict(CKPT, deploy="hybrid", **mode)
+    straight = run_distributed(_train_tiny, world_size=3, args=(str(tmp_path), mode))
+    step_3 = checkpoint.folder(str(tmp_path), 3)
+    aux = torch.load(os.path.join(step_3, "rank_2.pt"), weights_only=True)["run"]
+    assert "reference" in aux and ("reward_model" in aux) == bool(mode.get("reward_model"))
+    if mode["staleness"] == 1:  # groups put ahead: in the actor's saved queue, their columns in rank 2's
+        ahead = [torch.load(os.path.join(step_3, f"rank_{r}.pt"), weights_only=True)["run"]["rows_ahead"]
+                 for r in (0, 1)]
+        assert any(ahead)
+    resumed = run_distributed(_train_tiny, world_size=3, args=(str(tmp_path), dict(mode, resume=step_3)))
+    assert torch.equal(straight[0][1], resumed[0][1]) and torch.equal(straight[1][1], resumed[1][1])
+    assert straight[0][0]["params_sha256"] == resumed[0][0]["params_sha256"] is not None
+    assert [l["step"] for l in _lines(tmp_path)] == list(range(7))
+
+
+@SLOW
+def test_a_hybrid_checkpoint_resumes_only_as_it_was_saved(tmp_path):
+    """Its reference lives in the auxiliary ranks' files: another deployment or world is refused at the start, before
+    anything is built or written, naming both placements."""
+    run_distributed(_train_tiny, world_size=3, args=(str(tmp_path), dict(CKPT, deploy="hybrid", steps=3)))
+    step_3 = checkpoint.folder(str(tmp_path), 3)
+    with pytest.raises(RuntimeError) as e:
+        run_distributed(_train_tiny, world_size=2, args=(str(tmp_path), dict(CKPT, resume=step_3)))
+    assert "was saved by --deploy hybrid at world 3 (--aux-ranks 1), this run is --deploy colocated at world 2" \
+        in str(e.value)
+
+
 def _train_recording(rank, world_size, out_dir, overrides):
     """_train_tiny, also returning the sample ids this rank read from the queue at each step, and its
     scheduler's accounting of every sample id (generators)."""

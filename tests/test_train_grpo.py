@@ -85,7 +85,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["--aux-ranks", "1"], "--aux-ranks 1 places the auxiliary stage of --deploy hybrid (got --deploy colocated)"),
     (["--deploy", "hybrid", "--aux-ranks", "2"], "--aux-ranks 2 must be in [1, world size 2)"),
     (["--deploy", "hybrid", "--aux-ranks", "0"], "--aux-ranks 0 must be in [1, world size 2)"),
-    (["--deploy", "hybrid", "--save-every", "5"], "--deploy hybrid with --save-every 5 is not supported yet"),
+    (["--deploy", "hybrid", "--staleness", "2"], "--deploy hybrid with --staleness 2 is not supported yet"),
     (["--deploy", "hybrid", "--kl-coef", "0"], "--deploy hybrid with --kl-coef 0 and no --reward-model leaves the "
                                                "auxiliary ranks nothing to compute"),
     (["--deploy", "hybrid", "--reward-model", "1"], "--deploy hybrid with --reward-model 1 needs --filter-groups 0 and "
