@@ -5,8 +5,8 @@ A separated deployment trains on some devices and generates on the others: each 
 the other works. Fused, every rank trains (TRAIN), then generates (ROLLOUT). The naive switch
 gathers the whole model for the engine and keeps the training state: a whole extra model on every
 rank, beside grads and AdamW states that ROLLOUT never reads. The fix, to_rollout():
-  1. offload: copy the AdamW states (and any grads) to host, then free their device storages in place
-     (resized to 0, the optimizer keeps its tensors); to_train() copies them back, bit for bit;
+  1. offload: copy the AdamW states (and any grads) to host, then free their device storages in
+     place (resized to 0, the optimizer keeps its tensors); to_train() copies them back exactly;
   2. build the engine's weights from the training shards bucket by bucket: at most one bucket more;
   3. call the movers, the state that changes layout too (the experts, re-sharded by moe_switch.py).
 to_train() undoes the three, in reverse.

@@ -301,7 +301,8 @@ class GradSync:
 
     def apply(self, model):
         """A hook on every FSDP unit of the model, keyed by its module name; the model is changed in
-        place. Returns this GradSync (`sync = GradSync(...).apply(model)`: sync.wait() each step)."""
+        place. Returns this GradSync (`sync = GradSync(...).apply(model)`; sync.wait() each
+        step)."""
         units = {name: m for name, m in model.named_modules() if isinstance(m, FSDPModule)}
         if not units:
             raise ValueError(f"{type(model).__name__} has no FSDP2 unit: "
