@@ -11,10 +11,11 @@ named (announce_batch); and the update reads each micro-batch's reference log-pr
 reward model, rewards and advantages) as it reaches them (AuxColumns), the micro-batches in the
 order the rows were put. The auxiliary ranks (aux_loop) take their share of the groups as they come,
 whole groups, and add those columns in pieces of a micro-batch's groups, while the actor still
-decodes the round's tail. Each group goes to one auxiliary rank, round robin by its place in its
-writer's puts.
+decodes the round's tail (options/hybrid_aux.py: the auxiliary stage and the notices it waits on).
 
-It trains to colocated-all's parameters (the reference on host, computed on the actor).
+It trains to colocated-all's parameters (the reference on host, computed on the actor), and resumes
+from its checkpoints bit for bit (quiesce: the auxiliary ranks finish what was put, then save too).
+Every rank beats from a thread: a peer gone is named within --liveness-s (options/liveness.py).
 
     python -m pytest tests/test_train_grpo.py -k hybrid
 """
@@ -22,7 +23,7 @@ import datetime
 import json
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -35,10 +36,11 @@ import task
 import train_grpo as T
 from plumbing.config import model_config
 from model import Policy
+from options.hybrid_aux import (aux_done_key, aux_loop, final_key, inbox_key, notify,
+                                ready_key)
 from options.liveness import PeerLost, Watchdog
 from options.push import Inbox, push_weights, wait_for, warm_up_or_wait
 from plumbing.run import Run, start
-from plumbing import checkpoint
 from plumbing.runlog import RunLog, cut_facts, share_figures, stale_facts
 
 
@@ -404,156 +406,3 @@ def read_from_aux(run, step, ids, min_rows=None):
                            f"{run.cfg.pg_timeout_s}s: is it alive? ({e})") from e
     finally:
         notify(run, run.roles.auxiliaries, "close")
-
-
-# ----------------------------------------------------------------------------- the auxiliary ranks
-def final_key(run):
-    return f"w:{run.key}/final"
-
-
-def aux_done_key(run, rank):
-    return f"w:{run.key}/aux_done/{rank}"
-
-
-def inbox_key(run, rank):
-    return f"w:{run.key}/inbox/{rank}"
-
-
-def ready_key(run, step, rank):
-    return f"w:{run.key}/aux_ready/{step}/{rank}"
-
-
-def notify(run, ranks, notice):
-    """Post `notice` to each auxiliary rank's inbox: "group" (one is put for it), "open" and
-    "close" (a trainer's read of its columns), "save:<step>" (a checkpoint), "final" (the end)."""
-    for r in ranks:
-        Inbox(run.store, inbox_key(run, r)).post(notice)
-
-
-def aux_loop(run):
-    """An auxiliary rank: the queue stage between rollout and training. It takes its share of the
-    groups as the actor puts them, whole groups, and adds their columns (aux_columns) in pieces of a
-    micro-batch's groups, the earliest put first; each put serves the queue, so that a trainer waits
-    on this rank for at most a piece. Runs until trainer 0 says the last batch has been read."""
-    seen, done = run.aux_seen, run.aux_done  # what a checkpoint keeps of this loop
-    for w in run.roles.writers():
-        seen.setdefault(w, 0)
-    piece = aux_piece(run)                        # rows per piece of work
-    while True:
-        pending = aux_groups(run, seen, done)
-        cpu = time.process_time()
-        with run.spans("idle"):
-            kind, rows = wait_for_groups(run, pending)
-        run.idle["cpu_s"] += time.process_time() - cpu  # what waiting costs this rank's CPU
-        if kind == "end":  # the run is over: every batch it trains has been read
-            break
-        if kind == "save":  # every group put before the request is done: ready, then saved
-            run.store.set(ready_key(run, rows, run.rank), "1")
-            checkpoint.save(run, rows)
-            continue
-        got = set(rows.ids)
-        groups = [g for g in sorted(pending, key=lambda g: g[::-1]) if set(pending[g]) <= got]
-        ids = [r for g in groups for r in pending[g]]  # group by group, in put order
-        if len(ids) != len(rows.ids):  # a put publishes a whole group: a part of one is a bug
-            raise RuntimeError(f"rank {run.rank}: read rows {sorted(set(rows.ids) - set(ids))} "
-                               "without the rest of their group")
-        for j in range(0, len(ids), piece):
-            aux_columns(run, rows, ids[j:j + piece])
-        done.update(groups)
-        for w in seen:
-            while (w, seen[w]) in done:
-                done.discard((w, seen[w]))
-                seen[w] += 1
-    run.queue.serve()  # retire the transfers the trainers acknowledged
-    run.store.set(aux_done_key(run, run.rank), json.dumps(run.idle))
-
-
-def aux_piece(run):
-    """Rows per piece of an auxiliary rank's work: its share of one micro-batch, in whole groups."""
-    cfg = run.cfg
-    micro_batches = cfg.micro_batches * cfg.updates_per_batch * len(run.roles.auxiliaries)
-    return max(1, cfg.prompts_per_step // micro_batches) * cfg.group_size
-
-
-def aux_columns(run, rows, ids):
-    """4 (and 2-3 with a reward model): the frozen reference's log-probs of rows `ids` (whole
-    groups, in order; one forward), and the reward model's rewards and group advantages, put back as
-    columns of the same rows."""
-    cfg = run.cfg
-    run.spans.args = {"rows": len(ids)}
-    where = {r: i for i, r in enumerate(rows.ids)}  # the queue returns ids ascending
-    prompts, responses = ([rows.cols[c][where[r]] for r in ids] for c in ("prompt", "response"))
-    samples, columns = grpo.Samples(prompts, responses, None, None), {}
-    if run.reference is not None:  # the KL term on
-        with run.spans("reference"), run.reference.on_device() as ref:
-            columns["ref_logprobs"] = grpo.chunk_logprobs(
-                ref, samples, replace(run.algo, micro_batches=1), run.device)
-        run.queue.serve()  # between the two models: a trainer may wait for columns put before
-    if run.reward_model is not None:
-        rewards = run.score(prompts, responses)  # (B,)
-        advantages = grpo.group_advantages(rewards, cfg.group_size, cfg.adv_estimator)
-        columns |= {"reward": rewards.tolist(), "advantage": advantages.tolist()}
-    run.queue.put(columns, ids=ids)
-
-
-def aux_groups(run, seen, done):
-    """This rank's next groups of each writer, (writer, k) -> the G row ids of its k-th, not yet
-    done: as many as StaleSync lets a replica complete ahead of training (S + 1 batches' share).
-    Round robin: the m-th group a writer puts goes to auxiliary rank
-    (m + the writer's index) % aux_ranks."""
-    cfg, G, aux = run.cfg, run.cfg.group_size, run.roles.auxiliaries
-    ahead = (cfg.staleness + 1) * cfg.prompts_per_step // run.roles.replicas
-    out = {}
-    for i, (w, k0) in enumerate(seen.items()):
-        first = (aux.index(run.rank) - i) % len(aux)  # this rank's first m of writer w
-        for k in range(k0, k0 + ahead):
-            m = first + k * len(aux)
-            if (w, k) not in done:
-                out[(w, k)] = [run.queue.row_id(m * G + j, w) for j in range(G)]
-    return out
-
-
-def wait_for_groups(run, groups):
-    """("rows", the rows of whichever of `groups` ((writer, k) -> row ids) the actor has put), once
-    there is one; ("save", step) when the actor asks for a checkpoint (groups put before it are
-    read first); ("end", None) once trainer 0 has said the run is over. Between reads it blocks on
-    its inbox, not polling: the next notice wakes it (a trainer's read is served until it closes).
-    An actor that puts nothing for pg_timeout_s times out, naming the groups waited for."""
-    only = {r for ids in groups.values() for r in ids}
-    deadline = time.monotonic() + run.cfg.pg_timeout_s
-    while not run.store.check([final_key(run)]):
-        rows = run.queue.get("aux", len(only), min_rows=0, only=only)  # what there is
-        run.idle["gets"] += 1
-        if rows.ids:
-            return "rows", rows
-        notice = run.inbox.take(deadline - time.monotonic())
-        if notice is None:
-            raise TimeoutError(f"rank {run.rank}: the actor put none of groups "
-                               f"{sorted(groups)[:8]} (writer, index) "
-                               f"in {run.cfg.pg_timeout_s}s: is the actor alive?")
-        if notice in ("open", "lost"):
-            serve_readers(run, notice)
-        if notice.startswith("save:"):
-            return "save", int(notice.split(":")[1])
-    return "end", None
-
-
-def serve_readers(run, notice):
-    """Serve the queue until every trainer's open read of this rank's columns has closed (the
-    reads are short: the columns are there). A lost peer raises here, named by the watchdog."""
-    readers, deadline = 0, time.monotonic() + run.cfg.pg_timeout_s
-    while True:
-        if notice == "lost":
-            raise PeerLost(run.watchdog.error)
-        if notice and notice.startswith("save:"):  # asked once every trainer's reads are closed
-            raise RuntimeError(f"rank {run.rank}: a checkpoint was asked for during a read")
-        readers += {"open": 1, "close": -1}.get(notice, 0)  # "group", "final": seen by the loop
-        run.queue.serve()
-        if readers == 0:
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"rank {run.rank}: a trainer's read of this rank's columns did not "
-                               f"end in {run.cfg.pg_timeout_s}s")
-        notice = run.inbox.take(0)
-        if notice is None:
-            time.sleep(run.queue.spec.poll_s)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import train_grpo as T
-from options import hybrid
+from options import hybrid, hybrid_aux
 from plumbing import checkpoint
 from plumbing.config import Config, parse_args, validate
 from tests.distributed import run_distributed
@@ -553,7 +553,7 @@ def _train_with_a_silent_aux(rank, world_size, out_dir, overrides=None, how="sil
     if rank == world_size - 1 and how == "silent":
         hybrid.aux_loop = lambda run: time.sleep(120)
     if rank == world_size - 1 and how in ("no columns", "dead"):
-        taken, columns = [], hybrid.aux_columns
+        taken, columns = [], hybrid_aux.aux_columns
 
         def stopped_at_the_batch_end(run, rows, ids):
             taken.extend(ids)
@@ -562,7 +562,7 @@ def _train_with_a_silent_aux(rank, world_size, out_dir, overrides=None, how="sil
                     os._exit(9)  # as a SIGKILL would: no exception, no goodbye to the store or to gloo
                 time.sleep(120)
             return columns(run, rows, ids)
-        hybrid.aux_columns = stopped_at_the_batch_end
+        hybrid_aux.aux_columns = stopped_at_the_batch_end
     return _train_tiny(rank, world_size, out_dir, overrides)
 
 

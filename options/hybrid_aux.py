@@ -1,0 +1,175 @@
+"""--deploy hybrid's auxiliary ranks: the queue stage between the actor's rollout and its update.
+
+    python -m pytest tests/test_train_grpo.py -k hybrid
+
+Each auxiliary rank (aux_loop) takes its share of the groups as the actor puts them, whole groups,
+round robin by their place in their writer's puts, and adds their columns (the reference's
+log-probs; with a reward model, rewards and advantages) in pieces of a micro-batch's groups. It
+never polls: between pieces of work it blocks in the store on its inbox (options/push.Inbox),
+where the actor posts a notice for each event it must act on:
+  group         a group was put for it: read what there is;
+  open, close   a trainer is reading its columns: serve the queue until every read has closed;
+  save:<step>   a checkpoint: every group put before the notice is done, so it joins the save;
+  final         trainer 0 has read the last batch: the run is over;
+  lost          its watchdog found a peer gone (options/liveness.py): raise, naming it.
+"""
+import json
+import time
+from dataclasses import replace
+
+import grpo
+from options.liveness import PeerLost
+from options.push import Inbox
+from plumbing import checkpoint
+
+
+def final_key(run):
+    return f"w:{run.key}/final"
+
+
+def aux_done_key(run, rank):
+    return f"w:{run.key}/aux_done/{rank}"
+
+
+def inbox_key(run, rank):
+    return f"w:{run.key}/inbox/{rank}"
+
+
+def ready_key(run, step, rank):
+    return f"w:{run.key}/aux_ready/{step}/{rank}"
+
+
+def notify(run, ranks, notice):
+    """Post `notice` to each auxiliary rank's inbox: "group" (one is put for it), "open" and
+    "close" (a trainer's read of its columns), "save:<step>" (a checkpoint), "final" (the end)."""
+    for r in ranks:
+        Inbox(run.store, inbox_key(run, r)).post(notice)
+
+
+def aux_loop(run):
+    """An auxiliary rank: the queue stage between rollout and training. It takes its share of the
+    groups as the actor puts them, whole groups, and adds their columns (aux_columns) in pieces of a
+    micro-batch's groups, the earliest put first; each put serves the queue, so that a trainer waits
+    on this rank for at most a piece. Runs until trainer 0 says the last batch has been read."""
+    seen, done = run.aux_seen, run.aux_done  # what a checkpoint keeps of this loop
+    for w in run.roles.writers():
+        seen.setdefault(w, 0)
+    piece = aux_piece(run)                        # rows per piece of work
+    while True:
+        pending = aux_groups(run, seen, done)
+        cpu = time.process_time()
+        with run.spans("idle"):
+            kind, rows = wait_for_groups(run, pending)
+        run.idle["cpu_s"] += time.process_time() - cpu  # what waiting costs this rank's CPU
+        if kind == "end":  # the run is over: every batch it trains has been read
+            break
+        if kind == "save":  # every group put before the request is done: ready, then saved
+            run.store.set(ready_key(run, rows, run.rank), "1")
+            checkpoint.save(run, rows)
+            continue
+        got = set(rows.ids)
+        groups = [g for g in sorted(pending, key=lambda g: g[::-1]) if set(pending[g]) <= got]
+        ids = [r for g in groups for r in pending[g]]  # group by group, in put order
+        if len(ids) != len(rows.ids):  # a put publishes a whole group: a part of one is a bug
+            raise RuntimeError(f"rank {run.rank}: read rows {sorted(set(rows.ids) - set(ids))} "
+                               "without the rest of their group")
+        for j in range(0, len(ids), piece):
+            aux_columns(run, rows, ids[j:j + piece])
+        done.update(groups)
+        for w in seen:
+            while (w, seen[w]) in done:
+                done.discard((w, seen[w]))
+                seen[w] += 1
+    run.queue.serve()  # retire the transfers the trainers acknowledged
+    run.store.set(aux_done_key(run, run.rank), json.dumps(run.idle))
+
+
+def aux_piece(run):
+    """Rows per piece of an auxiliary rank's work: its share of one micro-batch, in whole groups."""
+    cfg = run.cfg
+    micro_batches = cfg.micro_batches * cfg.updates_per_batch * len(run.roles.auxiliaries)
+    return max(1, cfg.prompts_per_step // micro_batches) * cfg.group_size
+
+
+def aux_columns(run, rows, ids):
+    """4 (and 2-3 with a reward model): the frozen reference's log-probs of rows `ids` (whole
+    groups, in order; one forward), and the reward model's rewards and group advantages, put back as
+    columns of the same rows."""
+    cfg = run.cfg
+    run.spans.args = {"rows": len(ids)}
+    where = {r: i for i, r in enumerate(rows.ids)}  # the queue returns ids ascending
+    prompts, responses = ([rows.cols[c][where[r]] for r in ids] for c in ("prompt", "response"))
+    samples, columns = grpo.Samples(prompts, responses, None, None), {}
+    if run.reference is not None:  # the KL term on
+        with run.spans("reference"), run.reference.on_device() as ref:
+            columns["ref_logprobs"] = grpo.chunk_logprobs(
+                ref, samples, replace(run.algo, micro_batches=1), run.device)
+        run.queue.serve()  # between the two models: a trainer may wait for columns put before
+    if run.reward_model is not None:
+        rewards = run.score(prompts, responses)  # (B,)
+        advantages = grpo.group_advantages(rewards, cfg.group_size, cfg.adv_estimator)
+        columns |= {"reward": rewards.tolist(), "advantage": advantages.tolist()}
+    run.queue.put(columns, ids=ids)
+
+
+def aux_groups(run, seen, done):
+    """This rank's next groups of each writer, (writer, k) -> the G row ids of its k-th, not yet
+    done: as many as StaleSync lets a replica complete ahead of training (S + 1 batches' share).
+    Round robin: the m-th group a writer puts goes to auxiliary rank
+    (m + the writer's index) % aux_ranks."""
+    cfg, G, aux = run.cfg, run.cfg.group_size, run.roles.auxiliaries
+    ahead = (cfg.staleness + 1) * cfg.prompts_per_step // run.roles.replicas
+    out = {}
+    for i, (w, k0) in enumerate(seen.items()):
+        first = (aux.index(run.rank) - i) % len(aux)  # this rank's first m of writer w
+        for k in range(k0, k0 + ahead):
+            m = first + k * len(aux)
+            if (w, k) not in done:
+                out[(w, k)] = [run.queue.row_id(m * G + j, w) for j in range(G)]
+    return out
+
+
+def wait_for_groups(run, groups):
+    """("rows", the rows of whichever of `groups` ((writer, k) -> row ids) the actor has put), once
+    there is one; ("save", step) when the actor asks for a checkpoint (groups put before it are
+    read first); ("end", None) once trainer 0 has said the run is over. Between reads it blocks on
+    its inbox, not polling: the next notice wakes it (a trainer's read is served until it closes).
+    An actor that puts nothing for pg_timeout_s times out, naming the groups waited for."""
+    only = {r for ids in groups.values() for r in ids}
+    deadline = time.monotonic() + run.cfg.pg_timeout_s
+    while not run.store.check([final_key(run)]):
+        rows = run.queue.get("aux", len(only), min_rows=0, only=only)  # what there is
+        run.idle["gets"] += 1
+        if rows.ids:
+            return "rows", rows
+        notice = run.inbox.take(deadline - time.monotonic())
+        if notice is None:
+            raise TimeoutError(f"rank {run.rank}: the actor put none of groups "
+                               f"{sorted(groups)[:8]} (writer, index) "
+                               f"in {run.cfg.pg_timeout_s}s: is the actor alive?")
+        if notice in ("open", "lost"):
+            serve_readers(run, notice)
+        if notice.startswith("save:"):
+            return "save", int(notice.split(":")[1])
+    return "end", None
+
+
+def serve_readers(run, notice):
+    """Serve the queue until every trainer's open read of this rank's columns has closed (the
+    reads are short: the columns are there). A lost peer raises here, named by the watchdog."""
+    readers, deadline = 0, time.monotonic() + run.cfg.pg_timeout_s
+    while True:
+        if notice == "lost":
+            raise PeerLost(run.watchdog.error)
+        if notice and notice.startswith("save:"):  # asked once every trainer's reads are closed
+            raise RuntimeError(f"rank {run.rank}: a checkpoint was asked for during a read")
+        readers += {"open": 1, "close": -1}.get(notice, 0)  # "group", "final": seen by the loop
+        run.queue.serve()
+        if readers == 0:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {run.rank}: a trainer's read of this rank's columns did not "
+                               f"end in {run.cfg.pg_timeout_s}s")
+        notice = run.inbox.take(0)
+        if notice is None:
+            time.sleep(run.queue.spec.poll_s)
