@@ -383,13 +383,14 @@ class StaleSync:
 # ----------------------------------------------------------------------------------------- the cuts
 def _post_or_wait(cut, collective, tensors, wait):
     """One collective of a cut, collective(async_op=...). A rank that knows the answer already
-    (no) posts its part and decodes on. One that waits (spanned "idle") also waits for its posts,
-    paired by now (collectives pair in order), so that an error surfaces."""
+    (no) posts its part and decodes on. One that waits (spanned "idle", through cut.wait: a
+    caller's subclass may work meanwhile) also waits for its posts, paired by now (collectives
+    pair in order), so that an error surfaces."""
     if not wait:
         cut.posted.append((collective(async_op=True), tensors))
         return
     with (cut.spans("idle") if cut.spans else nullcontext()):
-        collective(async_op=False)
+        cut.wait(collective(async_op=True))
         for work, _ in cut.posted:
             work.wait()
     cut.posted.clear()
@@ -404,6 +405,9 @@ class AllReady:
     def __init__(self, group=None, device="cpu", spans=None):  # spans: times the waits
         self.group, self.device, self.spans = group, device, spans
         self.posted = []  # collectives in flight: (work, tensor)
+
+    def wait(self, work):
+        work.wait()
 
     def __call__(self, sched):
         mine = sched.cut_alone() is not None
@@ -438,6 +442,10 @@ class SharedCut:
         self.replica = dist.get_rank(group) if replica is None else replica
         self.leader = leader
         self.posted = []  # collectives in flight: (work, tensors)
+
+    def wait(self, work):
+        """This rank's wait for the cut's answer (a hybrid's actor serves its queue meanwhile)."""
+        work.wait()
 
     def __call__(self, sched):
         offer, gps = sched.offer(), sched.cfg.groups_per_step

@@ -1,20 +1,21 @@
 r"""--deploy hybrid --aux-ranks K: the actor colocated on ranks [0, W-K), the frozen reference (and
 the reward model) on ranks [W-K, W) as a queue stage between rollout and training.
 
-    torchrun --standalone --nproc_per_node=3 train_grpo.py --deploy hybrid \
-        --filter-groups 0 --curriculum 0
+    torchrun --standalone --nproc_per_node=3 train_grpo.py --deploy hybrid --reward-model 1
 
 The actor runs the colocated step (actor_loop), with three changes: it puts each group into the
 queue the moment it completes (put_group, StaleSync's on_group; at S = 0 the round decodes in chunks
 too), answering the queue's requests between decode forwards; the batch StaleSync cuts is then only
-named (announce_batch); and the update reads each micro-batch's reference log-probs (and, with a
-reward model, rewards and advantages) as it reaches them (AuxColumns), the micro-batches in the
-order the rows were put. The auxiliary ranks (aux_loop) take their share of the groups as they come,
-whole groups, and add those columns in pieces of a micro-batch's groups, while the actor still
-decodes the round's tail (options/hybrid_aux.py: the auxiliary stage and the notices it waits on).
+named (announce_batch); and the update reads each micro-batch's reference log-probs as it reaches
+them (AuxColumns), the micro-batches in the order the rows were put. With a reward model (on the
+auxiliary ranks), each group's rewards are asked of them as it completes (RemoteScore), so that
+dynamic sampling and the curriculum judge it as the colocated run does. The auxiliary ranks
+(aux_loop) take their share of the groups as they come, whole groups, and add those columns in
+pieces of a micro-batch's groups, while the actor still decodes the round's tail
+(options/hybrid_aux.py: the auxiliary stage and the notices it waits on).
 
 It trains to colocated-all's parameters (the reference on host, computed on the actor), and resumes
-from its checkpoints bit for bit (quiesce: the auxiliary ranks finish what was put, then save too).
+from its checkpoints bit for bit (quiesce: the auxiliary ranks finish what they read, then save).
 Every rank beats from a thread: a peer gone is named within --liveness-s (options/liveness.py).
 
     python -m pytest tests/test_train_grpo.py -k hybrid
@@ -67,12 +68,6 @@ def errors(cfg, world):
         out.append("--deploy hybrid with --kl-coef 0 and no --reward-model leaves the auxiliary "
                    "ranks nothing to compute (they hold the KL term's reference and the reward "
                    "model): use --deploy colocated")
-    if cfg.reward_model and (cfg.filter_groups or cfg.curriculum):
-        out.append("--deploy hybrid with --reward-model 1 "
-                   "needs --filter-groups 0 and --curriculum 0: "
-                   "both judge each group by its rewards as it completes, on the actor's ranks, "
-                   "and the hybrid's reward model scores on the auxiliary ranks, "
-                   "which the round does not wait for")
     return out
 
 
@@ -85,6 +80,7 @@ class HybridRun(Run):
     inbox: Inbox = None           # an auxiliary rank's notices: a group put, a read, the end
     watchdog: Watchdog = None     # liveness: a lost peer named within --liveness-s
     idle: dict = field(default_factory=lambda: {"gets": 0, "cpu_s": 0.0})  # an aux rank's waits
+    readers: int = 0              # an aux rank: the trainers' reads of its columns now open
     aux_seen: dict = field(default_factory=dict)  # an aux rank: writer -> its groups done, in order
     aux_done: set = field(default_factory=set)  # (writer, k): its k-th group, done out of order
 
@@ -122,11 +118,13 @@ class HybridRun(Run):
 def train(cfg, out_dir=None):
     run = build(cfg, out_dir)
     loop = aux_loop if run.rank in run.roles.auxiliaries else actor_loop
+    run.watchdog = watchdog(run)
     try:
         out = T.run_loop(run, loop, warm=warm_up_or_wait, attach=send_reference)
     except Exception as e:
         lost = run.watchdog.explain(e)  # a broken collective or wait: which peer is gone?
-        if lost is not None and not isinstance(e.__cause__, PeerLost):
+        named = isinstance(e, PeerLost) or isinstance(e.__cause__, PeerLost)
+        if lost is not None and not named:
             e = PeerLost(f"rank {run.rank}: {lost} ({type(e).__name__}: {e})").with_traceback(
                 e.__traceback__)
         run.watchdog.close(error=f"{type(e).__name__}: {e}")  # its peers name it at once
@@ -135,6 +133,15 @@ def train(cfg, out_dir=None):
     if run.rank == 0:
         idle_figures(run, out[0])
     return out
+
+
+def watchdog(run):
+    """Liveness: this rank beats, and watches every other rank (options/liveness.py). A loss also
+    wakes this rank's inbox, where an auxiliary rank may be blocked."""
+    peers = {r: "auxiliary" if r in run.roles.auxiliaries else "actor"
+             for r in range(run.roles.world) if r != run.rank}
+    return Watchdog(f"w:{run.key}", run.rank, peers, run.spans, run.cfg.liveness_s,
+                    wake=lambda store: run.inbox.wake(store, "lost"))
 
 
 def idle_figures(run, summary):
@@ -151,36 +158,37 @@ def build(cfg, out_dir=None):
     run = start(cfg, out_dir, cls=HybridRun)
     cfg = run.cfg  # --train-ep auto resolved
     roles = run.roles
-    peers = {r: "auxiliary" if r in roles.auxiliaries else "actor"
-             for r in range(roles.world) if r != run.rank}
-    run.inbox = Inbox(run.store, inbox_key(run, run.rank))
-    wake = (lambda store: Inbox(store, run.inbox.key).post("lost"))  # a blocked take() returns
-    run.watchdog = Watchdog(f"w:{run.key}", run.rank, peers, run.spans, cfg.liveness_s, wake=wake)
+    run.inbox = Inbox(run.store, inbox_key(run, run.rank))  # an auxiliary rank's notices
     added = aux_added(cfg)
     columns = {"ref_logprobs": "float32"} if "ref_logprobs" in added else {}  # (n_i,)
     names = ("prompt", "response", "old_logprobs", "reward", "rule_reward", "advantage", "stale",
              *run.per_token, *columns)
-    stages = {"aux": ("prompt", "response"), "train": tuple(c for c in names if c not in added),
-              "from_aux": added}  # the actor puts; the auxiliary ranks read "aux", add "from_aux"
+    stages = {"train": tuple(c for c in names if c not in added)}
+    if added:  # the actor puts; the auxiliary ranks read "aux", add "from_aux"
+        stages.update({"aux": ("prompt", "response"), "from_aux": added})
     T.build_queue(run, columns, stages, poll_s=0.0005)  # each step waits on its round trips
     timeout = datetime.timedelta(seconds=cfg.pg_timeout_s)
     run.train_group = run.rollout_group = dist.new_group(roles.trainers, timeout=timeout)
     run.push_group = dist.new_group([0] + roles.auxiliaries, timeout=timeout)
     actor = run.rank in roles.trainers
     T.build_policy(run, DeviceMesh.from_group(run.train_group, run.device.type) if actor else None)
+    if actor and cfg.reward_model:  # the model lives on the auxiliary ranks: asked per group
+        run.score = RemoteScore(run)
     if actor:  # the queue served between decode forwards: a group put is pulled within a forward
         T.build_rollout(run, lambda base: serving(base, run.queue), chunk_s0=True,
                         on_group=lambda group: put_group(run, group))
         run.actor = fusion.FusedActor(run.model, run.optimizer, run.engine,
                                       bucket_bytes=cfg.bucket_kb * 1024, inplace=True,
                                       group=run.rollout_group)
-        cut = stalesync.SharedCut(run.rollout_group, replica=roles.replica(run.rank),
-                                  leader=run.rank in roles.writers(), device=run.device,
-                                  spans=run.spans) if cfg.shared_cut else \
-            stalesync.AllReady(run.rollout_group, device=run.device, spans=run.spans)
+        cut = serving_cut(stalesync.SharedCut, run.queue)(
+            run.rollout_group, replica=roles.replica(run.rank), leader=run.rank in roles.writers(),
+            device=run.device, spans=run.spans) if cfg.shared_cut else \
+            serving_cut(stalesync.AllReady, run.queue)(run.rollout_group, device=run.device,
+                                                       spans=run.spans)
         run.cut = lambda sched: serve_then(run.queue, cut, sched)
         if run.rank == 0:
-            print(f"switch: {run.actor.path}", flush=True)
+            print(f"switch: {run.actor.path} | experts: in FSDP2 (EP off: the hybrid does not "
+                  "take EP yet, so --train-ep auto resolves it off)", flush=True)
     run.log = RunLog(run, start=run.resume_from[1]["step"] + 1 if run.resume_from else 1)
     if cfg.routing_replay:  # the trainers replay the recorded experts; moe/* in the log
         from options import routing_replay
@@ -190,9 +198,8 @@ def build(cfg, out_dir=None):
 
 def aux_added(cfg):
     """The columns the auxiliary stage adds: the reference's log-probs where the KL term reads
-    them; with a reward model, rewards and advantages."""
-    reference = ("ref_logprobs",) if cfg.kl_coef > 0 else ()
-    return reference + (("reward", "advantage") if cfg.reward_model else ())
+    them (the reward model's rewards come back to the actor as each group completes)."""
+    return ("ref_logprobs",) if cfg.kl_coef > 0 else ()
 
 
 def serving(base, queue):
@@ -202,6 +209,18 @@ def serving(base, queue):
             queue.serve()
             return super()._decode_forward(tok, pos, valid, cache, rows)
     return ServingSampler
+
+
+def serving_cut(base, queue):
+    """`base`, a StaleSync cut, whose rank serves the queue while it waits for its peers' answer:
+    a peer may be waiting on an auxiliary rank (RemoteScore) that waits on this rank's groups."""
+    class ServingCut(base):
+        def wait(self, work):
+            while not work.is_completed():
+                queue.serve()
+                time.sleep(queue.spec.poll_s)
+            work.wait()  # its error, if it failed
+    return ServingCut
 
 
 def send_reference(run):
@@ -261,7 +280,7 @@ def actor_loop(run):
 
 def quiesce(run, step):
     """Before a step's checkpoint (end_step saves every --save-every): rank 0 asks the auxiliary
-    ranks to save; each first finishes the groups put before the request, then says it is ready and
+    ranks to save; each first finishes the groups it has read, then says it is ready and
     joins the save. The actor's ranks serve the queue until then: the snapshot of their queue
     then holds no read half done."""
     aux = run.roles.auxiliaries
@@ -273,16 +292,45 @@ def quiesce(run, step):
              f"save step {step}")
 
 
+class RemoteScore:
+    """The actor's run.score where the reward model lives on the auxiliary ranks: each group's
+    rewards asked of one of them through the store (a "score:<key>" notice in its inbox), the
+    queue served while it answers. The filter and the curriculum ask as each group completes
+    (observe_group), the put asks again: the verdict is kept for it, so each group is scored once,
+    as a batch of its own, as colocated-all scores it."""
+
+    def __init__(self, run, keep=256):
+        self.run, self.asked, self.kept, self.keep = run, 0, {}, keep
+
+    def __call__(self, prompts, responses):  # (G,) rewards, float32
+        rows = (tuple(prompts[0].tolist()), tuple(tuple(r.tolist()) for r in responses))
+        if rows in self.kept:
+            return self.kept.pop(rows)
+        run, aux = self.run, self.run.roles.auxiliaries
+        key = f"w:{run.key}/score/{run.rank}/{self.asked}"
+        helper = aux[(run.rank + self.asked) % len(aux)]
+        self.asked += 1
+        asked = [[p.tolist() for p in prompts], [r.tolist() for r in responses]]
+        run.store.set(key, json.dumps(asked))
+        notify(run, [helper], f"score:{key}")
+        wait_for(run, [f"{key}/out"], f"the reward model's rewards of a group from rank {helper}")
+        rewards = torch.tensor(json.loads(run.store.get(f"{key}/out")), dtype=torch.float32)
+        run.store.delete_key(f"{key}/out")
+        self.kept[rows] = rewards
+        while len(self.kept) > self.keep:  # the verdicts of groups the filter dropped
+            self.kept.pop(next(iter(self.kept)))
+        return rewards
+
+
 def put_group(run, group):
     """StaleSync's on_group: a group into the queue the moment it completes (and is kept), for the
     auxiliary ranks to work on while the round decodes on; its rows' ids wait for the batch that
-    takes it (announce_batch). Without a reward model its rewards and advantages go in with it."""
+    takes it (announce_batch). Its rewards and advantages go in with it (a reward model's: the
+    verdict the filter asked for, kept by RemoteScore)."""
     rule = task.rewards(group.prompts, group.responses)
-    scored = {}
-    if not run.cfg.reward_model:  # else the auxiliary stage scores it
-        rewards = run.score(group.prompts, group.responses)  # (G,)
-        advantages = grpo.group_advantages(rewards, run.cfg.group_size, run.cfg.adv_estimator)
-        scored = {"reward": rewards.tolist(), "advantage": advantages.tolist()}
+    rewards = run.score(group.prompts, group.responses)  # (G,)
+    advantages = grpo.group_advantages(rewards, run.cfg.group_size, run.cfg.adv_estimator)
+    scored = {"reward": rewards.tolist(), "advantage": advantages.tolist()}
     ids = [None] * len(group.ids)
     if run.rank in run.roles.writers():
         ids = run.queue.put({"prompt": group.prompts, "response": group.responses,
@@ -290,7 +338,8 @@ def put_group(run, group):
                              "stale": stale_facts(group, (0, 0, 0)), **T.per_token(run, group)}
                             | scored)
         aux, writer = run.roles.auxiliaries, run.roles.writers().index(run.rank)
-        notify(run, [aux[(run.groups_put + writer) % len(aux)]], "group")  # aux_groups' rule
+        if "aux" in run.queue.spec.stages:  # a reference to compute (the KL term on)
+            notify(run, [aux[(run.groups_put + writer) % len(aux)]], "group")  # aux_groups' rule
         run.groups_put += 1
     run.rows_ahead.update(zip(group.ids, ids))
 
@@ -317,30 +366,26 @@ def read_share(run, step):
     per_step = run.cfg.prompts_per_step * run.cfg.group_size
     with run.spans("queue"):
         rows = run.queue.get("train", per_step, dp_group=run.train_group, only=run.batch_ids)
-    if "advantage" not in rows.cols:  # the reward model's: filled in as the columns arrive
-        rows.cols["advantage"] = [torch.full((1,), float("nan"))] * len(rows.ids)
     samples = T.samples_of(run, rows)
     samples.order = [r // run.queue.world for r in rows.ids]
     queued = AuxColumns(run, step, rows, samples)
-    if "advantage" in queued.names and run.cfg.adv_estimator == "reinforce++":
-        queued(range(len(rows.ids)))  # batch-normalised below: every row's advantage first
     samples.advantages = grpo.finish_advantages(samples.advantages, run.cfg.adv_estimator,
                                                 run.device, run.train_group)
     return samples, rows, queued
 
 
 class AuxColumns:
-    """A trainer: the auxiliary stage's columns of its rows (the reference's log-probs; with a
-    reward model, rewards and advantages), read micro-batch by micro-batch as the update reaches
-    them (grpo_update's arrive). A row whose first column is still None has not had its columns
-    yet."""
+    """A trainer: the auxiliary stage's columns of its rows (the reference's log-probs), read
+    micro-batch by micro-batch as the update reaches them (grpo_update's arrive). A row whose
+    first column is still None has not had its columns yet."""
 
     def __init__(self, run, step, rows, samples):
         self.run, self.step, self.rows, self.samples = run, step, rows, samples
-        self.names = run.queue.spec.stages["from_aux"]
+        self.names = run.queue.spec.stages.get("from_aux", ())  # none: the KL term off
         for name in self.names:  # filled in place as they arrive
             rows.cols[name] = [None] * len(rows.ids)
-        self.first = rows.cols[self.names[0]]  # (B,): None until a row's columns arrive
+        self.first = rows.cols[self.names[0]] if self.names else [0] * len(rows.ids)  # (B,):
+        # None until a row's columns arrive (with the KL term off there are none to wait for)
         self.calls = 0  # arrive calls so far: the same count on every trainer (the barrier's name)
 
     def ref_logprobs(self):
@@ -368,8 +413,6 @@ class AuxColumns:
         for i in [i for i in idx if self.rows.ids[i] in where]:
             for name in self.names:
                 self.rows.cols[name][i] = got.cols[name][where[self.rows.ids[i]]]
-            if "advantage" in self.names:
-                self.samples.advantages[i] = self.rows.cols["advantage"][i]
 
 
 def serve_until_all(run, name):
@@ -401,8 +444,7 @@ def read_from_aux(run, step, ids, min_rows=None):
         return run.queue.get("from_aux", len(ids), min_rows=min_rows, only=set(ids))
     except TimeoutError as e:
         raise TimeoutError(f"the auxiliary stage (ranks {run.roles.auxiliaries}) did not add its "
-                           "columns (the reference's log-probs; with a reward model, rewards and "
-                           f"advantages) to rows {sorted(ids)} of step {step}'s batch in "
-                           f"{run.cfg.pg_timeout_s}s: is it alive? ({e})") from e
+                           f"columns (the reference's log-probs) to rows {sorted(ids)} of step "
+                           f"{step}'s batch in {run.cfg.pg_timeout_s}s: is it alive? ({e})") from e
     finally:
         notify(run, run.roles.auxiliaries, "close")

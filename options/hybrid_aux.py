@@ -3,19 +3,25 @@
     python -m pytest tests/test_train_grpo.py -k hybrid
 
 Each auxiliary rank (aux_loop) takes its share of the groups as the actor puts them, whole groups,
-round robin by their place in their writer's puts, and adds their columns (the reference's
-log-probs; with a reward model, rewards and advantages) in pieces of a micro-batch's groups. It
-never polls: between pieces of work it blocks in the store on its inbox (options/push.Inbox),
+round robin by their place in their writer's puts, and adds their column (the reference's
+log-probs) in pieces of a micro-batch's groups; with a reward model it also scores each group
+as it completes, at the actor's request. It never polls: between pieces of work it blocks in the store on its inbox (options/push.Inbox),
 where the actor posts a notice for each event it must act on:
   group         a group was put for it: read what there is;
-  open, close   a trainer is reading its columns: serve the queue until every read has closed;
-  save:<step>   a checkpoint: every group put before the notice is done, so it joins the save;
+  open, close   a trainer is reading its columns: serve the queue (and look for its own groups)
+                until every read has closed;
+  save:<step>   a checkpoint: no read of its own is half done, so it joins the save (a group
+                put but not yet read stays in the actor's saved rows, read after the save);
+  score:<key>   an actor rank asks the reward model's rewards of a group (its filter and curriculum
+                judge each group as it completes): answered under <key>/out;
   final         trainer 0 has read the last batch: the run is over;
   lost          its watchdog found a peer gone (options/liveness.py): raise, naming it.
 """
 import json
 import time
 from dataclasses import replace
+
+import torch
 
 import grpo
 from options.liveness import PeerLost
@@ -63,7 +69,7 @@ def aux_loop(run):
         run.idle["cpu_s"] += time.process_time() - cpu  # what waiting costs this rank's CPU
         if kind == "end":  # the run is over: every batch it trains has been read
             break
-        if kind == "save":  # every group put before the request is done: ready, then saved
+        if kind == "save":  # no read half done: ready, then saved
             run.store.set(ready_key(run, rows, run.rank), "1")
             checkpoint.save(run, rows)
             continue
@@ -92,32 +98,27 @@ def aux_piece(run):
 
 
 def aux_columns(run, rows, ids):
-    """4 (and 2-3 with a reward model): the frozen reference's log-probs of rows `ids` (whole
-    groups, in order; one forward), and the reward model's rewards and group advantages, put back as
-    columns of the same rows."""
-    cfg = run.cfg
+    """4: the frozen reference's log-probs of rows `ids` (whole groups, in order; one forward), put
+    back as a column of the same rows. (The reward model's rewards went back as each group
+    completed: answer_score.)"""
     run.spans.args = {"rows": len(ids)}
     where = {r: i for i, r in enumerate(rows.ids)}  # the queue returns ids ascending
     prompts, responses = ([rows.cols[c][where[r]] for r in ids] for c in ("prompt", "response"))
-    samples, columns = grpo.Samples(prompts, responses, None, None), {}
-    if run.reference is not None:  # the KL term on
-        with run.spans("reference"), run.reference.on_device() as ref:
-            columns["ref_logprobs"] = grpo.chunk_logprobs(
-                ref, samples, replace(run.algo, micro_batches=1), run.device)
-        run.queue.serve()  # between the two models: a trainer may wait for columns put before
-    if run.reward_model is not None:
-        rewards = run.score(prompts, responses)  # (B,)
-        advantages = grpo.group_advantages(rewards, cfg.group_size, cfg.adv_estimator)
-        columns |= {"reward": rewards.tolist(), "advantage": advantages.tolist()}
-    run.queue.put(columns, ids=ids)
+    samples = grpo.Samples(prompts, responses, None, None)
+    with run.spans("reference"), run.reference.on_device() as ref:
+        ref_logprobs = grpo.chunk_logprobs(ref, samples, replace(run.algo, micro_batches=1),
+                                           run.device)
+    run.queue.put({"ref_logprobs": ref_logprobs}, ids=ids)
 
 
 def aux_groups(run, seen, done):
     """This rank's next groups of each writer, (writer, k) -> the G row ids of its k-th, not yet
     done: as many as StaleSync lets a replica complete ahead of training (S + 1 batches' share).
     Round robin: the m-th group a writer puts goes to auxiliary rank
-    (m + the writer's index) % aux_ranks."""
+    (m + the writer's index) % aux_ranks. None without the KL term: no reference to compute."""
     cfg, G, aux = run.cfg, run.cfg.group_size, run.roles.auxiliaries
+    if "aux" not in run.queue.spec.stages:
+        return {}
     ahead = (cfg.staleness + 1) * cfg.prompts_per_step // run.roles.replicas
     out = {}
     for i, (w, k0) in enumerate(seen.items()):
@@ -130,46 +131,51 @@ def aux_groups(run, seen, done):
 
 
 def wait_for_groups(run, groups):
-    """("rows", the rows of whichever of `groups` ((writer, k) -> row ids) the actor has put), once
-    there is one; ("save", step) when the actor asks for a checkpoint (groups put before it are
-    read first); ("end", None) once trainer 0 has said the run is over. Between reads it blocks on
-    its inbox, not polling: the next notice wakes it (a trainer's read is served until it closes).
-    An actor that puts nothing for pg_timeout_s times out, naming the groups waited for."""
+    """("rows", the rows of whichever of `groups` ((writer, k) -> row ids) the actor has put),
+    once there is one; ("save", step) when the actor asks for a checkpoint; ("end", None) once
+    trainer 0 has said the run is over. With no trainer reading this rank's columns it blocks on
+    its inbox, not polling: the next notice wakes it. While one is (run.readers, from "open" and
+    "close"), it serves the queue and polls, its own groups too: a group published late (another
+    writer's put not yet written before it in the queue's log) is found then. An actor that puts
+    nothing for pg_timeout_s times out, naming the groups waited for; so does a read that never
+    closes."""
     only = {r for ids in groups.values() for r in ids}
     deadline = time.monotonic() + run.cfg.pg_timeout_s
     while not run.store.check([final_key(run)]):
-        rows = run.queue.get("aux", len(only), min_rows=0, only=only)  # what there is
-        run.idle["gets"] += 1
-        if rows.ids:
-            return "rows", rows
-        notice = run.inbox.take(deadline - time.monotonic())
+        if only:  # (none without the KL term: this rank only scores)
+            rows = run.queue.get("aux", len(only), min_rows=0, only=only)  # what there is
+            run.idle["gets"] += 1
+            if rows.ids:
+                return "rows", rows
+        notice = run.inbox.take(0 if run.readers else deadline - time.monotonic())
+        if notice is None and run.readers and time.monotonic() < deadline:
+            time.sleep(run.queue.spec.poll_s)
+            continue
         if notice is None:
+            still = f" ({run.readers} reads of its columns still open)" if run.readers else ""
             raise TimeoutError(f"rank {run.rank}: the actor put none of groups "
-                               f"{sorted(groups)[:8]} (writer, index) "
-                               f"in {run.cfg.pg_timeout_s}s: is the actor alive?")
-        if notice in ("open", "lost"):
-            serve_readers(run, notice)
-        if notice.startswith("save:"):
+                               f"{sorted(groups)[:8]} (writer, index) in "
+                               f"{run.cfg.pg_timeout_s}s{still}: is the actor alive?")
+        if notice == "lost":
+            raise PeerLost(run.watchdog.error)
+        if notice.startswith("score:"):
+            answer_score(run, notice.split(":", 1)[1])
+            deadline = time.monotonic() + run.cfg.pg_timeout_s  # the actor is alive
+            continue
+        if notice.startswith("save:"):  # asked once every trainer's reads are closed
+            if run.readers:
+                raise RuntimeError(f"rank {run.rank}: a checkpoint was asked for during a read")
             return "save", int(notice.split(":")[1])
+        run.readers += {"open": 1, "close": -1}.get(notice, 0)  # "group", "final": the loop
+        if notice == "close":
+            run.queue.serve()  # retire the transfer the reader acknowledged
     return "end", None
 
 
-def serve_readers(run, notice):
-    """Serve the queue until every trainer's open read of this rank's columns has closed (the
-    reads are short: the columns are there). A lost peer raises here, named by the watchdog."""
-    readers, deadline = 0, time.monotonic() + run.cfg.pg_timeout_s
-    while True:
-        if notice == "lost":
-            raise PeerLost(run.watchdog.error)
-        if notice and notice.startswith("save:"):  # asked once every trainer's reads are closed
-            raise RuntimeError(f"rank {run.rank}: a checkpoint was asked for during a read")
-        readers += {"open": 1, "close": -1}.get(notice, 0)  # "group", "final": seen by the loop
-        run.queue.serve()
-        if readers == 0:
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"rank {run.rank}: a trainer's read of this rank's columns did not "
-                               f"end in {run.cfg.pg_timeout_s}s")
-        notice = run.inbox.take(0)
-        if notice is None:
-            time.sleep(run.queue.spec.poll_s)
+def answer_score(run, key):
+    """An actor rank's request under `key`: the reward model's rewards of one group, scored as a
+    batch of its own (run.score: options/learned_reward.py), put back under key/out."""
+    prompts, responses = json.loads(run.store.get(key))
+    rewards = run.score([torch.tensor(p) for p in prompts], [torch.tensor(r) for r in responses])
+    run.store.delete_key(key)
+    run.store.set(f"{key}/out", json.dumps(rewards.tolist()))

@@ -54,7 +54,8 @@ def attach(run):
     else:
         run.reward_model = fusion.HostOffloaded(rm, offload=True)
         run.watch = functools.partial(watch, run)  # hybrid: the model is not on the sampling ranks
-    run.score = functools.partial(model_rewards, run)
+    if run.reward_model is not None:  # the hybrid's actor asks its auxiliary ranks instead
+        run.score = functools.partial(model_rewards, run)
 
 
 def model_rewards(run, prompts, responses):
@@ -115,8 +116,8 @@ def fit_keys(run):
 
 def fitted(run):
     """After the fit: rank 0 says it is done; a rank that does not sample (the hybrid's
-    auxiliary) waits for that on the store, where rank 0 posts each fit step, so that a fit longer
-    than --pg-timeout-s times out only if it stops making progress."""
+    auxiliary) waits for that on the store, where rank 0 posts each phase of the fit and each of
+    its steps, so that a fit longer than --pg-timeout-s times out only where one of them does."""
     heartbeat, done = fit_keys(run)
     if run.rank == 0:
         run.store.set(done, "1")
@@ -128,9 +129,12 @@ def fitted(run):
 def fit(run, rm):
     """The reward model trained on rm_samples of the policy's responses, labelled by the rule; its
     agreement with the rule on the policy's responses to the held-out prompts. rm/*."""
-    cfg = run.cfg
+    cfg, (heartbeat, _) = run.cfg, fit_keys(run)
+    beat = (lambda what: run.store.set(heartbeat, str(what))) if run.rank == 0 else None
     held_out = {tuple(p.tolist()) for p in run.eval_prompts}
     prompts = task.PromptStream(cfg.seed + 1, cfg.max_digits, exclude=held_out).next(cfg.rm_samples)
+    if beat:
+        beat("sampling")
     responses = sample_responses(run, prompts, first_seed=0)
     labels = task.rewards(prompts, responses)
     if len(set(labels.tolist())) < 2:
@@ -140,10 +144,10 @@ def fit(run, rm):
                        f"--warmup-steps {cfg.warmup_steps}); the fit needs right and wrong "
                        "answers: draw more samples, or warm up longer (all wrong) or less "
                        "(all right)")
-    heartbeat, _ = fit_keys(run)
-    beat = (lambda step: run.store.set(heartbeat, str(step))) if run.rank == 0 else None
     figures = reward_model.train_reward_model(rm, rm_config(cfg), prompts, responses, labels,
                                               run.device, on_step=beat)
+    if beat:
+        beat("held-out")
     held = sample_responses(run, run.eval_prompts, first_seed=len(prompts))
     probs = reward_model.score(rm, run.eval_prompts, held)
     agree = reward_model.agreement(probs, task.rewards(run.eval_prompts, held))

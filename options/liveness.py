@@ -18,7 +18,7 @@ dead peer looks like a slow one until a timeout. So every rank runs a Watchdog:
 A rank that ends says so in its beat ("left", or "failed" with its error): its peers stop watching
 it, or name its failure at once. A rank whose own collective broke (a peer's socket closed) first
 waits out the interval (explain): the dead peer's name is worth more than the socket's.
-The thread costs one store write and one read a second; the main thread is never polled.
+Each beat costs the thread one store write and a read per peer; the main thread is never polled.
 """
 import signal
 import threading
@@ -46,8 +46,9 @@ class Watchdog:
         self.dead_after_s, self.every_s = dead_after_s, min(every_s, dead_after_s / 5)
         self.store = default_store()  # its own connection: the main thread's is not shared
         self.error, self.stop, self.count = None, threading.Event(), 0
-        self.quiet = False  # explain(): the thread finds the peer, the main thread asks
-        signal.signal(signal.SIGUSR1, self._raise)  # the main thread's handler (set here)
+        self.quiet = False  # set (under the lock) once the main thread no longer wants the signal
+        self.lock = threading.Lock()
+        self.handler = signal.signal(signal.SIGUSR1, self._raise)  # the main thread's (set here)
         self._post(self._phase())
         self.thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
         self.thread.start()
@@ -62,31 +63,44 @@ class Watchdog:
         if not any(isinstance(x, (TimeoutError, dist.DistError, PeerLost)) or "gloo" in str(x)
                    for x in chain):
             return None
-        self.quiet = True
+        self._hush()
         self.thread.join(self.dead_after_s + 2 * self.every_s)
         return self.error
 
     def close(self, error=None):
-        """This rank ends: its last beat says "left", or "failed" with the error."""
-        self.quiet = True
+        """This rank ends: its last beat says "left", or "failed" with the error (where the
+        store still answers: at a run's end its host may have left first)."""
+        self._hush()
         self.stop.set()
         self.thread.join()
         said = "left" if error is None else f"failed|{self._phase()}|{error}"
-        self.store.set(self._beat(self.rank), said[:2000])
-        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+        try:
+            self.store.set(self._beat(self.rank), said[:2000])
+        except dist.DistError:
+            pass
+        signal.signal(signal.SIGUSR1, self.handler)
+
+    def _hush(self):
+        with self.lock:  # no signal is sent after this, and one already sent is ignored
+            self.quiet = True
 
     # --- the thread
     def _run(self):
         seen = {p: (None, time.monotonic()) for p in self.peers}  # peer -> (last beat, when)
         while not self.stop.wait(self.every_s):
-            self._post(self._phase())
-            self.error = self._lost(seen)
-            if self.error is not None and not self.quiet:
-                if self.wake is not None:
-                    self.wake(self.store)
-                signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
-            if self.error is not None:
+            try:
+                self._post(self._phase())
+                self.error = self._lost(seen)
+            except dist.DistError:  # the store is gone: the job is ending, or its errors say why
                 return
+            if self.error is None:
+                continue
+            with self.lock:
+                if not self.quiet:
+                    if self.wake is not None:
+                        self.wake(self.store)
+                    signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+            return
 
     def _lost(self, seen):
         """The first peer lost, as an error message, or None."""
@@ -111,7 +125,8 @@ class Watchdog:
 
     # --- helpers
     def _raise(self, signum, frame):  # the main thread, between two bytecodes
-        raise PeerLost(self.error)
+        if not self.quiet:
+            raise PeerLost(self.error)
 
     def _post(self, phase):
         self.count += 1

@@ -100,6 +100,15 @@ class Inbox:
         n = int(self.store.add(f"{self.key}/n", 1))
         self.store.set(f"{self.key}/{n}", notice)
 
+    def wake(self, store, notice):
+        """Post `notice` from another thread, on its own store connection (a watchdog's), and
+        write it too in any slot counted but never written (its poster died between the two), so
+        that a take() blocked on that slot returns."""
+        n = int(store.add(f"{self.key}/n", 1))
+        for i in range(self.taken + 1, n + 1):
+            if not store.check([f"{self.key}/{i}"]):
+                store.set(f"{self.key}/{i}", notice)
+
     def take(self, timeout_s):
         """The next notice, once it is posted; None after timeout_s (0: at once)."""
         key = f"{self.key}/{self.taken + 1}"

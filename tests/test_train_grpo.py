@@ -88,8 +88,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["--deploy", "hybrid", "--staleness", "2"], "--deploy hybrid with --staleness 2 is not supported yet"),
     (["--deploy", "hybrid", "--kl-coef", "0"], "--deploy hybrid with --kl-coef 0 and no --reward-model leaves the "
                                                "auxiliary ranks nothing to compute"),
-    (["--deploy", "hybrid", "--reward-model", "1"], "--deploy hybrid with --reward-model 1 needs --filter-groups 0 and "
-                                                    "--curriculum 0"),
     (["--reward-model", "1", "--rm-samples", "1"], "--rm-samples 1 gives the reward model's fit one rule label"),
 ])
 def test_bad_arguments_are_named(flags, text):
@@ -444,15 +442,18 @@ def test_a_reward_model_fit_with_one_label_is_refused_on_every_rank_naming_the_f
         assert "--rm-samples 8" in s and "--warmup-steps 0" in s, s
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("estimator,kl", [("grpo", 0.05), ("reinforce++", 0.05), ("grpo", 0.0)])
-def test_hybrid_with_a_reward_model_on_the_auxiliary_rank_trains_as_colocated_all(tmp_path, estimator, kl):
-    """--deploy hybrid --reward-model 1: the actor's ranks fit the reward model, rank 2 keeps it and scores every group
-    (rewards and group advantages put back as columns). Without the filter and the curriculum (which need each
-    group's rewards during the round), it trains to colocated-all's parameters with the same reward model; with
-    reinforce++ (advantages normalised over the batch) too: the trainers read every row's columns before the update.
-    With --kl-coef 0 nothing reads the reference: rank 2 neither receives nor runs it, and adds the rewards alone."""
-    mode = {"reward_model": True, "rm_samples": 64, "rm_steps": 20, "filter_groups": False, "curriculum": False,
+@pytest.mark.parametrize("estimator,kl,rules", [pytest.param("grpo", 0.05, False, marks=pytest.mark.slow),
+                                                pytest.param("reinforce++", 0.05, False, marks=pytest.mark.slow),
+                                                pytest.param("grpo", 0.0, True, marks=pytest.mark.slow),
+                                                ("grpo", 0.05, True)])
+def test_hybrid_with_a_reward_model_on_the_auxiliary_rank_trains_as_colocated_all(tmp_path, estimator, kl, rules):
+    """--deploy hybrid --reward-model 1: the actor's ranks fit the reward model, rank 2 keeps it. Each group, as it
+    completes, is scored by rank 2 at the actor's request (a notice in its inbox, the rewards back through the
+    store), so that dynamic sampling and the curriculum (rules) judge it by the model's rewards, as colocated-all's
+    do; the put carries them. It trains to colocated-all's parameters with the same reward model, with reinforce++
+    (advantages normalised over the batch) too. With --kl-coef 0 nothing reads the reference: rank 2 neither
+    receives nor runs it, and only scores."""
+    mode = {"reward_model": True, "rm_samples": 64, "rm_steps": 20, "filter_groups": rules, "curriculum": rules,
             "adv_estimator": estimator, "kl_coef": kl}
     (_, p), _, _ = run_distributed(_train_tiny, world_size=3, args=(str(tmp_path / "h"), dict(mode, deploy="hybrid")))
     (_, c), _ = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "ca"), dict(mode, **COLOCATED_ALL)))
