@@ -120,7 +120,11 @@ def main():
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--rounds", type=int, default=2, help="rounds of the runs, back to back (the ratio's spread)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "out", "hybrid"))
+    p.add_argument("--rules", type=int, default=0, help="1: dynamic sampling and the curriculum on, judged by the "
+                   "reward model's rewards (the hybrid's auxiliary rank scores each group as it completes)")
     args = p.parse_args()
+    if args.rules:
+        FLAGS[FLAGS.index("--filter-groups") + 1] = FLAGS[FLAGS.index("--curriculum") + 1] = "1"
     result = {}
     for S in args.staleness:
         ratios, bounds, shares, tails, own = [], [], [], [], {"colocated-all": [], "hybrid": []}
