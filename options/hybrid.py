@@ -172,7 +172,7 @@ def build(cfg, out_dir=None):
     run.push_group = dist.new_group([0] + roles.auxiliaries, timeout=timeout)
     actor = run.rank in roles.trainers
     T.build_policy(run, DeviceMesh.from_group(run.train_group, run.device.type) if actor else None)
-    if actor and cfg.reward_model:  # the model lives on the auxiliary ranks: asked per group
+    if actor and cfg.reward_model and judged(cfg):  # the model is on the auxiliary ranks
         run.score = RemoteScore(run)
     if actor:  # the queue served between decode forwards: a group put is pulled within a forward
         T.build_rollout(run, lambda base: serving(base, run.queue), chunk_s0=True,
@@ -198,8 +198,16 @@ def build(cfg, out_dir=None):
 
 def aux_added(cfg):
     """The columns the auxiliary stage adds: the reference's log-probs where the KL term reads
-    them (the reward model's rewards come back to the actor as each group completes)."""
-    return ("ref_logprobs",) if cfg.kl_coef > 0 else ()
+    them; a reward model's rewards and advantages where no rule judges a group as it completes
+    (else they come back to the actor then: RemoteScore)."""
+    reference = ("ref_logprobs",) if cfg.kl_coef > 0 else ()
+    return reference + (("reward", "advantage") if cfg.reward_model and not judged(cfg) else ())
+
+
+def judged(cfg):
+    """Whether a rule judges each group by its rewards as it completes: dynamic sampling, the
+    curriculum."""
+    return bool(cfg.filter_groups or cfg.curriculum)
 
 
 def serving(base, queue):
@@ -326,11 +334,13 @@ def put_group(run, group):
     """StaleSync's on_group: a group into the queue the moment it completes (and is kept), for the
     auxiliary ranks to work on while the round decodes on; its rows' ids wait for the batch that
     takes it (announce_batch). Its rewards and advantages go in with it (a reward model's: the
-    verdict the filter asked for, kept by RemoteScore)."""
+    verdict a rule asked for, kept by RemoteScore), unless the auxiliary stage adds them."""
     rule = task.rewards(group.prompts, group.responses)
-    rewards = run.score(group.prompts, group.responses)  # (G,)
-    advantages = grpo.group_advantages(rewards, run.cfg.group_size, run.cfg.adv_estimator)
-    scored = {"reward": rewards.tolist(), "advantage": advantages.tolist()}
+    scored = {}
+    if "reward" not in aux_added(run.cfg):
+        rewards = run.score(group.prompts, group.responses)  # (G,)
+        advantages = grpo.group_advantages(rewards, run.cfg.group_size, run.cfg.adv_estimator)
+        scored = {"reward": rewards.tolist(), "advantage": advantages.tolist()}
     ids = [None] * len(group.ids)
     if run.rank in run.roles.writers():
         ids = run.queue.put({"prompt": group.prompts, "response": group.responses,
@@ -366,18 +376,23 @@ def read_share(run, step):
     per_step = run.cfg.prompts_per_step * run.cfg.group_size
     with run.spans("queue"):
         rows = run.queue.get("train", per_step, dp_group=run.train_group, only=run.batch_ids)
+    if "advantage" not in rows.cols:  # the reward model's: filled in as the columns arrive
+        rows.cols["advantage"] = [torch.full((1,), float("nan"))] * len(rows.ids)
     samples = T.samples_of(run, rows)
     samples.order = [r // run.queue.world for r in rows.ids]
     queued = AuxColumns(run, step, rows, samples)
+    if "advantage" in queued.names and run.cfg.adv_estimator == "reinforce++":
+        queued(range(len(rows.ids)))  # batch-normalised below: every row's advantage first
     samples.advantages = grpo.finish_advantages(samples.advantages, run.cfg.adv_estimator,
                                                 run.device, run.train_group)
     return samples, rows, queued
 
 
 class AuxColumns:
-    """A trainer: the auxiliary stage's columns of its rows (the reference's log-probs), read
-    micro-batch by micro-batch as the update reaches them (grpo_update's arrive). A row whose
-    first column is still None has not had its columns yet."""
+    """A trainer: the auxiliary stage's columns of its rows (aux_added: the reference's
+    log-probs; a reward model's rewards and advantages), read micro-batch by micro-batch as the
+    update reaches them (grpo_update's arrive). A row whose first column is still None has not had
+    its columns yet."""
 
     def __init__(self, run, step, rows, samples):
         self.run, self.step, self.rows, self.samples = run, step, rows, samples
@@ -413,6 +428,8 @@ class AuxColumns:
         for i in [i for i in idx if self.rows.ids[i] in where]:
             for name in self.names:
                 self.rows.cols[name][i] = got.cols[name][where[self.rows.ids[i]]]
+            if "advantage" in self.names:
+                self.samples.advantages[i] = self.rows.cols["advantage"][i]
 
 
 def serve_until_all(run, name):
@@ -444,7 +461,7 @@ def read_from_aux(run, step, ids, min_rows=None):
         return run.queue.get("from_aux", len(ids), min_rows=min_rows, only=set(ids))
     except TimeoutError as e:
         raise TimeoutError(f"the auxiliary stage (ranks {run.roles.auxiliaries}) did not add its "
-                           f"columns (the reference's log-probs) to rows {sorted(ids)} of step "
+                           f"columns {list(aux_added(run.cfg))} to rows {sorted(ids)} of step "
                            f"{step}'s batch in {run.cfg.pg_timeout_s}s: is it alive? ({e})") from e
     finally:
         notify(run, run.roles.auxiliaries, "close")

@@ -3,10 +3,12 @@
     python -m pytest tests/test_train_grpo.py -k hybrid
 
 Each auxiliary rank (aux_loop) takes its share of the groups as the actor puts them, whole groups,
-round robin by their place in their writer's puts, and adds their column (the reference's
-log-probs) in pieces of a micro-batch's groups; with a reward model it also scores each group
-as it completes, at the actor's request. It never polls: between pieces of work it blocks in the store on its inbox (options/push.Inbox),
-where the actor posts a notice for each event it must act on:
+round robin by their place in their writer's puts, and adds their columns (hybrid.aux_added: the
+reference's log-probs; a reward model's rewards and advantages) in pieces of a micro-batch's groups.
+Where dynamic sampling or the curriculum judges each group as it completes, the reward model scores
+it then instead, at the actor's request. It never polls: between pieces of work it blocks in the
+store on its inbox (options/push.Inbox), where the actor posts a notice for each event it must act
+on:
   group         a group was put for it: read what there is;
   open, close   a trainer is reading its columns: serve the queue (and look for its own groups)
                 until every read has closed;
@@ -98,17 +100,24 @@ def aux_piece(run):
 
 
 def aux_columns(run, rows, ids):
-    """4: the frozen reference's log-probs of rows `ids` (whole groups, in order; one forward), put
-    back as a column of the same rows. (The reward model's rewards went back as each group
-    completed: answer_score.)"""
+    """4 (and 2-3 with a reward model no rule asks as groups complete): the frozen reference's
+    log-probs of rows `ids` (whole groups, in order; one forward), and the reward model's rewards
+    and group advantages, put back as columns of the same rows."""
+    cfg, added = run.cfg, run.queue.spec.stages["from_aux"]
     run.spans.args = {"rows": len(ids)}
     where = {r: i for i, r in enumerate(rows.ids)}  # the queue returns ids ascending
     prompts, responses = ([rows.cols[c][where[r]] for r in ids] for c in ("prompt", "response"))
-    samples = grpo.Samples(prompts, responses, None, None)
-    with run.spans("reference"), run.reference.on_device() as ref:
-        ref_logprobs = grpo.chunk_logprobs(ref, samples, replace(run.algo, micro_batches=1),
-                                           run.device)
-    run.queue.put({"ref_logprobs": ref_logprobs}, ids=ids)
+    samples, columns = grpo.Samples(prompts, responses, None, None), {}
+    if "ref_logprobs" in added:  # the KL term on
+        with run.spans("reference"), run.reference.on_device() as ref:
+            columns["ref_logprobs"] = grpo.chunk_logprobs(
+                ref, samples, replace(run.algo, micro_batches=1), run.device)
+        run.queue.serve()  # between the two models: a trainer may wait for columns put before
+    if "reward" in added:
+        rewards = run.score(prompts, responses)  # (B,)
+        advantages = grpo.group_advantages(rewards, cfg.group_size, cfg.adv_estimator)
+        columns |= {"reward": rewards.tolist(), "advantage": advantages.tolist()}
+    run.queue.put(columns, ids=ids)
 
 
 def aux_groups(run, seen, done):
