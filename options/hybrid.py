@@ -37,8 +37,8 @@ import task
 import train_grpo as T
 from plumbing.config import model_config
 from model import Policy
-from options.hybrid_aux import (aux_done_key, aux_loop, final_key, inbox_key, notify,
-                                ready_key)
+from options.hybrid_aux import (RemoteScore, aux_done_key, aux_loop, final_key, inbox_key,
+                                notify, ready_key)
 from options.liveness import PeerLost, Watchdog
 from options.push import Inbox, push_weights, wait_for, warm_up_or_wait
 from plumbing.run import Run, start
@@ -298,36 +298,6 @@ def quiesce(run, step):
         notify(run, aux, f"save:{step}")
     wait_for(run, [ready_key(run, step, r) for r in aux], f"the auxiliary ranks' readiness to "
              f"save step {step}")
-
-
-class RemoteScore:
-    """The actor's run.score where the reward model lives on the auxiliary ranks: each group's
-    rewards asked of one of them through the store (a "score:<key>" notice in its inbox), the
-    queue served while it answers. The filter and the curriculum ask as each group completes
-    (observe_group), the put asks again: the verdict is kept for it, so each group is scored once,
-    as a batch of its own, as colocated-all scores it."""
-
-    def __init__(self, run, keep=256):
-        self.run, self.asked, self.kept, self.keep = run, 0, {}, keep
-
-    def __call__(self, prompts, responses):  # (G,) rewards, float32
-        rows = (tuple(prompts[0].tolist()), tuple(tuple(r.tolist()) for r in responses))
-        if rows in self.kept:
-            return self.kept.pop(rows)
-        run, aux = self.run, self.run.roles.auxiliaries
-        key = f"w:{run.key}/score/{run.rank}/{self.asked}"
-        helper = aux[(run.rank + self.asked) % len(aux)]
-        self.asked += 1
-        asked = [[p.tolist() for p in prompts], [r.tolist() for r in responses]]
-        run.store.set(key, json.dumps(asked))
-        notify(run, [helper], f"score:{key}")
-        wait_for(run, [f"{key}/out"], f"the reward model's rewards of a group from rank {helper}")
-        rewards = torch.tensor(json.loads(run.store.get(f"{key}/out")), dtype=torch.float32)
-        run.store.delete_key(f"{key}/out")
-        self.kept[rows] = rewards
-        while len(self.kept) > self.keep:  # the verdicts of groups the filter dropped
-            self.kept.pop(next(iter(self.kept)))
-        return rewards
 
 
 def put_group(run, group):
