@@ -86,6 +86,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["--deploy", "hybrid", "--aux-ranks", "2"], "--aux-ranks 2 must be in [1, world size 2)"),
     (["--deploy", "hybrid", "--aux-ranks", "0"], "--aux-ranks 0 must be in [1, world size 2)"),
     (["--deploy", "hybrid", "--staleness", "2"], "--deploy hybrid with --staleness 2 is not supported yet"),
+    (["--deploy", "hybrid", "--liveness-s", "0"], "--liveness-s 0.0 must be > 0"),
     (["--deploy", "hybrid", "--kl-coef", "0"], "--deploy hybrid with --kl-coef 0 and no --reward-model leaves the "
                                                "auxiliary ranks nothing to compute"),
     (["--reward-model", "1", "--rm-samples", "1"], "--rm-samples 1 gives the reward model's fit one rule label"),
