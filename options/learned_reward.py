@@ -2,16 +2,20 @@
 
     torchrun --standalone --nproc_per_node=2 train_grpo.py --reward-model 1
 
-Fit once, after the warm-up, on --rm-samples of the warmed-up policy's own responses to the task's
-prompts (never held-out ones), labelled by the rule (options/reward_model.py: the model and its
-fit); every rank fits the same one on the same samples, rank 0's weights broadcast. Then it is
-frozen and kept in host memory except while it scores (fusion.HostOffloaded), and the run's scorer
-(run.score) is its verdict, P(correct) >= 0.5. The rule is still logged beside it
-(reward/rule_mean), and its agreement with the rule on the held-out prompts' samples goes into
-step 0's record (rm/*). At each evaluation the gap is watched (watch: rm/watch_*): the model against
-the rule on the policy's fresh samples of held-out prompts, and a warning below --rm-watch-below,
-the sign of a policy that games the model. The hybrid deployment keeps the model on the auxiliary
-ranks, on their device, which score with it (and its gap is not watched there).
+Fit once, after the warm-up, on rows that are each one rule label (--rm-samples of them, 2048, give
+at most 6,144): the warmed-up policy's own answers to --rm-samples prompts (never held-out ones;
+half drawn as the task draws, half with lengths uniform up to --max-digits, where the curriculum
+may go), labelled by the rule; the right answer beside each wrong one (long strings, which the
+policy rarely gets right); a near miss of each right answer (one digit changed, two swapped, one
+dropped or repeated or added, not reversed: the wrong answers RL pushes toward). Then the fit is
+checked by length bucket on fresh prompts (rm/check_*), frozen, and kept in host memory except
+while it scores (fusion.HostOffloaded); the run's scorer (run.score) is its verdict, P(correct)
+>= 0.5. Every rank fits the same one on the same rows, rank 0's weights broadcast. The rule is
+still logged beside it (reward/rule_mean). At each evaluation the gap is watched (watch:
+rm/watch_*): the model against the rule on the policy's fresh samples of held-out prompts, and a
+warning below --rm-watch-below, the sign of a policy that games the model. The hybrid deployment
+keeps the model on the auxiliary ranks, on their device, which score with it (and its gap is not
+watched there). The model and its fit: options/reward_model.py.
 
     python -m pytest tests/test_train_grpo.py -k reward_model
 """
@@ -34,17 +38,10 @@ def attach(run):
         torch.manual_seed(cfg.seed)
         rm = reward_model.RewardModel(rm_config(cfg)).to(run.device)
     if run.resume_from is None:
-        said = [None]  # rank 0's refusal of the fit, said on every rank (hybrid: the auxiliary too)
         if run.rank in run.roles.generators:  # the ranks that sample (hybrid: not the auxiliary)
             with run.spans("reward_model_fit"):
-                try:
-                    run.step0.update(fit(run, rm))  # rm/*: in step 0's record
-                except OneLabel as err:
-                    said = [str(err)]
+                run.step0.update(fit(run, rm))  # rm/*: in step 0's record
         fitted(run)  # the others wait on rank 0's heartbeat, not in the collective below
-        dist.broadcast_object_list(said, src=0)
-        if said[0] is not None:
-            raise ValueError(said[0])
         for t in rm.state_dict().values():  # rank 0's fit on every rank (kernels need not be
             dist.broadcast(t, src=0)         # deterministic on a device)
     rm.eval().requires_grad_(False)
@@ -77,8 +74,8 @@ def watch(run):
     answers the model calls so (a gamed model calls wrong answers right); balanced, their mean.
     Below --rm-watch-below, rank 0 warns. Collective (every sampling rank samples its slice)."""
     cfg, prompts = run.cfg, run.eval_prompts[:WATCH_PROMPTS]
-    first = cfg.rm_samples + len(run.eval_prompts) * (1 + run.sched.version)  # past fit()'s seeds
-    responses = sample_responses(run, prompts, first_seed=first)
+    first = len(prompts) * run.sched.version  # fresh seeds each version
+    responses = sample_responses(run, prompts, first_seed=first, stream=3)
     verdict, rule = model_rewards(run, prompts, responses), task.rewards(prompts, responses)  # (B,)
     figures = gap(verdict, rule)
     figures["rm/watch_warning"] = float(figures["rm/watch_agreement"] < cfg.rm_watch_below)
@@ -106,8 +103,9 @@ def gap(verdict, rule):
 
 
 def rm_config(cfg):
+    longest = max(cfg.max_new_tokens, cfg.max_digits + 2)  # a near miss can add a digit
     return reward_model.RMConfig(vocab_size=task.VOCAB, pad=task.PAD, steps=cfg.rm_steps,
-                                 max_len=cfg.max_digits + 2 + cfg.max_new_tokens, seed=cfg.seed)
+                                 max_len=cfg.max_digits + 2 + longest, seed=cfg.seed)
 
 
 def fit_keys(run):
@@ -127,50 +125,124 @@ def fitted(run):
 
 
 def fit(run, rm):
-    """The reward model trained on rm_samples of the policy's responses, labelled by the rule; its
-    agreement with the rule on the policy's responses to the held-out prompts. rm/*."""
+    """The reward model trained on rm_samples of the policy's responses labelled by the rule, with
+    the right answer and a near miss of it beside each; then checked by length bucket. rm/*."""
     cfg, (heartbeat, _) = run.cfg, fit_keys(run)
     beat = (lambda what: run.store.set(heartbeat, str(what))) if run.rank == 0 else None
     held_out = {tuple(p.tolist()) for p in run.eval_prompts}
-    prompts = task.PromptStream(cfg.seed + 1, cfg.max_digits, exclude=held_out).next(cfg.rm_samples)
+    rng = np.random.default_rng([cfg.seed, 1])  # the fit's prompts and near misses: every rank's
+    prompts = fit_prompts(rng, cfg, held_out)
     if beat:
         beat("sampling")
     responses = sample_responses(run, prompts, first_seed=0)
-    labels = task.rewards(prompts, responses)
-    if len(set(labels.tolist())) < 2:
-        right = "right" if labels[0] else "wrong"
-        raise OneLabel(f"--reward-model 1: the rule finds all {len(labels)} of the warmed-up "
-                       f"policy's samples {right} (--rm-samples {cfg.rm_samples}, after "
-                       f"--warmup-steps {cfg.warmup_steps}); the fit needs right and wrong "
-                       "answers: draw more samples, or warm up longer (all wrong) or less "
-                       "(all right)")
+    prompts, responses, labels = labelled_rows(rng, prompts, responses)
     figures = reward_model.train_reward_model(rm, rm_config(cfg), prompts, responses, labels,
                                               run.device, on_step=beat)
     if beat:
-        beat("held-out")
-    held = sample_responses(run, run.eval_prompts, first_seed=len(prompts))
-    probs = reward_model.score(rm, run.eval_prompts, held)
-    agree = reward_model.agreement(probs, task.rewards(run.eval_prompts, held))
-    return {**figures, **{f"rm/held_out_{k}": float(v) for k, v in agree.items()}}
+        beat("check")
+    return {**figures, "rm/labels": len(labels), **check(run, rm)}
 
 
-class OneLabel(ValueError):
-    """The samples of the fit carry one label only."""
+def fit_prompts(rng, cfg, held_out):
+    """rm_samples prompts, never held-out ones: half drawn as the task draws them (the short strings
+    that RL sees most), half with a digit count uniform over [1, max_digits] (the long ones that
+    the curriculum moves to)."""
+    n_uniform = cfg.rm_samples // 2
+    drawn = task.PromptStream(cfg.seed + 1, cfg.max_digits, exclude=held_out)
+    out = drawn.next(cfg.rm_samples - n_uniform)
+    for tries in range(1000 * n_uniform + 10**5):  # a brake: short strings can all be held out
+        if len(out) == cfg.rm_samples:
+            return out
+        prompt = task.prompt_of_length(rng, int(rng.integers(1, cfg.max_digits + 1)))
+        if tuple(prompt.tolist()) not in held_out:
+            out.append(prompt)
+    raise RuntimeError(f"{tries} draws gave only {len(out)} of {cfg.rm_samples} prompts outside "
+                       "the held-out set")
 
 
-def fit_seed(seed, i):
-    """The sampling seed of the reward model's i-th sample: a stream of its own (a 3-number key; the
-    RL samples' have 4: task.sample_seed)."""
-    return int(np.random.SeedSequence([seed, i, 1]).generate_state(1)[0])
+NEAR_MISSES = ("one digit changed", "two neighbours swapped", "one digit dropped",
+               "one digit repeated", "not reversed", "one digit added")
 
 
-def sample_responses(run, prompts, first_seed):
+def near_miss(rng, right, kind):
+    """An edit of a right answer (digits, EOS), so a wrong one: NEAR_MISSES[kind]. Where the edit
+    would leave the string as it was (k = 1, equal neighbours, a palindrome), a digit is changed."""
+    digits = right[:-1].tolist()
+    k = len(digits)
+    i = int(rng.integers(k))
+    unequal = [j for j in range(k - 1) if digits[j] != digits[j + 1]]
+    if kind == 1 and unequal:
+        j = unequal[int(rng.integers(len(unequal)))]
+        digits[j], digits[j + 1] = digits[j + 1], digits[j]
+    elif kind == 2 and k > 1:
+        del digits[i]
+    elif kind == 3:
+        digits.insert(i, digits[i])
+    elif kind == 4 and digits != digits[::-1]:
+        digits = digits[::-1]
+    elif kind == 5:
+        digits.append(task.DIGIT0 + int(rng.integers(10)))
+    else:  # kind 0, or an edit that would change nothing
+        digits[i] = task.DIGIT0 + (digits[i] - task.DIGIT0 + int(rng.integers(1, 10))) % 10
+    return torch.tensor([*digits, task.EOS])
+
+
+def labelled_rows(rng, prompts, responses):
+    """Up to three rows a prompt, each a rule label: the policy's answer, labelled by the rule; the
+    right answer where the policy's is wrong (the long strings, which a warmed-up policy rarely gets
+    right, and RL may reach); a near miss of the right answer (the kinds in turn: the wrong answers
+    of a policy that has learnt most of the task, which its own samples hold few of)."""
+    rule = task.rewards(prompts, responses)                                       # (n,)
+    wrong = [j for j in range(len(prompts)) if rule[j] == 0]
+    right = [task.answer(p) for p in prompts]
+    misses = [near_miss(rng, r, j % len(NEAR_MISSES)) for j, r in enumerate(right)]
+    labels = torch.cat([rule, torch.ones(len(wrong)), torch.zeros(len(misses))])  # (n + w + n,)
+    return (prompts + [prompts[j] for j in wrong] + prompts,
+            responses + [right[j] for j in wrong] + misses, labels)
+
+
+def length_buckets(max_digits, n=4):
+    """n ranges of digit counts [lo, hi] that split [1, max_digits] evenly (fewer if short)."""
+    edges = sorted({round(max_digits * b / n) for b in range(n + 1)} | {0})
+    return [(lo + 1, hi) for lo, hi in zip(edges, edges[1:])]
+
+
+def check(run, rm):
+    """The fit checked by length bucket (a quarter of [1, max_digits] each) on --rm-check fresh
+    prompts a bucket, in the fit's rows: the policy's answer, the right one where it is wrong, a
+    near miss. rm/check_<lo>-<hi>_balanced: the mean of the shares of right and of wrong answers it
+    calls so; _n its rows; _policy_accuracy, the rule's on the policy's answers;
+    rm/check_min_balanced. Collective (every sampling rank samples its slice)."""
+    cfg, rng = run.cfg, np.random.default_rng([run.cfg.seed, 2])
+    figures = {}
+    for b, (lo, hi) in enumerate(length_buckets(cfg.max_digits)):
+        prompts = [task.prompt_of_length(rng, int(rng.integers(lo, hi + 1)))
+                   for _ in range(cfg.rm_check)]
+        responses = sample_responses(run, prompts, first_seed=b * cfg.rm_check, stream=2)
+        rows = labelled_rows(rng, prompts, responses)
+        said = reward_model.agreement(reward_model.score(rm, rows[0], rows[1]), rows[2])
+        name = f"rm/check_{lo}-{hi}"
+        figures[f"{name}_balanced"] = (said["true_positive_rate"] + said["true_negative_rate"]) / 2
+        figures[f"{name}_n"] = said["n"]
+        figures[f"{name}_policy_accuracy"] = float(task.rewards(prompts, responses).mean())
+    figures["rm/check_min_balanced"] = min(v for k, v in figures.items() if k[-9:] == "_balanced")
+    return figures
+
+
+def fit_seed(seed, i, stream):
+    """The sampling seed of the reward model's i-th sample in a stream (1 the fit, 2 its check, 3
+    the watch): streams of their own (a 3-number key; the RL samples' have 4: task.sample_seed)."""
+    return int(np.random.SeedSequence([seed, i, stream]).generate_state(1)[0])
+
+
+def sample_responses(run, prompts, first_seed, stream=1):
     """The current policy's sampled response to each prompt (seed first_seed + i), every rank
     getting all of them: each rollout replica generates its slice, the writers' slices gathered in
     order. Collective."""
     i, n = run.roles.replica(run.rank), run.roles.replicas
     lo, hi = i * len(prompts) // n, (i + 1) * len(prompts) // n
-    seeds = torch.tensor([fit_seed(run.cfg.seed, first_seed + j) for j in range(lo, hi)])
+    seeds = torch.tensor([fit_seed(run.cfg.seed, first_seed + j, stream)
+                          for j in range(lo, hi)])
     with fusion.rollout(run.actor):
         mine = run.sampler.fresh()(prompts[lo:hi], seeds).tokens
     everyone = [None] * dist.get_world_size(run.rollout_group)

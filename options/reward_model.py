@@ -16,11 +16,15 @@ Departures from an ORM in a production pipeline, on purpose:
 1. The labels come from a rule (here task.score, an exact match), not from people: agreement with
    the truth can be measured exactly.
 2. A small bidirectional encoder trained from scratch, not the policy's trunk with a value head:
-   this file imports nothing of the project. Positions count from the response's first token
-   (negative over the prompt), so a response token and the prompt token it answers to keep one
-   offset between them whatever the prompt's length (reversing k digits: response offset j against
-   prompt offset -j - 2). The head reads the mean over the real tokens (every position sees the
-   whole row); a causal trunk would read the last token instead.
+   this file imports nothing of the project. Its positions are rotary (RoPE), counted outward from
+   the boundary: the prompt's last token and the response's first are both 0. A reversal copies the
+   prompt's j-th token from its end into the response's j-th place, so each answer token and the
+   token it must match sit at one relative offset whatever j and the prompt's length: one attention
+   pattern checks every digit, lengths rare in training included. This is the one bias chosen for
+   the task (an answer that copies its prompt in order would count the prompt from its start). The
+   head reads the mean and the max over the real tokens: one wrong digit is one token's feature,
+   which the max keeps and a mean over 30 tokens dilutes. (Learned absolute offsets and a mean
+   alone learnt a string's length but not its digits: one digit changed went unseen.)
 3. A binary cross-entropy on each sample (a verifier), not a Bradley-Terry loss on pairs: every
    label is absolute. The loss is class-balanced: the policy's samples can be 80% right, and a model
    that always says "right" would then have 80% accuracy and learn nothing.
@@ -62,7 +66,7 @@ import torch.nn.functional as F
 @dataclass
 class RMConfig:
     vocab_size: int       # token ids are in [0, vocab_size)
-    max_len: int          # the longest prompt + response row (offsets within it: learned)
+    max_len: int          # the longest prompt + response row it reads
     d_model: int = 64     # model width D
     n_layers: int = 2     # pre-norm encoder blocks
     n_heads: int = 4      # attention heads; must divide d_model
@@ -99,15 +103,31 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(),
                                  nn.Linear(4 * d_model, d_model))
 
-    def forward(self, x, real):
+    def forward(self, x, real, rotate):
         B, T, D = x.shape
         hd = D // self.n_heads  # head width
         qkv = self.qkv(self.norm1(x)).view(B, T, 3, self.n_heads, hd)  # (B, T, 3, H, hd)
         q, k, v = qkv.permute(2, 0, 3, 1, 4)                           # 3 x (B, H, T, hd)
+        q, k = rotate(q), rotate(k)  # positions enter as rotations: q.k sees their difference
         mask = real[:, None, None, :]                                  # (B, 1, 1, T)
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)    # (B, H, T, hd)
         x = x + self.out(a.transpose(1, 2).reshape(B, T, D))           # (B, T, D)
         return x + self.mlp(self.norm2(x))                             # (B, T, D)
+
+
+def rotary(positions, head_dim, base=100.0):
+    """Rotary positions (RoPE): a function that turns each (B, H, T, hd) query or key by angles
+    proportional to its token's position (B, T), so that a query-key product depends on their
+    positions' difference only."""
+    half = head_dim // 2
+    freq = base ** -(torch.arange(half, device=positions.device) / half)   # (hd/2,)
+    angle = positions[:, None, :, None].float() * freq                     # (B, 1, T, hd/2)
+    cos, sin = angle.cos(), angle.sin()
+
+    def rotate(x):
+        x1, x2 = x[..., :half], x[..., half:]                              # 2 x (B, H, T, hd/2)
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)   # (B, H, T, hd)
+    return rotate
 
 
 class RewardModel(nn.Module):
@@ -117,24 +137,28 @@ class RewardModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        # one vector per offset, -(max_len - 1) .. max_len - 1
-        self.pos = nn.Embedding(2 * cfg.max_len - 1, cfg.d_model)
+        self.side = nn.Embedding(2, cfg.d_model)  # 0: a prompt token, 1: a response token
         self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.n_heads) for _ in range(cfg.n_layers))
-        self.norm = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, 1)
+        self.norm_mean, self.norm_max = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(2 * cfg.d_model, 1)
 
     def forward(self, tokens, lengths, starts):
         B, T = tokens.shape
         if T > self.cfg.max_len:
             raise ValueError(f"rows of {T} tokens: longer than max_len={self.cfg.max_len}")
-        columns = torch.arange(T, device=tokens.device)                    # (T,)
-        real = columns[None, :] < lengths[:, None]                         # (B, T) False at pads
-        offsets = columns[None, :] - starts[:, None]                       # (B, T) from response
-        x = self.embed(tokens) + self.pos(offsets + self.cfg.max_len - 1)  # (B, T, D)
+        columns = torch.arange(T, device=tokens.device)[None, :]      # (1, T)
+        real = columns < lengths[:, None]                             # (B, T) False at pads
+        response = columns >= starts[:, None]                         # (B, T)
+        # outward from the boundary: the prompt's last token and the response's first are both 0
+        distance = torch.where(response, columns - starts[:, None], starts[:, None] - 1 - columns)
+        rotate = rotary(distance, self.cfg.d_model // self.cfg.n_heads)
+        x = self.embed(tokens) + self.side(response.long())           # (B, T, D)
         for block in self.blocks:
-            x = block(x, real)                                  # (B, T, D)
-        mean = (x * real[..., None]).sum(1) / lengths[:, None]  # (B, D) over the real tokens
-        return self.head(self.norm(mean)).squeeze(-1)           # (B,)
+            x = block(x, real, rotate)                                # (B, T, D)
+        mean = (x * real[..., None]).sum(1) / lengths[:, None]        # (B, D) over the real tokens
+        most = x.masked_fill(~real[..., None], -math.inf).amax(1)     # (B, D) over the real tokens
+        pooled = torch.cat([self.norm_mean(mean), self.norm_max(most)], -1)  # (B, 2D)
+        return self.head(pooled).squeeze(-1)                          # (B,)
 
 
 def pack(prompts, responses, pad, max_len=None):

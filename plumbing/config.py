@@ -85,11 +85,15 @@ class Config:
                                        "moe/routing_mismatch is logged")
     reward_model: bool = flag(False, "1: a learned outcome reward model scores the responses "
                                      "instead of the rule (options/learned_reward.py): trained "
-                                     "after the warm-up on the policy's own samples, "
-                                     "labelled by the rule, then frozen; the rule is still "
-                                     "logged (reward/rule_mean)")
-    rm_samples: int = flag(2048, "--reward-model: the policy's samples it is trained on")
-    rm_steps: int = flag(300, "--reward-model: its training steps (batches of 64)")
+                                     "after the warm-up on the policy's own samples labelled "
+                                     "by the rule, the right answers and near misses, then "
+                                     "frozen; the rule is still logged (reward/rule_mean)")
+    rm_samples: int = flag(2048, "--reward-model: the policy's samples it is trained on (with "
+                                 "the right answer beside each wrong one and a near miss of "
+                                 "each: at most 3 rule labels a sample)")
+    rm_steps: int = flag(500, "--reward-model: its training steps (batches of 64)")
+    rm_check: int = flag(256, "--reward-model: the fresh samples per length bucket (a quarter of "
+                              "--max-digits) that its fit is checked on")
     rm_watch_below: float = flag(0.9, "--reward-model: at each evaluation, a warning when the "
                                       "model agrees with the rule on less than this share of "
                                       "the policy's sampled answers to held-out prompts (0: "
@@ -404,9 +408,6 @@ def option_errors(cfg, world):
     if cfg.eplb or cfg.eplb_redundant is not None:
         from options import eplb
         errors += eplb.errors(cfg, world)
-    if cfg.reward_model and cfg.rm_samples < 2:  # one sample, one label: never both
-        errors.append(f"--rm-samples {cfg.rm_samples} gives the reward model's fit one rule label; "
-                      "it needs a right and a wrong answer among them: at least 2")
     if cfg.layout == "auto" or cfg.device_memory_gib is not None:
         from options import layout_auto
         errors += layout_auto.errors(cfg, world)
@@ -435,7 +436,7 @@ POSITIVE = ("max_digits", "eval_prompts", "d_model", "n_layers", "n_heads", "n_e
             "d_expert", "warmup_batch", "steps", "prompts_per_step", "group_size", "filter_limit",
             "updates_per_batch", "micro_batches", "chunk_steps", "max_new_tokens", "bucket_kb",
             "eval_every", "log_every", "pg_timeout_s", "train_pp", "nodes", "rm_samples",
-            "rm_steps")
+            "rm_steps", "rm_check")
 NON_NEGATIVE = ("warmup_steps", "train_ep", "infer_ep", "seed", "save_every", "keep_last")
 
 

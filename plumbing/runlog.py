@@ -10,6 +10,7 @@ import dataclasses
 import gc
 import json
 import os
+import re
 import time
 
 import torch
@@ -243,13 +244,13 @@ class RunLog:
         warmup_s = self.run.spans.total("warmup")
         self.say(f"warm-up: {self.run.cfg.warmup_steps} steps in {warmup_s:.1f}s | "
                  f"held-out accuracy {self.before or 0.0:.3f}")
-        if "rm/held_out_accuracy" in evaluation:  # --reward-model: fit after the warm-up
-            e = evaluation
-            self.say(f"reward model: {self.run.cfg.rm_samples} samples, {e['rm/seconds']:.1f}s | "
-                     f"agrees with the rule on {e['rm/held_out_accuracy']:.3f} "
-                     "of the held-out prompts' samples "
-                     f"(right ones {e['rm/held_out_true_positive_rate']:.3f}, "
-                     f"wrong ones {e['rm/held_out_true_negative_rate']:.3f})")
+        if "rm/check_min_balanced" in evaluation:  # --reward-model: fit after the warm-up
+            e, name = evaluation, re.compile(r"rm/check_(\d+-\d+)_balanced")
+            buckets = ", ".join(f"{m[1]} digits {v:.3f}"
+                                for k, v in e.items() if (m := name.match(k)))
+            self.say(f"reward model: {e['rm/labels']} rule labels ({self.run.cfg.rm_samples} "
+                     f"samples, the right answer beside each wrong one, a near miss of each), "
+                     f"{e['rm/seconds']:.1f}s | balanced accuracy on fresh prompts: {buckets}")
         self.write({"step": 0, **evaluation}, show=False)
 
     def write(self, rec, show=None):

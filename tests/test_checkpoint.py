@@ -22,7 +22,7 @@ from plumbing.runlog import STALE_FACTS
 import train_grpo as T
 from plumbing.config import Config
 from tests.distributed import free_port, run_distributed
-from tests.test_train_grpo import TINY, _train_tiny
+from tests.test_train_grpo import RM, TINY, _train_tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CKPT = dict(steps=6, save_every=3, keep_last=0)
@@ -40,7 +40,7 @@ SLOW = pytest.mark.slow  # the fast suite keeps one run per deployment; these la
                                   pytest.param({"train_ep": 2, "infer_ep": 1, "staleness": 1, "chunk_steps": 1},
                                                marks=SLOW),
                                   pytest.param({"nodes": 2, "grad_compress": "topk-int8", "staleness": 0}, marks=SLOW),
-                                  pytest.param({"reward_model": True, "rm_samples": 64, "rm_steps": 20, "staleness": 0},
+                                  pytest.param({**RM, "staleness": 0},
                                                marks=SLOW),
                                   pytest.param({"train_ep": 2, "infer_ep": 2, "eplb": True, "staleness": 0}, marks=SLOW)],
                          ids=["colocated-S0", "colocated-S2-partial", "separated-S0", "expert-parallel",
@@ -77,7 +77,7 @@ def test_stopped_and_resumed_run_trains_to_the_same_parameters(tmp_path, mode):
 
 @pytest.mark.parametrize("mode", [{"staleness": 0},
                                   pytest.param({"staleness": 1, "chunk_steps": 1, "filter_groups": 0}, marks=SLOW),
-                                  pytest.param({"reward_model": True, "rm_samples": 64, "rm_steps": 20, "staleness": 1,
+                                  pytest.param({**RM, "staleness": 1,
                                                 "chunk_steps": 1, "filter_groups": 0, "curriculum": 0}, marks=SLOW)],
                          ids=["S0", "S1-ahead", "reward-model"])
 def test_a_stopped_and_resumed_hybrid_run_trains_to_the_same_parameters(tmp_path, mode):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import task
+from options.learned_reward import NEAR_MISSES, labelled_rows, length_buckets, near_miss
 from options.reward_model import (RMConfig, RewardModel, agreement, check_labels, class_weights, pack, score,
                                   train_reward_model)
 
@@ -158,3 +159,37 @@ def test_a_row_longer_than_the_model_reads_is_refused():
         pack([torch.full((3,), 4), torch.full((15,), 4)], [torch.full((2,), 5), torch.full((6,), 5)], 0, max_len=20)
     with pytest.raises(ValueError, match="longer than max_len=20"):
         model(torch.zeros(1, 21, dtype=torch.long), torch.tensor([21]), torch.tensor([3]))
+
+
+# The fit's rows (options/learned_reward.py): the near misses, the rows and their labels, the check's buckets.
+
+def test_every_near_miss_is_wrong_and_of_its_kind_where_the_string_allows():
+    rng = np.random.default_rng(0)
+    for k in (1, 2, 3, 7, 32):
+        for _ in range(50):
+            prompt = task.prompt_of_length(rng, k)
+            right = task.answer(prompt)
+            for kind in range(len(NEAR_MISSES)):
+                miss = near_miss(rng, right, kind)
+                assert task.score(prompt, miss) == 0 and miss[-1] == task.EOS, (k, kind, prompt, miss)
+                grew = {2: -1, 3: 1, 5: 1}.get(kind, 0) if k > 1 or kind != 2 else 0  # k = 1: nothing to drop
+                assert len(miss) == len(right) + grew, (k, kind, prompt, miss)
+
+
+def test_each_rows_label_is_the_rules_and_the_right_answer_stands_beside_each_wrong_sample():
+    rng = np.random.default_rng(1)
+    prompts = [task.prompt_of_length(rng, k) for k in (1, 4, 9, 20)]
+    responses = [task.answer(prompts[0]), task.answer(prompts[1])[1:], torch.tensor([task.EOS]),
+                 task.answer(prompts[3])]
+    rows_p, rows_r, labels = labelled_rows(rng, prompts, responses)
+    assert len(labels) == 4 + 2 + 4 and labels.tolist() == [1, 0, 0, 1, 1, 1, 0, 0, 0, 0]
+    assert [task.score(p, r) for p, r in zip(rows_p, rows_r)] == labels.tolist()
+    assert [len(p) for p in rows_p[4:6]] == [len(prompts[1]), len(prompts[2])]  # the wrong ones' prompts
+
+
+def test_the_checks_buckets_split_the_digit_counts():
+    for max_digits in (1, 2, 3, 5, 8, 32, 33):
+        buckets = length_buckets(max_digits)
+        counts = [k for lo, hi in buckets for k in range(lo, hi + 1)]
+        assert counts == list(range(1, max_digits + 1)) and len(buckets) == min(4, max_digits), (max_digits, buckets)
+    assert length_buckets(32) == [(1, 8), (9, 16), (17, 24), (25, 32)]
