@@ -14,12 +14,18 @@ dynamic sampling and the curriculum judge it as the colocated run does. The auxi
 pieces of a micro-batch's groups, while the actor still decodes the round's tail
 (options/hybrid_aux.py: the auxiliary stage and the notices it waits on).
 
+At S >= 2 a complete group can be left out of its batch and regenerated (more groups fell due at
+once than a batch holds): a group put early would then leave rows nobody reads. So from S = 2 the
+actor puts a batch's groups at its cut instead (put_at_cut), and the auxiliary stage overlaps the
+update alone, not the round.
+
 It trains to colocated-all's parameters (the reference on host, computed on the actor), and resumes
 from its checkpoints bit for bit (quiesce: the auxiliary ranks finish what they read, then save).
 Every rank beats from a thread: a peer gone is named within --liveness-s (options/liveness.py).
 
     python -m pytest tests/test_train_grpo.py -k hybrid
 """
+import dataclasses
 import datetime
 import json
 import os
@@ -55,15 +61,14 @@ def errors(cfg, world):
     if cfg.prompts_per_step < aux:
         out.append(f"--prompts-per-step {cfg.prompts_per_step} must be at least --aux-ranks {aux}: "
                    "each auxiliary rank serves whole groups, a batch's groups round robin")
-    unsupported = {f"--staleness {cfg.staleness}": cfg.staleness > 1,  # an early put could age out
-                   f"--infer-tp {cfg.infer_tp}": cfg.infer_tp > 1,
+    unsupported = {f"--infer-tp {cfg.infer_tp}": cfg.infer_tp > 1,
                    f"--train-ep {cfg.train_ep}": cfg.train_ep not in (0, "auto"),
                    f"--train-pp {cfg.train_pp}": cfg.train_pp > 1,
                    f"--nodes {cfg.nodes}": cfg.nodes > 1}
     for what, bad in unsupported.items():
         if bad:
             out.append(f"--deploy hybrid with {what} is not supported yet "
-                       "(the actor colocated with --infer-tp 1, FSDP2 over its ranks, S <= 1)")
+                       "(the actor colocated with --infer-tp 1, FSDP2 over its ranks)")
     if cfg.kl_coef == 0 and not cfg.reward_model:
         out.append("--deploy hybrid with --kl-coef 0 and no --reward-model leaves the auxiliary "
                    "ranks nothing to compute (they hold the KL term's reference and the reward "
@@ -175,8 +180,8 @@ def build(cfg, out_dir=None):
     if actor and cfg.reward_model and judged(cfg):  # the model is on the auxiliary ranks
         run.score = RemoteScore(run)
     if actor:  # the queue served between decode forwards: a group put is pulled within a forward
-        T.build_rollout(run, lambda base: serving(base, run.queue), chunk_s0=True,
-                        on_group=lambda group: put_group(run, group))
+        early = None if put_at_cut(cfg) else (lambda group: put_group(run, group))
+        T.build_rollout(run, lambda base: serving(base, run.queue), chunk_s0=True, on_group=early)
         run.actor = fusion.FusedActor(run.model, run.optimizer, run.engine,
                                       bucket_bytes=cfg.bucket_kb * 1024, inplace=True,
                                       group=run.rollout_group)
@@ -331,10 +336,29 @@ def serve_then(queue, cut, sched):
     return cut(sched)
 
 
+def put_at_cut(cfg):
+    """Whether the actor puts a batch's groups at its cut rather than as each completes: from S = 2,
+    where a complete group can be regenerated after it was put (the S = 1 cut needs every due group:
+    stalesync.py)."""
+    return cfg.staleness >= 2
+
+
+def groups_of(batch, group_size):
+    """A batch's groups, each a Batch of its own: its samples' slice of every per-sample list."""
+    lists = [f.name for f in dataclasses.fields(batch) if isinstance(getattr(batch, f.name), list)]
+    for i in range(0, len(batch.ids), group_size):
+        one = {name: getattr(batch, name)[i:i + group_size] for name in lists}
+        yield dataclasses.replace(batch, **one, per_token={
+            name: rows[i:i + group_size] for name, rows in batch.per_token.items()})
+
+
 def announce_batch(run, batch):
-    """The batch StaleSync cut is in the queue already, group by group; its row ids, gathered from
-    every writer, are what the trainers read; its cut's facts count in this rank's figures
-    (collective)."""
+    """The batch StaleSync cut is in the queue already, group by group (from S = 2: put now); its
+    row ids, gathered from every writer, are what the trainers read; its cut's facts count in this
+    rank's figures (collective)."""
+    if put_at_cut(run.cfg):
+        for group in groups_of(batch, run.cfg.group_size):
+            put_group(run, group)
     run.batch_ids = T.announce_rows(run, [run.rows_ahead.pop(i) for i in batch.ids])
     run.at_cut = cut_facts(batch)
 

@@ -85,7 +85,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["--aux-ranks", "1"], "--aux-ranks 1 places the auxiliary stage of --deploy hybrid (got --deploy colocated)"),
     (["--deploy", "hybrid", "--aux-ranks", "2"], "--aux-ranks 2 must be in [1, world size 2)"),
     (["--deploy", "hybrid", "--aux-ranks", "0"], "--aux-ranks 0 must be in [1, world size 2)"),
-    (["--deploy", "hybrid", "--staleness", "2"], "--deploy hybrid with --staleness 2 is not supported yet"),
+    (["--deploy", "hybrid", "--train-pp", "2"], "--deploy hybrid with --train-pp 2 is not supported yet"),
     (["--deploy", "hybrid", "--liveness-s", "0"], "--liveness-s 0.0 must be > 0"),
     (["--deploy", "hybrid", "--kl-coef", "0"], "--deploy hybrid with --kl-coef 0 and no --reward-model leaves the "
                                                "auxiliary ranks nothing to compute"),
@@ -397,7 +397,7 @@ def test_a_learned_reward_model_scores_the_same_on_every_deployment(tmp_path):
     assert {"reward_model_fit", "reward_model"} <= {s["name"] for s in timeline.load_spans(tmp_path / "w2")}
 
 
-@pytest.mark.parametrize("S", [0, 1])
+@pytest.mark.parametrize("S", [0, 1, pytest.param(2, marks=pytest.mark.slow)])
 def test_hybrid_places_the_reference_on_an_auxiliary_rank_and_trains_as_colocated_all(tmp_path, S):
     """--deploy hybrid at world 3: ranks 0 and 1 are the actor (colocated: FSDP2 over the two, phase switches), rank 2
     holds the frozen reference, a queue stage between rollout and training: the actor puts each group as it completes
@@ -405,7 +405,7 @@ def test_hybrid_places_the_reference_on_an_auxiliary_rank_and_trains_as_colocate
     decodes on, the actor's trainers read each micro-batch's columns as their update reaches it. With the KL term on,
     it trains to the parameters that colocated-all's two replicas train to (the reference on the actor's ranks, one
     sampler call per round). At S = 1 the groups that complete beyond a batch wait in the queue for the next: never
-    more than S batches of them."""
+    more than S batches of them. At S = 2 a batch's groups are put at its cut, and the reference overlaps the update."""
     mode = {"chunk_steps": 1, "staleness": S}
     (_, p), (_, q), (_, aux) = run_distributed(_train_tiny, world_size=3,
                                                args=(str(tmp_path / "h"), dict(mode, deploy="hybrid")))
@@ -415,14 +415,15 @@ def test_hybrid_places_the_reference_on_an_auxiliary_rank_and_trains_as_colocate
     lines = [json.loads(l) for l in open(tmp_path / "h" / "metrics.jsonl")][1:]
     assert any(l["k3_mean"] > 0 for l in lines)  # the reference's log-probs reached the loss
     per_step = TINY["prompts_per_step"] * TINY["group_size"]
-    assert all(0 <= l["queue/rows_ahead"] <= S * per_step for l in lines)  # S = 0: nothing put for a later batch
+    ahead = 0 if S >= 2 else S * per_step  # S = 0: nothing put for a later batch; S = 2: nothing before its cut
+    assert all(0 <= l["queue/rows_ahead"] <= ahead for l in lines)
     from plumbing import timeline
     spans = timeline.load_spans(tmp_path / "h")
     assert {"reference", "idle"} <= {s["name"] for s in spans if s["rank"] == 2}
     assert not any(s["name"] == "reference" for s in spans if s["rank"] < 2)  # the actor computes no reference
-    rollouts = [s for s in spans if s["rank"] == 0 and s["name"] == "rollout"]
+    overlapped = [s for s in spans if s["rank"] == 0 and s["name"] == ("train" if S >= 2 else "rollout")]
     assert any(r["start"] < s["start"] < r["end"] for s in spans if s["rank"] == 2 and s["name"] == "reference"
-               for r in rollouts)  # the reference of the first groups ran while the actor still decoded
+               for r in overlapped)  # the reference ran while the actor still decoded (S = 2: while it trained)
 
 
 @pytest.mark.parametrize("world,deploy", [(2, "colocated"), pytest.param(3, "hybrid", marks=pytest.mark.slow)])
@@ -507,9 +508,11 @@ def test_world_4_hybrid_with_two_auxiliary_ranks_trains_as_colocated_all(tmp_pat
 
 def _train_counting_rows(rank, world_size, out_dir, overrides=None):
     """_train_tiny, also returning the (writer, sample id) of every row this rank's trainer read, the ids of the rows
-    whose auxiliary columns it read, and the sample ids its scheduler emitted in batches (an actor rank's; an
-    auxiliary rank's: none)."""
-    runs, build, read, read_aux, seen, seen_aux = [], hybrid.build, hybrid.read_share, hybrid.read_from_aux, [], []
+    whose auxiliary columns it read, the sample ids its scheduler emitted in batches (an actor rank's; an auxiliary
+    rank's: none), and the sample ids of the rows it put into the queue (a writer's) with those still in flight at
+    the end."""
+    runs, build, read, read_aux = [], hybrid.build, hybrid.read_share, hybrid.read_from_aux
+    put, seen, seen_aux, put_group = [], [], [], hybrid.put_group
     hybrid.build = lambda *a, **k: runs.append(build(*a, **k)) or runs[-1]
 
     def counting(run, *args):
@@ -521,27 +524,47 @@ def _train_counting_rows(rank, world_size, out_dir, overrides=None):
         rows = read_aux(run, *args)
         seen_aux.extend(rows.ids)
         return rows
-    hybrid.read_share, hybrid.read_from_aux = counting, counting_aux
+
+    def counting_puts(run, group):
+        if run.rank in run.roles.writers():
+            put.extend(group.ids)
+        return put_group(run, group)
+    hybrid.read_share, hybrid.read_from_aux, hybrid.put_group = counting, counting_aux, counting_puts
     _train_tiny(rank, world_size, out_dir, overrides)
-    sched = runs[0].sched
-    return seen, seen_aux, sorted(sched.accounting()["trained"]) if sched is not None else []
+    fates = runs[0].sched.accounting() if runs[0].sched is not None else {"trained": [], "in_flight": []}
+    return seen, seen_aux, sorted(fates["trained"]), (put, sorted(fates["in_flight"]))
 
 
-def test_hybrid_trains_every_sample_its_actor_emits_exactly_once(tmp_path):
+@pytest.mark.parametrize("S", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_hybrid_trains_every_sample_its_actor_emits_exactly_once(tmp_path, S):
     """Counted over sample ids at S = 1 (groups completing beyond a batch wait in the queue for the next; the filter
     off, so that they complete together, more than the shared cut takes): the rows the actor's trainers read, over
     the run, are the samples its schedulers emitted in batches, each exactly once, and each row's auxiliary columns
-    were read once, by the trainer that read the row."""
-    mode = {"deploy": "hybrid", "staleness": 1, "chunk_steps": 1, "steps": 5, "threshold": 0.5, "filter_groups": 0}
+    were read once, by the trainer that read the row; and every row put was trained. At S = 2 too, where complete
+    groups left out of a batch are regenerated: put at the cut, none of them was ever in the queue."""
+    mode = {"deploy": "hybrid", "staleness": S, "chunk_steps": 1, "steps": 5, "threshold": 0.5, "filter_groups": 0}
+    if S == 2:  # a group a replica a step, lengths up to 40 tokens at random (no warm-up): groups pile up due at once
+        mode.update(warmup_steps=0, max_new_tokens=40, steps=20, prompts_per_step=2, group_size=1, threshold=1 / 3,
+                    adv_estimator="reinforce++")
     out = run_distributed(_train_counting_rows, world_size=3, args=(str(tmp_path), mode))
-    read = [key[1:] for seen, _, _ in out for key in seen]
-    emitted = [(rank, i) for rank, (_, _, trained) in enumerate(out) for i in trained]
-    assert len(read) == len(set(read)) == 5 * TINY["prompts_per_step"] * TINY["group_size"]  # none read twice
+    read = [key[1:] for seen, _, _, _ in out for key in seen]
+    emitted = [(rank, i) for rank, (_, _, trained, _) in enumerate(out) for i in trained]
+    put = [(rank, i) for rank, (_, _, _, (ids, _)) in enumerate(out) for i in ids]
+    in_flight = [(rank, i) for rank, (_, _, _, (_, ids)) in enumerate(out) for i in ids]
+    steps = mode["steps"]
+    per_step = mode.get("prompts_per_step", TINY["prompts_per_step"]) * mode.get("group_size", TINY["group_size"])
+    assert len(read) == len(set(read)) == steps * per_step  # none read twice
     assert sorted(read) == sorted(emitted)  # none lost, none extra
-    for seen, seen_aux, _ in out:  # per trainer: the same rows, each once
+    # every row put into the queue was trained, or is in a group put ahead of a batch the run ended before: none of
+    # them was regenerated, and so left unread
+    assert set(put) <= set(emitted) | set(in_flight) and len(put) == len(set(put))
+    for seen, seen_aux, _, _ in out:  # per trainer: the same rows, each once
         assert sorted(seen_aux) == sorted(key[0] for key in seen)
     lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")][1:]
-    assert any(l["queue/rows_ahead"] > 0 for l in lines)  # some groups were put ahead of their batch
+    if S == 1:
+        assert any(l["queue/rows_ahead"] > 0 for l in lines)  # some groups were put ahead of their batch
+    else:  # the case an early put would leave rows of in the queue, never read
+        assert lines[-1]["stale/regenerated"] > 0, "no group aged out: the test does not exercise regeneration"
 
 
 def _train_with_a_silent_aux(rank, world_size, out_dir, overrides=None, how="silent"):
