@@ -45,6 +45,7 @@ from plumbing.config import model_config
 from model import Policy
 from options.hybrid_aux import (RemoteScore, aux_done_key, aux_loop, final_key, inbox_key,
                                 notify, ready_key)
+from options import tensor_parallel
 from options.liveness import PeerLost, Watchdog
 from options.push import Inbox, push_weights, wait_for, warm_up_or_wait
 from plumbing.run import Run, start
@@ -61,14 +62,16 @@ def errors(cfg, world):
     if cfg.prompts_per_step < aux:
         out.append(f"--prompts-per-step {cfg.prompts_per_step} must be at least --aux-ranks {aux}: "
                    "each auxiliary rank serves whole groups, a batch's groups round robin")
-    unsupported = {f"--infer-tp {cfg.infer_tp}": cfg.infer_tp > 1,
-                   f"--train-ep {cfg.train_ep}": cfg.train_ep not in (0, "auto"),
+    if (world - aux) % cfg.infer_tp:
+        out.append(f"--infer-tp {cfg.infer_tp} must divide the actor's {world - aux} ranks "
+                   f"(world size {world}, --aux-ranks {aux}): the engine is cut over them")
+    unsupported = {f"--train-ep {cfg.train_ep}": cfg.train_ep not in (0, "auto"),
                    f"--train-pp {cfg.train_pp}": cfg.train_pp > 1,
                    f"--nodes {cfg.nodes}": cfg.nodes > 1}
     for what, bad in unsupported.items():
         if bad:
             out.append(f"--deploy hybrid with {what} is not supported yet "
-                       "(the actor colocated with --infer-tp 1, FSDP2 over its ranks)")
+                       "(the actor colocated, FSDP2 over its ranks)")
     if cfg.kl_coef == 0 and not cfg.reward_model:
         out.append("--deploy hybrid with --kl-coef 0 and no --reward-model leaves the auxiliary "
                    "ranks nothing to compute (they hold the KL term's reference and the reward "
@@ -177,13 +180,17 @@ def build(cfg, out_dir=None):
     run.push_group = dist.new_group([0] + roles.auxiliaries, timeout=timeout)
     actor = run.rank in roles.trainers
     T.build_policy(run, DeviceMesh.from_group(run.train_group, run.device.type) if actor else None)
+    if cfg.infer_tp > 1:  # the engine tensor-parallel over groups of infer_tp of the actor's ranks
+        group = tp_group(run)  # every rank makes every group
+        if actor:
+            tensor_parallel.apply(run.engine, group)
     if actor and cfg.reward_model and judged(cfg):  # the model is on the auxiliary ranks
         run.score = RemoteScore(run)
     if actor:  # the queue served between decode forwards: a group put is pulled within a forward
         early = None if put_at_cut(cfg) else (lambda group: put_group(run, group))
         T.build_rollout(run, lambda base: serving(base, run.queue), chunk_s0=True, on_group=early)
         run.actor = fusion.FusedActor(run.model, run.optimizer, run.engine,
-                                      bucket_bytes=cfg.bucket_kb * 1024, inplace=True,
+                                      bucket_bytes=cfg.bucket_kb * 1024, inplace=cfg.infer_tp == 1,
                                       group=run.rollout_group)
         cut = serving_cut(stalesync.SharedCut, run.queue)(
             run.rollout_group, replica=roles.replica(run.rank), leader=run.rank in roles.writers(),
@@ -199,6 +206,17 @@ def build(cfg, out_dir=None):
         from options import routing_replay
         routing_replay.apply(run)
     return run
+
+
+def tp_group(run):
+    """This rank's tensor-parallel group: infer_tp adjacent ranks of the actor, one rollout replica
+    (None on an auxiliary rank). Every rank makes every group, as new_group needs."""
+    timeout, mine = datetime.timedelta(seconds=run.cfg.pg_timeout_s), None
+    for first in range(0, len(run.roles.generators), run.cfg.infer_tp):
+        ranks = run.roles.generators[first:first + run.cfg.infer_tp]
+        group = dist.new_group(ranks, timeout=timeout)
+        mine = group if run.rank in ranks else mine
+    return mine
 
 
 def aux_added(cfg):

@@ -506,6 +506,21 @@ def test_world_4_hybrid_with_two_auxiliary_ranks_trains_as_colocated_all(tmp_pat
     assert {2, 3} <= {s["rank"] for s in timeline.load_spans(tmp_path / "h") if s["name"] == "reference"}
 
 
+@pytest.mark.slow
+def test_hybrid_with_a_tensor_parallel_engine_trains_as_colocated_all(tmp_path):
+    """--infer-tp 2 on the hybrid's actor at world 3: ranks 0 and 1 one rollout replica, the engine cut over the two
+    (rank 0 its writer: the only rank that puts), rank 2 the reference. It trains to the parameters of colocated-all
+    with the same engine at world 2 (S = 1)."""
+    mode = {"infer_tp": 2, "chunk_steps": 1, "staleness": 1}
+    hybrid_mode = dict(mode, deploy="hybrid")
+    (_, p), (_, q), _ = run_distributed(_train_tiny, world_size=3, args=(str(tmp_path / "h"), hybrid_mode))
+    assert torch.equal(p, q)
+    (_, c), _ = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "ca"), dict(mode, **COLOCATED_ALL)))
+    assert_same_training(p, c, "hybrid with --infer-tp 2 at world 3 against colocated-all at world 2")
+    lines = [json.loads(l) for l in open(tmp_path / "h" / "metrics.jsonl")][1:]
+    assert any(l["k3_mean"] > 0 for l in lines)  # the reference's log-probs reached the loss
+
+
 def _train_counting_rows(rank, world_size, out_dir, overrides=None):
     """_train_tiny, also returning the (writer, sample id) of every row this rank's trainer read, the ids of the rows
     whose auxiliary columns it read, the sample ids its scheduler emitted in batches (an actor rank's; an auxiliary
