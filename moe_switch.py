@@ -346,6 +346,7 @@ class EPMoE(nn.Module):
         """Uninitialised, the global RNG untouched: fill it with load_dense, or use from_dense."""
         super().__init__()
         self.top_k, self.layout, self.group = top_k, layout, group
+        self.world_group = None  # exactly the layout's ranks where part of the job (ExpertParallel)
         self.rank = _rank(None, layout)
         self.routing = None  # a hook for an option (routing replay): see below the marker
         self.load = None  # (P * L,) rows per slot, summed, where an option sets it: below too
@@ -548,7 +549,10 @@ class ExpertParallel:
         Also for a frozen copy (the reference): it then runs the policy's own EP forward and
         computes what the policy does, bit for bit (a dense forward rounds differently)."""
         group = self.train_groups[0]
-        return swap_layers(module, lambda m: EPMoE.from_dense(m, self.train_layout, group))
+        layers = swap_layers(module, lambda m: EPMoE.from_dense(m, self.train_layout, group))
+        for layer in layers:  # the group of a whole-model gather (a checkpoint's, a dense copy's)
+            layer.world_group = self.group
+        return layers
 
     def params(self, model):
         """The model's expert Parameters: one per global expert, empty where this rank owns none."""

@@ -321,14 +321,15 @@ def build_policy(run, mesh, split=None):
     model = Policy(model_config(cfg)).to(run.device)
     if rank in roles.generators:
         run.engine = Policy(model_config(cfg)).to(run.device).eval().requires_grad_(False)
-    if cfg.train_ep:  # the experts leave FSDP2: EP shards them, moe_switch.py re-shards them
-        run.experts = moe_switch.ExpertParallel(cfg.train_ep, cfg.infer_ep, roles.world,
+    if cfg.train_ep:  # the experts leave FSDP2: EP shards them over the trainers, re-shards them
+        run.experts = moe_switch.ExpertParallel(cfg.train_ep, cfg.infer_ep, len(roles.trainers),
                                                 cfg.n_experts, cfg.bucket_kb * 1024,
-                                                cfg.pg_timeout_s)
+                                                cfg.pg_timeout_s, ranks=roles.experts_over)
+    if rank not in roles.trainers:  # (every rank makes EP's groups; the trainers hold experts)
+        return
+    if run.experts:
         run.experts.apply(model, run.engine)
         run.clip_grads = run.experts.clip_grads
-    if rank not in roles.trainers:
-        return
     run.data_index, run.data_size = roles.trainers.index(rank), len(roles.trainers)
     if split is not None:
         model, mesh = split(model)
@@ -336,8 +337,7 @@ def build_policy(run, mesh, split=None):
     if cfg.fsdp_units == "block":  # a unit per block, with prefetch (options/nodes.py)
         from options import nodes
         nodes.shard_blocks(model, mesh, ignored)
-    # FSDP2, the parameters kept gathered from an update's first forward to the reduce-scatter after
-    # its last backward (ZeRO-2's traffic)
+    # FSDP2, the parameters gathered from an update's first forward to its last backward (ZeRO-2)
     fully_shard(model, mesh=mesh, ignored_params=ignored, reshard_after_forward=False)
     if run.grad_sync is not None:  # a hook on each FSDP2 unit: its shard, averaged across nodes
         run.grad_sync.apply(model)

@@ -19,6 +19,8 @@ once than a batch holds): a group put early would then leave rows nobody reads. 
 actor puts a batch's groups at its cut instead (put_at_cut), and the auxiliary stage overlaps the
 update alone, not the round.
 
+The actor takes the colocated run's layouts: the engine tensor-parallel over groups of its ranks
+(--infer-tp), the experts expert-parallel over them (--train-ep 2; auto leaves EP off here).
 It trains to colocated-all's parameters (the reference on host, computed on the actor), and resumes
 from its checkpoints bit for bit (quiesce: the auxiliary ranks finish what they read, then save).
 Every rank beats from a thread: a peer gone is named within --liveness-s (options/liveness.py).
@@ -47,7 +49,7 @@ from options.hybrid_aux import (RemoteScore, aux_done_key, aux_loop, final_key, 
                                 notify, ready_key)
 from options import tensor_parallel
 from options.liveness import PeerLost, Watchdog
-from options.push import Inbox, push_weights, wait_for, warm_up_or_wait
+from options.push import Inbox, dense_twin, push_weights, wait_for, warm_up_or_wait
 from plumbing.run import Run, start
 from plumbing.runlog import RunLog, cut_facts, share_figures, stale_facts
 
@@ -65,13 +67,16 @@ def errors(cfg, world):
     if (world - aux) % cfg.infer_tp:
         out.append(f"--infer-tp {cfg.infer_tp} must divide the actor's {world - aux} ranks "
                    f"(world size {world}, --aux-ranks {aux}): the engine is cut over them")
-    unsupported = {f"--train-ep {cfg.train_ep}": cfg.train_ep not in (0, "auto"),
-                   f"--train-pp {cfg.train_pp}": cfg.train_pp > 1,
-                   f"--nodes {cfg.nodes}": cfg.nodes > 1}
-    for what, bad in unsupported.items():
+    unsupported = {  # why each cannot work here (yet)
+        f"--train-pp {cfg.train_pp}": (cfg.train_pp > 1, "the pipeline trains in a loop of its "
+                                       "own (options/pipeline_run.py), the hybrid's actor in "
+                                       "another"),
+        f"--nodes {cfg.nodes}": (cfg.nodes > 1, "the nodes split the whole world into FSDP2 "
+                                 "meshes, and the auxiliary ranks train nothing"),
+        "--eplb 1": (cfg.eplb, "the hybrid's build does not place its rollout's experts by load")}
+    for what, (bad, why) in unsupported.items():
         if bad:
-            out.append(f"--deploy hybrid with {what} is not supported yet "
-                       "(the actor colocated, FSDP2 over its ranks)")
+            out.append(f"--deploy hybrid with {what} is not supported: {why}")
     if cfg.kl_coef == 0 and not cfg.reward_model:
         out.append("--deploy hybrid with --kl-coef 0 and no --reward-model leaves the auxiliary "
                    "ranks nothing to compute (they hold the KL term's reference and the reward "
@@ -191,6 +196,7 @@ def build(cfg, out_dir=None):
         T.build_rollout(run, lambda base: serving(base, run.queue), chunk_s0=True, on_group=early)
         run.actor = fusion.FusedActor(run.model, run.optimizer, run.engine,
                                       bucket_bytes=cfg.bucket_kb * 1024, inplace=cfg.infer_tp == 1,
+                                      movers=[run.experts] if run.experts else [],
                                       group=run.rollout_group)
         cut = serving_cut(stalesync.SharedCut, run.queue)(
             run.rollout_group, replica=roles.replica(run.rank), leader=run.rank in roles.writers(),
@@ -199,8 +205,10 @@ def build(cfg, out_dir=None):
                                                        spans=run.spans)
         run.cut = lambda sched: serve_then(run.queue, cut, sched)
         if run.rank == 0:
-            print(f"switch: {run.actor.path} | experts: in FSDP2 (EP off: the hybrid does not "
-                  "take EP yet, so --train-ep auto resolves it off)", flush=True)
+            experts = "in FSDP2 (EP off: --train-ep auto leaves it off here; 2 turns it on)"
+            if run.experts:
+                experts = f"EP {cfg.train_ep} -> {cfg.infer_ep} over the actor's ranks"
+            print(f"switch: {run.actor.path} | experts: {experts}", flush=True)
     run.log = RunLog(run, start=run.resume_from[1]["step"] + 1 if run.resume_from else 1)
     if cfg.routing_replay:  # the trainers replay the recorded experts; moe/* in the log
         from options import routing_replay
@@ -262,7 +270,11 @@ def send_reference(run):
         return
     ref = Policy(model_config(run.cfg)).to(run.device).eval() if run.model is None else None
     if run.resume_from is None:  # resumed: the auxiliary ranks' checkpoint files hold it
-        push_weights(run.model, ref, 0, run.push_group, run.cfg.bucket_kb * 1024)
+        source = run.model
+        if run.experts:  # EP: the experts are not FSDP2's; rank 0 pushes the dense model gathered
+            source = dense_twin(run) if run.model is not None else None
+        if source is not None or ref is not None:
+            push_weights(source, ref, 0, run.push_group, run.cfg.bucket_kb * 1024)
     if ref is not None:
         run.reference = fusion.HostOffloaded(ref.requires_grad_(False), offload=False)
 

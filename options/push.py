@@ -23,6 +23,9 @@ import torch.distributed as dist
 
 import grpo
 from fusion import Broadcasts, bucket_views, plan_buckets, reshard_all, weight_meta
+from model import Policy
+from plumbing import checkpoint
+from plumbing.config import model_config
 
 
 @torch.no_grad()
@@ -53,6 +56,17 @@ def push_weights(model, engine, src, group, bucket_bytes):
             engine.load_weights(pairs)
         del flat, pairs  # the bucket is freed before the next one is allocated
     return sent
+
+
+def dense_twin(run):
+    """The policy as one dense model, gathered over the trainers (collective over them): on rank
+    0, for push_weights where the experts are expert-parallel, not in FSDP2; None elsewhere."""
+    full = checkpoint.dense_state_dict(run.model)
+    if run.rank != 0:
+        return None
+    twin = Policy(model_config(run.cfg)).to(run.device)
+    twin.load_state_dict(full)
+    return twin
 
 
 def wait_for(run, keys, what, moving=None, poll_s=0.001):

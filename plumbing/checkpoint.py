@@ -401,7 +401,7 @@ def _stacked(entries, module):
     """A state dict of `module` (its parameters' tensors, or the optimizer's state per parameter: a
     dict of tensors) with each EP expert entry, `<layer>.w_gate.<e>` held by some ranks, made the
     dense model's stack `<layer>.w_gate` (E, ...), whole on every rank: each expert broadcast by its
-    first holder (collective over the default group). The optimizer's step, the same for every
+    first holder (collective over the layout's ranks). The optimizer's step, the same for every
     expert, stays one scalar."""
     import moe_switch
     out = dict(entries)
@@ -413,7 +413,7 @@ def _stacked(entries, module):
                 box = [out.pop(key, None) if e in layer.layout.owned(layer.rank) else None]
                 out.pop(key, None)  # an expert this rank does not hold: an empty tensor
                 first_holder = layer.layout.global_rank(layer.layout.holders(e)[0])
-                dist.broadcast_object_list(box, src=first_holder)
+                dist.broadcast_object_list(box, src=first_holder, group=layer.world_group)
                 parts.append(box[0])
             if torch.is_tensor(parts[0]):
                 out[f"{name}.{n}"] = torch.stack(parts)                                  # (E, ...)
@@ -443,7 +443,7 @@ def _unstacked(entries, module):
 # --- the whole model's dense state under EP: what a dense reference or an export loads ---------
 def dense_state_dict(model, group=None):
     """The whole model on every rank, in the dense model's names and order: what a checkpoint or a
-    dense reference loads. Collective over `group` (the EP layout's ranks; None: all). FSDP2 shards
+    dense reference loads. Collective over `group` (None: the EP layout's ranks). FSDP2 shards
     are gathered; each expert is broadcast by its first holder, then stacked (E, ...)."""
     import moe_switch
     state = model.state_dict()
@@ -461,7 +461,7 @@ def dense_state_dict(model, group=None):
                            for p in getattr(m, n)]
                 for e, t in enumerate(experts):
                     src = m.layout.global_rank(m.layout.holders(e)[0])
-                    dist.broadcast(t, src=src, group=group)
+                    dist.broadcast(t, src=src, group=m.world_group if group is None else group)
                 out[f"{name}.{n}"] = torch.stack(experts)              # (E, ...)
         if name not in ep or k.endswith(".router.weight"):
             out[k] = v

@@ -294,6 +294,10 @@ class Roles:
     def replica(self, rank):
         return (rank - self.generators[0]) // self.infer_tp
 
+    @property
+    def experts_over(self):  # EP's ranks where they are part of the job (the hybrid's actor)
+        return None if len(self.trainers) == self.world else self.trainers
+
     def writers(self):  # one rank per TP group puts the (identical) samples into the queue
         return self.generators[::self.infer_tp]
 
@@ -375,9 +379,10 @@ def expert_errors(cfg, world):
     if not cfg.train_ep:
         return []
     errors = []
+    ranks = len(Roles.of(cfg, world).trainers)  # the experts' ranks: the hybrid's actor, or all
     for name, ep in (("--train-ep", cfg.train_ep), ("--infer-ep", cfg.infer_ep)):
         try:
-            moe_switch.EPLayout(ep, world, cfg.n_experts)
+            moe_switch.EPLayout(ep, ranks, cfg.n_experts)
         except ValueError as e:
             errors.append(f"{name} {ep}: {e}")
     if cfg.deploy == "separated" or cfg.infer_tp != 1:

@@ -131,12 +131,14 @@ def say_layout(run):
 def warm_up_target(run):
     """What the supervised warm-up trains, and its clip (None: clip_grad_norm_): the policy, or
     under EP its dense twin, built as the run builds it with EP off (the same seed, the same
-    initial weights, FSDP2 over every weight and rank), to be loaded into the policy after."""
+    initial weights, FSDP2 over every weight and trainer), to be loaded into the policy after."""
     if run.experts is None:
         return run.model, run.clip_grads
     from torch.distributed.fsdp import fully_shard
     torch.manual_seed(run.cfg.seed)
     twin = Policy(model_config(run.cfg)).to(run.device)
     mesh = torch.distributed.device_mesh.init_device_mesh(run.device.type, (run.roles.world,))
+    if run.roles.experts_over is not None:  # the trainers are part of the job (the hybrid's actor)
+        mesh = torch.distributed.device_mesh.DeviceMesh.from_group(run.train_group, run.device.type)
     fully_shard(twin, mesh=mesh, reshard_after_forward=False)
     return twin, None

@@ -79,8 +79,9 @@ def test_stopped_and_resumed_run_trains_to_the_same_parameters(tmp_path, mode):
                                   pytest.param({"staleness": 1, "chunk_steps": 1, "filter_groups": 0}, marks=SLOW),
                                   pytest.param({**RM, "staleness": 1,
                                                 "chunk_steps": 1, "filter_groups": 0, "curriculum": 0}, marks=SLOW),
-                                  pytest.param({"staleness": 2, "chunk_steps": 1, "filter_groups": 0}, marks=SLOW)],
-                         ids=["S0", "S1-ahead", "reward-model", "S2-at-cut"])
+                                  pytest.param({"staleness": 2, "chunk_steps": 1, "filter_groups": 0}, marks=SLOW),
+                                  pytest.param({"staleness": 1, "train_ep": 2, "infer_ep": 1}, marks=SLOW)],
+                         ids=["S0", "S1-ahead", "reward-model", "S2-at-cut", "EP"])
 def test_a_stopped_and_resumed_hybrid_run_trains_to_the_same_parameters(tmp_path, mode):
     """--deploy hybrid at world 3 (the actor on ranks 0 and 1, the reference and the reward model on rank 2), 6 steps
     saving at step 3, then resumed from step 3 in new processes: the parameters of the run that never stopped, bit for

@@ -85,7 +85,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["--aux-ranks", "1"], "--aux-ranks 1 places the auxiliary stage of --deploy hybrid (got --deploy colocated)"),
     (["--deploy", "hybrid", "--aux-ranks", "2"], "--aux-ranks 2 must be in [1, world size 2)"),
     (["--deploy", "hybrid", "--aux-ranks", "0"], "--aux-ranks 0 must be in [1, world size 2)"),
-    (["--deploy", "hybrid", "--train-pp", "2"], "--deploy hybrid with --train-pp 2 is not supported yet"),
+    (["--deploy", "hybrid", "--train-pp", "2"], "--deploy hybrid with --train-pp 2 is not supported: the pipeline"),
+    (["--deploy", "hybrid", "--eplb", "1", "--train-ep", "2", "--infer-ep", "2", "--aux-ranks", "1"],
+     "--deploy hybrid with --eplb 1 is not supported"),
     (["--deploy", "hybrid", "--liveness-s", "0"], "--liveness-s 0.0 must be > 0"),
     (["--deploy", "hybrid", "--kl-coef", "0"], "--deploy hybrid with --kl-coef 0 and no --reward-model leaves the "
                                                "auxiliary ranks nothing to compute"),
@@ -517,6 +519,23 @@ def test_hybrid_with_a_tensor_parallel_engine_trains_as_colocated_all(tmp_path):
     assert torch.equal(p, q)
     (_, c), _ = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "ca"), dict(mode, **COLOCATED_ALL)))
     assert_same_training(p, c, "hybrid with --infer-tp 2 at world 3 against colocated-all at world 2")
+    lines = [json.loads(l) for l in open(tmp_path / "h" / "metrics.jsonl")][1:]
+    assert any(l["k3_mean"] > 0 for l in lines)  # the reference's log-probs reached the loss
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("infer_ep", [1, 2])
+def test_hybrid_with_expert_parallel_experts_trains_as_colocated_all(tmp_path, infer_ep):
+    """--train-ep 2 on the hybrid's actor at world 3: the experts expert-parallel over ranks 0 and 1 (EP 2 in training,
+    re-sharded to the engine's EP at each switch), rank 2 the reference, pushed to it as the dense model rank 0
+    gathers. It trains to the parameters of colocated-all with the same EP layouts at world 2 (up to float order:
+    colocated-all's reference runs the policy's EP forward, rank 2's a dense one)."""
+    mode = {"train_ep": 2, "infer_ep": infer_ep, "chunk_steps": 1, "staleness": 1}
+    hybrid_mode = dict(mode, deploy="hybrid")
+    (_, p), (_, q), _ = run_distributed(_train_tiny, world_size=3, args=(str(tmp_path / "h"), hybrid_mode))
+    assert torch.equal(p, q)
+    (_, c), _ = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "ca"), dict(mode, deploy="colocated-all")))
+    assert_same_training(p, c, f"hybrid with EP 2 -> {infer_ep} at world 3 against colocated-all at world 2")
     lines = [json.loads(l) for l in open(tmp_path / "h" / "metrics.jsonl")][1:]
     assert any(l["k3_mean"] > 0 for l in lines)  # the reference's log-probs reached the loss
 
