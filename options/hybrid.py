@@ -14,10 +14,9 @@ dynamic sampling and the curriculum judge it as the colocated run does. The auxi
 pieces of a micro-batch's groups, while the actor still decodes the round's tail
 (options/hybrid_aux.py: the auxiliary stage and the notices it waits on).
 
-At S >= 2 a complete group can be left out of its batch and regenerated (more groups fell due at
-once than a batch holds): a group put early would then leave rows nobody reads. So from S = 2 the
-actor puts a batch's groups at its cut instead (put_at_cut), and the auxiliary stage overlaps the
-update alone, not the round.
+At S >= 2 a group put as it completed can be left out of every batch and regenerated (more groups
+fell due at once than a batch holds). Its writer then reads its rows and their columns and lets
+them go (discard_dropped): no row stays in the queue unread.
 
 The actor takes the colocated run's layouts: the engine tensor-parallel over groups of its ranks
 (--infer-tp), the experts expert-parallel over them (--train-ep 2; auto leaves EP off here).
@@ -27,7 +26,6 @@ Every rank beats from a thread: a peer gone is named within --liveness-s (option
 
     python -m pytest tests/test_train_grpo.py -k hybrid
 """
-import dataclasses
 import datetime
 import json
 import os
@@ -88,6 +86,7 @@ def errors(cfg, world):
 class HybridRun(Run):
     push_group: object = None     # rank 0 and the auxiliary ranks: the reference goes out on it
     rows_ahead: dict = field(default_factory=dict)  # sample id -> row id, put, not yet in a batch
+    dropped: set = None  # a writer's row ids put, then regenerated: to let go (None: nobody's)
     at_cut: tuple = (0, 0, 0)     # this rank's last cut's facts (not in the rows: put before it)
     groups_put: int = 0           # a writer's groups put so far (m: the m-th goes to an aux rank)
     inbox: Inbox = None           # an auxiliary rank's notices: a group put, a read, the end
@@ -192,8 +191,8 @@ def build(cfg, out_dir=None):
     if actor and cfg.reward_model and judged(cfg):  # the model is on the auxiliary ranks
         run.score = RemoteScore(run)
     if actor:  # the queue served between decode forwards: a group put is pulled within a forward
-        early = None if put_at_cut(cfg) else (lambda group: put_group(run, group))
-        T.build_rollout(run, lambda base: serving(base, run.queue), chunk_s0=True, on_group=early)
+        T.build_rollout(run, lambda base: serving(base, run.queue), chunk_s0=True,
+                        on_group=lambda group: put_group(run, group))
         run.actor = fusion.FusedActor(run.model, run.optimizer, run.engine,
                                       bucket_bytes=cfg.bucket_kb * 1024, inplace=cfg.infer_tp == 1,
                                       movers=[run.experts] if run.experts else [],
@@ -308,9 +307,12 @@ def actor_loop(run):
                                     arrive=queued)
         sched.update()
         T.learn_curriculum(run)
+        # S >= 2: the rows of groups put as they completed, then regenerated, read and let go
+        dropped = len(discard_dropped(run, step))
         figures = share_figures(step, rows)
         figures.update({name: figures[name] + fact for name, fact in zip(
-            ("regenerated", "filtered", "filled_in"), run.at_cut)}, rows_ahead=len(run.rows_ahead))
+            ("regenerated", "filtered", "filled_in"), run.at_cut)}, rows_ahead=len(run.rows_ahead),
+            rows_dropped=dropped)
         quiesce(run, step)  # a checkpoint at this step: the auxiliary ranks join it, quiet
         last = T.end_step(run, step, mark, sums | figures, actor.metrics())
         if last and run.rank == 0:  # the auxiliary ranks serve until the last batch has been read
@@ -366,31 +368,32 @@ def serve_then(queue, cut, sched):
     return cut(sched)
 
 
-def put_at_cut(cfg):
-    """Whether the actor puts a batch's groups at its cut rather than as each completes: from S = 2,
-    where a complete group can be regenerated after it was put (the S = 1 cut needs every due group:
-    stalesync.py)."""
-    return cfg.staleness >= 2
-
-
-def groups_of(batch, group_size):
-    """A batch's groups, each a Batch of its own: its samples' slice of every per-sample list."""
-    lists = [f.name for f in dataclasses.fields(batch) if isinstance(getattr(batch, f.name), list)]
-    for i in range(0, len(batch.ids), group_size):
-        one = {name: getattr(batch, name)[i:i + group_size] for name in lists}
-        yield dataclasses.replace(batch, **one, per_token={
-            name: rows[i:i + group_size] for name, rows in batch.per_token.items()})
-
-
 def announce_batch(run, batch):
-    """The batch StaleSync cut is in the queue already, group by group (from S = 2: put now); its
-    row ids, gathered from every writer, are what the trainers read; its cut's facts count in this
-    rank's figures (collective)."""
-    if put_at_cut(run.cfg):
-        for group in groups_of(batch, run.cfg.group_size):
-            put_group(run, group)
+    """The batch StaleSync cut is in the queue already, group by group; its row ids, gathered from
+    every writer, are what the trainers read; its cut's facts count in this rank's figures
+    (collective). The rows of groups put and then regenerated (S >= 2) wait to be let go."""
     run.batch_ids = T.announce_rows(run, [run.rows_ahead.pop(i) for i in batch.ids])
+    if run.cfg.staleness >= 2:  # (at S <= 1 the cut takes every due group: none is regenerated)
+        gone = [i for i in run.rows_ahead if run.sched.fate.get(i) == "regenerated"]
+        mine = [r for r in (run.rows_ahead.pop(i) for i in gone) if r is not None]
+        anyone = T.announce_rows(run, mine)  # where any writer has some, every trainer reads
+        run.dropped = set(mine) if anyone else None
     run.at_cut = cut_facts(batch)
+
+
+def discard_dropped(run, step):
+    """The rows of groups put as they completed and then regenerated (S >= 2: they aged out of every
+    batch), read by their writer with their auxiliary columns, and let go: none stays in the queue
+    unread. Every trainer reads (the others find nothing), so that their reads stay counted alike.
+    Returns the row ids this trainer read."""
+    dropped, run.dropped = run.dropped, None
+    if dropped is None:
+        return []
+    with run.spans("queue"):
+        rows = run.queue.get("train", max(len(dropped), 1), min_rows=len(dropped), only=dropped)
+        if rows.ids and "from_aux" in run.queue.spec.stages:
+            read_from_aux(run, step, rows.ids)
+    return rows.ids
 
 
 def read_share(run, step):

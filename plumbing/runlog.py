@@ -233,8 +233,9 @@ class RunLog:
                 "train/lr": run.optimizer.param_groups[0]["lr"],  # --lr-decay anneals it
                 # optimizer steps skipped for a non-finite gradient, so far
                 "train/skipped_steps": self.skipped,
-                # hybrid: put for later
+                # hybrid: put for later; put, then regenerated, and let go
                 **({"queue/rows_ahead": s["rows_ahead"]} if "rows_ahead" in s else {}),
+                **({"queue/rows_dropped": s["rows_dropped"]} if "rows_dropped" in s else {}),
                 # rank 0 writes it
                 **lockstep_counts(run), **(run.queue.metrics() if self.file else {}), **extra}
 

@@ -81,25 +81,21 @@ def test_stopped_and_resumed_run_trains_to_the_same_parameters(tmp_path, mode):
                                                 "chunk_steps": 1, "filter_groups": 0, "curriculum": 0}, marks=SLOW),
                                   pytest.param({"staleness": 2, "chunk_steps": 1, "filter_groups": 0}, marks=SLOW),
                                   pytest.param({"staleness": 1, "train_ep": 2, "infer_ep": 1}, marks=SLOW)],
-                         ids=["S0", "S1-ahead", "reward-model", "S2-at-cut", "EP"])
+                         ids=["S0", "S1-ahead", "reward-model", "S2", "EP"])
 def test_a_stopped_and_resumed_hybrid_run_trains_to_the_same_parameters(tmp_path, mode):
     """--deploy hybrid at world 3 (the actor on ranks 0 and 1, the reference and the reward model on rank 2), 6 steps
     saving at step 3, then resumed from step 3 in new processes: the parameters of the run that never stopped, bit for
     bit. Rank 2's file holds the reference (and the reward model) and its progress through the groups; at S = 1 the
-    actor's groups put ahead of their batch, and their columns on rank 2, wait in the queue's saved rows (S = 2: none,
-    each batch's groups are put at its cut)."""
+    actor's groups put ahead of their batch, and their columns on rank 2, wait in the queue's saved rows (S = 2 too)."""
     mode = dict(CKPT, deploy="hybrid", **mode)
     straight = run_distributed(_train_tiny, world_size=3, args=(str(tmp_path), mode))
     step_3 = checkpoint.folder(str(tmp_path), 3)
     aux = torch.load(os.path.join(step_3, "rank_2.pt"), weights_only=True)["run"]
     assert "reference" in aux and ("reward_model" in aux) == bool(mode.get("reward_model"))
-    if mode["staleness"] == 1:  # groups put ahead: in the actor's saved queue, their columns in rank 2's
+    if mode["staleness"] >= 1:  # groups put ahead: in the actor's saved queue, their columns in rank 2's
         ahead = [torch.load(os.path.join(step_3, f"rank_{r}.pt"), weights_only=True)["run"]["rows_ahead"]
                  for r in (0, 1)]
         assert any(ahead)
-    if mode["staleness"] == 2:
-        assert not any(torch.load(os.path.join(step_3, f"rank_{r}.pt"), weights_only=True)["run"]["rows_ahead"]
-                       for r in (0, 1))
     resumed = run_distributed(_train_tiny, world_size=3, args=(str(tmp_path), dict(mode, resume=step_3)))
     assert torch.equal(straight[0][1], resumed[0][1]) and torch.equal(straight[1][1], resumed[1][1])
     assert straight[0][0]["params_sha256"] == resumed[0][0]["params_sha256"] is not None

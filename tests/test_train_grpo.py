@@ -407,7 +407,7 @@ def test_hybrid_places_the_reference_on_an_auxiliary_rank_and_trains_as_colocate
     decodes on, the actor's trainers read each micro-batch's columns as their update reaches it. With the KL term on,
     it trains to the parameters that colocated-all's two replicas train to (the reference on the actor's ranks, one
     sampler call per round). At S = 1 the groups that complete beyond a batch wait in the queue for the next: never
-    more than S batches of them. At S = 2 a batch's groups are put at its cut, and the reference overlaps the update."""
+    more than S batches of them (S = 2 too)."""
     mode = {"chunk_steps": 1, "staleness": S}
     (_, p), (_, q), (_, aux) = run_distributed(_train_tiny, world_size=3,
                                                args=(str(tmp_path / "h"), dict(mode, deploy="hybrid")))
@@ -417,15 +417,14 @@ def test_hybrid_places_the_reference_on_an_auxiliary_rank_and_trains_as_colocate
     lines = [json.loads(l) for l in open(tmp_path / "h" / "metrics.jsonl")][1:]
     assert any(l["k3_mean"] > 0 for l in lines)  # the reference's log-probs reached the loss
     per_step = TINY["prompts_per_step"] * TINY["group_size"]
-    ahead = 0 if S >= 2 else S * per_step  # S = 0: nothing put for a later batch; S = 2: nothing before its cut
-    assert all(0 <= l["queue/rows_ahead"] <= ahead for l in lines)
+    assert all(0 <= l["queue/rows_ahead"] <= S * per_step for l in lines)  # S = 0: nothing put for a later batch
     from plumbing import timeline
     spans = timeline.load_spans(tmp_path / "h")
     assert {"reference", "idle"} <= {s["name"] for s in spans if s["rank"] == 2}
     assert not any(s["name"] == "reference" for s in spans if s["rank"] < 2)  # the actor computes no reference
-    overlapped = [s for s in spans if s["rank"] == 0 and s["name"] == ("train" if S >= 2 else "rollout")]
+    rollouts = [s for s in spans if s["rank"] == 0 and s["name"] == "rollout"]
     assert any(r["start"] < s["start"] < r["end"] for s in spans if s["rank"] == 2 and s["name"] == "reference"
-               for r in overlapped)  # the reference ran while the actor still decoded (S = 2: while it trained)
+               for r in rollouts)  # the reference of the first groups ran while the actor still decoded
 
 
 @pytest.mark.parametrize("world,deploy", [(2, "colocated"), pytest.param(3, "hybrid", marks=pytest.mark.slow)])
@@ -534,7 +533,8 @@ def test_hybrid_with_expert_parallel_experts_trains_as_colocated_all(tmp_path, i
     hybrid_mode = dict(mode, deploy="hybrid")
     (_, p), (_, q), _ = run_distributed(_train_tiny, world_size=3, args=(str(tmp_path / "h"), hybrid_mode))
     assert torch.equal(p, q)
-    (_, c), _ = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "ca"), dict(mode, deploy="colocated-all")))
+    colocated_all = dict(mode, deploy="colocated-all")
+    (_, c), _ = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "ca"), colocated_all))
     assert_same_training(p, c, f"hybrid with EP 2 -> {infer_ep} at world 3 against colocated-all at world 2")
     lines = [json.loads(l) for l in open(tmp_path / "h" / "metrics.jsonl")][1:]
     assert any(l["k3_mean"] > 0 for l in lines)  # the reference's log-probs reached the loss
@@ -543,10 +543,11 @@ def test_hybrid_with_expert_parallel_experts_trains_as_colocated_all(tmp_path, i
 def _train_counting_rows(rank, world_size, out_dir, overrides=None):
     """_train_tiny, also returning the (writer, sample id) of every row this rank's trainer read, the ids of the rows
     whose auxiliary columns it read, the sample ids its scheduler emitted in batches (an actor rank's; an auxiliary
-    rank's: none), and the sample ids of the rows it put into the queue (a writer's) with those still in flight at
-    the end."""
+    rank's: none), and: the sample ids of the rows it put into the queue (a writer's), those still in flight at the
+    end, those regenerated, and the row ids its trainer read and let go (put, then regenerated)."""
     runs, build, read, read_aux = [], hybrid.build, hybrid.read_share, hybrid.read_from_aux
-    put, seen, seen_aux, put_group = [], [], [], hybrid.put_group
+    put, seen, seen_aux, dropped = [], [], [], []
+    put_group, discard = hybrid.put_group, hybrid.discard_dropped
     hybrid.build = lambda *a, **k: runs.append(build(*a, **k)) or runs[-1]
 
     def counting(run, *args):
@@ -563,10 +564,20 @@ def _train_counting_rows(rank, world_size, out_dir, overrides=None):
         if run.rank in run.roles.writers():
             put.extend(group.ids)
         return put_group(run, group)
+
+    def counting_dropped(run, step):
+        ids = discard(run, step)
+        dropped.extend(ids)
+        return ids
     hybrid.read_share, hybrid.read_from_aux, hybrid.put_group = counting, counting_aux, counting_puts
+    hybrid.discard_dropped = counting_dropped
     _train_tiny(rank, world_size, out_dir, overrides)
-    fates = runs[0].sched.accounting() if runs[0].sched is not None else {"trained": [], "in_flight": []}
-    return seen, seen_aux, sorted(fates["trained"]), (put, sorted(fates["in_flight"]))
+    none = {"trained": [], "in_flight": [], "regenerated": []}
+    fates = runs[0].sched.accounting() if runs[0].sched is not None else none
+    held = {r for r, _ in runs[0].queue.cells}  # rows whose cells this rank still holds for a reader
+    ahead = {r for r in runs[0].rows_ahead.values() if r is not None}
+    return seen, seen_aux, sorted(fates["trained"]), (put, sorted(fates["in_flight"]), fates["regenerated"], dropped,
+                                                      held, ahead)
 
 
 @pytest.mark.parametrize("S", [1, pytest.param(2, marks=pytest.mark.slow)])
@@ -574,8 +585,8 @@ def test_hybrid_trains_every_sample_its_actor_emits_exactly_once(tmp_path, S):
     """Counted over sample ids at S = 1 (groups completing beyond a batch wait in the queue for the next; the filter
     off, so that they complete together, more than the shared cut takes): the rows the actor's trainers read, over
     the run, are the samples its schedulers emitted in batches, each exactly once, and each row's auxiliary columns
-    were read once, by the trainer that read the row; and every row put was trained. At S = 2 too, where complete
-    groups left out of a batch are regenerated: put at the cut, none of them was ever in the queue."""
+    were read once, by the trainer that read the row. At S = 2 too, where a group put as it completed can be
+    regenerated (left out of every batch): its writer reads its rows and their columns and lets them go."""
     mode = {"deploy": "hybrid", "staleness": S, "chunk_steps": 1, "steps": 5, "threshold": 0.5, "filter_groups": 0}
     if S == 2:  # a group a replica a step, lengths up to 40 tokens at random (no warm-up): groups pile up due at once
         mode.update(warmup_steps=0, max_new_tokens=40, steps=20, prompts_per_step=2, group_size=1, threshold=1 / 3,
@@ -583,22 +594,28 @@ def test_hybrid_trains_every_sample_its_actor_emits_exactly_once(tmp_path, S):
     out = run_distributed(_train_counting_rows, world_size=3, args=(str(tmp_path), mode))
     read = [key[1:] for seen, _, _, _ in out for key in seen]
     emitted = [(rank, i) for rank, (_, _, trained, _) in enumerate(out) for i in trained]
-    put = [(rank, i) for rank, (_, _, _, (ids, _)) in enumerate(out) for i in ids]
-    in_flight = [(rank, i) for rank, (_, _, _, (_, ids)) in enumerate(out) for i in ids]
+    put = [(rank, i) for rank, (_, _, _, (ids, *_)) in enumerate(out) for i in ids]
+    in_flight = [(rank, i) for rank, (_, _, _, (_, ids, *_)) in enumerate(out) for i in ids]
+    regenerated = [(rank, i) for rank, (_, _, _, (_, _, ids, *_)) in enumerate(out) for i in ids]
     steps = mode["steps"]
     per_step = mode.get("prompts_per_step", TINY["prompts_per_step"]) * mode.get("group_size", TINY["group_size"])
     assert len(read) == len(set(read)) == steps * per_step  # none read twice
     assert sorted(read) == sorted(emitted)  # none lost, none extra
-    # every row put into the queue was trained, or is in a group put ahead of a batch the run ended before: none of
-    # them was regenerated, and so left unread
-    assert set(put) <= set(emitted) | set(in_flight) and len(put) == len(set(put))
-    for seen, seen_aux, _, _ in out:  # per trainer: the same rows, each once
-        assert sorted(seen_aux) == sorted(key[0] for key in seen)
+    # every row put into the queue was trained, or is in a group put ahead of a batch the run ended before, or was
+    # regenerated (S = 2) and then read by its writer and let go, with its auxiliary columns
+    assert set(put) <= set(emitted) | set(in_flight) | set(regenerated) and len(put) == len(set(put))
+    put_then_regenerated = set(put) & set(regenerated)
+    for seen, seen_aux, _, (_, _, _, dropped, _, _) in out:  # per trainer: its rows' columns, its dropped rows', once
+        assert sorted(seen_aux) == sorted([key[0] for key in seen] + dropped)
+    assert sum(len(d) for _, _, _, (_, _, _, d, _, _) in out) == len(put_then_regenerated)
+    # at the end the queue holds only the rows put ahead of a batch the run ended before (and their columns)
+    ahead = set().union(*(a for _, _, _, (*_, a) in out))
+    assert all(held <= ahead for _, _, _, (*_, held, _) in out), [sorted(h - ahead) for *_, (*_, h, _) in out]
     lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")][1:]
-    if S == 1:
-        assert any(l["queue/rows_ahead"] > 0 for l in lines)  # some groups were put ahead of their batch
-    else:  # the case an early put would leave rows of in the queue, never read
-        assert lines[-1]["stale/regenerated"] > 0, "no group aged out: the test does not exercise regeneration"
+    assert any(l["queue/rows_ahead"] > 0 for l in lines)  # some groups were put ahead of their batch
+    assert sum(l["queue/rows_dropped"] for l in lines) == len(put_then_regenerated)
+    if S == 2:  # the case that leaves rows in the queue unless their writer lets them go
+        assert put_then_regenerated, "no group put was regenerated: the test does not exercise it"
 
 
 def _train_with_a_silent_aux(rank, world_size, out_dir, overrides=None, how="silent"):
