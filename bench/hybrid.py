@@ -1,11 +1,11 @@
 """The hybrid placement against colocated-all, side by side in one run of this script, on the same work.
 
-    python bench/hybrid.py                      # S = 0 and 1, two rounds of the four runs (about 10 min on 2 cores)
+    python bench/hybrid.py                      # S = 0, 1 and 2, two rounds of the six runs (about 15 min on 2 cores)
     python bench/hybrid.py --staleness 0 --rounds 1 --steps 40
 
 Both at world 2 (no more processes than the machine's 2 cores), with the KL term on and the learned reward model
-scoring (no filter, no curriculum: they would need each group's rewards during the round, which the hybrid's
-auxiliary rank provides after it), a fixed number of RL steps (--steps, --rl-seconds 0):
+scoring (no filter, no curriculum: with them, --rules 1, the hybrid's actor asks for each group's rewards as it
+completes and waits for them), a fixed number of RL steps (--steps, --rl-seconds 0):
   colocated-all   2 ranks, each generates half the batch, then computes the reference's log-probs and the reward
                   model's scores of its share (both kept on host between uses), then trains (FSDP2 over the 2)
   hybrid          rank 0 is the actor (generates the whole batch, trains); rank 1 holds the reference and the reward
@@ -116,13 +116,16 @@ def figures(lines, spans, deploy):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--staleness", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--rounds", type=int, default=2, help="rounds of the runs, back to back (the ratio's spread)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "out", "hybrid"))
     p.add_argument("--rules", type=int, default=0, help="1: dynamic sampling and the curriculum on, judged by the "
                    "reward model's rewards (the hybrid's auxiliary rank scores each group as it completes)")
+    p.add_argument("--rm-steps", type=int, default=100, help="the reward model's fit (train_grpo's default: 500; "
+                   "with --rules 1 a fit short of converging leaves the two deployments' filters different models)")
     args = p.parse_args()
+    FLAGS[FLAGS.index("--rm-steps") + 1] = str(args.rm_steps)
     if args.rules:
         FLAGS[FLAGS.index("--filter-groups") + 1] = FLAGS[FLAGS.index("--curriculum") + 1] = "1"
     result = {}
