@@ -393,6 +393,9 @@ def discard_dropped(run, step):
         rows = run.queue.get("train", max(len(dropped), 1), min_rows=len(dropped), only=dropped)
         if rows.ids and "from_aux" in run.queue.spec.stages:
             read_from_aux(run, step, rows.ids)
+    # no trainer goes on to the step's collectives while a peer still waits on an auxiliary rank,
+    # which may be pulling rows from it
+    serve_until_all(run, f"{step}/dropped")
     return rows.ids
 
 

@@ -152,12 +152,14 @@ def fit_prompts(rng, cfg, held_out):
     out = drawn.next(cfg.rm_samples - n_uniform)
     for tries in range(1000 * n_uniform + 10**5):  # a brake: short strings can all be held out
         if len(out) == cfg.rm_samples:
-            return out
+            break
         prompt = task.prompt_of_length(rng, int(rng.integers(1, cfg.max_digits + 1)))
         if tuple(prompt.tolist()) not in held_out:
             out.append(prompt)
-    raise RuntimeError(f"{tries} draws gave only {len(out)} of {cfg.rm_samples} prompts outside "
-                       "the held-out set")
+    if len(out) < cfg.rm_samples:
+        raise RuntimeError(f"{tries + 1} draws gave only {len(out)} of {cfg.rm_samples} prompts "
+                           "outside the held-out set")
+    return out
 
 
 NEAR_MISSES = ("one digit changed", "two neighbours swapped", "one digit dropped",

@@ -351,8 +351,9 @@ def layout_errors(cfg, world):
     errors = []
     whole = cfg.deploy != "hybrid"  # the hybrid's engine is cut over its actor's ranks: its check
     if cfg.infer_tp not in (1, 2, 4) or whole and world % cfg.infer_tp or cfg.n_heads % cfg.infer_tp:
-        return [f"--infer-tp {cfg.infer_tp} must be 1, 2 or 4 and divide both the world size "
-                f"{world} and --n-heads {cfg.n_heads}"]
+        ranks = f"the world size {world}" if whole else "the actor's ranks"
+        return [f"--infer-tp {cfg.infer_tp} must be 1, 2 or 4 and divide both {ranks} and "
+                f"--n-heads {cfg.n_heads}"]
     errors += expert_errors(cfg, world) + option_errors(cfg, world)
     roles = Roles.of(cfg, world)
     trainers = max(1, len(roles.trainers))

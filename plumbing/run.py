@@ -137,8 +137,9 @@ def warm_up_target(run):
     from torch.distributed.fsdp import fully_shard
     torch.manual_seed(run.cfg.seed)
     twin = Policy(model_config(run.cfg)).to(run.device)
-    mesh = torch.distributed.device_mesh.init_device_mesh(run.device.type, (run.roles.world,))
-    if run.roles.experts_over is not None:  # the trainers are part of the job (the hybrid's actor)
+    if run.roles.experts_over is None:  # every rank trains
+        mesh = torch.distributed.device_mesh.init_device_mesh(run.device.type, (run.roles.world,))
+    else:  # the trainers are part of the job (the hybrid's actor)
         mesh = torch.distributed.device_mesh.DeviceMesh.from_group(run.train_group, run.device.type)
     fully_shard(twin, mesh=mesh, reshard_after_forward=False)
     return twin, None
