@@ -49,7 +49,7 @@ Using this file elsewhere: torch only. Rows are 1-D int64 token tensors; labels 
     print(train_reward_model(model, cfg, *toy(1024), device="cpu"))  # about 2 s on one core
     prompts, responses, labels = toy(512)  # held out
     held = agreement(score(model, prompts, responses), torch.tensor(labels))
-    print("held out:", held)  # accuracy about 0.98
+    print("held out:", held)  # accuracy about 1.0
     assert held["accuracy"] > 0.9
 
 Shapes: B rows, T tokens (prompt then response, right-padded), D model width, N training samples.
