@@ -576,8 +576,9 @@ def _train_counting_rows(rank, world_size, out_dir, overrides=None):
     fates = runs[0].sched.accounting() if runs[0].sched is not None else none
     held = {r for r, _ in runs[0].queue.cells}  # rows whose cells this rank still holds for a reader
     ahead = {r for r in runs[0].rows_ahead.values() if r is not None}
-    return seen, seen_aux, sorted(fates["trained"]), (put, sorted(fates["in_flight"]), fates["regenerated"], dropped,
-                                                      held, ahead)
+    return seen, seen_aux, sorted(fates["trained"]), {"put": put, "in_flight": sorted(fates["in_flight"]),
+                                                      "regenerated": fates["regenerated"], "dropped": dropped,
+                                                      "held": held, "ahead": ahead}
 
 
 @pytest.mark.parametrize("S", [1, pytest.param(2, marks=pytest.mark.slow)])
@@ -592,11 +593,11 @@ def test_hybrid_trains_every_sample_its_actor_emits_exactly_once(tmp_path, S):
         mode.update(warmup_steps=0, max_new_tokens=40, steps=20, prompts_per_step=2, group_size=1, threshold=1 / 3,
                     adv_estimator="reinforce++")
     out = run_distributed(_train_counting_rows, world_size=3, args=(str(tmp_path), mode))
-    read = [key[1:] for seen, _, _, _ in out for key in seen]
+    read = [key[1:] for seen, *_ in out for key in seen]
     emitted = [(rank, i) for rank, (_, _, trained, _) in enumerate(out) for i in trained]
-    put = [(rank, i) for rank, (_, _, _, (ids, *_)) in enumerate(out) for i in ids]
-    in_flight = [(rank, i) for rank, (_, _, _, (_, ids, *_)) in enumerate(out) for i in ids]
-    regenerated = [(rank, i) for rank, (_, _, _, (_, _, ids, *_)) in enumerate(out) for i in ids]
+    queued = [q for *_, q in out]  # per rank: what it put, its fates at the end, what it let go and still holds
+    put, in_flight, regenerated = ([(rank, i) for rank, q in enumerate(queued) for i in q[name]]
+                                   for name in ("put", "in_flight", "regenerated"))
     steps = mode["steps"]
     per_step = mode.get("prompts_per_step", TINY["prompts_per_step"]) * mode.get("group_size", TINY["group_size"])
     assert len(read) == len(set(read)) == steps * per_step  # none read twice
@@ -605,12 +606,12 @@ def test_hybrid_trains_every_sample_its_actor_emits_exactly_once(tmp_path, S):
     # regenerated (S = 2) and then read by its writer and let go, with its auxiliary columns
     assert set(put) <= set(emitted) | set(in_flight) | set(regenerated) and len(put) == len(set(put))
     put_then_regenerated = set(put) & set(regenerated)
-    for seen, seen_aux, _, (_, _, _, dropped, _, _) in out:  # per trainer: its rows' columns, its dropped rows', once
-        assert sorted(seen_aux) == sorted([key[0] for key in seen] + dropped)
-    assert sum(len(d) for _, _, _, (_, _, _, d, _, _) in out) == len(put_then_regenerated)
+    for seen, seen_aux, _, q in out:  # per trainer: its rows' columns, and its dropped rows', once
+        assert sorted(seen_aux) == sorted([key[0] for key in seen] + q["dropped"])
+    assert sum(len(q["dropped"]) for q in queued) == len(put_then_regenerated)
     # at the end the queue holds only the rows put ahead of a batch the run ended before (and their columns)
-    ahead = set().union(*(a for _, _, _, (*_, a) in out))
-    assert all(held <= ahead for _, _, _, (*_, held, _) in out), [sorted(h - ahead) for *_, (*_, h, _) in out]
+    ahead = set().union(*(q["ahead"] for q in queued))
+    assert all(q["held"] <= ahead for q in queued), [sorted(q["held"] - ahead) for q in queued]
     lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")][1:]
     assert any(l["queue/rows_ahead"] > 0 for l in lines)  # some groups were put ahead of their batch
     assert sum(l["queue/rows_dropped"] for l in lines) == len(put_then_regenerated)
