@@ -73,11 +73,12 @@ def config(world, flags, extra=()):
 
 def workload(cfg):
     """The planner's workload for this run: the task's prompts, the untrained policy's responses (an end token
-    with probability about 1 / vocabulary a token, capped by the budget)."""
+    with probability about 1 / vocabulary a token, capped by the budget: the planner's default, a geometric length of
+    this mean)."""
     p_end = 1 / 14
     mean = (1 - (1 - p_end) ** cfg.max_new_tokens) / p_end
     work = layout_auto.workload_of(cfg)
-    return planner.Workload(**{**work.__dict__, "response_tokens": mean})
+    return planner.Workload(**{**work.__dict__, "response_tokens": mean, "lengths": None})
 
 
 def measure(world, flags, steps, extra=(), folder=None):
@@ -152,7 +153,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--staleness", type=int, default=0, help="S of the workload (the planner prices S = 0's round)")
+    p.add_argument("--staleness", type=int, default=0, help="S of the workload")
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4], choices=[2, 4])
     p.add_argument("--memory", type=int, default=1, help="0: skip the memory check")
     a = p.parse_args()

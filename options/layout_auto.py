@@ -58,10 +58,13 @@ def model_of(cfg):
 
 
 def workload_of(cfg):
-    """The step's shapes: the task's mean prompt and answer lengths (digits 1 .. max_digits)."""
+    """The step's shapes: the task's prompts and answers, digits 1 .. max_digits (an answer is its
+    digits and the end token)."""
     mean = (cfg.max_digits + 1) / 2
+    answers = tuple(min(d + 1, cfg.max_new_tokens) for d in range(1, cfg.max_digits + 1))
     return planner.Workload(cfg.prompts_per_step, cfg.group_size, prompt_tokens=mean + 2,
                             response_tokens=mean + 1, max_new_tokens=cfg.max_new_tokens,
+                            lengths=answers,
                             max_prompt_tokens=cfg.max_digits + 2,
                             staleness=cfg.staleness, reference=cfg.kl_coef > 0,
                             updates_per_batch=cfg.updates_per_batch, chunk_steps=cfg.chunk_steps,

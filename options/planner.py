@@ -10,10 +10,10 @@ them at every step. The best training layout alone is not the best pair: EP 2 in
 in rollout trains the experts apart yet decodes without an all-to-all, and a wide TP engine leaves
 memory for the KV cache but pays two all-reduces per layer at every decode step. So the planner
 prices the pair: one RL step is
-  rollout    a prefill, then one decode step per token of the response budget (S = 0 waits for the
-             longest sample; S >= 1 is priced the same, an upper bound), each step a fixed cost,
-             the weights it reads, a cost per row split over TP, TP's all-reduces and EP's
-             all-to-alls (an EP group spans the world: a rank from each row of the rank grid);
+  rollout    StaleSync's rounds replayed on the responses' lengths (S = 0 waits for the longest
+             sample; S >= 1 cuts once a batch is complete, the tail carried on): the prefills,
+             then each decode forward's fixed cost, the weights it reads, its live rows' cost
+             split over TP, TP's all-reduces and EP's all-to-alls;
   switch     the Adam state to host and back, the engine's weights gathered from the FSDP shards
              (the least a rank can receive: switch_bytes), the experts re-sharded (ep_bytes);
   reference  a forward over the rank's share of the batch (when the KL penalty is on);
@@ -135,17 +135,28 @@ class Workload:
     group_size: int
     prompt_tokens: float     # mean, per sample
     response_tokens: float   # mean, per sample
-    max_new_tokens: int      # the response budget: a synchronous round's decode steps
+    max_new_tokens: int      # the response budget
     max_prompt_tokens: float = None  # the longest prompt (default: the mean)
     staleness: int = 1
     reference: bool = True   # the KL penalty's frozen reference forward
     updates_per_batch: int = 1
     bucket_bytes: int = 256 * 1024
-    chunk_steps: int = 8     # decode steps between the EP engine's agreements
+    chunk_steps: int = 8     # decode steps per sampler call at S >= 1 (and between EP agreements)
+    threshold: float = 0.5   # StaleSync's: a replica decodes its share / threshold groups at once
+    lengths: tuple = None    # the responses' lengths, equally likely (None: a geometric length of
+    #                          mean response_tokens, capped at the budget: see response_lengths)
 
     def __post_init__(self):
         if self.max_prompt_tokens is None:
             object.__setattr__(self, "max_prompt_tokens", self.prompt_tokens)
+        bad = self.lengths is not None and not (
+            len(self.lengths) and all(isinstance(n, int) and 1 <= n <= self.max_new_tokens
+                                      for n in self.lengths))
+        if bad or self.staleness < 0 or self.chunk_steps < 1 or not 0 < self.threshold <= 1:
+            raise ValueError(f"lengths {self.lengths} must be ints in 1 .. max_new_tokens "
+                             f"{self.max_new_tokens}, staleness {self.staleness} >= 0, "
+                             f"chunk_steps {self.chunk_steps} >= 1 and threshold "
+                             f"{self.threshold} in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -345,6 +356,87 @@ def overflow(model, machine, work, layout):
             f"{machine.memory_bytes / 2**20:.1f} MiB a device has")
 
 
+# ----------------------------------------------------------------------------- a round of rollout
+def response_lengths(work, n=64):
+    """The responses' lengths as n equally likely values: work.lengths, or the quantiles of a
+    geometric length (an end token with the same chance p at every step: sampled text's long
+    tail), capped at the budget, p such that the mean is response_tokens."""
+    if work.lengths is not None:
+        return list(work.lengths)
+    budget, mean = work.max_new_tokens, min(work.response_tokens, work.max_new_tokens)
+    lo, hi = 1e-9, 1 - 1e-9  # the capped mean (1 - (1 - p)^budget) / p falls as p grows
+    for _ in range(60):
+        p = (lo + hi) / 2
+        lo, hi = (p, hi) if (1 - (1 - p) ** budget) / p > mean else (lo, p)
+    return [min(budget, max(1, math.ceil(math.log(1 - (i + 0.5) / n) / math.log(1 - p))))
+            for i in range(n)]
+
+
+def response_length(lengths, j):
+    """Sample j's length: lengths' (j x stride) mod n-th, the stride near 0.618 n and prime to n,
+    so that consecutive samples (a group) mix short and long."""
+    n = len(lengths)
+    stride = next(s for s in itertools.count(int(0.618 * n) or 1) if math.gcd(s, n) == 1)
+    return lengths[j * stride % n]
+
+
+def round_shape(work, groups, rounds=12):
+    """A replica's rounds of rollout under StaleSync's rules, counted in decode steps, sample j of
+    response_length(response_lengths(work), j) tokens. Per round, the mean over the rounds after
+    the first S + 1: the decode forwards, the rows they carry (a finished row leaves the batch),
+    the sampler calls that prefill and the rows and tokens they read.
+    S = 0: one call decodes every row to its end.
+    S >= 1: calls of chunk_steps. Between them the pool is refilled to groups / threshold groups
+    in flight, within the admission bound (S + k + 1) x groups at batch k. The cut comes once
+    `groups` groups are complete, the due ones (started S or more batches back, the oldest
+    `groups` of them) among them. A due group left out restarts.
+    The sampler keeps its KV cache within a round. New weights drop it, so a carried row's prefix
+    is read again."""
+    lengths, S, G = response_lengths(work), work.staleness, work.group_size
+    pool_groups = math.ceil(groups / work.threshold - 1e-9)
+    drawn = itertools.count()  # sample ids, in the order the scheduler makes them
+
+    def fresh():
+        ids = [next(drawn) for _ in range(G)]
+        left = [response_length(lengths, j) for j in ids]
+        return dict(id=ids[0], left=left, made=[0] * G, start=None)
+    pool, opened, counted = [], 0, dict.fromkeys(("forwards", "rows", "prefills",
+                                                  "prefill_rows", "prefill_tokens"), 0.0)
+    for k in range(S + 1 + rounds):
+        read = set()  # the groups whose rows the sampler holds (read in this round)
+        while True:
+            due = [g for g in pool if g["start"] is not None and g["start"] <= k - S]
+            complete = [g for g in pool if not any(g["left"])]
+            if all(not any(g["left"]) for g in due[:groups]) and len(complete) >= groups:
+                break
+            while (sum(1 for g in pool if any(g["left"])) < pool_groups
+                   and opened < (S + k + 1) * groups):
+                pool.append(fresh())
+                opened += 1
+            live = [(g, i) for g in pool for i in range(G) if g["left"][i]]
+            steps = max(g["left"][i] for g, i in live)
+            steps = steps if S == 0 else min(steps, work.chunk_steps)
+            new = [(g, i) for g, i in live if g["id"] not in read]
+            if k > S:
+                counted["forwards"] += steps
+                counted["rows"] += sum(min(g["left"][i], steps) for g, i in live)
+                counted["prefills"] += bool(new)
+                counted["prefill_rows"] += len(new)
+                counted["prefill_tokens"] += sum(work.prompt_tokens + g["made"][i] for g, i in new)
+            for g, i in live:
+                g["start"] = k if g["start"] is None else g["start"]
+                n = min(g["left"][i], steps)
+                g["left"][i] -= n
+                g["made"][i] += n
+            read.update(g["id"] for g, _ in live)
+        needed = due[:groups]
+        spare = [g for g in complete if all(g is not n for n in needed)]  # in slot order
+        taken = needed + spare[:groups - len(needed)]
+        pool = [g if all(g is not d for d in due) else fresh() for g in pool  # left out: anew
+                if all(g is not t for t in taken)]
+    return {name: value / rounds for name, value in counted.items()}
+
+
 # ----------------------------------------------------------------------------- time
 def _link(machine, span):
     """The link a group of `span` consecutive ranks uses: the node's, or the one across nodes."""
@@ -373,25 +465,30 @@ def forward_s(model, machine, tokens, context, layers, tp=1):
 
 
 def rollout_s(model, machine, work, lay):
-    """A prefill, then a decode step per token of the budget over this replica's live rows."""
-    W, D, k, B = machine.devices, model.d_model, model.top_k, model.dtype_bytes
-    rows = work.prompts_per_step * work.group_size * lay.infer_tp / W
+    """A replica's rounds as round_shape counts them: its prefills (the new rows' prompts, and
+    at S >= 1 the carried rows' prefixes read again under new weights), then its decode forwards,
+    each a fixed cost, the weights it reads, its live rows' cost split over TP, TP's all-reduces
+    and EP's all-to-alls (an EP group spans the world: a rank from each row of the rank grid)."""
+    W, D, k, B, L = machine.devices, model.d_model, model.top_k, model.dtype_bytes, model.n_layers
+    groups = work.prompts_per_step * lay.infer_tp / W
+    shape = round_shape(work, max(1, round(groups)))
+    rows = shape["rows"] / shape["forwards"]  # live rows in a mean decode forward
     weights = engine_bytes(model, lay) + (_experts(model, lay.infer_ep) if lay.train_ep else 0)
-    # every row priced at every step: an upper bound (finished rows leave the KV cache)
-    step = machine.step_s + model.n_layers * machine.op_s + rows * machine.row_s / lay.infer_tp
-    step += weights / machine.memory_bandwidth  # every weight read once a step
-    step += 2 * model.n_layers * collective(machine, "all_reduce", rows * D * B, lay.infer_tp)
-    if lay.infer_ep > 1:  # per MoE layer the counts, the rows out, the rows back; an EP group
-        #                   takes a rank of each row of the rank grid: it spans the world
+    step = machine.step_s + L * machine.op_s + weights / machine.memory_bandwidth
+    step += 2 * L * collective(machine, "all_reduce", rows * D * B, lay.infer_tp)
+    if lay.infer_ep > 1:  # per MoE layer the counts, the rows out, the rows back
         a2a = collective(machine, "all_to_all", rows * k * D * B, lay.infer_ep, span=W)
         counts = collective(machine, "all_to_all", 8 * model.n_experts, lay.infer_ep, span=W)
-        step += model.n_layers * (2 * a2a + counts)
+        step += L * (2 * a2a + counts)
         step += collective(machine, "all_reduce", 8, lay.infer_ep) / work.chunk_steps  # lock-step
-    prefill = forward_s(model, machine, rows * work.prompt_tokens, work.prompt_tokens,
-                        model.n_layers, lay.infer_tp)
-    prefill += 2 * model.n_layers * collective(  # TP's all-reduces of the whole prompts once
-        machine, "all_reduce", rows * work.prompt_tokens * D * B, lay.infer_tp)
-    return prefill + work.max_new_tokens * step
+    decode = shape["forwards"] * step + shape["rows"] * machine.row_s / lay.infer_tp
+    tokens = shape["prefill_tokens"]
+    context = tokens / max(shape["prefill_rows"], 1)
+    prefill = shape["prefills"] * L * machine.op_s
+    prefill += tokens * model.flops_per_token(context) / lay.infer_tp / machine.flops
+    prefill += 2 * L * shape["prefills"] * collective(  # TP's all-reduces over the contexts
+        machine, "all_reduce", tokens / max(shape["prefills"], 1) * D * B, lay.infer_tp)
+    return prefill + decode
 
 
 def padded_length(work, lay):

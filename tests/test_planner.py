@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from options import layout_auto, planner
 from plumbing.config import Config, resolve, validate
@@ -128,3 +129,40 @@ def test_layout_auto_runs_its_choice(tmp_path):
     out = run_distributed(_auto, world_size=2, timeout_s=300, args=(str(tmp_path / "auto"),))
     assert out[0] == out[1] and out[0]["layout"] == "manual"
     assert len([line for line in open(tmp_path / "auto" / "metrics.jsonl")]) >= 2
+
+
+@pytest.mark.parametrize("S, threshold", [(0, 0.5), (1, 0.5), (2, 0.5), (2, 0.3), (1, 1.0)])
+def test_the_round_replay_counts_what_stalesync_decodes(S, threshold):
+    """planner.round_shape replays StaleSync's rounds: per round, the same decode forwards, live rows, prefilling
+    calls, rows and tokens prefilled as the scheduler itself counts with a sampler whose responses have the
+    planner's lengths (sample id j: response_length(lengths, j) tokens) and which keeps its cache within a round."""
+    from stalesync import StaleConfig, StaleSync
+    work = planner.Workload(16, 8, 18.0, 12.3, 40, staleness=S, chunk_steps=8, threshold=threshold)
+    lengths = planner.response_lengths(work)
+    rounds, held = [], set()
+
+    def step_fn(contexts, seeds, n_done, max_steps):
+        left = [planner.response_length(lengths, int(s)) - int(n) for s, n in zip(seeds, n_done)]
+        steps = max(left) if max_steps is None else min(max_steps, max(left))
+        made = [min(x, steps) for x in left]
+        new = [i for i, s in enumerate(seeds) if int(s) not in held]
+        count = rounds[-1]
+        count["forwards"] += steps
+        count["rows"] += sum(made)
+        count["prefills"] += bool(new)
+        count["prefill_rows"] += len(new)
+        count["prefill_tokens"] += sum(len(contexts[i]) for i in new)
+        held.update(int(s) for s in seeds)
+        return ([torch.ones(m, dtype=torch.long) for m in made], [torch.zeros(m) for m in made],
+                [m == x for m, x in zip(made, left)])
+
+    cfg = StaleConfig(staleness=S, groups_per_step=2, group_size=8, chunk_steps=8, threshold=threshold)
+    sched = StaleSync(cfg, step_fn, lambda slot, attempt: [1] * 18, reset=held.clear)
+    for _ in range(S + 1 + 12):
+        rounds.append(dict.fromkeys(("forwards", "rows", "prefills", "prefill_rows", "prefill_tokens"), 0))
+        sched.rollout()
+        sched.update()
+    want = {k: sum(r[k] for r in rounds[S + 1:]) / 12 for k in rounds[0]}
+    assert planner.round_shape(work, 2) == want
+    if S == 0:  # a round decodes its 16 samples whole: 12 rounds, 3 cycles of the 64 lengths
+        assert want["rows"] == 2 * 8 * sum(lengths) / len(lengths)
