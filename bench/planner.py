@@ -1,6 +1,6 @@
 """Check the layout planner (options/planner.py) against what this machine measures.
 
-    python bench/planner.py               # 13-14 minutes on 2 cores: 2 calibrations, 16 layouts x 3, memory
+    python bench/planner.py               # about 15 minutes on 2 cores: 6 calibrations, 16 layouts x 3, memory
     python bench/planner.py --repeats 1 --steps 6                        # a quicker look
     python bench/planner.py --staleness 1 --worlds 2 --memory 0 --repeats 2     # S = 1, world 2 (about 4 minutes)
 
@@ -8,11 +8,12 @@ One fixed workload (no warm-up, so the untrained policy ends a response at its e
 1/14 a token; --rl-seconds 0, --steps, no dynamic sampling, no curriculum, S = 0 or --staleness), run by train_grpo.py
 at world 2 and 4 in every layout listed below and in the one the planner chooses for each world. First the machine is
 measured at each world (torchrun -m options.layout_auto: the constants --layout auto plans with). Then the layouts
-run --repeats times, interleaved (layout after layout, then again), each a torchrun; a layout's step time is the
-median over its steps from the third on, and its measured time the median of its repeats. Reported: each layout's
-predicted and measured seconds per RL step and their relative error; the Spearman rank correlation of predicted
-against measured over every layout; chosen_over_best, the planner's choice's measured time over the fastest
-measured at that world (the larger of the two worlds); median_rel_err.
+run --repeats times, interleaved (layout after layout, then again), each a torchrun, the machine measured again
+before each repeat after the first. A layout's step time is the median over its steps from the third on; its
+measured time is the median of its repeats, its predicted time the median of its repeats' predictions. Reported:
+each layout's predicted and measured seconds per RL step and their relative error; the Spearman rank correlation of
+predicted against measured over every layout; chosen_over_best, the planner's choice's measured time over the
+fastest measured at that world (the larger of the two worlds); median_rel_err.
 
 Memory: the same layouts' bytes per rank on a model of about 13M parameters (d_model 256, 4 blocks, 8 experts of width
 512), each run for two steps (the second switch's, with the Adam state): the run's mem/* figures (training shards, Adam
@@ -102,25 +103,34 @@ def spearman(xs, ys):
 
 
 def ranking(machines, repeats, steps):
-    """Every layout's predicted and measured step time; the planner's choice at each world."""
+    """Every layout's predicted and measured step time; the planner's choice at each world (from the first
+    calibration, as --layout auto would choose at the start). Each repeat measures the machine again before its
+    layouts run, and predicts them from those constants: a prediction and its measurement a few minutes apart, so that
+    the host's drift over the whole run (a shared machine) is not counted as the model's error."""
     layouts, chosen = dict(), dict()
     for world, machine in machines.items():
         cfg = config(world, "")
         rows = planner.plan(layout_auto.model_of(cfg), machine, workload(cfg), layout_auto.runnable(cfg, world))
         chosen[world] = " ".join(f"--{k.replace('_', '-')} {getattr(rows[0][0], k)}" for k in layout_auto.FIELDS)
         for flags in LAYOUTS[world] + [chosen[world]]:
-            layouts[(world, flags)] = []
-    for _ in range(repeats):
-        for (world, flags), times in layouts.items():
+            layouts[(world, flags)] = dict(measured=[], predicted=[], stages=[])
+    for repeat in range(repeats):
+        now = machines if repeat == 0 else {w: calibrate(w) for w in machines}
+        for (world, flags), runs in layouts.items():
             recs = measure(world, flags, steps)
-            times.append(statistics.median(r["time/step_s"] for r in recs if r["step"] >= 3))
-            print(f"  world {world} {flags}: {times[-1]:.3f} s a step", flush=True)
+            runs["measured"].append(statistics.median(r["time/step_s"] for r in recs if r["step"] >= 3))
+            cfg = config(world, flags)
+            stage = planner.stages(layout_auto.model_of(cfg), now[world], workload(cfg), layout_auto.layout_of(cfg))
+            runs["predicted"].append(stage["step"])
+            runs["stages"].append(stage)
+            print(f"  world {world} {flags}: {runs['measured'][-1]:.3f} s a step, "
+                  f"predicted {runs['predicted'][-1]:.3f}", flush=True)
     table = []
-    for (world, flags), times in layouts.items():
-        cfg = config(world, flags)
-        stage = planner.stages(layout_auto.model_of(cfg), machines[world], workload(cfg), layout_auto.layout_of(cfg))
-        table.append(dict(world=world, layout=flags, predicted_s=stage["step"], measured_s=statistics.median(times),
-                          chosen=flags == chosen[world], stages={k: round(v, 4) for k, v in stage.items()}))
+    for (world, flags), runs in layouts.items():
+        mid = sorted(range(repeats), key=lambda i: runs["predicted"][i])[(repeats - 1) // 2]  # the median's stages
+        table.append(dict(world=world, layout=flags, predicted_s=statistics.median(runs["predicted"]),
+                          measured_s=statistics.median(runs["measured"]), chosen=flags == chosen[world],
+                          stages={k: round(v, 4) for k, v in runs["stages"][mid].items()}))
     return table, chosen
 
 
