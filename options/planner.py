@@ -40,6 +40,7 @@ recomputed here, and tests/test_planner.py holds them equal to the run's own).
 """
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -380,6 +381,7 @@ def response_length(lengths, j):
     return lengths[j * stride % n]
 
 
+@functools.lru_cache(maxsize=64)  # the same for every layout of one replica size
 def round_shape(work, groups, rounds=12):
     """A replica's rounds of rollout under StaleSync's rules, counted in decode steps, sample j of
     response_length(response_lengths(work), j) tokens. Per round, the mean over the rounds after
