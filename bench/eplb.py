@@ -9,9 +9,10 @@ shared direction added to each), so the blocks, which put experts 0 to 3 on one 
 rows. Each decode step is a forward of the engine's 4 layers on 32 fresh tokens a rank (the same tokens in every
 mode).
 
-Per P, rounds alternate between four balancers (options/eplb.py): the blocks (by_load=False: measured, never
-moved); by load, the run's default (up to one redundant slot a rank, the fewest whose predicted balancedness reaches
-0.95); by load with no copies (--eplb-redundant 0); and by load with one copy a rank always (the target out of reach).
+Per P, rounds alternate between four balancers (options/eplb.py), their order reversed every other cycle: the
+blocks (by_load=False: measured, never moved); by load, the run's default (up to one redundant slot a rank, the
+fewest whose predicted balancedness reaches 0.95); by load with no copies (--eplb-redundant 0); and by load with one
+copy a rank always (the target out of reach).
 The first rollout of each by-load one, in blocks, gives it its loads (a warm-up).
 Each round is a switch to rollout, --steps decode steps, a switch back. Reported, per mode:
   - balancedness: mean over max of the rows each EP rank receives, mean over layers (all ranks' rows summed);
@@ -123,8 +124,9 @@ def worker(rank, args, port, out):
             for m in BY_LOAD:  # their loads: a first rollout's, in blocks
                 one_round(ep, engine, dense, modes[m], lean, args, rank)
             rounds = {m: [] for m in modes}
-            for _ in range(args.rounds):
-                for m, balancer in modes.items():
+            for cycle in range(args.rounds):  # the order reversed every other cycle: a drift within a
+                order = list(modes.items())   # cycle weighs on every mode alike
+                for m, balancer in (order[::-1] if cycle % 2 else order):
                     rounds[m].append(one_round(ep, engine, dense, balancer, lean, args, rank))
             state = checkpoint.dense_state_dict(model)
             if not all(torch.equal(state[k], v) for k, v in dense.state_dict().items()):
