@@ -124,8 +124,9 @@ def worker(rank, args, port, out):
             for m in BY_LOAD:  # their loads: a first rollout's, in blocks
                 one_round(ep, engine, dense, modes[m], lean, args, rank)
             rounds = {m: [] for m in modes}
-            for cycle in range(args.rounds):  # the order reversed every other cycle: a drift within a
-                order = list(modes.items())   # cycle weighs on every mode alike
+            # the order reversed every other cycle: a drift within a cycle weighs on every mode alike
+            for cycle in range(args.rounds):
+                order = list(modes.items())
                 for m, balancer in (order[::-1] if cycle % 2 else order):
                     rounds[m].append(one_round(ep, engine, dense, balancer, lean, args, rank))
             state = checkpoint.dense_state_dict(model)

@@ -103,10 +103,11 @@ def spearman(xs, ys):
 
 
 def ranking(machines, repeats, steps):
-    """Every layout's predicted and measured step time; the planner's choice at each world (from the first
-    calibration, as --layout auto would choose at the start). Each repeat measures the machine again before its
-    layouts run, and predicts them from those constants: a prediction and its measurement a few minutes apart, so that
-    the host's drift over the whole run (a shared machine) is not counted as the model's error."""
+    """Every layout's predicted and measured step time (each stage the median of its repeats' predictions), the
+    planner's choice at each world (from the first calibration, as --layout auto would choose at the start), and the
+    machines each repeat was predicted with. Each repeat measures the machine again before its layouts run, and
+    predicts them from those constants: a prediction and its measurement a few minutes apart, so that the host's drift
+    over the whole run (a shared machine) is not counted as the model's error."""
     layouts, chosen = dict(), dict()
     for world, machine in machines.items():
         cfg = config(world, "")
@@ -114,8 +115,10 @@ def ranking(machines, repeats, steps):
         chosen[world] = " ".join(f"--{k.replace('_', '-')} {getattr(rows[0][0], k)}" for k in layout_auto.FIELDS)
         for flags in LAYOUTS[world] + [chosen[world]]:
             layouts[(world, flags)] = dict(measured=[], predicted=[], stages=[])
+    calibrations = []
     for repeat in range(repeats):
         now = machines if repeat == 0 else {w: calibrate(w) for w in machines}
+        calibrations.append(now)
         for (world, flags), runs in layouts.items():
             recs = measure(world, flags, steps)
             runs["measured"].append(statistics.median(r["time/step_s"] for r in recs if r["step"] >= 3))
@@ -127,11 +130,11 @@ def ranking(machines, repeats, steps):
                   f"predicted {runs['predicted'][-1]:.3f}", flush=True)
     table = []
     for (world, flags), runs in layouts.items():
-        mid = sorted(range(repeats), key=lambda i: runs["predicted"][i])[(repeats - 1) // 2]  # the median's stages
+        stages = {k: round(statistics.median(s[k] for s in runs["stages"]), 4) for k in runs["stages"][0]}
         table.append(dict(world=world, layout=flags, predicted_s=statistics.median(runs["predicted"]),
                           measured_s=statistics.median(runs["measured"]), chosen=flags == chosen[world],
-                          stages={k: round(v, 4) for k, v in runs["stages"][mid].items()}))
-    return table, chosen
+                          stages=stages))
+    return table, chosen, calibrations
 
 
 def memory(machines):
@@ -171,7 +174,7 @@ def main():
     machines = {w: calibrate(w) for w in a.worlds}
     for w, m in machines.items():
         print(f"world {w}: {json.dumps(m.__dict__, default=lambda o: o.__dict__)}", flush=True)
-    table, chosen = ranking(machines, a.repeats, a.steps)
+    table, chosen, calibrations = ranking(machines, a.repeats, a.steps)
     print(f"{'world':>5} {'layout':<52} {'predicted':>9} {'measured':>8} {'rel_err':>7}")
     for r in sorted(table, key=lambda r: r["measured_s"]):
         err = (r["predicted_s"] - r["measured_s"]) / r["measured_s"]
@@ -190,8 +193,8 @@ def main():
                           median_rel_err=statistics.median(abs(r["rel_err"]) for r in table),
                           candidates=len(table), chosen=chosen, table=table,
                           memory_max_rel_err=worst["rel_err"], memory=mem, teardown_aborts=ABORTS,
-                          machines={w: json.loads(json.dumps(m, default=lambda o: o.__dict__))
-                                    for w, m in machines.items()})))
+                          machines=[{w: json.loads(json.dumps(m, default=lambda o: o.__dict__)) for w, m in now.items()}
+                                    for now in calibrations])))
 
 
 if __name__ == "__main__":

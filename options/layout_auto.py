@@ -68,6 +68,7 @@ def workload_of(cfg):
                             max_prompt_tokens=cfg.max_digits + 2,
                             staleness=cfg.staleness, reference=cfg.kl_coef > 0,
                             updates_per_batch=cfg.updates_per_batch, chunk_steps=cfg.chunk_steps,
+                            threshold=cfg.threshold,
                             bucket_bytes=cfg.bucket_kb * 1024)
 
 

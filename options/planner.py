@@ -144,20 +144,23 @@ class Workload:
     bucket_bytes: int = 256 * 1024
     chunk_steps: int = 8     # decode steps per sampler call at S >= 1 (and between EP agreements)
     threshold: float = 0.5   # StaleSync's: a replica decodes its share / threshold groups at once
-    lengths: tuple = None    # the responses' lengths, equally likely (None: a geometric length of
-    #                          mean response_tokens, capped at the budget: see response_lengths)
+    lengths: tuple = None    # the responses' lengths, equally likely; None: see response_lengths
 
     def __post_init__(self):
         if self.max_prompt_tokens is None:
             object.__setattr__(self, "max_prompt_tokens", self.prompt_tokens)
-        bad = self.lengths is not None and not (
-            len(self.lengths) and all(isinstance(n, int) and 1 <= n <= self.max_new_tokens
-                                      for n in self.lengths))
-        if bad or self.staleness < 0 or self.chunk_steps < 1 or not 0 < self.threshold <= 1:
-            raise ValueError(f"lengths {self.lengths} must be ints in 1 .. max_new_tokens "
-                             f"{self.max_new_tokens}, staleness {self.staleness} >= 0, "
-                             f"chunk_steps {self.chunk_steps} >= 1 and threshold "
-                             f"{self.threshold} in (0, 1]")
+        if self.lengths is not None:
+            object.__setattr__(self, "lengths", tuple(self.lengths))  # hashable, for the cache
+            if not self.lengths or not all(_is_int(n) and 1 <= n <= self.max_new_tokens
+                                           for n in self.lengths):
+                raise ValueError(f"lengths {self.lengths} must be ints in 1 .. max_new_tokens "
+                                 f"{self.max_new_tokens}")
+        if not (_is_int(self.staleness) and self.staleness >= 0):
+            raise ValueError(f"staleness {self.staleness!r} must be an int >= 0")
+        if not (_is_int(self.chunk_steps) and self.chunk_steps >= 1):
+            raise ValueError(f"chunk_steps {self.chunk_steps!r} must be an int >= 1")
+        if not 0 < self.threshold <= 1:
+            raise ValueError(f"threshold {self.threshold!r} must be in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -179,6 +182,10 @@ class Layout:
         ep = f"EP {self.train_ep}->{self.infer_ep}" if self.train_ep else "EP off"
         return (f"TP {self.infer_tp}, {ep}, PP {self.train_pp}, mb {self.micro_batches}"
                 + (f", HSDP x{self.nodes}" if self.nodes > 1 else ""))
+
+
+def _is_int(x):
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _positive(obj, name):
@@ -324,6 +331,9 @@ def memory(model, machine, work, layout):
     activations = in_flight * tokens * model.n_layers / layout.train_pp * per_token \
         * model.dtype_bytes
     replica_rows = rows * layout.infer_tp / machine.devices
+    if work.staleness:  # StaleSync's pool: its share / threshold groups in flight at once
+        replica_rows = math.ceil(replica_rows / work.group_size / work.threshold - 1e-9) \
+            * work.group_size
     kv = replica_rows * (work.prompt_tokens + work.max_new_tokens) * model.n_layers * 2 \
         * model.d_model / layout.infer_tp * model.dtype_bytes
     bucket = max(buckets(model, layout, work.bucket_bytes)) if layout.infer_tp > 1 else 0
@@ -358,10 +368,11 @@ def overflow(model, machine, work, layout):
 
 
 # ----------------------------------------------------------------------------- a round of rollout
-def response_lengths(work, n=64):
+def response_lengths(work, n=256):
     """The responses' lengths as n equally likely values: work.lengths, or the quantiles of a
     geometric length (an end token with the same chance p at every step: sampled text's long
-    tail), capped at the budget, p such that the mean is response_tokens."""
+    tail), capped at the budget, p such that the mean is response_tokens. The longest quantile
+    is 1 - 0.5 / n: a batch of far more than n rows would have a longer longest row."""
     if work.lengths is not None:
         return list(work.lengths)
     budget, mean = work.max_new_tokens, min(work.response_tokens, work.max_new_tokens)
@@ -377,16 +388,21 @@ def response_length(lengths, j):
     """Sample j's length: lengths' (j x stride) mod n-th, the stride near 0.618 n and prime to n,
     so that consecutive samples (a group) mix short and long."""
     n = len(lengths)
-    stride = next(s for s in itertools.count(int(0.618 * n) or 1) if math.gcd(s, n) == 1)
-    return lengths[j * stride % n]
+    return lengths[j * _stride(n) % n]
 
 
-@functools.lru_cache(maxsize=64)  # the same for every layout of one replica size
+@functools.lru_cache(maxsize=None)
+def _stride(n):
+    return next(s for s in itertools.count(int(0.618 * n) or 1) if math.gcd(s, n) == 1)
+
+
 def round_shape(work, groups, rounds=12):
     """A replica's rounds of rollout under StaleSync's rules, counted in decode steps, sample j of
     response_length(response_lengths(work), j) tokens. Per round, the mean over the rounds after
-    the first S + 1: the decode forwards, the rows they carry (a finished row leaves the batch),
-    the sampler calls that prefill and the rows and tokens they read.
+    the first S + 1: the decode forwards, the row-steps they carry (a finished row leaves the
+    batch), the sampler calls that prefill and the rows and tokens they read. Counted in tokens:
+    the engine takes a row's first token from its prefill, as the calibration's decode step
+    does. No filter: a dropped group's decoding is not priced.
     S = 0: one call decodes every row to its end.
     S >= 1: calls of chunk_steps. Between them the pool is refilled to groups / threshold groups
     in flight, within the admission bound (S + k + 1) x groups at batch k. The cut comes once
@@ -394,6 +410,11 @@ def round_shape(work, groups, rounds=12):
     `groups` of them) among them. A due group left out restarts.
     The sampler keeps its KV cache within a round. New weights drop it, so a carried row's prefix
     is read again."""
+    return dict(_round_shape(work, groups, rounds))  # a copy: the cached one stays as it is
+
+
+@functools.lru_cache(maxsize=64)  # the same for every layout of one replica size
+def _round_shape(work, groups, rounds):
     lengths, S, G = response_lengths(work), work.staleness, work.group_size
     pool_groups = math.ceil(groups / work.threshold - 1e-9)
     drawn = itertools.count()  # sample ids, in the order the scheduler makes them
@@ -402,8 +423,11 @@ def round_shape(work, groups, rounds=12):
         ids = [next(drawn) for _ in range(G)]
         left = [response_length(lengths, j) for j in ids]
         return dict(id=ids[0], left=left, made=[0] * G, start=None)
-    pool, opened, counted = [], 0, dict.fromkeys(("forwards", "rows", "prefills",
-                                                  "prefill_rows", "prefill_tokens"), 0.0)
+
+    names = ("forwards", "row_steps", "prefills", "prefill_rows", "prefill_tokens")
+    counted = dict.fromkeys(names, 0.0)
+    pool = []  # groups admitted and not taken, in slot order
+    opened = 0
     for k in range(S + 1 + rounds):
         read = set()  # the groups whose rows the sampler holds (read in this round)
         while True:
@@ -421,7 +445,7 @@ def round_shape(work, groups, rounds=12):
             new = [(g, i) for g, i in live if g["id"] not in read]
             if k > S:
                 counted["forwards"] += steps
-                counted["rows"] += sum(min(g["left"][i], steps) for g, i in live)
+                counted["row_steps"] += sum(min(g["left"][i], steps) for g, i in live)
                 counted["prefills"] += bool(new)
                 counted["prefill_rows"] += len(new)
                 counted["prefill_tokens"] += sum(work.prompt_tokens + g["made"][i] for g, i in new)
@@ -434,8 +458,10 @@ def round_shape(work, groups, rounds=12):
         needed = due[:groups]
         spare = [g for g in complete if all(g is not n for n in needed)]  # in slot order
         taken = needed + spare[:groups - len(needed)]
-        pool = [g if all(g is not d for d in due) else fresh() for g in pool  # left out: anew
-                if all(g is not t for t in taken)]
+        pool = [g for g in pool if all(g is not t for t in taken)]
+        for i, g in enumerate(pool):
+            if any(g is d for d in due):  # due and left out: it starts again, fresh samples
+                pool[i] = fresh()
     return {name: value / rounds for name, value in counted.items()}
 
 
@@ -467,14 +493,18 @@ def forward_s(model, machine, tokens, context, layers, tp=1):
 
 
 def rollout_s(model, machine, work, lay):
-    """A replica's rounds as round_shape counts them: its prefills (the new rows' prompts, and
-    at S >= 1 the carried rows' prefixes read again under new weights), then its decode forwards,
-    each a fixed cost, the weights it reads, its live rows' cost split over TP, TP's all-reduces
-    and EP's all-to-alls (an EP group spans the world: a rank from each row of the rank grid)."""
+    """A replica's rounds, as round_shape counts them for the whole batch: the replicas cut one
+    batch together (the shared cut), so each decodes until the union's cut, holding its share of
+    the rows. Its prefills (the new rows' prompts, and at S >= 1 the carried rows' prefixes read
+    again under new weights), then its decode forwards, each a fixed cost, the weights it reads,
+    its live rows' cost split over TP, TP's all-reduces and EP's all-to-alls (an EP group spans
+    the world: a rank from each row of the rank grid)."""
     W, D, k, B, L = machine.devices, model.d_model, model.top_k, model.dtype_bytes, model.n_layers
-    groups = work.prompts_per_step * lay.infer_tp / W
-    shape = round_shape(work, max(1, round(groups)))
-    rows = shape["rows"] / shape["forwards"]  # live rows in a mean decode forward
+    replicas = W // lay.infer_tp
+    shape = round_shape(work, work.prompts_per_step)
+    for name in ("row_steps", "prefill_rows", "prefill_tokens"):
+        shape[name] /= replicas  # a replica's share
+    rows = shape["row_steps"] / max(shape["forwards"], 1)  # live rows in a mean decode forward
     weights = engine_bytes(model, lay) + (_experts(model, lay.infer_ep) if lay.train_ep else 0)
     step = machine.step_s + L * machine.op_s + weights / machine.memory_bandwidth
     step += 2 * L * collective(machine, "all_reduce", rows * D * B, lay.infer_tp)
@@ -483,7 +513,7 @@ def rollout_s(model, machine, work, lay):
         counts = collective(machine, "all_to_all", 8 * model.n_experts, lay.infer_ep, span=W)
         step += L * (2 * a2a + counts)
         step += collective(machine, "all_reduce", 8, lay.infer_ep) / work.chunk_steps  # lock-step
-    decode = shape["forwards"] * step + shape["rows"] * machine.row_s / lay.infer_tp
+    decode = shape["forwards"] * step + shape["row_steps"] * machine.row_s / lay.infer_tp
     tokens = shape["prefill_tokens"]
     context = tokens / max(shape["prefill_rows"], 1)
     prefill = shape["prefills"] * L * machine.op_s

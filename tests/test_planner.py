@@ -80,6 +80,17 @@ def test_bad_machines_are_refused():
         planner.plan(model, _machine(memory_bytes=1000), work)
 
 
+def test_bad_workloads_are_refused():
+    for bad, match in [(dict(threshold=0), "threshold 0 must be in"), (dict(staleness=-1), "staleness -1 must be"),
+                       (dict(staleness=True), "staleness True must be an int"),
+                       (dict(chunk_steps=0), "chunk_steps 0 must be"),
+                       (dict(lengths=(0, 3)), "lengths .* must be ints"),
+                       (dict(lengths=(41,)), "in 1 .. max_new_tokens 40")]:
+        with pytest.raises(ValueError, match=match):
+            planner.Workload(16, 8, 18.0, 18.0, 40, **bad)
+    assert planner.Workload(16, 8, 18.0, 18.0, 40, lengths=[3, 5]).lengths == (3, 5)  # a list is kept as a tuple
+
+
 def test_the_plan_prices_the_pair():
     """The choice fits and is the fastest; every stage is priced; a wider machine is planned across its nodes."""
     model = planner.Model(14, 64, 2, 4, 4, 2, 128)
@@ -148,7 +159,7 @@ def test_the_round_replay_counts_what_stalesync_decodes(S, threshold):
         new = [i for i, s in enumerate(seeds) if int(s) not in held]
         count = rounds[-1]
         count["forwards"] += steps
-        count["rows"] += sum(made)
+        count["row_steps"] += sum(made)
         count["prefills"] += bool(new)
         count["prefill_rows"] += len(new)
         count["prefill_tokens"] += sum(len(contexts[i]) for i in new)
@@ -159,10 +170,10 @@ def test_the_round_replay_counts_what_stalesync_decodes(S, threshold):
     cfg = StaleConfig(staleness=S, groups_per_step=2, group_size=8, chunk_steps=8, threshold=threshold)
     sched = StaleSync(cfg, step_fn, lambda slot, attempt: [1] * 18, reset=held.clear)
     for _ in range(S + 1 + 12):
-        rounds.append(dict.fromkeys(("forwards", "rows", "prefills", "prefill_rows", "prefill_tokens"), 0))
+        rounds.append(dict.fromkeys(("forwards", "row_steps", "prefills", "prefill_rows", "prefill_tokens"), 0))
         sched.rollout()
         sched.update()
     want = {k: sum(r[k] for r in rounds[S + 1:]) / 12 for k in rounds[0]}
     assert planner.round_shape(work, 2) == want
-    if S == 0:  # a round decodes its 16 samples whole: 12 rounds, 3 cycles of the 64 lengths
-        assert want["rows"] == 2 * 8 * sum(lengths) / len(lengths)
+    if S == 0:  # a round decodes its 16 samples whole: samples 16 to 207 over the 12 rounds counted
+        assert want["row_steps"] == sum(planner.response_length(lengths, j) for j in range(16, 208)) / 12
