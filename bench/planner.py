@@ -1,8 +1,8 @@
 """Check the layout planner (options/planner.py) against what this machine measures.
 
-    python bench/planner.py               # about 15 minutes on 2 cores: 6 calibrations, 16 layouts x 3, memory
+    python bench/planner.py               # about 16 minutes on 2 cores: 6 calibrations, 16 layouts x 3, memory
     python bench/planner.py --repeats 1 --steps 6                        # a quicker look
-    python bench/planner.py --staleness 1 --worlds 2 --memory 0 --repeats 2     # S = 1, world 2 (about 4 minutes)
+    python bench/planner.py --staleness 1 --worlds 2 --memory 0 --repeats 3     # S = 1, world 2 (about 6 minutes)
 
 One fixed workload (no warm-up, so the untrained policy ends a response at its end token with probability about
 1/14 a token; --rl-seconds 0, --steps, no dynamic sampling, no curriculum, S = 0 or --staleness), run by train_grpo.py
@@ -104,7 +104,8 @@ def spearman(xs, ys):
 
 def ranking(machines, repeats, steps):
     """Every layout's predicted and measured step time (each stage the median of its repeats' predictions), the
-    planner's choice at each world (from the first calibration, as --layout auto would choose at the start), and the
+    planner's choice at each world (from the first calibration, as --layout auto chooses at the start, here for the
+    bench's workload), and the
     machines each repeat was predicted with. Each repeat measures the machine again before its layouts run, and
     predicts them from those constants: a prediction and its measurement a few minutes apart, so that the host's drift
     over the whole run (a shared machine) is not counted as the model's error."""

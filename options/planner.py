@@ -10,10 +10,10 @@ them at every step. The best training layout alone is not the best pair: EP 2 in
 in rollout trains the experts apart yet decodes without an all-to-all, and a wide TP engine leaves
 memory for the KV cache but pays two all-reduces per layer at every decode step. So the planner
 prices the pair: one RL step is
-  rollout    StaleSync's rounds replayed on the responses' lengths (S = 0 waits for the longest
-             sample; S >= 1 cuts once a batch is complete, the tail carried on): the prefills,
-             then each decode forward's fixed cost, the weights it reads, its live rows' cost
-             split over TP, TP's all-reduces and EP's all-to-alls;
+  rollout    StaleSync's rounds of the whole batch (the replicas cut together) replayed on the
+             responses' lengths (S = 0 waits for the longest sample; S >= 1 cuts once a batch is
+             complete, the tail carried on): each replica's share of the prefills and rows, each
+             decode forward's fixed cost, the weights it reads, TP's and EP's collectives;
   switch     the Adam state to host and back, the engine's weights gathered from the FSDP shards
              (the least a rank can receive: switch_bytes), the experts re-sharded (ep_bytes);
   reference  a forward over the rank's share of the batch (when the KL penalty is on);
@@ -397,12 +397,13 @@ def _stride(n):
 
 
 def round_shape(work, groups, rounds=12):
-    """A replica's rounds of rollout under StaleSync's rules, counted in decode steps, sample j of
-    response_length(response_lengths(work), j) tokens. Per round, the mean over the rounds after
-    the first S + 1: the decode forwards, the row-steps they carry (a finished row leaves the
-    batch), the sampler calls that prefill and the rows and tokens they read. Counted in tokens:
-    the engine takes a row's first token from its prefill, as the calibration's decode step
-    does. No filter: a dropped group's decoding is not priced.
+    """The rounds of a scheduler that cuts `groups` groups a batch, under StaleSync's rules,
+    sample j of response_length(response_lengths(work), j) tokens. Per round, the mean over the
+    rounds after the first S + 1: the decode forwards, the row-steps they carry (a finished row
+    leaves the batch), the sampler calls that prefill and the rows and tokens they read. A token
+    counts as a decode step, the first included (the engine takes it from the prefill's logits;
+    the calibration's decode step is timed the same way). No filter: a dropped group is not
+    priced.
     S = 0: one call decodes every row to its end.
     S >= 1: calls of chunk_steps. Between them the pool is refilled to groups / threshold groups
     in flight, within the admission bound (S + k + 1) x groups at batch k. The cut comes once
