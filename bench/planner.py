@@ -105,10 +105,9 @@ def spearman(xs, ys):
 def ranking(machines, repeats, steps):
     """Every layout's predicted and measured step time (each stage the median of its repeats' predictions), the
     planner's choice at each world (from the first calibration, as --layout auto chooses at the start, here for the
-    bench's workload), and the
-    machines each repeat was predicted with. Each repeat measures the machine again before its layouts run, and
-    predicts them from those constants: a prediction and its measurement a few minutes apart, so that the host's drift
-    over the whole run (a shared machine) is not counted as the model's error."""
+    bench's workload), and the machines each repeat was predicted with. Each repeat measures the machine again before
+    its layouts run, and predicts them from those constants: a prediction and its measurement a few minutes apart, so
+    that the host's drift over the whole run (a shared machine) is not counted as the model's error."""
     layouts, chosen = dict(), dict()
     for world, machine in machines.items():
         cfg = config(world, "")
