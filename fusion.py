@@ -14,12 +14,11 @@ to_train() undoes the three, in reverse.
 The default run (train_grpo.py): FSDP2 over all W ranks (the experts aside: moe_switch.py's, a
 mover); the engine is the whole model at TP 1, its own parameters gathered into (inplace=True); the
 bytes move through plumbing/shm_transport.py's SharedMemory on one CPU host, else through Broadcasts
-(gloo; nccl on GPUs, untested past one rank). Above the marker "A learner can stop here" (in
-FusedActor) is that path. Below it: the guards, the recovery, the checkpoint state, and the hooks of
-the other paths (FusedActor.path names the one taken): an engine at any TP degree (inplace=False:
-engine.load_weights), and meta for the other training layouts (pipeline stages, HSDP:
-options/owners.py agrees their owners). The training shards offloaded too:
-options/offload_params.py, a FusedActor of its own.
+(gloo; nccl on GPUs, untested past one rank). This file is that path, and the other paths' hooks
+(FusedActor.path names the one taken): any TP degree (inplace=False: engine.load_weights), other
+training layouts (meta: pipeline stages, HSDP; options/owners.py), the shards offloaded too
+(options/offload_params.py). The companion, plumbing/fusion_helpers.py, holds what a learner can
+take on trust: the input checks, the guards, the recovery, the counts, the load_weights helpers.
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
   1. FSDP2 (weights sharded at rest, as ZeRO-3) or PP stages to train, TP to generate; the engine is
@@ -32,8 +31,9 @@ A call that would read a freed storage, and crash, raises instead, naming the ph
 
 Run: python -m pytest tests/test_fusion.py   (W 1, 2 x TP 1, 2; W 4: -m slow; PP, HSDP: test_owners)
 
-Using this file elsewhere: torch >= 2.6, gloo or nccl. The default path on 2 gloo processes
-(tests/test_copy_alone.py runs it in a folder holding only this file):
+Using this file elsewhere: torch >= 2.6, gloo or nccl; copy fusion.py together with its companion
+plumbing/fusion_helpers.py (keep the folder, or change the one import line). The default path on 2
+gloo processes (tests/test_copy_alone.py runs it in a folder holding only the two):
 
     import datetime, os, socket
     import torch, torch.distributed as dist, torch.multiprocessing as mp
@@ -71,13 +71,18 @@ Shapes: W world size, B bucket bytes, d a weight's owners (W under FSDP2), c = c
 per shard.
 """
 import time
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from plumbing.fusion_helpers import (agreeing, bucket_views, check_fits, check_inplace,
+                                     check_model, check_not_shared, check_owners, expect_phase,
+                                     guard_hooks, hold_grads, load_bucket, memory_figures,
+                                     synchronize, timed, undo_rollout, unloaded)
 
 TRAIN, ROLLOUT = "TRAIN", "ROLLOUT"
 
@@ -90,6 +95,11 @@ def storages(tensors, device=None):
     return list(alive.values())
 
 
+def held_bytes(tensors, device=None):
+    """The memory accounting: bytes of the distinct storages still allocated behind tensors."""
+    return sum(s.nbytes() for s in storages(tensors, device))
+
+
 def _as_bytes(s):
     return torch.empty(0, dtype=torch.uint8, device=s.device).set_(s)  # (nbytes,) uint8 view
 
@@ -99,7 +109,7 @@ def offload(stores, hosts=()):
     that view it stay valid, and reload() brings the bytes back. Host buffers of the right size are
     reused; on CUDA they are pinned and the copy is non-blocking (the free is stream-ordered after
     it). All or nothing: on a failure, the storages already freed are reloaded."""
-    _check_not_shared(stores)
+    check_not_shared(stores)
     out = []
     try:
         for i, s in enumerate(stores):
@@ -196,13 +206,7 @@ def own_meta(mine, group=None):
     """FusedActor's default meta: the weights to build are this rank's own, mine, which under FSDP2
     over the actor's ranks (group) every rank reports alike. A weight held otherwise (a pipeline
     stage's, a node's) is refused before any collective: such layouts pass another meta."""
-    ranks = _group_ranks(group)
-    for w in mine:
-        if set(w.owners) != set(ranks):
-            raise ValueError(f"{w.name} is held by ranks {list(w.owners)}, not by the actor's "
-                             f"ranks {ranks}: shard it with fully_shard over the actor's ranks, or "
-                             "pass a meta that agrees the owners (options/owners.py's union_meta: "
-                             "pipeline stages, HSDP)")
+    check_owners(mine, _group_ranks(group))
     return list(mine)
 
 
@@ -213,7 +217,7 @@ def plan_buckets(meta, bucket_bytes):
     for w in meta:  # Weight, or (name, shape, dtype)
         name, shape, dtype = w[:3]
         nb = torch.Size(shape).numel() * dtype.itemsize
-        _check_fits(name, shape, nb, bucket_bytes)
+        check_fits(name, shape, nb, bucket_bytes)
         if not buckets or size + nb > bucket_bytes or dtype != buckets[-1][0][2]:
             buckets.append([])
             size = 0
@@ -244,6 +248,16 @@ def gather_into(out, mine, w, works, group=None):
     return received
 
 
+def _on_own_meshes(name, p, out, works):
+    """Fills out with weight name from p: a DTensor gathered over its own mesh (no layout, or
+    HSDP: each node's replica), a plain tensor copied. Returns the bytes received."""
+    if isinstance(p, DTensor):
+        mesh_group = p.device_mesh.get_group()
+        return gather_into(out, _mine(p), _weight(name, p), works, mesh_group)
+    out.copy_(p.detach())  # whole on every rank
+    return 0
+
+
 # ------------------------------------------------------------------------------- the transport seam
 class Broadcasts:
     """The portable transport, gather_into's broadcasts: any backend, any hosts. The seam, what
@@ -261,7 +275,7 @@ class Broadcasts:
 
     @contextmanager
     def gathering(self, params, layout=None, group=None):
-        with _agreeing(next(iter(params.values())).device, group):  # one all_reduce, on leaving
+        with agreeing(next(iter(params.values())).device, group):  # one all_reduce, on leaving
             yield
 
     def fill(self, params, outs, layout=None, group=None):
@@ -281,11 +295,6 @@ class Broadcasts:
 
 
 # ----------------------------------------------------------------------------------- the two phases
-def _synchronize(device):
-    if device.type != "cpu":  # CPU work is done when its call returns
-        torch.accelerator.current_stream(device).synchronize()
-
-
 @contextmanager
 def rollout(actor):
     """with rollout(actor) as engine: ...  (TRAIN -> ROLLOUT, and back to TRAIN on exit)."""
@@ -307,13 +316,12 @@ class FusedActor:
                         first in to_train(); their `names` are not built here, their `stats` join
                         metrics().
       transport         Broadcasts() (the default) or SharedMemory; close() closes it.
-    Hooks for the options, explained below the marker: inplace=False (engine.load_weights, any TP
-    degree), group, and meta (another training layout: pipeline stages, HSDP)."""
+    Hooks for the options (inplace=False, group, meta): explained in the companion's docstring."""
 
     def __init__(self, model, optimizer, engine, bucket_bytes=1 << 20, inplace=False,
                  movers=(), transport=None, group=None, meta=own_meta):
         reshard_all(model)  # the parameters are the shards again
-        _check(model, optimizer)
+        check_model(model, optimizer)
         self.transport = transport if transport is not None else Broadcasts()
         self.model, self.optimizer, self.engine = model, optimizer, engine
         self.movers, self.group = list(movers), group
@@ -327,7 +335,7 @@ class FusedActor:
         self.layout = {w.name: w for w in weights}
         self.buckets = plan_buckets(weights, bucket_bytes)
         if inplace:
-            _check_inplace(weights, self._engine_weights())
+            check_inplace(weights, self._engine_weights())
         self.phase, self.round_trips, self.stats = TRAIN, 0, {}
         self._off, self._hosts = [], []              # grads' and states' storages, host copies
         self._held_grads = []  # (parameter, its offloaded grad) in ROLLOUT
@@ -352,7 +360,7 @@ class FusedActor:
                 off = storages(grads + [v for v in states if torch.is_tensor(v)], self.device)
                 self.stats["switch/offload_bytes"] = sum(s.nbytes() for s in off)
                 self._hosts, self._off = offload(off, self._hosts), off  # all or nothing
-                self._held_grads = _hold_grads(params)  # p.grad None in ROLLOUT (see below)
+                self._held_grads = hold_grads(params)  # p.grad None in ROLLOUT (see hold_grads)
             with self._timed("alloc"):  # 2. the engine's weights, allocated for this phase
                 for p in eng.values():
                     p.untyped_storage().resize_(p.nbytes)
@@ -363,7 +371,7 @@ class FusedActor:
                 m.to_rollout()
                 switched.append(m)
         except BaseException:  # back to TRAIN as it was: no engine weights, train state on device
-            self._undo_rollout(switched)
+            undo_rollout(self, switched)
             raise
         self._finish(ROLLOUT, t0)
         moved = 2 * self.stats["switch/offload_bytes"] + gathered  # per round trip
@@ -391,10 +399,10 @@ class FusedActor:
                 loaded |= {name for name, _ in outs}
             elif error is None:
                 extra = max(extra, flat.nbytes)
-                error = self._load_weights(outs, loaded)  # None, or its error, held
+                error = load_bucket(self.engine, outs, loaded)  # None, or its error, held
             flat = outs = None  # free the bucket before the next one
         if error is None:  # an engine weight re-allocated and never filled is an error too
-            error = _unloaded(eng, loaded)
+            error = unloaded(eng, loaded)
         if error is not None:
             raise error
         return extra, gathered, received, least
@@ -428,16 +436,12 @@ class FusedActor:
         for s in storages(self._engine_weights().values()):
             s.resize_(0)
 
-    @contextmanager
     def _timed(self, part):
         """switch/<part>_s (on an accelerator, each part waits for its queued work)."""
-        t0 = time.perf_counter()
-        yield
-        _synchronize(self.device)
-        self.stats[f"switch/{part}_s"] = time.perf_counter() - t0
+        return timed(self.stats, part, self.device)
 
     def _finish(self, phase, t0):
-        _synchronize(self.device)  # non-blocking copies must land before the time is taken
+        synchronize(self.device)  # non-blocking copies must land before the time is taken
         self.phase = phase
         name = "to_rollout" if phase == ROLLOUT else "to_train"
         self.stats[f"time/{name}_s"] = time.perf_counter() - t0
@@ -454,50 +458,13 @@ class FusedActor:
             out.update(getattr(m, "stats", {}))
         return out
 
-    # ==============================================================================================
-    # What follows: the phase checks and the guards, the recovery from a failed switch, the code of
-    # the paths the default run does not take (load_weights, a subclass's hook), the checkpoint
-    # state; then the checks of the caller's input and the gather from each rank's own mesh (HSDP,
-    # the separated push). A learner can stop here.
-    # ==============================================================================================
-    # The options' hooks in FusedActor's arguments:
-    #   inplace=False  any TP degree: each bucket of full weights goes to
-    #                  engine.load_weights(iterable of (name, full tensor)), vLLM's interface; the
-    #                  tensors live for the call only; it cuts its TP piece, fuses, renames, copies,
-    #                  and returns the names of its parameters it loaded (None: the model's names).
-    #   group          the actor's ranks (None: every rank; a hybrid deployment keeps others).
-    #   meta           (this rank's [Weight], group) -> the [Weight] every rank builds, the same
-    #                  on every rank. options/owners.py's union_meta takes a model that is a
-    #                  pipeline stage (FSDP2 over the stage's ranks, or whole on one rank, under the
-    #                  whole model's names) or HSDP (FSDP2 within each node, a copy per node):
-    #                  every rank gathers the whole engine from the weights' owners, through
-    #                  Broadcasts (SharedMemory needs shards over all W ranks).
-    #   transport      any object with Broadcasts's four members (the seam).
-    # The guards cover the engine in TRAIN; optimizer.step() and a backward in ROLLOUT. In ROLLOUT
-    # the grads are held off their parameters (p.grad is None), so that zero_grad(set_to_none=
-    # False) or clipping finds none to touch. Unchecked: an engine whose load_weights claims a
-    # weight it never wrote (names are checked, not bytes).
-
     def _expect(self, phase, what, why=None):
-        if self.phase != phase:
-            where = f", where {why}" if why else ""
-            raise RuntimeError(f"{what} in phase {self.phase}{where}; it needs phase {phase}")
+        expect_phase(self.phase, phase, what, why)  # raises, naming both phases, where they differ
 
     def _guard(self):
-        """Hooks that raise where a call would read the storages freed in this phase."""
-        def engine(module, args):
-            self._expect(ROLLOUT, "the engine was called", "its weights are freed")
-
-        def step(optimizer, args, kwargs):
-            why = "the optimizer states are in host memory"
-            self._expect(TRAIN, "optimizer.step() was called", why)
-
-        def output(module, args, out):  # its backward, the model's first, checks the phase
-            checked = torch.is_tensor(out) and out.requires_grad
-            return _BackwardCheck.apply(self, out) if checked else out
-        return [self.engine.register_forward_pre_hook(engine),
-                self.optimizer.register_step_pre_hook(step),
-                self.model.register_forward_hook(output)]
+        """Hooks that raise where a call would read the storages freed in this phase: the engine
+        in TRAIN; optimizer.step() and a backward in ROLLOUT (the companion's guard_hooks)."""
+        return guard_hooks(self, TRAIN, ROLLOUT)
 
     def close(self):
         """Remove the guards and close the transport: another FusedActor may then take over."""
@@ -505,25 +472,6 @@ class FusedActor:
         for hook in self._hooks:
             hook.remove()
         self.transport.close()
-
-    # recovery, and the paths the default run does not take
-    def _undo_rollout(self, switched):
-        """After a to_rollout() that raised: the movers it switched back, the engine's weights
-        freed, the train state reloaded."""
-        for m in reversed(switched):
-            m.to_train()
-        self._free_engine()
-        self._reload()
-
-    def _load_weights(self, outs, loaded):
-        """engine.load_weights on a bucket outs; adds the names it loaded to loaded. Returns its
-        error instead of raising it, or None."""
-        try:
-            names = self.engine.load_weights(outs)  # None: the model's names
-            loaded |= set(names if names is not None else (n for n, _ in outs))
-        except Exception as e:  # noqa: BLE001 - held: the peers need this rank's gathers
-            return e
-        return None
 
     def _gathered(self, params):
         """Called in to_rollout() once the engine is built from params, before the movers: nothing
@@ -548,138 +496,4 @@ class FusedActor:
                 "optim": [v for v in states if torch.is_tensor(v)],
                 "infer": self._engine_weights().values()}
         held = {cat: held_bytes(ts, self.device) for cat, ts in held.items()}
-        self.stats.update({f"mem/{key}_{cat}_bytes": nb for cat, nb in held.items()})
-        allocated = _allocated(self.device)
-        self.stats[f"mem/{key}_bytes"] = sum(held.values()) if allocated is None else allocated
-
-
-class _BackwardCheck(torch.autograd.Function):
-    """The identity on the model's output; its backward, the model's first, asks the actor first."""
-    @staticmethod
-    def forward(ctx, actor, x):
-        ctx.actor = actor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        why = "the grads are in host memory (a step forgotten before it?)"
-        ctx.actor._expect(TRAIN, "a backward ran", why)
-        return None, grad
-
-
-def _hold_grads(params):
-    """The offloaded grads taken off their parameters until to_train: in ROLLOUT p.grad is None,
-    so that zero_grad(set_to_none=False), clip_grad_norm_ or any read of a grad finds none, where
-    it would touch a freed storage and crash the process."""
-    held = [(p, p.grad) for p in params.values() if p.grad is not None]
-    for p, _ in held:
-        p.grad = None
-    return held
-
-
-def held_bytes(tensors, device=None):
-    """The memory accounting: bytes of the distinct storages still allocated behind tensors."""
-    return sum(s.nbytes() for s in storages(tensors, device))
-
-
-def _allocated(device):
-    """Bytes the accelerator's allocator holds (torch.cuda's count, torch.xpu's...); None on CPU, or
-    where there is no such count (MPS)."""
-    if device.type == "cpu":
-        return None
-    try:
-        return getattr(torch, device.type).memory_allocated(device)
-    except (AttributeError, RuntimeError):
-        return None
-
-
-# ------------------------------------------------------------ the Broadcasts transport's agreement
-@contextmanager
-def _agreeing(device, group):
-    """Every rank of group leaves a switch's gather knowing whether all succeeded: one all_reduce
-    of a flag on the way out, so that a rank whose gather failed does not leave the others waiting
-    in the next collective, and each raises."""
-    ok = torch.ones(1, device=device)
-    agree = dist.is_initialized() and dist.get_world_size(group) > 1
-    try:
-        yield
-    except BaseException:
-        with suppress(Exception):  # may fail where a collective did: the first error stands
-            if agree:
-                dist.all_reduce(ok.zero_(), op=dist.ReduceOp.MIN, group=group)
-        raise
-    if agree:
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-    if not ok.item():
-        raise RuntimeError("another rank failed in this switch (its error is in its output); "
-                           "back in TRAIN")
-
-
-def _on_own_meshes(name, p, out, works):
-    """Fills out with weight name from p: a DTensor gathered over its own mesh (no layout, or
-    HSDP: each node's replica), a plain tensor copied. Returns the bytes received."""
-    if isinstance(p, DTensor):
-        mesh_group = p.device_mesh.get_group()
-        return gather_into(out, _mine(p), _weight(name, p), works, mesh_group)
-    out.copy_(p.detach())  # whole on every rank
-    return 0
-
-
-# ----------------------------------------------------------------- the checks of the caller's input
-def _check(model, optimizer):
-    """What FusedActor needs of this rank's model and optimizer, checked before any collective."""
-    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
-        raise ValueError("the model is in FSDP1 (FullyShardedDataParallel): this needs FSDP2's "
-                         "fully_shard(module)")
-    for n, p in model.named_parameters():
-        if isinstance(p, DTensor) and (p.device_mesh.ndim, tuple(p.placements)) != (1, (Shard(0),)):
-            raise ValueError(f"{n}: placements {p.placements} on a {p.device_mesh.ndim}-D mesh "
-                             f"{p.device_mesh}; expected Shard(0) over a 1-D mesh (fully_shard"
-                             "(module) over all ranks, or over a pipeline stage's ranks)")
-    mine = {id(p) for p in model.parameters()}
-    foreign = sum(id(p) not in mine for g in optimizer.param_groups for p in g["params"])
-    if foreign:  # fully_shard replaces the parameters: an optimizer built before would move nothing
-        raise ValueError(f"the optimizer holds {foreign} tensors that are not the model's "
-                         "parameters (built before fully_shard?): build it on model.parameters() "
-                         "after fully_shard")
-
-
-def _check_inplace(meta, eng):
-    """inplace=True writes the gather into the engine's parameters eng: the weights meta."""
-    if not ({w.name for w in meta} == set(eng) and all(
-            tuple(eng[w.name].shape) == w.shape and eng[w.name].dtype == w.dtype
-            and eng[w.name].is_contiguous() for w in meta)):
-        raise ValueError("inplace=True needs engine parameters with the model's names, full "
-                         "shapes and dtypes (TP 1), contiguous; use inplace=False "
-                         "(load_weights)")
-
-
-def _check_fits(name, shape, nb, bucket_bytes):
-    if nb > bucket_bytes:
-        raise ValueError(f"bucket_bytes {bucket_bytes} is smaller than weight {name} {shape} "
-                         f"({nb} bytes gathered); raise bucket_bytes to at least {nb}")
-
-
-def _check_not_shared(stores):
-    if any(s.device.type == "cpu" and s.is_shared() for s in stores):  # torch crashes as one grows
-        raise ValueError("offload: a storage in shared memory (a SharedMemory transport's shard) "
-                         "cannot be freed")
-
-
-def _unloaded(eng, loaded):
-    """The error where the engine's weights eng are not all in loaded (re-allocated and never
-    filled: load_weights skipped them), else None."""
-    missing = sorted(set(eng) - loaded)
-    if missing:
-        return ValueError(f"the engine's weights {missing[:8]} were not loaded: its "
-                          "load_weights must load every one (or a mover name it) and return "
-                          "the engine parameter names it loaded")
-    return None
-
-
-# ------------------------------------------------------- the bucket buffer of the load_weights path
-def bucket_views(bucket, device):
-    """One flat buffer for a bucket and, per weight, its full view (rows, ...) into it."""
-    sizes = [torch.Size(w[1]).numel() for w in bucket]
-    flat = torch.empty(sum(sizes), dtype=bucket[0][2], device=device)    # (numels summed,)
-    return flat, [(w[0], v.view(w[1])) for w, v in zip(bucket, flat.split(sizes))]
+        self.stats.update(memory_figures(key, held, self.device))

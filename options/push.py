@@ -22,10 +22,11 @@ import torch
 import torch.distributed as dist
 
 import grpo
-from fusion import Broadcasts, bucket_views, plan_buckets, reshard_all, weight_meta
+from fusion import Broadcasts, plan_buckets, reshard_all, weight_meta
 from model import Policy
 from plumbing import checkpoint
 from plumbing.config import model_config
+from plumbing.fusion_helpers import bucket_views
 
 
 @torch.no_grad()

@@ -1,0 +1,248 @@
+# Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (see LICENSE).
+"""Helpers of fusion.py a learner can take on trust: guards, recovery, counts, load_weights pieces.
+
+fusion.py teaches the switch; this file holds what it calls by name. Copy the two together (this
+one at plumbing/ beside fusion.py, or change fusion.py's one import line); it imports torch and the
+standard library only, never fusion.py:
+  - the checks of the caller's input, before any collective: check_model (FSDP2, Shard(0) over a
+    1-D mesh, an optimizer built after fully_shard), check_owners (own_meta's), check_inplace,
+    check_fits (a weight larger than a bucket), check_not_shared (a shared storage cannot be freed);
+  - the phase guards: expect_phase (FusedActor._expect), guard_hooks (the engine called in TRAIN;
+    optimizer.step() or a backward in ROLLOUT raise, naming the phase, where the call would read
+    a freed storage and crash), BackwardCheck, and hold_grads (in ROLLOUT the grads are held off
+    their parameters, p.grad is None, so that zero_grad(set_to_none=False) or clipping finds none
+    to touch);
+  - the recovery: undo_rollout (after a failed to_rollout(), back to TRAIN as it was), and
+    agreeing, the Broadcasts transport's agreement: one all_reduce of an ok flag leaving a gather,
+    so that an error on one rank raises on every rank and none waits in the next collective;
+  - the load_weights path (inplace=False): bucket_views (a bucket's buffer), load_bucket (calls
+    engine.load_weights, holding its error while the peers gather on), unloaded (an engine weight
+    that load_weights never claimed). Unchecked: an engine whose load_weights claims a weight it
+    never wrote (names are checked, not bytes);
+  - the counts: timed and synchronize (switch/*_s), memory_figures and allocated_bytes (mem/*).
+
+The options' hooks in FusedActor's arguments:
+  inplace=False  any TP degree: each bucket of full weights goes to
+                 engine.load_weights(iterable of (name, full tensor)), vLLM's interface; the
+                 tensors live for the call only; it cuts its TP piece, fuses, renames, copies,
+                 and returns the names of its parameters it loaded (None: the model's names).
+  group          the actor's ranks (None: every rank; a hybrid deployment keeps others).
+  meta           (this rank's [Weight], group) -> the [Weight] every rank builds, the same
+                 on every rank. options/owners.py's union_meta takes a model that is a
+                 pipeline stage (FSDP2 over the stage's ranks, or whole on one rank, under the
+                 whole model's names) or HSDP (FSDP2 within each node, a copy per node):
+                 every rank gathers the whole engine from the weights' owners, through
+                 Broadcasts (SharedMemory needs shards over all W ranks).
+  transport      any object with Broadcasts's four members (the seam).
+
+    python -m pytest tests/test_fusion.py   (the guards, the recovery, the load_weights path)
+"""
+import time
+from contextlib import contextmanager, suppress
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.tensor import DTensor, Shard
+
+
+# ----------------------------------------------------------------- the checks of the caller's input
+def check_model(model, optimizer):
+    """What FusedActor needs of this rank's model and optimizer, checked before any collective."""
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise ValueError("the model is in FSDP1 (FullyShardedDataParallel): this needs FSDP2's "
+                         "fully_shard(module)")
+    for n, p in model.named_parameters():
+        if isinstance(p, DTensor) and (p.device_mesh.ndim, tuple(p.placements)) != (1, (Shard(0),)):
+            raise ValueError(f"{n}: placements {p.placements} on a {p.device_mesh.ndim}-D mesh "
+                             f"{p.device_mesh}; expected Shard(0) over a 1-D mesh (fully_shard"
+                             "(module) over all ranks, or over a pipeline stage's ranks)")
+    mine = {id(p) for p in model.parameters()}
+    foreign = sum(id(p) not in mine for g in optimizer.param_groups for p in g["params"])
+    if foreign:  # fully_shard replaces the parameters: an optimizer built before would move nothing
+        raise ValueError(f"the optimizer holds {foreign} tensors that are not the model's "
+                         "parameters (built before fully_shard?): build it on model.parameters() "
+                         "after fully_shard")
+
+
+def check_inplace(meta, eng):
+    """inplace=True writes the gather into the engine's parameters eng: the weights meta."""
+    if not ({w.name for w in meta} == set(eng) and all(
+            tuple(eng[w.name].shape) == w.shape and eng[w.name].dtype == w.dtype
+            and eng[w.name].is_contiguous() for w in meta)):
+        raise ValueError("inplace=True needs engine parameters with the model's names, full "
+                         "shapes and dtypes (TP 1), contiguous; use inplace=False "
+                         "(load_weights)")
+
+
+def check_owners(mine, ranks):
+    """own_meta's check: every weight of mine held by the actor's ranks (FSDP2 over them); a weight
+    held otherwise (a pipeline stage's, a node's) is refused before any collective."""
+    for w in mine:
+        if set(w.owners) != set(ranks):
+            raise ValueError(f"{w.name} is held by ranks {list(w.owners)}, not by the actor's "
+                             f"ranks {ranks}: shard it with fully_shard over the actor's ranks, or "
+                             "pass a meta that agrees the owners (options/owners.py's union_meta: "
+                             "pipeline stages, HSDP)")
+
+
+def check_fits(name, shape, nb, bucket_bytes):
+    if nb > bucket_bytes:
+        raise ValueError(f"bucket_bytes {bucket_bytes} is smaller than weight {name} {shape} "
+                         f"({nb} bytes gathered); raise bucket_bytes to at least {nb}")
+
+
+def check_not_shared(stores):
+    if any(s.device.type == "cpu" and s.is_shared() for s in stores):  # torch crashes as one grows
+        raise ValueError("offload: a storage in shared memory (a SharedMemory transport's shard) "
+                         "cannot be freed")
+
+
+# --------------------------------------------------------------------------------- the phase guards
+def expect_phase(now, phase, what, why=None):
+    """FusedActor._expect: raises where the phase now is not the phase that what needs."""
+    if now != phase:
+        where = f", where {why}" if why else ""
+        raise RuntimeError(f"{what} in phase {now}{where}; it needs phase {phase}")
+
+
+def guard_hooks(actor, train, rollout):
+    """FusedActor's hooks (actor: its model, optimizer, engine and _expect; train, rollout: its
+    phases) that raise where a call would read the storages freed in this phase."""
+    def engine(module, args):
+        actor._expect(rollout, "the engine was called", "its weights are freed")
+
+    def step(optimizer, args, kwargs):
+        why = "the optimizer states are in host memory"
+        actor._expect(train, "optimizer.step() was called", why)
+
+    def backward():
+        why = "the grads are in host memory (a step forgotten before it?)"
+        actor._expect(train, "a backward ran", why)
+
+    def output(module, args, out):  # its backward, the model's first, checks the phase
+        checked = torch.is_tensor(out) and out.requires_grad
+        return BackwardCheck.apply(backward, out) if checked else out
+    return [actor.engine.register_forward_pre_hook(engine),
+            actor.optimizer.register_step_pre_hook(step),
+            actor.model.register_forward_hook(output)]
+
+
+class BackwardCheck(torch.autograd.Function):
+    """The identity on the model's output; its backward, the model's first, calls check first."""
+    @staticmethod
+    def forward(ctx, check, x):
+        ctx.check = check
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.check()
+        return None, grad
+
+
+def hold_grads(params):
+    """The offloaded grads taken off their parameters until to_train: in ROLLOUT p.grad is None,
+    so that zero_grad(set_to_none=False), clip_grad_norm_ or any read of a grad finds none, where
+    it would touch a freed storage and crash the process."""
+    held = [(p, p.grad) for p in params.values() if p.grad is not None]
+    for p, _ in held:
+        p.grad = None
+    return held
+
+
+# -------------------------------------------------------------------- recovery from a failed switch
+def undo_rollout(actor, switched):
+    """After a to_rollout() that raised: the movers it switched back (switched), the engine's
+    weights freed, the train state reloaded (actor: a FusedActor)."""
+    for m in reversed(switched):
+        m.to_train()
+    actor._free_engine()
+    actor._reload()
+
+
+# ------------------------------------------------------------- the Broadcasts transport's agreement
+@contextmanager
+def agreeing(device, group):
+    """Every rank of group leaves a switch's gather knowing whether all succeeded: one all_reduce
+    of a flag on the way out, so that a rank whose gather failed does not leave the others waiting
+    in the next collective, and each raises."""
+    ok = torch.ones(1, device=device)
+    agree = dist.is_initialized() and dist.get_world_size(group) > 1
+    try:
+        yield
+    except BaseException:
+        with suppress(Exception):  # may fail where a collective did: the first error stands
+            if agree:
+                dist.all_reduce(ok.zero_(), op=dist.ReduceOp.MIN, group=group)
+        raise
+    if agree:
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    if not ok.item():
+        raise RuntimeError("another rank failed in this switch (its error is in its output); "
+                           "back in TRAIN")
+
+
+# ---------------------------------------------------------------------------- the load_weights path
+def bucket_views(bucket, device):
+    """One flat buffer for a bucket and, per weight, its full view (rows, ...) into it."""
+    sizes = [torch.Size(w[1]).numel() for w in bucket]
+    flat = torch.empty(sum(sizes), dtype=bucket[0][2], device=device)    # (numels summed,)
+    return flat, [(w[0], v.view(w[1])) for w, v in zip(bucket, flat.split(sizes))]
+
+
+def load_bucket(engine, outs, loaded):
+    """engine.load_weights on a bucket outs; adds the names it loaded to loaded. Returns its
+    error instead of raising it, or None."""
+    try:
+        names = engine.load_weights(outs)  # None: the model's names
+        loaded |= set(names if names is not None else (n for n, _ in outs))
+    except Exception as e:  # noqa: BLE001 - held: the peers need this rank's gathers
+        return e
+    return None
+
+
+def unloaded(eng, loaded):
+    """The error where the engine's weights eng are not all in loaded (re-allocated and never
+    filled: load_weights skipped them), else None."""
+    missing = sorted(set(eng) - loaded)
+    if missing:
+        return ValueError(f"the engine's weights {missing[:8]} were not loaded: its "
+                          "load_weights must load every one (or a mover name it) and return "
+                          "the engine parameter names it loaded")
+    return None
+
+
+# --------------------------------------------------------------------- the timing and memory counts
+def synchronize(device):
+    if device.type != "cpu":  # CPU work is done when its call returns
+        torch.accelerator.current_stream(device).synchronize()
+
+
+@contextmanager
+def timed(stats, part, device):
+    """stats["switch/<part>_s"] (on an accelerator, each part waits for its queued work)."""
+    t0 = time.perf_counter()
+    yield
+    synchronize(device)
+    stats[f"switch/{part}_s"] = time.perf_counter() - t0
+
+
+def memory_figures(key, held, device):
+    """FusedActor.record's figures for phase key: mem/<key>_<cat>_bytes for each {cat: bytes} of
+    held, and mem/<key>_bytes, their total (on an accelerator, its allocator's count instead)."""
+    out = {f"mem/{key}_{cat}_bytes": nb for cat, nb in held.items()}
+    allocated = allocated_bytes(device)
+    out[f"mem/{key}_bytes"] = sum(held.values()) if allocated is None else allocated
+    return out
+
+
+def allocated_bytes(device):
+    """Bytes the accelerator's allocator holds (torch.cuda's count, torch.xpu's...); None on CPU, or
+    where there is no such count (MPS)."""
+    if device.type == "cpu":
+        return None
+    try:
+        return getattr(torch, device.type).memory_allocated(device)
+    except (AttributeError, RuntimeError):
+        return None
