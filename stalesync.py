@@ -12,10 +12,10 @@ the groups whose last chance it is, and a group that would age past S is restart
 stale (the cut, in StaleSync). Admission caps how far ahead slots open. At S = 0 this is the
 synchronous path, bit for bit.
 
-Above the marker (the line of `=` signs after SharedCut) is the default path, naive first:
-sync_rollout and the sampler's contract; StaleConfig and StaleSync, the scheduler (the round,
-admission, decoding, the cut); the replicas' cuts, AllReady (naive) and SharedCut. Below it: the
-checks, dynamic sampling, a batch's figures, the options' hooks, the checkpoint state. Routing
+This file is the default path, naive first: sync_rollout and the sampler's contract; StaleConfig
+and StaleSync, the scheduler (the round, admission, decoding, the cut); the replicas' cuts,
+AllReady (naive) and SharedCut. Its companion, plumbing/stalesync_details.py, holds the checks, the
+brakes, dynamic sampling, a batch's figures, the options' hooks and the checkpoint state. Routing
 replay's per-token fields (StaleSync's `fields`) are in options/routing_replay.py.
 
 Shapes: B samples in a batch, G group size, R rows in flight, n_i tokens of sample i,
@@ -27,15 +27,16 @@ the source system (Huawei's RL post-training on CloudMatrix 384) and its kin:
 1. Whole groups are the unit of admission, age and regeneration: GRPO's advantage needs every
    sample of a group, and all of a group's samples start together.
 2. The scheduler is a plain object that the caller drives: colocated, rollout(spans, cut) then
-   update() (separated: see below). Moving samples and weights is the caller's job: the only
-   collectives here are the cuts'.
+   update() (separated: see the companion). Moving samples and weights is the caller's job: the
+   only collectives here are the cuts'.
 3. Ages are counted in policy versions (batch indices), not wall time.
 
     python -m pytest tests/test_stalesync.py
     python bench/stalesync.py --lengths lognormal:3,1
 
-Using this file elsewhere: torch only, and a process group only for the cuts. Example (the test
-tests/test_copy_alone.py runs it in a folder that holds only this file):
+Using this file elsewhere: torch only, and a process group only for the cuts. Copy stalesync.py
+together with its companion plumbing/stalesync_details.py (keep the folder, or change the one import
+line). Example (the test tests/test_copy_alone.py runs it in a folder that holds only the two):
 
     import torch
     from stalesync import StaleConfig, StaleSync
@@ -57,12 +58,17 @@ tests/test_copy_alone.py runs it in a folder that holds only this file):
 """
 import functools
 import math
-import numbers
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from plumbing.stalesync_details import (
+    _accounting, _as_batch, _check_budget, _check_config, _check_not_stuck, _check_progress,
+    _check_replicas_not_stuck, _check_rollout, _check_take, _check_update, _fields_of, _filter,
+    _idle, _load_state_dict, _metrics, _prompt, _sampler_hooks, _seed, _show_groups, _start_at,
+    _state_dict, _unpack)
 
 
 # ---------------------------------------------------------------------------------- the naive round
@@ -87,7 +93,7 @@ def sync_rollout(step_fn, prompts, group_size, seeds):
 #   done       R bools, True once a row has ended
 # Every call makes a token or ends each row, and every row ends by StaleConfig.max_len tokens.
 # A cached sampler keeps its KV cache between chunks; StaleSync calls its reset() when it is stale.
-# _unpack (below the marker) checks what it returns. Other per-token outputs of the sampler (routing
+# _unpack (in the companion) checks what it returns. Other per-token outputs of the sampler (routing
 # replay's experts) ride with their samples through a `fields` object: see StaleSync.
 
 
@@ -104,10 +110,10 @@ class StaleConfig:
                                 #   longer outputs; the default is past today's response budgets)
     max_filtered: int = None    # brake: keep_group drops at most this many groups while one batch
                                 #   is made (None: 128 x groups_per_step)
-    chunk_s0: bool = False      # an option's: S = 0 decodes in chunks too (see below)
+    chunk_s0: bool = False      # an option's: S = 0 decodes in chunks too (see the companion)
 
     def __post_init__(self):
-        _check_config(self)  # below the marker
+        _check_config(self)  # in the companion
         if self.max_filtered is None:
             self.max_filtered = 128 * self.groups_per_step
 
@@ -148,8 +154,8 @@ class StaleSync:
 
     prompt_fn(slot, attempt) -> a group's prompt, (P,) int64 or a list of ints. The optional ones:
     seed_fn(slot, attempt, member) -> int (default: the sample's id, 0, 1, 2, ... as made);
-    keep_group(prompt, responses) -> bool, dynamic sampling (_filter, below the marker).
-    The sampler's reset(), idle() and state, and on_group: hooks, see below. fields: an object
+    keep_group(prompt, responses) -> bool, dynamic sampling (_filter, in the companion). The
+    sampler's reset(), idle() and state, and on_group: hooks, see the companion. fields: an object
     that keeps the sampler's other per-token outputs with their samples, keep(samples, out, tokens)
     per call and batch(samples) -> Batch.per_token (routing replay's: options/routing_replay.py)."""
 
@@ -193,7 +199,7 @@ class StaleSync:
 
     def update(self, version=None):
         """New weights reached the sampler: version + 1, after the optimizer step (a separated
-        caller's `version`: see below). The sampler's cache is stale: reset()."""
+        caller's `version`: see the companion). The sampler's cache is stale: reset()."""
         _check_update(self, version)
         self.version = self.version + 1 if version is None else int(version)
         if self.reset_fn is not None:
@@ -245,9 +251,9 @@ class StaleSync:
         their log-probs and the current version. Returns the tokens made. At S = 0 the call has no
         cut (max_steps=None): once per round, and once per refill of dropped groups, the very call
         sync_rollout makes, so the samples, updates and parameters are the synchronous path's, bit
-        for bit. Hooks for the options (idle, fields, on_group, chunk_s0): see below."""
+        for bit. Hooks for the options (idle, fields, on_group, chunk_s0): see the companion."""
         rows = [(g, s) for g in self.pool for s in g["samples"] if not s["done"]]
-        if not rows:  # no row in flight: the sampler's idle(), see below
+        if not rows:  # no row in flight: the sampler's idle(), see the companion
             return _idle(self)
         for g, _ in rows:
             if g["start_version"] is None:  # the group's first token: its age starts now
@@ -270,9 +276,9 @@ class StaleSync:
             s["done"] = d
         _check_budget(self, rows)
         completed = [g for g in {id(g): g for g, _ in rows}.values() if _complete(g)]
-        kept = _filter(self, completed)  # dynamic sampling (keep_group): see below
+        kept = _filter(self, completed)  # dynamic sampling (keep_group): see the companion
         if self.on_group is not None:
-            _show_groups(self, kept)
+            _show_groups(self, kept, Batch)
         return sum(len(t) for t in tokens)
 
     # --- the cut of batch k, trained at version k
@@ -318,7 +324,7 @@ class StaleSync:
         spare = self._spare(needed)
         _check_take(k, n, needed, spare)
         chosen = sorted(needed + spare[:n - len(needed)], key=lambda g: g["slot"])
-        per_token = self._fields_of(chosen)  # it may raise: before any change
+        per_token = _fields_of(self, chosen)  # it may raise: before any change
         too_old = [g for g in self._due() if all(g is not c for c in chosen)]
         self.pool = [g for g in self.pool if all(g is not c for c in chosen)]
         self.batches_out += 1
@@ -332,8 +338,8 @@ class StaleSync:
         samples = [(g, s) for g in chosen for s in g["samples"]]
         for _, s in samples:
             self.fate[s["id"]] = "trained"
-        metrics = _metrics(self, k, samples, len(too_old))  # below the marker
-        return _as_batch(chosen, k, metrics, per_token)
+        metrics = _metrics(self, k, samples, len(too_old))  # in the companion
+        return _as_batch(Batch, chosen, k, metrics, per_token)
 
     def spare_slots(self, needed):
         """The slots of the complete groups beyond the first `needed` due ones, lowest first."""
@@ -352,24 +358,14 @@ class StaleSync:
         return sorted((g for g in self.pool if _complete(g) and all(g is not h for h in needed)),
                       key=lambda g: g["slot"])
 
-    def _fields_of(self, groups):
-        """Batch.per_token of these groups: the fields object's (it refuses a gap), else none."""
-        if self.fields is None:
-            return {}
-        return self.fields.batch([s for g in groups for s in g["samples"]])
-
-    # --- off the default path: the accounting, checkpoint and resume (their bodies below)
+    # --- off the default path: the accounting, checkpoint and resume (bodies in the companion)
     def accounting(self):
         """Sample ids by fate: trained, regenerated, filtered, in flight."""
-        out = {"trained": set(), "regenerated": set(), "filtered": set(), "in_flight": set()}
-        for i, f in self.fate.items():
-            out[f].add(i)
-        out["in_flight"] = {s["id"] for g in self.pool for s in g["samples"]}
-        return out
+        return _accounting(self)
 
     def state_dict(self):
         """The groups in flight, the slots to reopen, the counters, the fates, the sampler's
-        state (below the marker: what is saved, and what is not)."""
+        state (the companion says what is saved, and what is not)."""
         return _state_dict(self)
 
     def load_state_dict(self, sd):
@@ -433,7 +429,7 @@ class SharedCut:
     does not; every slot is still trained once, within S. At S = 0 each replica gives
     groups_per_step, as under AllReady.
     Per loop turn, one all-gather of offer()'s counts; at the cut, one of the spare slots.
-    replica and leader: for a replica of several ranks, see below."""
+    replica and leader: for a replica of several ranks, see the companion."""
 
     FACTS = ("leader", "replica", "due", "done", "complete", "work", "gps")  # posted per turn
 
@@ -499,335 +495,3 @@ class SharedCut:
         slots = sorted((slot, int(t[0])) for t in everyone if t[0] >= 0
                        for slot in t[1:].tolist() if slot >= 0)
         return sum(replica == self.replica for _, replica in slots[:quota])
-
-
-# ==================================================================================================
-# A learner can stop here. What follows, the code above calls by name: the checks of the caller's
-# input with their long error messages, the brakes that stop a run going nowhere, the checks of
-# what the sampler and prompt_fn return; dynamic sampling, a batch's packing and its figures; the
-# options' hooks; the checkpoint state (state_dict, load_state_dict, start_at). One of them the
-# default run uses in every round: dynamic sampling (_filter), which drops a group whose rewards
-# are all equal and reopens its slot.
-# ==================================================================================================
-
-
-# --------------------------------------------------------------- checks of the config and the calls
-def _check_config(cfg):
-    """StaleConfig's fields, each in its range."""
-    if not _is_int(cfg.staleness) or cfg.staleness < 0:
-        raise ValueError(f"staleness={cfg.staleness!r} is invalid: it must be an integer >= 0 "
-                         "(0 is the synchronous algorithm)")
-    if not 0 < cfg.threshold <= 1:
-        raise ValueError(f"threshold={cfg.threshold!r} is outside the valid range (0, 1]")
-    for name in ("groups_per_step", "group_size", "chunk_steps", "max_len", "max_filtered"):
-        x = getattr(cfg, name)
-        if not (x is None and name == "max_filtered") and (not _is_int(x) or x < 1):
-            raise ValueError(f"{name}={x!r} must be an integer >= 1")
-
-
-def _check_rollout(sched):
-    """rollout()'s: one colocated round per version, update() between two."""
-    if sched.batches_out != sched.version:
-        raise RuntimeError(f"colocated rollout at version {sched.version} but "
-                           f"{sched.batches_out} batches out: call update() once after each "
-                           "optimizer step")
-
-
-def _check_update(sched, version):
-    """update()'s: colocated, once per batch out; separated, a version in range."""
-    if version is None and sched.version >= sched.batches_out:
-        raise RuntimeError(f"update() at version {sched.version} with {sched.batches_out} "
-                           "batches out: weights of version v + 1 are trained on batch v, so "
-                           "call update() once per batch that rollout() returned, after its "
-                           "optimizer step")
-    valid = _is_int(version) and sched.version <= version <= sched.batches_out
-    if version is not None and not valid:
-        raise ValueError(f"update(version={version!r}): weights of version v are trained on "
-                         f"batches < v, so v must be an integer in [{sched.version}, "
-                         f"{sched.batches_out}] (the sampler's version up to the batches "
-                         "emitted)")
-
-
-def _check_take(k, n, needed, spare):
-    """take()'s: the needed groups complete, and n within what this scheduler holds."""
-    if not all(map(_complete, needed)) or not len(needed) <= n <= len(needed) + len(spare):
-        raise RuntimeError(f"take({n}) at batch {k}: its {len(needed)} needed groups must be "
-                           f"complete, and there are {len(needed) + len(spare)} complete "
-                           "groups (take() before ready(), or a cut's share this scheduler "
-                           "cannot give)")
-
-
-# --------------------------------------------------------------------------------------- the brakes
-class FilterLimitError(RuntimeError):
-    """keep_group dropped more than max_filtered groups while one batch was made (StaleConfig)."""
-
-
-def _check_progress(tokens, done, rows, max_steps):
-    """A sampler call must make a token or end a row, or the round would never end."""
-    if not any(len(t) for t in tokens) and not any(done):
-        raise RuntimeError(f"the sampler made no token and ended no row of the {rows} in "
-                           f"flight (max_steps={max_steps}): every call must make a token or "
-                           "end each row")
-
-
-def _check_budget(sched, rows):
-    """Brake: a row still not done at max_len tokens is the sampler's fault."""
-    max_len = sched.cfg.max_len
-    if not max_len:
-        return
-    over = [s["id"] for _, s in rows if not s["done"] and len(s["tokens"]) >= max_len]
-    if over:
-        name = getattr(sched.step_fn, "__qualname__", type(sched.step_fn).__name__)
-        raise RuntimeError(f"the sampler {name} returned samples {over[:8]} with {max_len} or "
-                           f"more tokens and not done: it must end every row (done=True) by "
-                           f"max_len {max_len}, the response budget")
-
-
-def _check_filter_limit(sched):
-    """Brake: more than max_filtered groups dropped while one batch is made means that the filter
-    refuses nearly every group."""
-    dropped = sched.filtered - sched.filtered_at_take
-    if sched.cfg.max_filtered and dropped > sched.cfg.max_filtered:
-        raise FilterLimitError(f"dynamic sampling dropped {dropped} groups while making batch "
-                               f"{sched.batches_out}, past the limit of "
-                               f"{sched.cfg.max_filtered}: nearly every group's rewards are "
-                               "equal (a policy that solves, or fails, nearly every prompt); "
-                               "train or warm up differently, or turn the filter off")
-
-
-def _check_not_stuck(sched):
-    """cut_alone's brake: no batch ready, and nothing left that could make one."""
-    if not sched.offer()["work"]:
-        raise RuntimeError(f"batch {sched.batches_out}: no group in flight, none to start, and "
-                           "no batch ready: check the sampler's done flags")
-
-
-def _check_replicas_not_stuck(sched, rows, complete, batch):
-    """SharedCut's brake: no batch ready, and no replica has anything left that could make one."""
-    if not any(r["work"] for r in rows):
-        raise RuntimeError(f"batch {sched.batches_out}: the replicas hold {complete} "
-                           f"complete groups of {batch} and none has a group in flight or "
-                           "one it may start: check the sampler's done flags")
-
-
-# --------------------------------------------------------------------------- checking the callables
-def _unpack(out, rows):
-    """A sampler's output for `rows` rows: R of (n,) int64 tokens, R of (n,) float32, R bools."""
-    if hasattr(out, "tokens"):
-        out = out.tokens, out.logprobs, out.done
-    tokens, logprobs, done = out
-    if torch.is_tensor(tokens) and tokens.dim() == 2:
-        raise ValueError(f"the sampler returned tokens as one {tuple(tokens.shape)} tensor: return "
-                         "one 1-D sequence per row (a list of tensors or of lists), or its padding "
-                         "becomes response tokens")
-    if not len(tokens) == len(logprobs) == len(done) == rows:
-        raise ValueError(f"the sampler returned {len(tokens)} token rows, {len(logprobs)} log-prob "
-                         f"rows and {len(done)} done flags for {rows} rows; it must return one of "
-                         "each per row (see the sampler's contract in stalesync.py)")
-    tokens = [torch.as_tensor(t) for t in tokens]
-    for row, t in enumerate(tokens):  # a cast would truncate floats
-        if t.numel() and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
-            raise ValueError(f"row {row}: the sampler returned tokens of dtype {t.dtype}; token "
-                             "ids are integers")
-    tokens = [t.long().reshape(-1) for t in tokens]
-    logprobs = [torch.as_tensor(lp, dtype=torch.float32).reshape(-1) for lp in logprobs]
-    bad = [i for i, (t, lp) in enumerate(zip(tokens, logprobs)) if len(t) != len(lp)]
-    if bad:
-        raise ValueError(f"rows {bad[:8]}: the sampler returned a different number of tokens and "
-                         "log-probs")
-    return tokens, logprobs, [bool(d) for d in done]
-
-
-def _prompt(p):
-    """prompt_fn's prompt as (P,) int64 (a list of ints is fine); anything else is refused."""
-    t = torch.as_tensor(p) if isinstance(p, (list, tuple)) else p
-    if not (torch.is_tensor(t) and t.dim() == 1 and len(t) > 0 and not t.is_floating_point()):
-        raise ValueError(f"prompt_fn() returned {type(p).__name__} {getattr(p, 'shape', '')}: it "
-                         "must return one non-empty prompt, a 1-D integer tensor of token ids (or "
-                         "a list of ints)")
-    return t.long()
-
-
-def _is_int(x):
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)  # numpy integers too
-
-
-def _seed(x):
-    """seed_fn's seed as an int; a float (int() would truncate it: members sharing a seed) or any
-    other non-integer is refused."""
-    whole = torch.is_tensor(x) and x.numel() == 1 and not (x.is_floating_point() or x.is_complex())
-    if not (_is_int(x) or whole and x.dtype != torch.bool):
-        raise TypeError(f"seed_fn() returned {x!r} ({type(x).__name__}): it must return an integer "
-                        "seed (a float would be truncated, and group members could share a seed)")
-    return int(x)
-
-
-# -------------------------------------------------------- dynamic sampling, a batch and its figures
-def _filter(sched, completed):
-    """Dynamic sampling: keep_group (say, not every reward equal) drops some of the groups that
-    just completed, counted (stale/filtered), and their slots reopen for a new prompt. Returns
-    the kept ones."""
-    if sched.keep_group is None:
-        return completed
-    kept = []
-    for g in completed:
-        responses = [torch.tensor(s["tokens"], dtype=torch.long) for s in g["samples"]]
-        if sched.keep_group(g["prompt"], responses):
-            kept.append(g)
-            continue
-        sched.pool = [h for h in sched.pool if h is not g]
-        for s in g["samples"]:
-            sched.fate[s["id"]] = "filtered"
-        sched.filtered += 1
-        sched.reopen.append((g["slot"], g["attempt"] + 1))
-    sched.reopen.sort()
-    _check_filter_limit(sched)
-    return kept
-
-
-def _as_batch(groups, version, metrics, per_token):
-    """The groups' samples as a Batch, each group's contiguous."""
-    pairs = [(g, s) for g in groups for s in g["samples"]]
-    samples = [s for _, s in pairs]
-
-    def as_tensors(key, dtype):  # (B,) of (n_i,)
-        return [torch.tensor(s[key], dtype=dtype) for s in samples]
-    return Batch(version=version, ids=[s["id"] for s in samples],
-                 slots=[g["slot"] for g, _ in pairs], seeds=[s["seed"] for s in samples],
-                 prompts=[g["prompt"] for g, _ in pairs],
-                 responses=as_tensors("tokens", torch.long),
-                 logprobs=as_tensors("logprobs", torch.float32),
-                 token_versions=as_tensors("versions", torch.long),
-                 start_versions=[g["start_version"] for g, _ in pairs],
-                 done=[True] * len(samples), metrics=metrics, per_token=per_token)
-
-
-def _metrics(sched, k, samples, regenerated_at_cut):
-    """The stale/* figures of batch k. An empty share (a shared cut's) reports no dropped
-    groups: the next batch with samples does."""
-    filtered_at_cut = sched.filtered - sched.filtered_reported if samples else 0
-    sched.filtered_reported += filtered_at_cut
-    ages = [k - g["start_version"] for g, _ in samples]                                # (B,)
-    groups = len(samples) // sched.cfg.group_size
-    return {"stale/age_max": max(ages, default=0),
-            "stale/age_mean": sum(ages) / max(len(ages), 1),
-            "stale/regenerated": sched.regenerated,  # so far; at this cut:
-            "stale/regenerated_at_cut": regenerated_at_cut,
-            "stale/filtered": sched.filtered, "stale/filtered_at_cut": filtered_at_cut,
-            # a shared cut: the groups given beyond groups_per_step, for a held-back peer
-            "stale/filled_in_at_cut": max(0, groups - sched.cfg.groups_per_step),
-            "stale/partial_continued": sum(len(set(s["versions"])) > 1 for _, s in samples),
-            "rollout/response_tokens": sum(len(s["tokens"]) for _, s in samples)}
-
-
-# ------------------------------------------------------------------------------- the options' hooks
-def _sampler_hooks(step_fn, reset, idle, state, fields):
-    """StaleSync's reset(), idle(), sampler state and fields: those given, else the sampler's own
-    (step_fn's, or its owner's for a bound method). reset() drops its KV cache (at a round's end,
-    and in update); idle() is a call with no rows (decode); the state goes into state_dict: the
-    sampler itself if it has one, but a model's weights stay out of it."""
-    owner = getattr(step_fn, "__self__", step_fn)  # a bound method's object
-    reset_fn = reset if reset is not None else getattr(owner, "reset", None)
-    idle_fn = idle if idle is not None else getattr(owner, "idle", None)
-    stateful = hasattr(owner, "state_dict") and hasattr(owner, "load_state_dict")
-    plain = stateful and not isinstance(owner, torch.nn.Module)
-    fields = fields if fields is not None else getattr(owner, "fields", None)
-    return reset_fn, idle_fn, state if state is not None else (owner if plain else None), fields
-
-
-def _idle(sched):
-    """decode() with no row in flight: the sampler's idle(), so that a rank of a lock-step engine
-    (expert parallel) joins its peers' call. Returns the tokens made: none."""
-    if sched.idle_fn is not None:
-        sched.idle_fn()
-    return 0
-
-
-def _show_groups(sched, kept):
-    """on_group(batch): each kept group shown once, as it completes, as a Batch of version None
-    (a streaming caller puts its rows into a queue at once)."""
-    for g in kept:
-        sched.on_group(_as_batch([g], None, {}, sched._fields_of([g])))
-
-
-# chunk_s0 (StaleConfig): S = 0 decodes in chunks of chunk_steps too, so that a caller can work
-# between them. A counter-based sampler then makes the same tokens, its log-probs equal up to float
-# rounding.
-#
-# A separated caller drives the scheduler on its generator itself: admit(), decode(), and take()
-# while ready(); update(v) as the weights of version v arrive (v in [version, batches_out]).
-#
-# SharedCut's replica and leader: a replica of several ranks (inference TP) is named by `replica`
-# on each of them, and one of them, the `leader`, speaks for it: the others hold the same pool.
-# Every rank posts its part of both all-gathers (collectives pair); only the leaders' parts count.
-
-
-# -------------------------------------------------------------------------- the checkpoint state
-_COUNTERS = ("version", "batches_out", "slots_opened", "next_id", "regenerated", "filtered",
-             "filtered_reported", "filtered_at_take", "max_admitted_over")
-
-
-def _state_dict(sched):
-    """StaleSync.state_dict: the groups in flight (their samples' lists as tensors), the slots
-    to reopen, the counters (_COUNTERS), the fates, the sampler's state, and the samples' other
-    per-token fields (the `fields` object's). Not prompt_fn's or seed_fn's: a function of (slot,
-    attempt) alone, or of state the caller restores, resumes exactly; one that reads an unsaved
-    stream serves it again."""
-    fields = sched.fields
-    if fields is not None:
-        fields.names([s for g in sched.pool for s in g["samples"]])  # each covers its tokens
-
-    def saved(s):  # a sample, its lists as tensors
-        return dict(s, tokens=torch.tensor(s["tokens"], dtype=torch.long),
-                    logprobs=torch.tensor(s["logprobs"], dtype=torch.float32),
-                    versions=torch.tensor(s["versions"], dtype=torch.long),
-                    per_token=fields.save(s) if fields is not None else {})
-    pool = [dict(g, prompt=g["prompt"].clone(), samples=[saved(s) for s in g["samples"]])
-            for g in sched.pool]
-    sampler = sched.sampler_state.state_dict() if sched.sampler_state is not None else None
-    return dict(cfg=vars(sched.cfg).copy(), **{k: getattr(sched, k) for k in _COUNTERS},
-                reopen=[list(r) for r in sched.reopen], fate=dict(sched.fate), pool=pool,
-                sampler=sampler)
-
-
-def _load_state_dict(sched, sd):
-    """StaleSync.load_state_dict: refuses another config (the brakes aside)."""
-    brakes = ("max_len", "max_filtered")  # they bound a run, not its state: free to change
-    saved, mine = ({k: v for k, v in c.items() if k not in brakes}
-                   for c in (sd["cfg"], vars(sched.cfg)))
-    if saved != mine:
-        raise ValueError(f"checkpoint config {saved} differs from this scheduler's {mine}")
-    fields = sched.fields
-
-    def loaded(s):  # a saved sample, its tensors as lists (older checkpoints: no per_token)
-        out = dict(s, tokens=s["tokens"].tolist(), logprobs=s["logprobs"].tolist(),
-                   versions=s["versions"].tolist())
-        out.pop("per_token", None)
-        if fields is not None:
-            out["per_token"] = fields.load(s)
-        return out
-    pool = [dict(g, prompt=g["prompt"].clone(), samples=[loaded(s) for s in g["samples"]])
-            for g in sd["pool"]]
-    if fields is not None:
-        fields.names([s for g in pool for s in g["samples"]])  # a field some samples lack
-    for key in _COUNTERS:  # older checkpoints have no filtered_at_take
-        fallback = sd["filtered_reported"] if key == "filtered_at_take" else sd[key]
-        setattr(sched, key, sd.get(key, fallback))
-    if sd["sampler"] is not None:  # the held rows' KV cache too, if it saves it: bit-exact
-        sched.sampler_state.load_state_dict(sd["sampler"])
-    elif sched.reset_fn is not None:  # a cache not checkpointed: the prefixes are read again
-        sched.reset_fn()
-    sched.reopen = [tuple(r) for r in sd["reopen"]]
-    sched.fate = dict(sd["fate"])
-    sched.pool = pool
-
-
-def _start_at(sched, version):
-    """StaleSync.start_at: empty, at `version` with as many batches out, on a scheduler that has
-    done nothing yet: a resume that cannot keep the groups in flight (another world size) opens the
-    next slots again, their first attempts."""
-    if sched.batches_out or sched.pool:
-        raise RuntimeError("start_at() on a scheduler that has already emitted or admitted "
-                           "groups")
-    sched.version = sched.batches_out = version
-    sched.slots_opened = version * sched.cfg.groups_per_step

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import grpo
-import stalesync
 from plumbing import checkpoint, timeline
+from plumbing.stalesync_details import FilterLimitError
 
 # time/<key>_s in metrics.jsonl: the seconds a step spent in spans of these names
 PHASES = {"rollout": "rollout", "train": "train", "reference": "reference", "score": "score",
@@ -371,7 +371,7 @@ def run_guarded(run, loop):
 
 def hint(cfg, e):
     """What a brake's error means in train_grpo.py's flags."""
-    if isinstance(e, stalesync.FilterLimitError):
+    if isinstance(e, FilterLimitError):
         return (f" (--filter-groups 1: dynamic sampling; --filter-limit {cfg.filter_limit} groups "
                 "dropped per prompt trained stops the run; --filter-groups 0 turns it off)")
     return ""
