@@ -76,8 +76,8 @@ from plumbing.distqueue_support import (  # what a learner can take on trust, by
     check_spec, check_master_env, check_store, rank_and_world, check_pg,  # checks of the input
     from_python, check_columns, check_cell, check_get, check_same_n, check_sent, check_header,
     refused, lacking, silent, may_send, release, cancel, agree,  # recovery, and a DP group's vote
-    count_sent, traffic, drain_wait, read_in_group, queue_state, load_queue_state,  # the rest
-    unpack_cells)  # the inverse of pack_cells
+    count_sent, traffic, drain_wait, read_in_group,  # metrics, and the options' paths
+    queue_state, load_queue_state, unpack_cells)  # checkpoint state; the inverse of pack_cells
 
 DTYPES = {"int64": torch.int64, "int32": torch.int32, "float32": torch.float32,
           "bfloat16": torch.bfloat16, "float16": torch.float16, "bool": torch.bool}
