@@ -419,6 +419,12 @@ class DistQueue:
                     won[r] = cells
         return won
 
+    @staticmethod
+    def _blocks(rows):
+        """Rows by claim log: (block, "3,7,12") for each block of CLAIM_BLOCK ids holding some."""
+        for block in sorted({r // CLAIM_BLOCK for r in rows}):
+            yield block, ",".join(str(r) for r in sorted(rows) if r // CLAIM_BLOCK == block)
+
     # step 2, share: each rank of a DP group takes its part of the claimed rows
     def _take_plan(self, stage, n, dp_rank, step, root, deadline):
         """dp rank > 0: the rows dp rank 0 claimed, unless the group failed first; checks n."""
@@ -505,12 +511,6 @@ class DistQueue:
     def _ack(self, tags, keep):
         for tag in tags:
             self.store.set(self._k("ack", tag), "kept" if keep else "dropped")
-
-    @staticmethod
-    def _blocks(rows):
-        """Rows by claim log: (block, "3,7,12") for each block of CLAIM_BLOCK ids holding some."""
-        for block in sorted({r // CLAIM_BLOCK for r in rows}):
-            yield block, ",".join(str(r) for r in sorted(rows) if r // CLAIM_BLOCK == block)
 
     # --- observability (the counters: count, count_sent and traffic, in the companion)
     def metrics(self):
