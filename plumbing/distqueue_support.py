@@ -10,7 +10,7 @@ distqueue.py teaches the queue: the packing, the claim protocol on the store, a 
 - recovery from failures: why a wait still waits (`lacking`, `silent`, `refused`), the owner's
   send-or-cancel handshake (`may_send`), claims given back (`release`), pulls cancelled
   (`cancel`), and a DP group's all-or-nothing vote (`agree`, step 4 of a read);
-- metrics: the bytes sent, and what padding would have sent (`count`, `count_sent`, `traffic`);
+- metrics: the bytes sent, and what padding would have sent (`count_sent`, `traffic`);
 - what only the options use: drain's wait (`drain_wait`), the hierarchical read, get(group=)
   (`read_in_group`);
 - checkpoint state: the bodies of DistQueue.state_dict and load_state_dict (`queue_state`,
@@ -278,8 +278,8 @@ def silent(q, stage, o, keys):
 
 
 def may_send(q, tag, keys):
-    """_answer's handshake: write "sent" in state/<tag> (or the missing cells) unless the
-    reader cancelled first; True if the transfer goes. A cancelled tag's key is deleted (the
+    """DistQueue._answer's handshake: write "sent" in state/<tag> (or the missing cells) unless
+    the reader cancelled first; True if the transfer goes. A cancelled tag's key is deleted (the
     reader never reads it)."""
     missing = [k for k in keys if k not in q.cells]
     state = q._k("state", tag)
@@ -339,10 +339,10 @@ def agree(q, stage, step, root, dp_rank, dp_size, error, deadline):
 
 # ------------------------------------------------------------------------------ metrics
 
-COUNTERS = ("bytes_sent", "bytes_padded_equiv", "bytes_bcast")  # count/<name> in the store
+_COUNTERS = ("bytes_sent", "bytes_padded_equiv", "bytes_bcast")  # count/<name> in the store
 
 
-def count(q, name, n):
+def _count(q, name, n):
     """Add n to the queue-wide counter count/<name> in the store."""
     q.store.add(q._k("count", name), int(n))
 
@@ -352,13 +352,13 @@ def count_sent(q, keys, cells, tmax, header, payload):
     "col=length,...") would have sent."""
     longest = {c: int(n) for c, n in (x.split("=") for x in tmax.split(",") if x)}
     padded = sum(longest.get(c, t.numel()) * t.itemsize for (_, c), t in zip(keys, cells))
-    count(q, "bytes_sent", header.nbytes + payload.nbytes)
-    count(q, "bytes_padded_equiv", header.nbytes + padded)
+    _count(q, "bytes_sent", header.nbytes + payload.nbytes)
+    _count(q, "bytes_padded_equiv", header.nbytes + padded)
 
 
 def traffic(q):
     """DistQueue.metrics' body: the queue-wide counters, and the reads of every stage."""
-    out = {f"queue/{c}": int(q.store.add(q._k("count", c), 0)) for c in COUNTERS}
+    out = {f"queue/{c}": int(q.store.add(q._k("count", c), 0)) for c in _COUNTERS}
     out["queue/reads"] = sum(q.reads(s) for s in q.spec.stages)
     return out
 
@@ -417,7 +417,7 @@ def _bcast(q, wire, batch, error, stage, group, leader, deadline):
         lengths, payload = pack_cells(flat)  # (K,), (bytes,)
         ids = torch.tensor(batch.ids).view(B, 1)  # (B, 1)
         header = torch.cat([ids, lengths.view(B, len(cols))], 1)  # (B, 1+C)
-        count(q, "bytes_bcast", header.nbytes + payload.nbytes)
+        _count(q, "bytes_bcast", header.nbytes + payload.nbytes)
     else:
         header = torch.empty(B, 1 + len(cols), dtype=torch.int64)  # (B, 1+C)
     if B:
@@ -443,7 +443,7 @@ def queue_state(q):
     read counters, and, on rank 0, the queue-wide counters of the store."""
     q._wait(lambda: not q.inflight, time.monotonic() + q.spec.timeout_s,
             lambda: f"in state_dict: transfers {sorted(q.inflight)} not acknowledged")
-    keys = [f"count/{c}" for c in COUNTERS] + [f"reads/{s}" for s in q.spec.stages]
+    keys = [f"count/{c}" for c in _COUNTERS] + [f"reads/{s}" for s in q.spec.stages]
     keys.append("tag")
     counters = {}
     if q.rank == 0:
