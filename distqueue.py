@@ -512,7 +512,7 @@ class DistQueue:
         for tag in tags:
             self.store.set(self._k("ack", tag), "kept" if keep else "dropped")
 
-    # --- observability (the counters: count, count_sent and traffic, in the companion)
+    # --- observability (the counters: count_sent and traffic, in the companion)
     def metrics(self):
         """The whole queue's traffic, counted in the store by the ranks that sent it: packed bytes
         sent (headers included), what padding each field to the step's longest cell would have
