@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import distqueue as dq
+from plumbing.distqueue_support import new_token, unpack, unpack_cells, unpad
 from tests.distributed import run_distributed
 
 COLS = {"prompt": "int64", "response": "int64", "logp": "float32", "reward": "float32"}
@@ -47,13 +48,13 @@ def test_pack_unpack_round_trip_matches_padded_reference(dtype):
     flat, lens = dq.pack(seqs)
     assert flat.numel() == sum(lengths) and lens.tolist() == lengths
     padded, plens = dq.pad(seqs)
-    for a, b, c in zip(dq.unpack(flat, lens), dq.unpad(padded, plens), seqs):
+    for a, b, c in zip(unpack(flat, lens), unpad(padded, plens), seqs):
         assert a.dtype == dtype and torch.equal(a, c) and torch.equal(b, c)
     assert flat.numel() < padded.numel()  # packing sends less than padding on uneven lengths
     mixed = seqs + [torch.arange(n) for n in lengths]  # one header, one payload, two dtypes
     header, payload = dq.pack_cells(mixed)
     payload = torch.cat([torch.zeros(3, dtype=torch.uint8), payload])[3:]  # a slice of a larger buffer, offset 3
-    out = dq.unpack_cells(header, payload, [dtype] * len(seqs) + [torch.int64] * len(lengths))
+    out = unpack_cells(header, payload, [dtype] * len(seqs) + [torch.int64] * len(lengths))
     assert all(o.dtype == m.dtype and torch.equal(o, m) for o, m in zip(out, mixed))
     for o in out[::2]:  # cells view the payload or copy it, and never overlap: a consumer writes into one only
         o.fill_(7)
@@ -62,7 +63,7 @@ def test_pack_unpack_round_trip_matches_padded_reference(dtype):
 
 def test_malformed_input_rejected_before_anything_is_published():
     with pytest.raises(ValueError, match=r"lengths \[2, 2\] \(sum 4\).*5 elements"):
-        dq.unpack(torch.arange(5), [2, 2])
+        unpack(torch.arange(5), [2, 2])
     with pytest.raises(ValueError, match="unknown dtypes.*'int7'"):
         dq.QueueSpec(columns={"x": "int7"}, stages={"s": ("x",)})
     with pytest.raises(ValueError, match=r"stage 's'.*unknown \['y'\]"):
@@ -176,7 +177,7 @@ def test_a_get_that_times_out_strands_no_row_and_only_the_last_stage_takes_the_q
     with pytest.raises(ValueError, match=r"stage names \['a\|b', 'x y'\]"):  # they would break the control messages
         dq.QueueSpec(columns={"x": "int64"}, stages={"a|b": ("x",), "x y": ("x",)})
     with pytest.raises(ValueError, match=r"header lengths \[2, 0, 5\]"):  # one more cell than dtypes
-        dq.unpack_cells(torch.tensor([2, 0, 5]), torch.zeros(16, dtype=torch.uint8), [torch.int64] * 2)
+        unpack_cells(torch.tensor([2, 0, 5]), torch.zeros(16, dtype=torch.uint8), [torch.int64] * 2)
 
 
 def test_an_idle_poll_fetches_nothing_old():
@@ -261,9 +262,9 @@ def test_a_read_claims_its_rows_in_a_few_store_round_trips():
         q.put({"x": [torch.arange(3)] * 3})  # rows 80, 81, 82
         other = dq.DistQueue(spec, store)
         other._refresh("a")
-        assert sorted(other._claim_rows("a", [78, 79, 80, 81], other._token())) == [80, 81]
+        assert sorted(other._claim_rows("a", [78, 79, 80, 81], new_token(other))) == [80, 81]
         q._refresh("a")
-        assert sorted(q._claim_rows("a", [81, 82], q._token())) == [82]
+        assert sorted(q._claim_rows("a", [81, 82], new_token(q))) == [82]
     finally:
         dq.CLAIM_BLOCK = saved
 
