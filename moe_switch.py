@@ -100,7 +100,7 @@ from plumbing.moe_switch_details import (Memory, agree_on_switch, check_bucket,
                                          check_found_layers, check_layout, check_naive_group,
                                          check_reshard, check_switch, group_of_ranks, held_bytes,
                                          layout_rank, new_groups, rank_in, spread_over_copies,
-                                         switch_figures)
+                                         swap_layers, switch_figures)
 
 EXPERT_NAMES = ("w_gate", "w_up", "w_down")  # (E, D, H), (E, D, H), (E, H, D) in the dense MoE
 # EP 1 runs every expert on every token while tokens x D x H stays within this (see EPMoE.forward)
@@ -472,7 +472,7 @@ class ExpertParallel:
         check_found_layers(self.model_layers)
         self.names = {n for n, _ in model.named_parameters() if n.split(".")[-2] in EXPERT_NAMES}
         if engine is not None:
-            self.engine_layers = swap_layers(engine, self._empty_like)
+            self.engine_layers = swap_layers(engine, is_dense_moe, self._empty_like)
 
     @torch.no_grad()
     def to_rollout(self):
@@ -530,7 +530,8 @@ class ExpertParallel:
         Also for a frozen copy (the reference): it then runs the policy's own EP forward and
         computes what the policy does, bit for bit (a dense forward rounds differently)."""
         group = self.train_groups[0]
-        layers = swap_layers(module, lambda m: EPMoE.from_dense(m, self.train_layout, group))
+        layers = swap_layers(module, is_dense_moe,
+                             lambda m: EPMoE.from_dense(m, self.train_layout, group))
         for layer in layers:  # the group of a whole-model gather (a checkpoint's, a dense copy's)
             layer.world_group = self.group
         return layers
@@ -552,19 +553,8 @@ class ExpertParallel:
         return ep
 
 
-# ----------------------------------------------------------------- building: a model's MoE layers
+# ----------------------------------------------------------- a model's dense MoE layers, found
 def is_dense_moe(m):
     """A dense MoE layer, by attributes: router, top_k, w_gate, w_up and w_down; not an EPMoE."""
     has_all = all(hasattr(m, a) for a in ("router", "top_k", *EXPERT_NAMES))
     return has_all and not isinstance(m, EPMoE)
-
-
-def swap_layers(module, make):
-    """Replace each dense MoE submodule m of module by make(m): returns the new layers, in order."""
-    layers = []
-    for name, child in list(module.named_modules()):
-        if is_dense_moe(child):
-            parent, _, attr = name.rpartition(".")
-            layers.append(make(child))
-            setattr(module.get_submodule(parent), attr, layers[-1])
-    return layers

@@ -15,7 +15,8 @@ these by name; in order:
   agree_on_switch, digest      every rank of a layout says which switch it makes, in one all_gather
   spread_over_copies           EPLayout.slot_of under a placement: each copy takes its share of rows
   layout_rank, group_of_ranks  a layout over part of the job (ranks=)
-  new_groups, optimizer_groups building: the EP and DP groups; FSDP shards and experts apart
+  new_groups, swap_layers      building: the EP and DP groups; a model's dense MoE layers replaced
+  optimizer_groups             the optimizer's parameters, FSDP shards and the experts apart
   switch_figures               ExpertParallel.stats of a switch
 
 The options' hooks in moe_switch.py: route(..., routing) and EPMoE.routing, a hook (N, k) -> (N, k)
@@ -377,6 +378,18 @@ def new_groups(layout, timeout_s=60.0):
             if rank in ranks:
                 mine[kind] = g
     return tuple(mine)
+
+
+def swap_layers(module, which, make):
+    """Replace each submodule m of module for which which(m) (moe_switch.is_dense_moe: a dense MoE
+    layer) by make(m): returns the new layers, in order."""
+    layers = []
+    for name, child in list(module.named_modules()):
+        if which(child):
+            parent, _, attr = name.rpartition(".")
+            layers.append(make(child))
+            setattr(module.get_submodule(parent), attr, layers[-1])
+    return layers
 
 
 def optimizer_groups(model):
