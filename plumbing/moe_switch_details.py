@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 
-# ------------------------------------------------------------ helpers of the re-shard: rank, memory
+# ------------------------------------------------- helpers of the re-shard: rank, the memory count
 def rank_in(group, layout):
     """This process's rank: in `group` if given, else in the layout's own numbering."""
     if not dist.is_initialized():
@@ -60,6 +60,36 @@ def held_bytes(*dicts):
                 s = t.untyped_storage()
                 seen[s.data_ptr()] = s.nbytes()
     return sum(seen.values())
+
+
+class Memory:
+    """plan_reshard's count of the bytes each rank holds between rounds: what it keeps, the slices
+    it still has to send, and those it received. A round may add to a rank's holding while it
+    stays within max(source, target) + bucket; a source slice is freed after its last send.
+    Some transfer always fits: a rank whose next receive would pass its bound holds more bytes
+    still to send than it has still to receive, and every byte still to send is some rank's
+    receive, so not every rank with receives left can be at its bound."""
+
+    def __init__(self, src, dst, slice_bytes, bucket_bytes, todo):
+        W, per_expert = src.world_size, sum(slice_bytes.values())
+        self.sizes, self.dst = slice_bytes, dst
+        self.sends = Counter((n, e, s) for n, e, s, _ in todo)  # sends left of each source slice
+        have = [set(src.owned(r)) for r in range(W)]
+        need = [set(dst.owned(r)) for r in range(W)]
+        self.held = [len(have[r] & need[r]) * per_expert for r in range(W)]  # kept, then the sent
+        for n, e, s in self.sends:
+            self.held[s] += slice_bytes[n] * (e not in need[s])
+        self.cap = [max(len(have[r]), len(need[r])) * per_expert + bucket_bytes for r in range(W)]
+
+    def fits(self, r, received):
+        return self.held[r] + received <= self.cap[r]
+
+    def done(self, rnd):
+        for n, e, s, r in rnd:
+            self.held[r] += self.sizes[n]
+            self.sends[(n, e, s)] -= 1
+            if not self.sends[(n, e, s)] and e not in self.dst.owned(s):
+                self.held[s] -= self.sizes[n]  # its last send: freed
 
 
 # --------------------------------------------------------------------- checks of the caller's input
@@ -239,6 +269,22 @@ def check_dense_layer(moe):
                          "and compute something else")
 
 
+def check_placement(layout):
+    """EPLayout's checks of a placement: P rows of L expert ids each, increasing (so distinct), and
+    every expert held."""
+    rows, E = layout.placement, layout.n_experts
+    lengths = {len(r) for r in rows}
+    held = {e for r in rows for e in r}
+    bad = (not isinstance(rows, tuple) or not all(isinstance(r, tuple) for r in rows)
+           or len(rows) != layout.ep or len(lengths) != 1 or held != set(range(E))
+           or any(list(r) != sorted(set(r)) for r in rows)
+           or any(not isinstance(e, int) for r in rows for e in r))
+    if bad:
+        raise ValueError(f"placement {rows} must be a tuple of P = {layout.ep} tuples of the same "
+                         f"length, each of int expert ids in increasing order, holding all of "
+                         f"0 .. {E - 1}")
+
+
 # ----------------------------------------------------------------------- the ranks' agreement
 def agree_on_switch(src, dst, group=None, device="cpu"):
     """Every rank of the layout says which switch it makes, (source EP, target EP), in one
@@ -295,52 +341,6 @@ def copies_of(layout, device):
               for e in range(layout.n_experts)]
     return (torch.tensor([c + c[:1] * (P - len(c)) for c in copies], device=device),
             torch.tensor([len(c) for c in copies], device=device))
-
-
-class Memory:
-    """plan_reshard's count of the bytes each rank holds between rounds: what it keeps, the slices
-    it still has to send, and those it received. A round may add to a rank's holding while it
-    stays within max(source, target) + bucket; a source slice is freed after its last send.
-    Some transfer always fits: a rank whose next receive would pass its bound holds more bytes
-    still to send than it has still to receive, and every byte still to send is some rank's
-    receive, so not every rank with receives left can be at its bound."""
-
-    def __init__(self, src, dst, slice_bytes, bucket_bytes, todo):
-        W, per_expert = src.world_size, sum(slice_bytes.values())
-        self.sizes, self.dst = slice_bytes, dst
-        self.sends = Counter((n, e, s) for n, e, s, _ in todo)  # sends left of each source slice
-        have = [set(src.owned(r)) for r in range(W)]
-        need = [set(dst.owned(r)) for r in range(W)]
-        self.held = [len(have[r] & need[r]) * per_expert for r in range(W)]  # kept, then the sent
-        for n, e, s in self.sends:
-            self.held[s] += slice_bytes[n] * (e not in need[s])
-        self.cap = [max(len(have[r]), len(need[r])) * per_expert + bucket_bytes for r in range(W)]
-
-    def fits(self, r, received):
-        return self.held[r] + received <= self.cap[r]
-
-    def done(self, rnd):
-        for n, e, s, r in rnd:
-            self.held[r] += self.sizes[n]
-            self.sends[(n, e, s)] -= 1
-            if not self.sends[(n, e, s)] and e not in self.dst.owned(s):
-                self.held[s] -= self.sizes[n]  # its last send: freed
-
-
-def check_placement(layout):
-    """EPLayout's checks of a placement: P rows of L expert ids each, increasing (so distinct), and
-    every expert held."""
-    rows, E = layout.placement, layout.n_experts
-    lengths = {len(r) for r in rows}
-    held = {e for r in rows for e in r}
-    bad = (not isinstance(rows, tuple) or not all(isinstance(r, tuple) for r in rows)
-           or len(rows) != layout.ep or len(lengths) != 1 or held != set(range(E))
-           or any(list(r) != sorted(set(r)) for r in rows)
-           or any(not isinstance(e, int) for r in rows for e in r))
-    if bad:
-        raise ValueError(f"placement {rows} must be a tuple of P = {layout.ep} tuples of the same "
-                         f"length, each of int expert ids in increasing order, holding all of "
-                         f"0 .. {E - 1}")
 
 
 # -------------------------------------------------------------------- a layout over part of the job
