@@ -43,6 +43,7 @@ from plumbing.config import model_config, parse_args, validate
 from model import Policy, Sampler
 from plumbing import checkpoint, shm_transport
 from plumbing.distributed import host_group, setup_distributed, world_size
+from plumbing.moe_switch_details import optimizer_groups
 from plumbing.run import planned, say_layout, start, warm_up_target
 from plumbing.evaluation import curriculum_figures, eval_figures, held_out_correct, is_eval_step
 from plumbing.runlog import RunLog, all_sum, cut_facts, run_guarded, share_figures, stale_facts
@@ -225,7 +226,7 @@ def warm_up(run, supervised=grpo.supervised_step):
     EP a dense twin warms up and loads into the EP layout: every layout starts RL alike."""
     cfg = run.cfg
     model, clip = warm_up_target(run)
-    optimizer = torch.optim.AdamW(moe_switch.optimizer_groups(model), lr=cfg.warmup_lr,
+    optimizer = torch.optim.AdamW(optimizer_groups(model), lr=cfg.warmup_lr,
                                   betas=(0.9, 0.98), weight_decay=0.0, foreach=True)
     me, n = run.data_index, cfg.warmup_batch // run.data_size  # this rank's slice of each batch
     with run.spans("warmup"):
@@ -343,7 +344,7 @@ def build_policy(run, mesh, split=None):
         run.grad_sync.apply(model)
     run.model = model
     # foreach: each stage of Adam one multi-tensor op over every shard (the same results, bitwise)
-    run.optimizer = torch.optim.AdamW(moe_switch.optimizer_groups(model), lr=cfg.lr,
+    run.optimizer = torch.optim.AdamW(optimizer_groups(model), lr=cfg.lr,
                                       betas=(0.9, 0.98), weight_decay=0.0, foreach=True)
 
 

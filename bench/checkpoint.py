@@ -5,8 +5,8 @@
 
 One process tree: 2 spawned ranks, gloo, 1 thread each. The policy (model.Policy, at least 10M parameters)
 is sharded with FSDP2 as train_grpo.build_policy does (each block, then the root, over both ranks) with AdamW
-over moe_switch.optimizer_groups; one forward/backward/step on random tokens makes the Adam state exist.
-Then, --repeats rounds, each:
+over optimizer_groups (plumbing/moe_switch_details.py); one forward/backward/step on random tokens makes
+the Adam state exist. Then, --repeats rounds, each:
 
   save_s        get_state_dict(model, optimizer) + checkpoint.write(...): DCP shards, each rank's own file,
                 meta.json, the rename; timed on every rank from a barrier, the slowest rank's time
@@ -91,8 +91,8 @@ def build(args, seed):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    import moe_switch
     from plumbing.config import model_config
+    from plumbing.moe_switch_details import optimizer_groups
     from model import Policy
     torch.manual_seed(seed)  # the same initial weights on every rank
     model = Policy(model_config(policy_config(args)))
@@ -100,7 +100,7 @@ def build(args, seed):
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(moe_switch.optimizer_groups(model), lr=LR, betas=BETAS, weight_decay=0.0)
+    opt = torch.optim.AdamW(optimizer_groups(model), lr=LR, betas=BETAS, weight_decay=0.0)
     return model, opt
 
 

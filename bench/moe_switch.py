@@ -93,8 +93,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 import task  # noqa: E402
 from model import ModelConfig, Policy, Sampler  # noqa: E402
 from options.lockstep import LockStep, sampler_class  # noqa: E402
-from moe_switch import (EXPERT_NAMES, EPLayout, EPMoE, new_groups, reshard, reshard_naive, route,  # noqa: E402
-                        shard_experts)
+from moe_switch import EXPERT_NAMES, EPLayout, EPMoE, reshard, reshard_naive, route, shard_experts  # noqa: E402
+from plumbing.moe_switch_details import new_groups  # noqa: E402
 
 MIB = 2 ** 20
 PG_TIMEOUT = datetime.timedelta(seconds=120)  # every process group's: a hung rank fails the run, not the machine

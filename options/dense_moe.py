@@ -15,7 +15,8 @@ Shapes: E experts, D model width, H expert hidden width.
 import torch
 import torch.nn as nn
 
-from moe_switch import EXPERT_NAMES, check_dense, moe_reference
+from moe_switch import EXPERT_NAMES, moe_reference
+from plumbing.moe_switch_details import check_dense
 
 ORIENTATIONS = ("x @ w", "nn.Linear")  # w_gate (E, D, H) used as x @ w; or (E, H, D), x @ w.T
 

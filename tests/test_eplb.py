@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from moe_switch import EPLayout, EPMoE, ExpertParallel, moe_reference, new_groups, reshard, shard_experts
+from moe_switch import EPLayout, EPMoE, ExpertParallel, moe_reference, reshard, shard_experts
 from options import eplb
 from options.dense_moe import DenseMoE
 from plumbing.checkpoint import dense_state_dict
+from plumbing.moe_switch_details import new_groups
 from tests.distributed import run_distributed
 
 E, D, H, K, W = 8, 16, 24, 2, 4

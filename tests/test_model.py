@@ -278,7 +278,8 @@ def _lockstep_rank(rank, world_size):
     its dummy forwards, the buckets of its first prefill, whether a call mixed held and new rows, and greedy
     decoding's tokens against the dense engine's."""
     import torch.distributed as dist
-    from moe_switch import EPLayout, EPMoE, new_groups
+    from moe_switch import EPLayout, EPMoE
+    from plumbing.moe_switch_details import new_groups
     from options.lockstep import LockStep, sampler_class
     model = _model()
     ctxs, seeds = _contexts([3, 58, 6, 5, 2, 4, 3, 2, 5, 20, 4, 4]), list(range(11, 23))

@@ -8,10 +8,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moe_switch import EPLayout, EPMoE, ExpertParallel, moe_reference, new_groups, reshard, reshard_naive, \
-    shard_experts
+from moe_switch import EPLayout, EPMoE, ExpertParallel, moe_reference, reshard, reshard_naive, shard_experts
 from options.dense_moe import DenseMoE
 from plumbing.checkpoint import dense_state_dict
+from plumbing.moe_switch_details import new_groups
 from tests.distributed import run_distributed
 
 E, D, H, K, W = 8, 16, 24, 2, 4

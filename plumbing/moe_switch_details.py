@@ -1,0 +1,414 @@
+# Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (see LICENSE).
+"""moe_switch.py's details, which a learner can take on trust: the checks of the caller's input, the
+ranks' agreement on a switch, the re-shard's memory count, the process groups, a placement's copies,
+a layout over part of the job, the figures of a switch and the optimizer's parameter groups.
+
+Copied together with moe_switch.py, which imports it by name (`from plumbing.moe_switch_details
+import ...`: keep the folder, or change that one line). It imports only torch and the standard
+library, never moe_switch.py: a layout is any EPLayout, an EP layer any EPMoE, and what a check
+needs of moe_switch.py (EXPERT_NAMES, moe_reference) is passed in. The code of moe_switch.py calls
+these by name; in order:
+  rank_in, held_bytes, Memory  this process's rank; the bytes held; plan_reshard's count of what
+                               each rank holds between rounds, in max(source, target) + one bucket
+  check_*                      the checks, each a ValueError before any collective (check_dense is
+                               options/dense_moe.py's too)
+  agree_on_switch, digest      every rank of a layout says which switch it makes, in one all_gather
+  spread_over_copies           EPLayout.slot_of under a placement: each copy takes its share of rows
+  layout_rank, group_of_ranks  a layout over part of the job (ranks=)
+  new_groups, swap_layers      building: the EP and DP groups; a model's dense MoE layers replaced
+  optimizer_groups             the optimizer's parameters, FSDP shards and the experts apart
+  switch_figures               ExpertParallel.stats of a switch
+
+The options' hooks in moe_switch.py: route(..., routing) and EPMoE.routing, a hook (N, k) -> (N, k)
+on the experts chosen that records or replaces them (options/routing_replay.py); the gates are then
+the router's probabilities of the experts it returns, renormalised. Load balancing
+(options/eplb.py): EPLayout's placement puts any experts on any row, an expert on several rows
+holding copies, and each copy takes its share of the expert's rows (slot_of). A placement with
+copies is for inference: no grad sums over the copies. EPMoE.load, a (P * L,) tensor, sums the rows
+each slot is sent (none on the EP 1 path that runs every expert). ExpertParallel.balancer, an object
+passed in: place(ep) gives each layer's rollout layout at the switch to rollout, and
+rollout_done(ep) reads the rollout's loads at the end of the switch back. A placement need not nest
+with the training layout: the switch then holds up to max(source, target) + one bucket
+(plan_reshard's memory bound), not target + one bucket. ranks= (EPLayout, ExpertParallel), group=
+(reshard) and world_group= (EPMoE.switch): a layout over part of the job, switched over the group of
+its ranks.
+"""
+import datetime
+import functools
+import time
+import zlib
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+
+# ------------------------------------------------- helpers of the re-shard: rank, the memory count
+def rank_in(group, layout):
+    """This process's rank: in `group` if given, else in the layout's own numbering."""
+    if not dist.is_initialized():
+        return 0
+    return dist.get_rank(group) if group is not None else layout.local_rank(dist.get_rank())
+
+
+def held_bytes(*dicts):
+    """Bytes of the distinct storages behind the tensors of the given name -> {e: tensor} dicts."""
+    seen = {}
+    for d in dicts:
+        for slices in d.values():
+            for t in slices.values():
+                s = t.untyped_storage()
+                seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+class Memory:
+    """plan_reshard's count of the bytes each rank holds between rounds: what it keeps, the slices
+    it still has to send, and those it received. A round may add to a rank's holding while it
+    stays within max(source, target) + bucket; a source slice is freed after its last send.
+    Some transfer always fits: a rank whose next receive would pass its bound holds more bytes
+    still to send than it has still to receive, and every byte still to send is some rank's
+    receive, so not every rank with receives left can be at its bound."""
+
+    def __init__(self, src, dst, slice_bytes, bucket_bytes, todo):
+        W, per_expert = src.world_size, sum(slice_bytes.values())
+        self.sizes, self.dst = slice_bytes, dst
+        self.sends = Counter((n, e, s) for n, e, s, _ in todo)  # sends left of each source slice
+        have = [set(src.owned(r)) for r in range(W)]
+        need = [set(dst.owned(r)) for r in range(W)]
+        self.held = [len(have[r] & need[r]) * per_expert for r in range(W)]  # kept, then the sent
+        for n, e, s in self.sends:
+            self.held[s] += slice_bytes[n] * (e not in need[s])
+        self.cap = [max(len(have[r]), len(need[r])) * per_expert + bucket_bytes for r in range(W)]
+
+    def fits(self, r, received):
+        return self.held[r] + received <= self.cap[r]
+
+    def done(self, rnd):
+        for n, e, s, r in rnd:
+            self.held[r] += self.sizes[n]
+            self.sends[(n, e, s)] -= 1
+            if not self.sends[(n, e, s)] and e not in self.dst.owned(s):
+                self.held[s] -= self.sizes[n]  # its last send: freed
+
+
+# --------------------------------------------------------------------- checks of the caller's input
+def check_layout(layout):
+    """EPLayout's checks: P divides the experts and the world; the ranks are distinct, sorted."""
+    sizes = (("n_experts", layout.n_experts), ("world size", layout.world_size))
+    bad = [f"{name} {n}" for name, n in sizes if layout.ep < 1 or n % layout.ep]
+    if bad:
+        raise ValueError(f"EP degree {layout.ep} does not divide {' or '.join(bad)}; it must "
+                         f"divide both n_experts {layout.n_experts} and world size "
+                         f"{layout.world_size}")
+    ranks = layout.ranks
+    if ranks is not None and (len(ranks) != layout.world_size or min(ranks) < 0
+                              or list(ranks) != sorted(set(ranks))):
+        raise ValueError(f"ranks {ranks} must be {layout.world_size} distinct global ranks in "
+                         "increasing order (torch.distributed.new_group orders a group's "
+                         "ranks so)")
+    if layout.placement is not None:
+        check_placement(layout)
+
+
+def check_fits_the_job(layout):
+    """new_groups' check: the layout fits the process group; with none, it is a world of one."""
+    if not dist.is_initialized():
+        if layout.world_size != 1:
+            raise ValueError(f"layout has world size {layout.world_size} but no process group is "
+                             "initialised")
+        return
+    spans = list(range(layout.world_size)) if layout.ranks is None else list(layout.ranks)
+    world = dist.get_world_size()
+    if max(spans) >= world or (layout.ranks is None and world != layout.world_size):
+        raise ValueError(f"layout world size {layout.world_size} (ranks {spans}) does not fit the "
+                         f"process group of {world} ranks; pass ranks= to span part of it")
+
+
+def check_reshard(experts, src, dst, rank, group):
+    """Refuse layouts, a group or experts that do not fit together, before any collective."""
+    if (src.world_size, src.n_experts, src.ranks) != (dst.world_size, dst.n_experts, dst.ranks):
+        raise ValueError(f"layouts differ in world size ({src.world_size} vs {dst.world_size}), "
+                         f"n_experts ({src.n_experts} vs {dst.n_experts}) or ranks ({src.ranks} "
+                         f"vs {dst.ranks})")
+    if dist.is_initialized():
+        size = dist.get_world_size(group)  # group None: the whole job
+        if group is not None and size != src.world_size:
+            raise ValueError(f"layout world size {src.world_size} != group size {size}")
+        if group is None and src.ranks is None and size != src.world_size:
+            raise ValueError(f"layout world size {src.world_size} != process group size {size}; "
+                             "a layout over part of the job names its ranks (EPLayout(..., "
+                             "ranks=...))")
+    for n, s in experts.items():
+        if sorted(s) != list(src.owned(rank)):
+            raise ValueError(f"rank {rank} holds experts {sorted(s)} of {n}, layout says "
+                             f"{list(src.owned(rank))}")
+
+
+def check_naive_group(src, group):
+    """reshard_naive's check: a layout over part of the job all-reduces over its ranks' group."""
+    if src.ranks is not None and group is None:
+        raise ValueError(f"a layout over ranks {list(src.ranks)} needs the group of those ranks "
+                         "(the naive switch all-reduces over it)")
+
+
+def check_bucket(slice_bytes, bucket_bytes):
+    """plan_reshard's check: a bucket holds at least the biggest expert slice."""
+    biggest = max(slice_bytes.values())
+    if biggest > bucket_bytes:
+        raise ValueError(f"bucket_bytes {bucket_bytes} is smaller than one expert slice "
+                         f"({biggest} bytes)")
+
+
+def check_ep_group(layout, group, rank):
+    """The group of an EP layer's all-to-alls must be this rank's EP group of the layout: another
+    group of the same size (the DP group, say) would route rows to the wrong experts, silently."""
+    if layout.ep == 1:  # no all-to-all
+        return
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    have = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    want = [layout.global_rank(r) for r in layout.ep_group_ranks(rank)]
+    if have != want:
+        raise ValueError(f"EP group ranks {have} are not rank {layout.global_rank(rank)}'s EP "
+                         f"group {want} under {layout}; pass the first group new_groups(layout) "
+                         "returns")
+
+
+def check_switch(layer, taken, layout, group, bucket_bytes, world_group):
+    """EPMoE.switch's local checks, a ValueError with nothing moved: the target's EP group, no
+    grads, the group of a layout over part of the job, the experts held (taken), the bucket."""
+    check_ep_group(layout, group, layer.rank)
+    own = layer.layout.owned(layer.rank)
+    if any(getattr(layer, n)[e].grad is not None for n in taken for e in own):
+        raise ValueError("expert grads are set: set them to None before a switch (zero_grad())")
+    if world_group is None and layer.layout.ranks is not None and dist.is_initialized():
+        raise ValueError(f"a layout over ranks {list(layer.layout.ranks)} needs world_group, "
+                         "the group of those ranks: the switch's agreement collective runs "
+                         "over it")
+    check_reshard(taken, layer.layout, layout, rank_in(world_group, layer.layout), world_group)
+    slice_bytes = {n: s[own[0]].nbytes for n, s in taken.items()}
+    check_bucket(slice_bytes, bucket_bytes)  # plan_reshard's check: a bucket too small raises
+
+
+def check_found_layers(layers):
+    """ExpertParallel.apply's check: the model has a dense MoE layer to make expert-parallel."""
+    if not layers:
+        raise ValueError("the model has no dense MoE layer (a module with router, top_k, "
+                         "w_gate, w_up and w_down; see moe_switch.py's 'Using this file "
+                         "elsewhere') to make expert-parallel")
+
+
+def check_dense(router_weight, w_gate, w_up, w_down, top_k):
+    """Refuse a dense MoE not in moe_switch.py's layout, naming the shapes it needs."""
+    E, D, H = w_gate.shape if w_gate.dim() == 3 else (0, 0, 0)
+    want = {"router.weight": (E, D), "w_gate": (E, D, H), "w_up": (E, D, H), "w_down": (E, H, D)}
+    got = {"router.weight": router_weight, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+    bad = {n: tuple(t.shape) for n, t in got.items() if tuple(t.shape) != want[n]}
+    if bad and w_gate.dim() == 3 and fits_transposed(router_weight, w_gate, w_up, w_down):
+        raise ValueError(f"the expert stacks are in nn.Linear orientation (E, out, in): w_gate "
+                         f"{tuple(w_gate.shape)}, w_down {tuple(w_down.shape)} for router.weight "
+                         f"{tuple(router_weight.shape)}; pass orientation='nn.Linear' to "
+                         "DenseMoE (options/dense_moe.py), which transposes them")
+    if bad or E == 0 or not 1 <= top_k <= E:
+        raise ValueError(f"a dense MoE needs, in x @ w orientation, router.weight (E, D), w_gate "
+                         f"and w_up (E, D, H), w_down (E, H, D) and 1 <= top_k <= E (E, D, H = "
+                         f"{E}, {D}, {H} from w_gate); got shapes {bad or None}, top_k {top_k} "
+                         "(per-expert nn.Linear layers: DenseMoE.from_linear in "
+                         "options/dense_moe.py; stacks of nn.Linear weights: DenseMoE(..., "
+                         "orientation='nn.Linear'))")
+
+
+def fits_transposed(router_weight, w_gate, w_up, w_down):
+    """Whether the stacks, each transposed, are in moe_switch.py's layout: stacks of nn.Linear
+    weights given as x @ w (a square stack fits both ways, and is not caught here)."""
+    E, H, D = w_gate.shape
+    want = {"router": (E, D), "w_gate": (E, H, D), "w_up": (E, H, D), "w_down": (E, D, H)}
+    got = {"router": router_weight, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+    return all(tuple(got[n].shape) == shape for n, shape in want.items())
+
+
+@torch.no_grad()
+def check_computes_alike(moe, names, reference, tokens=4):
+    """A layer found by its attributes, with a forward of its own, must compute what moe_switch.py's
+    MoE computes from them (`reference`: its moe_reference; `names`: its EXPERT_NAMES): a probe of
+    a few tokens through both. It catches what shapes cannot: a square stack (H == D) in nn.Linear
+    orientation, another gate rule, another activation. Skipped where the forward does not take
+    (1, T, D) to (1, T, D) (or a tuple that starts with it), and where the weights are not
+    materialised."""
+    D = moe.w_gate.shape[1]
+    experts = {n: getattr(moe, n) for n in names}
+    if any(w.is_meta for w in [moe.router.weight, *experts.values()]):
+        return
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, tokens, D, generator=gen)                                     # (1, T, D)
+    x = x.to(moe.w_gate.device, moe.w_gate.dtype)
+    try:
+        theirs = moe(x)
+    except Exception:  # noqa: BLE001 - a forward of another signature: nothing to compare
+        return
+    theirs = theirs[0] if isinstance(theirs, (tuple, list)) else theirs
+    if not torch.is_tensor(theirs) or theirs.shape != x.shape:
+        return
+    ours = reference(x[0], moe.router.weight, experts, moe.top_k)                    # (T, D)
+    scale = theirs.abs().max().item() + 1e-6
+    if not torch.allclose(ours.float(), theirs[0].float(), rtol=1e-2, atol=1e-2 * scale):
+        gap = (ours.float() - theirs[0].float()).abs().max().item()
+        raise ValueError(f"{type(moe).__name__}'s own forward and this file's MoE of its weights "
+                         f"differ by up to {gap:.3g} (outputs up to {scale:.3g}) on a probe of "
+                         f"{tokens} tokens: this file computes softmax top-{moe.top_k} gates "
+                         "renormalised, SwiGLU experts, stacks in x @ w orientation (w_gate (E, D, "
+                         "H)); stacks of nn.Linear weights (E, out, in) need DenseMoE(..., "
+                         "orientation='nn.Linear') (options/dense_moe.py)")
+
+
+def check_dense_layer(moe):
+    """EPMoE.from_dense's check: the shapes and top_k of check_dense, and a router with no bias."""
+    check_dense(moe.router.weight, moe.w_gate, moe.w_up, moe.w_down, moe.top_k)
+    if getattr(moe.router, "bias", None) is not None:
+        raise ValueError("router has a bias; this file's MoE has no biases: it would drop it "
+                         "and compute something else")
+
+
+def check_placement(layout):
+    """EPLayout's checks of a placement: P rows of L expert ids each, increasing (so distinct), and
+    every expert held."""
+    rows, E = layout.placement, layout.n_experts
+    lengths = {len(r) for r in rows}
+    held = {e for r in rows for e in r}
+    bad = (not isinstance(rows, tuple) or not all(isinstance(r, tuple) for r in rows)
+           or len(rows) != layout.ep or len(lengths) != 1 or held != set(range(E))
+           or any(list(r) != sorted(set(r)) for r in rows)
+           or any(not isinstance(e, int) for r in rows for e in r))
+    if bad:
+        raise ValueError(f"placement {rows} must be a tuple of P = {layout.ep} tuples of the same "
+                         f"length, each of int expert ids in increasing order, holding all of "
+                         f"0 .. {E - 1}")
+
+
+# ----------------------------------------------------------------------- the ranks' agreement
+def agree_on_switch(src, dst, group=None, device="cpu"):
+    """Every rank of the layout says which switch it makes, (source EP, target EP), in one
+    all_gather over `group` (the layout's ranks; None: the default group). Ranks that disagree all
+    raise, naming every rank's. A rank that never calls makes the others raise at the timeout,
+    not return alone: on nesting layouts a rank may move no bytes."""
+    if not dist.is_initialized() or src.world_size == 1:
+        return
+    mine = torch.tensor([src.ep, dst.ep, digest(src), digest(dst)], device=device)  # (4,)
+    every = [torch.empty_like(mine) for _ in range(src.world_size)]     # W x (4,)
+    ranks = [src.global_rank(r) for r in range(src.world_size)]
+    try:
+        dist.all_gather(every, mine, group=group)
+    except RuntimeError as err:  # gloo and nccl report a timeout as a RuntimeError
+        raise RuntimeError(f"EP switch {src.ep} -> {dst.ep}: the ranks' agreement collective "
+                           f"failed; every rank of the layout (ranks {ranks}) must call switch() "
+                           f"together, with the same target layout ({err})") from err
+    asked = [tuple(t.tolist()) for t in every]  # .tolist(): a device-to-host sync, once per layer
+    if len(set(asked)) > 1:  # a placement is named by its digest (0: the blocks)
+        placed = [f" (placements {c} -> {d})" if c or d else "" for _, _, c, d in asked]
+        said = ", ".join(f"rank {g}: EP {a} -> {b}{p}"
+                         for g, (a, b, _, _), p in zip(ranks, asked, placed))
+        raise ValueError(f"the ranks of the layout disagree on the switch ({said}); every rank of "
+                         "the layout must call switch() together, with the same target layout")
+
+
+def digest(layout):
+    """A placement's digest, the same in every process (0: the blocks)."""
+    return 0 if layout.placement is None else zlib.crc32(repr(layout.placement).encode()) + 1
+
+
+# ----------------------------------------------------------- a placement: experts anywhere, copies
+def spread_over_copies(layout, experts, rank):
+    """EPLayout.slot_of under a placement: the i-th token row (in order) of an expert with c copies
+    goes to copy (i + rank) mod c: each copy gets its share of the expert's rows, to within one on
+    each rank, and the ranks start at different copies."""
+    E = layout.n_experts
+    table, n_copies = copies_of(layout, experts.device)                    # (E, P), (E,)
+    if len(layout.placement[0]) * layout.ep == E:  # no copies: each expert's one slot
+        return table[experts, 0]
+    order = experts.argsort(stable=True)                                   # (n,) by expert
+    counts = torch.bincount(experts, minlength=E)                          # (E,)
+    first = counts.cumsum(0) - counts                                      # (E,) of each expert
+    nth = torch.empty_like(experts)                                        # (n,) i: row's rank
+    nth[order] = torch.arange(len(experts), device=experts.device) - first[experts[order]]
+    return table[experts, (nth + rank) % n_copies[experts]]
+
+
+@functools.lru_cache(maxsize=256)
+def copies_of(layout, device):
+    """A placement's slots of each expert, (E, P) padded with its first, and their counts (E,)."""
+    L, P = layout.slots, layout.ep
+    copies = [[p * L + j for p in range(P) for j, x in enumerate(layout.placement[p]) if x == e]
+              for e in range(layout.n_experts)]
+    return (torch.tensor([c + c[:1] * (P - len(c)) for c in copies], device=device),
+            torch.tensor([len(c) for c in copies], device=device))
+
+
+# -------------------------------------------------------------------- a layout over part of the job
+def layout_rank(layout, global_rank):
+    """EPLayout.local_rank: this process's rank in the layout; ValueError if the layout does not
+    span it."""
+    if layout.ranks is None:
+        return global_rank
+    if global_rank not in layout.ranks:
+        raise ValueError(f"rank {global_rank} is not one of the layout's ranks "
+                         f"{list(layout.ranks)}")
+    return layout.ranks.index(global_rank)
+
+
+def group_of_ranks(ranks, timeout_s):
+    """ExpertParallel's group of a layout over part of the job: new_group of its ranks, collective
+    over the job. None for a layout over the whole job, or with no process group."""
+    if ranks is None or not dist.is_initialized():
+        return None
+    return dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s))
+
+
+# ---------------------------------------------------------- building: groups, optimizer, figures
+def new_groups(layout, timeout_s=60.0):
+    """(EP group, DP group) of this rank, None for a rank outside the layout. Every rank of the job
+    calls it, in the same order: new_group is collective."""
+    check_fits_the_job(layout)
+    if not dist.is_initialized():  # a world of one
+        return None, None
+    rank, timeout, mine = dist.get_rank(), datetime.timedelta(seconds=timeout_s), [None, None]
+    for kind, ranks_of in enumerate((layout.ep_group_ranks, layout.dp_group_ranks)):
+        for local in sorted({tuple(ranks_of(r)) for r in range(layout.world_size)}):
+            ranks = [layout.global_rank(r) for r in local]
+            g = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                mine[kind] = g
+    return tuple(mine)
+
+
+def swap_layers(module, which, make):
+    """Replace each submodule m of module for which which(m) (moe_switch.is_dense_moe: a dense MoE
+    layer) by make(m): returns the new layers, in order."""
+    layers = []
+    for name, child in list(module.named_modules()):
+        if which(child):
+            parent, _, attr = name.rpartition(".")
+            layers.append(make(child))
+            setattr(module.get_submodule(parent), attr, layers[-1])
+    return layers
+
+
+def optimizer_groups(model):
+    """The parameters in two groups, FSDP2 shards (DTensors) and plain tensors (the EP experts):
+    a multi-tensor (foreach) optimizer step, CUDA's default, refuses to mix the two kinds."""
+    from torch.distributed.tensor import DTensor
+    params = list(model.parameters())
+    shards = [p for p in params if isinstance(p, DTensor)]
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    return [{"params": g} for g in (shards, plain) if g]
+
+
+def switch_figures(key, t0, moved):
+    """ExpertParallel's figures of a switch (key: to_rollout or to_train) begun at t0, from each
+    layer's reshard stats (moved): the stats it records."""
+    return {
+        f"time/ep_{key}_s": time.perf_counter() - t0,
+        f"ep/{key}_bytes_moved": sum(s["bytes_moved"] for s in moved),
+        f"ep/{key}_bytes_min": sum(s["bytes_min"] for s in moved),
+        f"ep/{key}_peak_extra_bytes": max(s["peak_extra_bytes"] for s in moved),
+        f"ep/{key}_layer_peak_switch_bytes": max(s["peak_switch_bytes"] for s in moved),
+        f"ep/{key}_layer_target_bytes": max(s["to_bytes"] for s in moved)}  # a layer at a time
