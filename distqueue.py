@@ -32,7 +32,7 @@ Departures from the source system (Huawei's RL post-training on CloudMatrix 384)
 2. No separate queue servers: an owner serves its own cells inside any queue call or `drain()`.
 3. The padded equivalent (metrics) pads each field to the longest cell of the step's global batch.
 4. Ids are deterministic (local_count * world + rank), so a resumed run sees the same rows in order.
-This file: the default path. Its companion plumbing/distqueue_support.py: log formats, checks,
+This file: the default path. Its companion plumbing/distqueue_details.py: log formats, checks,
 recovery and the vote, metrics, the options' paths (drain, get(group=)), checkpoint state.
 Run: python -m pytest tests/test_distqueue.py ; python bench/distqueue.py --lengths lognormal:5,1.2
 Shapes: B rows, C fields of a stage, K cells (row x field) in one transfer, N elements, T longest.
@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from plumbing.distqueue_support import (  # what a learner can take on trust, by role:
+from plumbing.distqueue_details import (  # what a learner can take on trust, by role:
     ready_entries, parse_entries, cells_of, new_token, holders,  # the store logs' formats
     check_spec, check_master_env, check_store, rank_and_world, check_pg,  # checks of the input
     from_python, check_columns, check_cell, check_get, check_same_n, check_sent, check_header,

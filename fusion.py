@@ -17,7 +17,7 @@ bytes move through plumbing/shm_transport.py's SharedMemory on one CPU host, els
 (gloo; nccl on GPUs, untested past one rank). This file is that path, and the other paths' hooks
 (FusedActor.path names the one taken): any TP degree (inplace=False: engine.load_weights), other
 training layouts (meta: pipeline stages, HSDP; options/owners.py), the shards offloaded too
-(options/offload_params.py). The companion, plumbing/fusion_helpers.py, holds what a learner can
+(options/offload_params.py). The companion, plumbing/fusion_details.py, holds what a learner can
 take on trust: the input checks, the guards, the recovery, the counts, the load_weights helpers.
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
@@ -32,7 +32,7 @@ A call that would read a freed storage, and crash, raises instead, naming the ph
 Run: python -m pytest tests/test_fusion.py   (W 1, 2 x TP 1, 2; W 4: -m slow; PP, HSDP: test_owners)
 
 Using this file elsewhere: torch >= 2.6, gloo or nccl; copy fusion.py together with its companion
-plumbing/fusion_helpers.py (keep the folder, or change the one import line). The default path on 2
+plumbing/fusion_details.py (keep the folder, or change the one import line). The default path on 2
 gloo processes (tests/test_copy_alone.py runs it in a folder holding only the two):
 
     import datetime, os, socket
@@ -79,7 +79,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from plumbing.fusion_helpers import (agreeing, bucket_views, check_fits, check_inplace,
+from plumbing.fusion_details import (agreeing, bucket_views, check_fits, check_inplace,
                                      check_model, check_not_shared, check_owners, expect_phase,
                                      guard_hooks, hold_grads, load_bucket, memory_figures,
                                      synchronize, timed, undo_rollout, unloaded)

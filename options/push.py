@@ -26,7 +26,7 @@ from fusion import Broadcasts, plan_buckets, reshard_all, weight_meta
 from model import Policy
 from plumbing import checkpoint
 from plumbing.config import model_config
-from plumbing.fusion_helpers import bucket_views
+from plumbing.fusion_details import bucket_views
 
 
 @torch.no_grad()

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import distqueue as dq
-from plumbing.distqueue_support import new_token, unpack, unpack_cells, unpad
+from plumbing.distqueue_details import new_token, unpack, unpack_cells, unpad
 from tests.distributed import run_distributed
 
 COLS = {"prompt": "int64", "response": "int64", "logp": "float32", "reward": "float32"}

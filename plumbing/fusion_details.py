@@ -1,5 +1,5 @@
 # Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (see LICENSE).
-"""Helpers of fusion.py a learner can take on trust: guards, recovery, counts, load_weights pieces.
+"""fusion.py's details, which a learner can take on trust: guards, recovery, counts, load_weights.
 
 fusion.py teaches the switch; this file holds what it calls by name. Copy the two together (this
 one at plumbing/ beside fusion.py, or change fusion.py's one import line); it imports torch and the

@@ -1,5 +1,5 @@
 # Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (see LICENSE).
-"""DistQueue's support: what a learner of distqueue.py can take on trust, as plain functions.
+"""DistQueue's details: what a learner of distqueue.py can take on trust, as plain functions.
 
 distqueue.py teaches the queue: the packing, the claim protocol on the store, a read's four steps
 (claim, share, fetch, agree), put and serve. This file holds the rest, which that code calls:
@@ -21,7 +21,7 @@ A function that needs the queue's store or state takes the queue itself, `q`, fi
 used as its methods use self); the others take only the values they need. A name with a leading
 underscore is used only in this file. This file imports only torch and the standard library,
 never distqueue.py: what it needs of that file (DTYPES, pack_cells, Rows) is passed in. It is
-copied together with distqueue.py, as plumbing/distqueue_support.py beside it (keep the folder,
+copied together with distqueue.py, as plumbing/distqueue_details.py beside it (keep the folder,
 or change distqueue.py's one import line).
 """
 import os
