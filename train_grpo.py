@@ -43,8 +43,7 @@ from plumbing.config import model_config, parse_args, validate
 from model import Policy, Sampler
 from plumbing import checkpoint, shm_transport
 from plumbing.distributed import host_group, setup_distributed, world_size
-from plumbing.moe_switch_details import optimizer_groups
-from plumbing.run import planned, say_layout, start, warm_up_target
+from plumbing.run import optimizer_groups, planned, say_layout, start, warm_up_target
 from plumbing.evaluation import curriculum_figures, eval_figures, held_out_correct, is_eval_step
 from plumbing.runlog import RunLog, all_sum, cut_facts, run_guarded, share_figures, stale_facts
 

@@ -5,7 +5,7 @@
 
 One process tree: 2 spawned ranks, gloo, 1 thread each. The policy (model.Policy, at least 10M parameters)
 is sharded with FSDP2 as train_grpo.build_policy does (each block, then the root, over both ranks) with AdamW
-over optimizer_groups (plumbing/moe_switch_details.py); one forward/backward/step on random tokens makes
+over optimizer_groups (plumbing/run.py); one forward/backward/step on random tokens makes
 the Adam state exist. Then, --repeats rounds, each:
 
   save_s        get_state_dict(model, optimizer) + checkpoint.write(...): DCP shards, each rank's own file,
@@ -92,7 +92,7 @@ def build(args, seed):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from plumbing.config import model_config
-    from plumbing.moe_switch_details import optimizer_groups
+    from plumbing.run import optimizer_groups
     from model import Policy
     torch.manual_seed(seed)  # the same initial weights on every rank
     model = Policy(model_config(policy_config(args)))

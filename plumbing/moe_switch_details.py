@@ -1,7 +1,7 @@
 # Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (see LICENSE).
 """moe_switch.py's details, which a learner can take on trust: the checks of the caller's input, the
 ranks' agreement on a switch, the re-shard's memory count, the process groups, a placement's copies,
-a layout over part of the job, the figures of a switch and the optimizer's parameter groups.
+a layout over part of the job and the figures of a switch.
 
 Copied together with moe_switch.py, which imports it by name (`from plumbing.moe_switch_details
 import ...`: keep the folder, or change that one line). It imports only torch and the standard
@@ -16,7 +16,6 @@ these by name; in order:
   spread_over_copies           EPLayout.slot_of under a placement: each copy takes its share of rows
   layout_rank, group_of_ranks  a layout over part of the job (ranks=)
   new_groups, swap_layers      building: the EP and DP groups; a model's dense MoE layers replaced
-  optimizer_groups             the optimizer's parameters, FSDP shards and the experts apart
   switch_figures               ExpertParallel.stats of a switch
 
 The options' hooks in moe_switch.py: route(..., routing) and EPMoE.routing, a hook (N, k) -> (N, k)
@@ -363,7 +362,7 @@ def group_of_ranks(ranks, timeout_s):
     return dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s))
 
 
-# ---------------------------------------------------------- building: groups, optimizer, figures
+# ------------------------------------------------------------------------ building: groups, figures
 def new_groups(layout, timeout_s=60.0):
     """(EP group, DP group) of this rank, None for a rank outside the layout. Every rank of the job
     calls it, in the same order: new_group is collective."""
@@ -390,16 +389,6 @@ def swap_layers(module, which, make):
             layers.append(make(child))
             setattr(module.get_submodule(parent), attr, layers[-1])
     return layers
-
-
-def optimizer_groups(model):
-    """The parameters in two groups, FSDP2 shards (DTensors) and plain tensors (the EP experts):
-    a multi-tensor (foreach) optimizer step, CUDA's default, refuses to mix the two kinds."""
-    from torch.distributed.tensor import DTensor
-    params = list(model.parameters())
-    shards = [p for p in params if isinstance(p, DTensor)]
-    plain = [p for p in params if not isinstance(p, DTensor)]
-    return [{"params": g} for g in (shards, plain) if g]
 
 
 def switch_figures(key, t0, moved):

@@ -143,3 +143,13 @@ def warm_up_target(run):
         mesh = torch.distributed.device_mesh.DeviceMesh.from_group(run.train_group, run.device.type)
     fully_shard(twin, mesh=mesh, reshard_after_forward=False)
     return twin, None
+
+
+def optimizer_groups(model):
+    """The parameters in two groups, FSDP2 shards (DTensors) and plain tensors (the EP experts):
+    a multi-tensor (foreach) optimizer step, CUDA's default, refuses to mix the two kinds."""
+    from torch.distributed.tensor import DTensor
+    params = list(model.parameters())
+    shards = [p for p in params if isinstance(p, DTensor)]
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    return [{"params": g} for g in (shards, plain) if g]
