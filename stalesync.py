@@ -65,10 +65,10 @@ import torch
 import torch.distributed as dist
 
 from plumbing.stalesync_details import (
-    _accounting, _as_batch, _check_budget, _check_config, _check_not_stuck, _check_progress,
-    _check_replicas_not_stuck, _check_rollout, _check_take, _check_update, _fields_of, _filter,
-    _idle, _load_state_dict, _metrics, _prompt, _sampler_hooks, _seed, _show_groups, _start_at,
-    _state_dict, _unpack)
+    accounting_of, as_batch, as_prompt, as_seed, batch_metrics, call_idle, check_budget,
+    check_config, check_not_stuck, check_progress, check_replicas_not_stuck, check_rollout,
+    check_take, check_update, fields_of, filter_groups, load_scheduler_state, sampler_hooks,
+    scheduler_state, show_groups, start_scheduler_at, unpack_sampled)
 
 
 # ---------------------------------------------------------------------------------- the naive round
@@ -77,7 +77,7 @@ def sync_rollout(step_fn, prompts, group_size, seeds):
     prompts: list of (P_i,); seeds (B,), B = len(prompts) * G. Returns tokens, logprobs, done."""
     contexts = [p for p in prompts for _ in range(group_size)]
     n_done = torch.zeros(len(contexts), dtype=torch.long)                             # (B,)
-    return _unpack(step_fn(contexts, seeds, n_done, None), len(contexts))
+    return unpack_sampled(step_fn(contexts, seeds, n_done, None), len(contexts))
 
 
 # -------------------------------------------------------------------------------------- the sampler
@@ -93,8 +93,8 @@ def sync_rollout(step_fn, prompts, group_size, seeds):
 #   done       R bools, True once a row has ended
 # Every call makes a token or ends each row, and every row ends by StaleConfig.max_len tokens.
 # A cached sampler keeps its KV cache between chunks; StaleSync calls its reset() when it is stale.
-# _unpack (in the companion) checks what it returns. Other per-token outputs of the sampler (routing
-# replay's experts) ride with their samples through a `fields` object: see StaleSync.
+# unpack_sampled (in the companion) checks what it returns. Other per-token outputs of the sampler
+# (routing replay's experts) ride with their samples through a `fields` object: see StaleSync.
 
 
 # ------------------------------------------------------------------------------------ the scheduler
@@ -113,7 +113,7 @@ class StaleConfig:
     chunk_s0: bool = False      # an option's: S = 0 decodes in chunks too (see the companion)
 
     def __post_init__(self):
-        _check_config(self)  # in the companion
+        check_config(self)  # in the companion
         if self.max_filtered is None:
             self.max_filtered = 128 * self.groups_per_step
 
@@ -154,7 +154,7 @@ class StaleSync:
 
     prompt_fn(slot, attempt) -> a group's prompt, (P,) int64 or a list of ints. The optional ones:
     seed_fn(slot, attempt, member) -> int (default: the sample's id, 0, 1, 2, ... as made);
-    keep_group(prompt, responses) -> bool, dynamic sampling (_filter, in the companion). The
+    keep_group(prompt, responses) -> bool, dynamic sampling (filter_groups, in the companion). The
     sampler's reset(), idle() and state, and on_group: hooks, see the companion. fields: an object
     that keeps the sampler's other per-token outputs with their samples, keep(samples, out, tokens)
     per call and batch(samples) -> Batch.per_token (routing replay's: options/routing_replay.py)."""
@@ -163,7 +163,7 @@ class StaleSync:
                  reset=None, state=None, idle=None, on_group=None, fields=None):
         self.cfg, self.step_fn, self.prompt_fn, self.seed_fn = cfg, step_fn, prompt_fn, seed_fn
         self.keep_group, self.on_group = keep_group, on_group
-        hooks = _sampler_hooks(step_fn, reset, idle, state, fields)  # step_fn's own unless given
+        hooks = sampler_hooks(step_fn, reset, idle, state, fields)  # step_fn's own unless given
         self.reset_fn, self.idle_fn, self.sampler_state, self.fields = hooks
         self.version = 0          # v: the weights the sampler uses now
         self.batches_out = 0      # k: batches emitted; the next one is trained at version k
@@ -186,7 +186,7 @@ class StaleSync:
         arguments), is called once per loop turn on every rank (default: cut_alone; see
         SharedCut). The round ends with the sampler's reset(): its cache is rollout memory, and
         stale once the step is trained."""
-        _check_rollout(self)
+        check_rollout(self)
         cut = cut or StaleSync.cut_alone
         with (spans("rollout") if spans else nullcontext()):
             while (share := cut(self)) is None:
@@ -200,7 +200,7 @@ class StaleSync:
     def update(self, version=None):
         """New weights reached the sampler: version + 1, after the optimizer step (a separated
         caller's `version`: see the companion). The sampler's cache is stale: reset()."""
-        _check_update(self, version)
+        check_update(self, version)
         self.version = self.version + 1 if version is None else int(version)
         if self.reset_fn is not None:
             self.reset_fn()
@@ -223,7 +223,7 @@ class StaleSync:
                 self.slots_opened += 1
             else:
                 break
-            g = dict(slot=slot, attempt=attempt, prompt=_prompt(self.prompt_fn(slot, attempt)))
+            g = dict(slot=slot, attempt=attempt, prompt=as_prompt(self.prompt_fn(slot, attempt)))
             self._new_samples(g)
             self.pool.append(g)
             started += 1
@@ -239,7 +239,7 @@ class StaleSync:
         """Group g's attempt as G fresh samples; its age starts at its first token."""
         ids = range(self.next_id, self.next_id + self.cfg.group_size)
         self.next_id += self.cfg.group_size
-        seeds = [i if self.seed_fn is None else _seed(self.seed_fn(g["slot"], g["attempt"], j))
+        seeds = [i if self.seed_fn is None else as_seed(self.seed_fn(g["slot"], g["attempt"], j))
                  for j, i in enumerate(ids)]
         g["start_version"] = None
         g["samples"] = [dict(id=i, seed=seed, tokens=[], logprobs=[], versions=[], done=False)
@@ -254,7 +254,7 @@ class StaleSync:
         for bit. Hooks for the options (idle, fields, on_group, chunk_s0): see the companion."""
         rows = [(g, s) for g in self.pool for s in g["samples"] if not s["done"]]
         if not rows:  # no row in flight: the sampler's idle(), see the companion
-            return _idle(self)
+            return call_idle(self)
         for g, _ in rows:
             if g["start_version"] is None:  # the group's first token: its age starts now
                 g["start_version"] = self.version
@@ -265,20 +265,20 @@ class StaleSync:
         synchronous = self.cfg.staleness == 0 and not self.cfg.chunk_s0
         max_steps = None if synchronous else self.cfg.chunk_steps
         out = self.step_fn(contexts, seeds, n_done, max_steps)
-        tokens, logprobs, done = _unpack(out, len(rows))
+        tokens, logprobs, done = unpack_sampled(out, len(rows))
         if self.fields is not None:  # the sampler's other per-token outputs, kept with each sample
             self.fields.keep([s for _, s in rows], out, tokens)
-        _check_progress(tokens, done, len(rows), max_steps)
+        check_progress(tokens, done, len(rows), max_steps)
         for (_, s), t, lp, d in zip(rows, tokens, logprobs, done):
             s["tokens"] += t.tolist()
             s["logprobs"] += lp.tolist()  # float32 values, exact in a Python float
             s["versions"] += [self.version] * len(t)
             s["done"] = d
-        _check_budget(self, rows)
+        check_budget(self, rows)
         completed = [g for g in {id(g): g for g, _ in rows}.values() if _complete(g)]
-        kept = _filter(self, completed)  # dynamic sampling (keep_group): see the companion
+        kept = filter_groups(self, completed)  # dynamic sampling (keep_group): see the companion
         if self.on_group is not None:
-            _show_groups(self, kept, Batch)
+            show_groups(self, kept, Batch)
         return sum(len(t) for t in tokens)
 
     # --- the cut of batch k, trained at version k
@@ -313,7 +313,7 @@ class StaleSync:
         """(groups_per_step, None) once ready(), else None; it raises rather than spin."""
         if self.ready():
             return self.cfg.groups_per_step, None
-        _check_not_stuck(self)
+        check_not_stuck(self)
         return None
 
     def take(self, n=None, needed=None):
@@ -322,9 +322,9 @@ class StaleSync:
         k, n = self.batches_out, self.cfg.groups_per_step if n is None else n
         needed = self._needed(needed)
         spare = self._spare(needed)
-        _check_take(k, n, needed, spare)
+        check_take(k, n, needed, spare)
         chosen = sorted(needed + spare[:n - len(needed)], key=lambda g: g["slot"])
-        per_token = _fields_of(self, chosen)  # it may raise: before any change
+        per_token = fields_of(self, chosen)  # it may raise: before any change
         too_old = [g for g in self._due() if all(g is not c for c in chosen)]
         self.pool = [g for g in self.pool if all(g is not c for c in chosen)]
         self.batches_out += 1
@@ -338,8 +338,8 @@ class StaleSync:
         samples = [(g, s) for g in chosen for s in g["samples"]]
         for _, s in samples:
             self.fate[s["id"]] = "trained"
-        metrics = _metrics(self, k, samples, len(too_old))  # in the companion
-        return _as_batch(Batch, chosen, k, metrics, per_token)
+        metrics = batch_metrics(self, k, samples, len(too_old))  # in the companion
+        return as_batch(Batch, chosen, k, metrics, per_token)
 
     def spare_slots(self, needed):
         """The slots of the complete groups beyond the first `needed` due ones, lowest first."""
@@ -361,19 +361,19 @@ class StaleSync:
     # --- off the default path: the accounting, checkpoint and resume (bodies in the companion)
     def accounting(self):
         """Sample ids by fate: trained, regenerated, filtered, in flight."""
-        return _accounting(self)
+        return accounting_of(self)
 
     def state_dict(self):
         """The groups in flight, the slots to reopen, the counters, the fates, the sampler's
         state (the companion says what is saved, and what is not)."""
-        return _state_dict(self)
+        return scheduler_state(self)
 
     def load_state_dict(self, sd):
-        _load_state_dict(self, sd)
+        load_scheduler_state(self, sd)
 
     def start_at(self, version):
         """Empty, at `version` with as many batches out (a resume at another world size)."""
-        _start_at(self, version)
+        start_scheduler_at(self, version)
 
 
 # ----------------------------------------------------------------------------------------- the cuts
@@ -460,7 +460,7 @@ class SharedCut:
         needed = self._needed(rows, batch)                                                 # (R,)
         complete = sum(r["complete"] for r in rows)
         if any(r["done"] < n for r, n in zip(rows, needed)) or complete < batch:
-            _check_replicas_not_stuck(sched, rows, complete, batch)
+            check_replicas_not_stuck(sched, rows, complete, batch)
             return None
         my_needed = needed[[r["replica"] for r in rows].index(self.replica)]
         quota = batch - sum(needed)

@@ -6,19 +6,19 @@ This file holds what its code calls by name and a learner need not read:
   - the checks of the config and of the calls (rollout, update, take), with their long messages;
   - the brakes that stop a run going nowhere (FilterLimitError: a filter that drops nearly every
     group; a sampler that makes nothing or never ends a row; a cut that nothing can make ready);
-  - the checks of what the callables return: the sampler's (_unpack), prompt_fn's, seed_fn's;
-  - dynamic sampling (_filter), which the default run uses in every round: keep_group drops a
+  - the checks of what the callables return: the sampler's (unpack_sampled), prompt_fn's, seed_fn's;
+  - dynamic sampling (filter_groups), which the default run uses in every round: keep_group drops a
     group whose rewards are all equal, and its slot reopens (StaleSync.admit refills it first);
-  - a batch's packing (_as_batch), its stale/* figures (_metrics) and the samples' accounting;
+  - a batch's packing (as_batch), its stale/* figures (batch_metrics) and the samples' accounting;
   - the options' hooks (the sampler's reset, idle, state and fields; on_group), and notes on
     chunk_s0, a separated caller and SharedCut's replica and leader;
   - the checkpoint state behind StaleSync.state_dict, load_state_dict and start_at.
 
 It imports torch and the standard library only, never stalesync.py (what it needs of it, the Batch
 class, is passed in). Copy the two together, this one at plumbing/stalesync_details.py beside
-stalesync.py (or change stalesync.py's one import line). The functions keep their leading
-underscore: they are stalesync.py's own, imported by it alone. FilterLimitError is public: a caller
-catches it (plumbing/runlog.py's hint names the flags).
+stalesync.py (or change stalesync.py's one import line). A name with a leading underscore is used
+only in this file. FilterLimitError is public: a caller catches it (plumbing/runlog.py's hint names
+the flags).
 """
 import numbers
 
@@ -26,7 +26,7 @@ import torch
 
 
 # --------------------------------------------------------------- checks of the config and the calls
-def _check_config(cfg):
+def check_config(cfg):
     """StaleConfig's fields, each in its range."""
     if not _is_int(cfg.staleness) or cfg.staleness < 0:
         raise ValueError(f"staleness={cfg.staleness!r} is invalid: it must be an integer >= 0 "
@@ -39,7 +39,7 @@ def _check_config(cfg):
             raise ValueError(f"{name}={x!r} must be an integer >= 1")
 
 
-def _check_rollout(sched):
+def check_rollout(sched):
     """rollout()'s: one colocated round per version, update() between two."""
     if sched.batches_out != sched.version:
         raise RuntimeError(f"colocated rollout at version {sched.version} but "
@@ -47,7 +47,7 @@ def _check_rollout(sched):
                            "optimizer step")
 
 
-def _check_update(sched, version):
+def check_update(sched, version):
     """update()'s: colocated, once per batch out; separated, a version in range."""
     if version is None and sched.version >= sched.batches_out:
         raise RuntimeError(f"update() at version {sched.version} with {sched.batches_out} "
@@ -62,7 +62,7 @@ def _check_update(sched, version):
                          "emitted)")
 
 
-def _check_take(k, n, needed, spare):
+def check_take(k, n, needed, spare):
     """take()'s: the needed groups complete, and n within what this scheduler holds."""
     complete = all(s["done"] for g in needed for s in g["samples"])  # each needed group's
     if not complete or not len(needed) <= n <= len(needed) + len(spare):
@@ -77,7 +77,7 @@ class FilterLimitError(RuntimeError):
     """keep_group dropped more than max_filtered groups while one batch was made (StaleConfig)."""
 
 
-def _check_progress(tokens, done, rows, max_steps):
+def check_progress(tokens, done, rows, max_steps):
     """A sampler call must make a token or end a row, or the round would never end."""
     if not any(len(t) for t in tokens) and not any(done):
         raise RuntimeError(f"the sampler made no token and ended no row of the {rows} in "
@@ -85,7 +85,7 @@ def _check_progress(tokens, done, rows, max_steps):
                            "end each row")
 
 
-def _check_budget(sched, rows):
+def check_budget(sched, rows):
     """Brake: a row still not done at max_len tokens is the sampler's fault."""
     max_len = sched.cfg.max_len
     if not max_len:
@@ -110,14 +110,14 @@ def _check_filter_limit(sched):
                                "train or warm up differently, or turn the filter off")
 
 
-def _check_not_stuck(sched):
+def check_not_stuck(sched):
     """cut_alone's brake: no batch ready, and nothing left that could make one."""
     if not sched.offer()["work"]:
         raise RuntimeError(f"batch {sched.batches_out}: no group in flight, none to start, and "
                            "no batch ready: check the sampler's done flags")
 
 
-def _check_replicas_not_stuck(sched, rows, complete, batch):
+def check_replicas_not_stuck(sched, rows, complete, batch):
     """SharedCut's brake: no batch ready, and no replica has anything left that could make one."""
     if not any(r["work"] for r in rows):
         raise RuntimeError(f"batch {sched.batches_out}: the replicas hold {complete} "
@@ -126,7 +126,7 @@ def _check_replicas_not_stuck(sched, rows, complete, batch):
 
 
 # --------------------------------------------------------------------------- checking the callables
-def _unpack(out, rows):
+def unpack_sampled(out, rows):
     """A sampler's output for `rows` rows: R of (n,) int64 tokens, R of (n,) float32, R bools."""
     if hasattr(out, "tokens"):
         out = out.tokens, out.logprobs, out.done
@@ -153,7 +153,7 @@ def _unpack(out, rows):
     return tokens, logprobs, [bool(d) for d in done]
 
 
-def _prompt(p):
+def as_prompt(p):
     """prompt_fn's prompt as (P,) int64 (a list of ints is fine); anything else is refused."""
     t = torch.as_tensor(p) if isinstance(p, (list, tuple)) else p
     if not (torch.is_tensor(t) and t.dim() == 1 and len(t) > 0 and not t.is_floating_point()):
@@ -167,7 +167,7 @@ def _is_int(x):
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)  # numpy integers too
 
 
-def _seed(x):
+def as_seed(x):
     """seed_fn's seed as an int; a float (int() would truncate it: members sharing a seed) or any
     other non-integer is refused."""
     whole = torch.is_tensor(x) and x.numel() == 1 and not (x.is_floating_point() or x.is_complex())
@@ -178,7 +178,7 @@ def _seed(x):
 
 
 # -------------------------------------------------------- dynamic sampling, a batch and its figures
-def _filter(sched, completed):
+def filter_groups(sched, completed):
     """Dynamic sampling: keep_group (say, not every reward equal) drops some of the groups that
     just completed, counted (stale/filtered), and their slots reopen for a new prompt. Returns
     the kept ones."""
@@ -200,7 +200,7 @@ def _filter(sched, completed):
     return kept
 
 
-def _as_batch(Batch, groups, version, metrics, per_token):
+def as_batch(Batch, groups, version, metrics, per_token):
     """The groups' samples as a Batch (stalesync.py's class, passed in), each group's contiguous."""
     pairs = [(g, s) for g in groups for s in g["samples"]]
     samples = [s for _, s in pairs]
@@ -217,7 +217,7 @@ def _as_batch(Batch, groups, version, metrics, per_token):
                  done=[True] * len(samples), metrics=metrics, per_token=per_token)
 
 
-def _metrics(sched, k, samples, regenerated_at_cut):
+def batch_metrics(sched, k, samples, regenerated_at_cut):
     """The stale/* figures of batch k. An empty share (a shared cut's) reports no dropped
     groups: the next batch with samples does."""
     filtered_at_cut = sched.filtered - sched.filtered_reported if samples else 0
@@ -235,7 +235,7 @@ def _metrics(sched, k, samples, regenerated_at_cut):
             "rollout/response_tokens": sum(len(s["tokens"]) for _, s in samples)}
 
 
-def _accounting(sched):
+def accounting_of(sched):
     """StaleSync.accounting: sample ids by fate: trained, regenerated, filtered, in flight."""
     out = {"trained": set(), "regenerated": set(), "filtered": set(), "in_flight": set()}
     for i, f in sched.fate.items():
@@ -245,7 +245,7 @@ def _accounting(sched):
 
 
 # ------------------------------------------------------------------------------- the options' hooks
-def _sampler_hooks(step_fn, reset, idle, state, fields):
+def sampler_hooks(step_fn, reset, idle, state, fields):
     """StaleSync's reset(), idle(), sampler state and fields: those given, else the sampler's own
     (step_fn's, or its owner's for a bound method). reset() drops its KV cache (at a round's end,
     and in update); idle() is a call with no rows (decode); the state goes into state_dict: the
@@ -259,7 +259,7 @@ def _sampler_hooks(step_fn, reset, idle, state, fields):
     return reset_fn, idle_fn, state if state is not None else (owner if plain else None), fields
 
 
-def _idle(sched):
+def call_idle(sched):
     """decode() with no row in flight: the sampler's idle(), so that a rank of a lock-step engine
     (expert parallel) joins its peers' call. Returns the tokens made: none."""
     if sched.idle_fn is not None:
@@ -267,18 +267,18 @@ def _idle(sched):
     return 0
 
 
-def _fields_of(sched, groups):
+def fields_of(sched, groups):
     """Batch.per_token of these groups: the fields object's (it refuses a gap), else none."""
     if sched.fields is None:
         return {}
     return sched.fields.batch([s for g in groups for s in g["samples"]])
 
 
-def _show_groups(sched, kept, Batch):
+def show_groups(sched, kept, Batch):
     """on_group(batch): each kept group shown once, as it completes, as a Batch of version None
     (a streaming caller puts its rows into a queue at once)."""
     for g in kept:
-        sched.on_group(_as_batch(Batch, [g], None, {}, _fields_of(sched, [g])))
+        sched.on_group(as_batch(Batch, [g], None, {}, fields_of(sched, [g])))
 
 
 # Notes on the options, which stalesync.py points to ("see the companion").
@@ -300,7 +300,7 @@ _COUNTERS = ("version", "batches_out", "slots_opened", "next_id", "regenerated",
              "filtered_reported", "filtered_at_take", "max_admitted_over")
 
 
-def _state_dict(sched):
+def scheduler_state(sched):
     """StaleSync.state_dict: the groups in flight (their samples' lists as tensors), the slots
     to reopen, the counters (_COUNTERS), the fates, the sampler's state, and the samples' other
     per-token fields (the `fields` object's). Not prompt_fn's or seed_fn's: a function of (slot,
@@ -323,7 +323,7 @@ def _state_dict(sched):
                 sampler=sampler)
 
 
-def _load_state_dict(sched, sd):
+def load_scheduler_state(sched, sd):
     """StaleSync.load_state_dict: refuses another config (the brakes aside)."""
     brakes = ("max_len", "max_filtered")  # they bound a run, not its state: free to change
     saved, mine = ({k: v for k, v in c.items() if k not in brakes}
@@ -355,7 +355,7 @@ def _load_state_dict(sched, sd):
     sched.pool = pool
 
 
-def _start_at(sched, version):
+def start_scheduler_at(sched, version):
     """StaleSync.start_at: empty, at `version` with as many batches out, on a scheduler that has
     done nothing yet: a resume that cannot keep the groups in flight (another world size) opens the
     next slots again, their first attempts."""
