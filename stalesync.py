@@ -147,9 +147,9 @@ class StaleSync:
     """The scheduler. Its unit is a group, G samples of one prompt, which fills a slot.
 
     Slots are numbered 0, 1, 2, ... as they open, and each ends up with exactly one trained group.
-    A group's prompt is prompt_fn(slot, attempt) and its seeds seed_fn(slot, attempt, member):
-    attempt 0 first, one more each time the filter drops the slot's group (a new prompt) or its age
-    restarts it (the prompt kept, fresh seeds). So where prompt_fn and seed_fn map slots into a
+    A group's seeds are seed_fn(slot, attempt, member), its prompt prompt_fn(slot, attempt) of the
+    attempt that drew it: attempt 0 first, one more each time the filter drops the slot's group (a
+    new prompt drawn) or its age restarts it (the prompt kept, fresh seeds). So where prompt_fn and seed_fn map slots into a
     global batch, a slot gets the same prompt and samples however the batch is split over replicas.
 
     prompt_fn(slot, attempt) -> a group's prompt, (P,) int64 or a list of ints. The optional ones:
