@@ -23,7 +23,7 @@ Departures from a production sampler, on purpose:
 2. For a few tokens at a time (decoding), the MoE runs every expert densely and combines them with
    the (mostly zero) top-k gates: on 2 CPU cores that beats routing for a model this small. For
    many tokens (training, prefill) it routes each token to its k experts. The math is the same
-   either way.
+   either way. Under EP (the default run) moe_switch.py's EPMoE does the same at EP 1.
 3. Behaviour log-probs ignore the top-p truncation (as verl does): they are the log-probs the
    trainer recomputes. The default top-p is 1, where the two agree.
 
