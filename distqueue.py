@@ -310,9 +310,9 @@ class DistQueue:
         step = self.steps[stage]  # the same count on every rank (SPMD)
         self.steps[stage] += 1
         if group is not None:  # the hierarchical read, an option: read_in_group (companion)
-            wire = (DTYPES, pack_cells, Rows)  # what it needs of this file, which it cannot import
-            return read_in_group(self, wire, stage, n, min_rows, dp_group, group, step,
-                                 deadline, only)
+            dtypes = [DTYPES[self.spec.columns[c]] for c in self.spec.stages[stage]]
+            return read_in_group(self, stage, n, min_rows, dp_group, group, step, deadline, only,
+                                 dtypes=dtypes, pack=pack_cells, make_rows=Rows)
         return self._read(stage, n, min_rows, dp_group, step, deadline, only)
 
     def _read(self, stage, n, min_rows, dp_group, step, deadline, only):
@@ -431,7 +431,7 @@ class DistQueue:
         plan, outcome = self._k("plan", stage, step, root), self._k("outcome", stage, step, root)
         self._wait(lambda: self.store.check([plan]) or self.store.check([outcome]), deadline,
                    lambda: f"in stage '{stage}' waiting for dp rank 0's plan for step {step}")
-        if not self.store.check([plan]):  # the group failed: _agree says why
+        if not self.store.check([plan]):  # the group failed: agree (the companion) says why
             raise RuntimeError(f"dp rank 0 published no plan for step {step}")
         n0, entries = self.store.get(plan).decode().split("|")
         check_same_n(stage, n, n0, dp_rank)

@@ -149,8 +149,9 @@ class StaleSync:
     Slots are numbered 0, 1, 2, ... as they open, and each ends up with exactly one trained group.
     A group's seeds are seed_fn(slot, attempt, member), its prompt prompt_fn(slot, attempt) of the
     attempt that drew it: attempt 0 first, one more each time the filter drops the slot's group (a
-    new prompt drawn) or its age restarts it (the prompt kept, fresh seeds). So where prompt_fn and seed_fn map slots into a
-    global batch, a slot gets the same prompt and samples however the batch is split over replicas.
+    new prompt drawn) or its age restarts it (the prompt kept, fresh seeds). So where prompt_fn and
+    seed_fn map slots into a global batch, a slot gets the same prompt and samples however the
+    batch is split over replicas.
 
     prompt_fn(slot, attempt) -> a group's prompt, (P,) int64 or a list of ints. The optional ones:
     seed_fn(slot, attempt, member) -> int (default: the sample's id, 0, 1, 2, ... as made);

@@ -20,7 +20,7 @@ distqueue.py teaches the queue: the packing, the claim protocol on the store, a 
 A function that needs the queue's store or state takes the queue itself, `q`, first (a DistQueue,
 used as its methods use self); the others take only the values they need. A name with a leading
 underscore is used only in this file. This file imports only torch and the standard library,
-never distqueue.py: what it needs of that file (DTYPES, pack_cells, Rows) is passed in. It is
+never distqueue.py: what it needs of that file (dtypes, pack_cells, Rows) is passed in. It is
 copied together with distqueue.py, as plumbing/distqueue_details.py beside it (keep the folder,
 or change distqueue.py's one import line).
 """
@@ -375,9 +375,11 @@ def drain_wait(q, timeout_s):
                     f"by every stage, transfers {sorted(q.inflight)} not acknowledged")
 
 
-def read_in_group(q, wire, stage, n, min_rows, dp_group, group, step, deadline, only):
+def read_in_group(q, stage, n, min_rows, dp_group, group, step, deadline, only, dtypes, pack,
+                  make_rows):
     """get(group=): only the group's first rank reads; it broadcasts the rows, or its error.
-    wire: distqueue's (DTYPES, pack_cells, Rows), which this file cannot import."""
+    dtypes: the stage's columns' dtypes; pack, make_rows: distqueue.py's pack_cells and Rows
+    (this file cannot import it)."""
     leader = dist.get_global_rank(group, 0)
     batch, error = None, None
     if leader == q.rank:
@@ -385,15 +387,14 @@ def read_in_group(q, wire, stage, n, min_rows, dp_group, group, step, deadline, 
             batch = q._read(stage, n, min_rows, dp_group, step, deadline, only)
         except Exception as e:  # told to the group first, so that its members raise too
             error = e
-    return _bcast(q, wire, batch, error, stage, group, leader, deadline + q.spec.timeout_s)
+    return _bcast(q, batch, error, stage, group, leader, deadline + q.spec.timeout_s, dtypes,
+                  pack, make_rows)
 
 
-def _bcast(q, wire, batch, error, stage, group, leader, deadline):
+def _bcast(q, batch, error, stage, group, leader, deadline, dtypes, pack, make_rows):
     """Leader -> its model-parallel group: the size B (or the leader's failure: < 0), a header
     (B, 1+C) [ids, lengths], one payload. The deadline is the leader's plus timeout_s."""
-    dtype_of, pack_cells, Rows = wire
     cols = q.spec.stages[stage]
-    dtypes = [dtype_of[q.spec.columns[c]] for c in cols]
     failures = (TimeoutError, ValueError, RuntimeError)  # a leader's failure -> -1, -2, -3
 
     def bcast(t, what):
@@ -414,7 +415,7 @@ def _bcast(q, wire, batch, error, stage, group, leader, deadline):
                                f"{leader}, failed (its error says why): this rank keeps no row")
     if batch is not None:
         flat = [batch.cols[c][i] for i in range(B) for c in cols]  # row-major cells, K = B * C
-        lengths, payload = pack_cells(flat)  # (K,), (bytes,)
+        lengths, payload = pack(flat)  # (K,), (bytes,)
         ids = torch.tensor(batch.ids).view(B, 1)  # (B, 1)
         header = torch.cat([ids, lengths.view(B, len(cols))], 1)  # (B, 1+C)
         _count(q, "bytes_bcast", header.nbytes + payload.nbytes)
@@ -431,7 +432,7 @@ def _bcast(q, wire, batch, error, stage, group, leader, deadline):
     if batch is not None:
         return batch
     cells = unpack_cells(header[:, 1:].reshape(-1), payload, dtypes * B)  # K = B * C
-    return Rows(header[:, 0].tolist(), {c: cells[j::len(cols)] for j, c in enumerate(cols)})
+    return make_rows(header[:, 0].tolist(), {c: cells[j::len(cols)] for j, c in enumerate(cols)})
 
 
 # ------------------------------------------------------------------------------ checkpoint state
@@ -478,7 +479,8 @@ def load_queue_state(q, sd):
                     f"({int(q.store.add(done, 0))} of {q.world} have)")
 
 
-# ---------------------------- unpack_cells, unpad and unpack: the inverses of pack_cells, pad, pack
+# ------------- unpack_cells, unpad and unpack: the inverses of pack_cells, pad, pack (the last two
+# for a reader's check and the tests: the queue's own read unpacks with unpack_cells)
 
 
 def unpad(padded, lengths):

@@ -252,19 +252,19 @@ def check_computes_alike(moe, names, reference, tokens=4):
     scale = theirs.abs().max().item() + 1e-6
     if not torch.allclose(ours.float(), theirs[0].float(), rtol=1e-2, atol=1e-2 * scale):
         gap = (ours.float() - theirs[0].float()).abs().max().item()
-        raise ValueError(f"{type(moe).__name__}'s own forward and this file's MoE of its weights "
-                         f"differ by up to {gap:.3g} (outputs up to {scale:.3g}) on a probe of "
-                         f"{tokens} tokens: this file computes softmax top-{moe.top_k} gates "
-                         "renormalised, SwiGLU experts, stacks in x @ w orientation (w_gate (E, D, "
-                         "H)); stacks of nn.Linear weights (E, out, in) need DenseMoE(..., "
-                         "orientation='nn.Linear') (options/dense_moe.py)")
+        raise ValueError(f"{type(moe).__name__}'s own forward and moe_switch.py's MoE of its "
+                         f"weights differ by up to {gap:.3g} (outputs up to {scale:.3g}) on a "
+                         f"probe of {tokens} tokens: moe_switch.py computes softmax "
+                         f"top-{moe.top_k} gates renormalised, SwiGLU experts, stacks in x @ w "
+                         "orientation (w_gate (E, D, H)); stacks of nn.Linear weights (E, out, in) "
+                         "need DenseMoE(..., orientation='nn.Linear') (options/dense_moe.py)")
 
 
 def check_dense_layer(moe):
     """EPMoE.from_dense's check: the shapes and top_k of check_dense, and a router with no bias."""
     check_dense(moe.router.weight, moe.w_gate, moe.w_up, moe.w_down, moe.top_k)
     if getattr(moe.router, "bias", None) is not None:
-        raise ValueError("router has a bias; this file's MoE has no biases: it would drop it "
+        raise ValueError("router has a bias; moe_switch.py's MoE has no biases: it would drop it "
                          "and compute something else")
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import curriculum
 import distqueue
@@ -148,7 +149,6 @@ def warm_up_target(run):
 def optimizer_groups(model):
     """The parameters in two groups, FSDP2 shards (DTensors) and plain tensors (the EP experts):
     a multi-tensor (foreach) optimizer step, CUDA's default, refuses to mix the two kinds."""
-    from torch.distributed.tensor import DTensor
     params = list(model.parameters())
     shards = [p for p in params if isinstance(p, DTensor)]
     plain = [p for p in params if not isinstance(p, DTensor)]

@@ -235,7 +235,7 @@ def test_a_layer_whose_own_forward_computes_otherwise_is_refused():
     """Found by its attributes, a square stack in nn.Linear orientation fits every shape check, and the EP layer
     would compute something else (off by tens). A probe through its own forward refuses it, naming the gap."""
     torch.manual_seed(0)
-    with pytest.raises(ValueError, match="_FusedLinearMoE's own forward and this file's MoE of its weights differ by"):
+    with pytest.raises(ValueError, match="_FusedLinearMoE's own forward and moe_switch.py's MoE of its weights differ by"):
         EPMoE.from_dense(_FusedLinearMoE(E, D), EPLayout(1, 1, E))
     fused = _FusedLinearMoE(E, D)
     dense = DenseMoE(fused.router.weight.detach(), fused.w_gate.detach(), fused.w_up.detach(), fused.w_down.detach(),
