@@ -549,8 +549,10 @@ def _workers(pid):
 def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path):
     """torchrun --max-restarts 3 with --resume auto: a worker SIGKILLed after the first checkpoint brings
     the job back from it; the job finishes, every step logged once, with the parameters of a run that
-    never stopped (colocated, S = 0)."""
-    flags = [*TINY_FLAGS, "--steps=16", "--save-every=2", "--rl-seconds=0", "--resume=auto",
+    never stopped (colocated, S = 0). 48 steps: the kill must land before the last checkpoint, and the
+    test's poll shares 2 cores with the workers (at 16 steps a loaded machine once saw the run end first)."""
+    steps = 48
+    flags = [*TINY_FLAGS, f"--steps={steps}", "--save-every=2", "--rl-seconds=0", "--resume=auto",
              f"--out={tmp_path}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=3",
            "train_grpo.py", *flags]
@@ -570,9 +572,9 @@ def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path):
     assert job.returncode == 0, out[-3000:]
     summary = json.load(open(tmp_path / "summary.json"))
     assert summary["resumed_at_step"] is not None and summary["resumed_at_step"] >= 2
-    assert [l["step"] for l in _lines(tmp_path)] == list(range(17))
+    assert [l["step"] for l in _lines(tmp_path)] == list(range(steps + 1))
     [(straight, _)] = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "straight"),
-                                                                         dict(CKPT, steps=16, save_every=0)))[:1]
+                                                                         dict(CKPT, steps=steps, save_every=0)))[:1]
     assert summary["params_sha256"] == straight["params_sha256"]
 
 
