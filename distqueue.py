@@ -75,7 +75,7 @@ from plumbing.distqueue_details import (  # what a learner can take on trust, by
     ready_entries, parse_entries, cells_of, new_token, holders,  # the store logs' formats
     check_spec, check_master_env, check_store, rank_and_world, check_pg,  # checks of the input
     from_python, check_columns, check_cell, check_get, check_same_n, check_sent, check_header,
-    refused, lacking, silent, may_send, release, cancel, agree,  # recovery, and a DP group's vote
+    refused, lacking, silent, may_send, release, cancel,  # recovery from a failed read
     count_sent, traffic, drain_wait, read_in_group,  # metrics, and the options' paths
     queue_state, load_queue_state, unpack_cells)  # checkpoint state; the inverse of pack_cells
 
@@ -323,10 +323,10 @@ class DistQueue:
         2. share: each DP rank takes its part of the rows by tokens (balance_split);
         3. fetch: per owner, a request in req/<owner>; the owner's answer in state/<tag>; then a
            header (K,) and one payload, point to point;
-        4. agree (a DP group): every rank votes in done/... or outcome/..., so that every rank
+        4. agree (a DP group, _agree): every rank votes in done/... or outcome/..., so every rank
            keeps what it fetched, or none does; ack/<tag> tells each owner "kept" or "dropped".
-        A read that fails drops its transfers, and dp rank 0 releases the claims (the vote and the
-        recovery: agree, release and cancel, in the companion)."""
+        A read that fails drops its transfers, and dp rank 0 releases the claims (the recovery:
+        release and cancel, in the companion)."""
         cols = self.spec.stages[stage]
         dp_rank = dist.get_rank(dp_group) if dp_group else 0
         dp_size = dist.get_world_size(dp_group) if dp_group else 1
@@ -352,7 +352,7 @@ class DistQueue:
         except Exception as e:
             error = e
         if dp_size > 1:
-            error = agree(self, stage, step, root, dp_rank, dp_size, error, deadline)
+            error = self._agree(stage, step, root, dp_rank, dp_size, error, deadline)
             if dp_rank == 0:  # every rank has read the plan, or the group failed
                 self.store.delete_key(plan)
         self._ack(tags, keep=error is None)
@@ -431,7 +431,7 @@ class DistQueue:
         plan, outcome = self._k("plan", stage, step, root), self._k("outcome", stage, step, root)
         self._wait(lambda: self.store.check([plan]) or self.store.check([outcome]), deadline,
                    lambda: f"in stage '{stage}' waiting for dp rank 0's plan for step {step}")
-        if not self.store.check([plan]):  # the group failed: agree (the companion) says why
+        if not self.store.check([plan]):  # the group failed: _agree says why
             raise RuntimeError(f"dp rank 0 published no plan for step {step}")
         n0, entries = self.store.get(plan).decode().split("|")
         check_same_n(stage, n, n0, dp_rank)
@@ -506,8 +506,35 @@ class DistQueue:
         check_header(o, header, [rows[r][c][1] for r, c in keys])
         return dict(zip(keys, unpack_cells(header, payload, dtypes)))
 
-    # step 4, agree: all or nothing in a DP group (the vote, agree, is in the companion); then
-    # the transfers are kept or dropped
+    # step 4, agree: all or nothing in a DP group (the vote); then the transfers are kept or dropped
+    def _agree(self, stage, step, root, dp_rank, dp_size, error, deadline):
+        """Each rank votes, ok (counted in done/...) or its error. The last ok vote, or the first
+        error, writes outcome/... (the first writer wins), and every rank waits for it. Returns
+        None, or the error this rank raises: the first failure's, on every rank."""
+        outcome = self._k("outcome", stage, step, root)
+        if error is None and int(self.store.add(self._k("done", stage, step, root), 1)) == dp_size:
+            self.store.compare_set(outcome, "", "ok")
+            for key in ("done", "outcome"):  # every rank voted here: it read the last outcome
+                self.store.delete_key(self._k(key, stage, step - 1, root))
+        elif error is not None:
+            self.store.compare_set(outcome, "", f"{dp_rank}|{type(error).__name__}|{error}")
+        try:
+            self._wait(lambda: self.store.check([outcome]), deadline,
+                       lambda: f"in stage '{stage}' waiting for the other DP ranks to receive "
+                               f"their rows")
+        except TimeoutError as e:
+            error = e
+            self.store.compare_set(outcome, "", f"{dp_rank}|TimeoutError|{e}")
+        verdict = self.store.get(outcome).decode()
+        if verdict == "ok":
+            return None
+        first, kind, why = verdict.split("|", 2)
+        if int(first) == dp_rank:
+            return error
+        kinds = {"TimeoutError": TimeoutError, "ValueError": ValueError}
+        return kinds.get(kind, RuntimeError)(f"dp rank {first} of this get's dp_group failed, so "
+                                             f"this rank keeps no row: {why}")
+
     def _ack(self, tags, keep):
         for tag in tags:
             self.store.set(self._k("ack", tag), "kept" if keep else "dropped")

@@ -11,7 +11,7 @@ The default run (train_grpo.py) trains at EP 2 and generates at EP 1; this file,
   route, moe_reference      the single-process MoE the EP layer must match, a slow loop
   all_to_all_rows           uneven all_to_all_single; its backward is the reverse all_to_all
   EPLayout                  which rank owns which expert (its groups: new_groups, in the companion)
-  reshard_naive, reshard    the naive switch, then the bucketed one (plan_reshard packs its rounds)
+  reshard_naive, reshard    the naive switch, then the bucketed one (plan_reshard, _Memory)
   EPMoE                     route, send counts then packed tokens, local experts, combine; switch()
   ExpertParallel            a model's MoE layers: apply, to_rollout, to_train, clip_grads
 Its companion plumbing/moe_switch_details.py: checks, agree_on_switch, options' hooks, layouts over
@@ -95,7 +95,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from plumbing.moe_switch_details import (Memory, agree_on_switch, check_bucket,
+from plumbing.moe_switch_details import (agree_on_switch, check_bucket,
                                          check_computes_alike, check_dense_layer, check_ep_group,
                                          check_found_layers, check_layout, check_naive_group,
                                          check_reshard, check_switch, group_of_ranks, held_bytes,
@@ -248,7 +248,7 @@ def reshard_naive(experts, src, dst, group=None):
 def plan_reshard(src, dst, slice_bytes, bucket_bytes):
     """Transfers (name, e, from rank, to rank) of every slice a rank needs and lacks, packed
     first-fit into rounds where each rank sends at most bucket_bytes and receives at most
-    bucket_bytes, and holds at most max(source, target) + bucket_bytes (the companion's Memory).
+    bucket_bytes, and holds at most max(source, target) + bucket_bytes (_Memory, below).
     Pure: every rank computes the same plan, so no counts are exchanged."""
     W = src.world_size
     check_bucket(slice_bytes, bucket_bytes)  # a bucket holds one expert slice at least
@@ -261,7 +261,7 @@ def plan_reshard(src, dst, slice_bytes, bucket_bytes):
             for n, nb in slice_bytes.items():
                 load[s] += nb
                 todo.append((n, e, s, r))
-    memory = Memory(src, dst, slice_bytes, bucket_bytes, todo)
+    memory = _Memory(src, dst, slice_bytes, bucket_bytes, todo)
     rounds = []
     while todo:  # a round takes, in order, every transfer with room at both ends
         out, inn, rnd, rest = [0] * W, [0] * W, [], []
@@ -274,11 +274,41 @@ def plan_reshard(src, dst, slice_bytes, bucket_bytes):
                 inn[r] += nb
             else:
                 rest.append((n, e, s, r))
-        assert rnd, "no transfer fits"  # never: a rank over its bound has sends pending (Memory)
+        assert rnd, "no transfer fits"  # never: a rank over its bound has sends pending (_Memory)
         memory.done(rnd)
         rounds.append(rnd)
         todo = rest
     return rounds
+
+
+class _Memory:
+    """plan_reshard's count of the bytes each rank holds between rounds: what it keeps, the slices
+    it still has to send, and those it received. A round may add to a rank's holding while it
+    stays within max(source, target) + bucket; a source slice is freed after its last send.
+    Some transfer always fits: a rank whose next receive would pass its bound holds more bytes
+    still to send than it has still to receive, and every byte still to send is some rank's
+    receive, so not every rank with receives left can be at its bound."""
+
+    def __init__(self, src, dst, slice_bytes, bucket_bytes, todo):
+        W, per_expert = src.world_size, sum(slice_bytes.values())
+        self.sizes, self.dst = slice_bytes, dst
+        self.sends = Counter((n, e, s) for n, e, s, _ in todo)  # sends left of each source slice
+        have = [set(src.owned(r)) for r in range(W)]
+        need = [set(dst.owned(r)) for r in range(W)]
+        self.held = [len(have[r] & need[r]) * per_expert for r in range(W)]  # kept, then the sent
+        for n, e, s in self.sends:
+            self.held[s] += slice_bytes[n] * (e not in need[s])
+        self.cap = [max(len(have[r]), len(need[r])) * per_expert + bucket_bytes for r in range(W)]
+
+    def fits(self, r, received):
+        return self.held[r] + received <= self.cap[r]
+
+    def done(self, rnd):
+        for n, e, s, r in rnd:
+            self.held[r] += self.sizes[n]
+            self.sends[(n, e, s)] -= 1
+            if not self.sends[(n, e, s)] and e not in self.dst.owned(s):
+                self.held[s] -= self.sizes[n]  # its last send: freed
 
 
 def reshard(experts, src, dst, bucket_bytes, group=None):

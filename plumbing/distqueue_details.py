@@ -9,7 +9,7 @@ distqueue.py teaches the queue: the packing, the claim protocol on the store, a 
   `rank_and_world`, `from_python`);
 - recovery from failures: why a wait still waits (`lacking`, `silent`, `refused`), the owner's
   send-or-cancel handshake (`may_send`), claims given back (`release`), pulls cancelled
-  (`cancel`), and a DP group's all-or-nothing vote (`agree`, step 4 of a read);
+  (`cancel`): a DP group's all-or-nothing vote itself is DistQueue._agree;
 - metrics: the bytes sent, and what padding would have sent (`count_sent`, `traffic`);
 - what only the options use: drain's wait (`drain_wait`), the hierarchical read, get(group=)
   (`read_in_group`);
@@ -306,35 +306,6 @@ def cancel(q, tags, owners, rows, received):
             q._recv(o, tag, owners[o], rows)  # it sent just now: take it, to drop it
             received.append(tag)
     q._ack(received, keep=False)
-
-
-def agree(q, stage, step, root, dp_rank, dp_size, error, deadline):
-    """Each rank votes, ok (counted in done/...) or its error. The last ok vote, or the first
-    error, writes outcome/... (the first writer wins), and every rank waits for it. Returns
-    None, or the error this rank raises: the first failure's, on every rank."""
-    outcome = q._k("outcome", stage, step, root)
-    if error is None and int(q.store.add(q._k("done", stage, step, root), 1)) == dp_size:
-        q.store.compare_set(outcome, "", "ok")
-        for key in ("done", "outcome"):  # every rank voted here: it read the last outcome
-            q.store.delete_key(q._k(key, stage, step - 1, root))
-    elif error is not None:
-        q.store.compare_set(outcome, "", f"{dp_rank}|{type(error).__name__}|{error}")
-    try:
-        q._wait(lambda: q.store.check([outcome]), deadline,
-                lambda: f"in stage '{stage}' waiting for the other DP ranks to receive "
-                        f"their rows")
-    except TimeoutError as e:
-        error = e
-        q.store.compare_set(outcome, "", f"{dp_rank}|TimeoutError|{e}")
-    verdict = q.store.get(outcome).decode()
-    if verdict == "ok":
-        return None
-    first, kind, why = verdict.split("|", 2)
-    if int(first) == dp_rank:
-        return error
-    kinds = {"TimeoutError": TimeoutError, "ValueError": ValueError}
-    return kinds.get(kind, RuntimeError)(f"dp rank {first} of this get's dp_group failed, so "
-                                         f"this rank keeps no row: {why}")
 
 
 # ------------------------------------------------------------------------------ metrics

@@ -1,6 +1,6 @@
 # Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (see LICENSE).
 """moe_switch.py's details, which a learner can take on trust: the checks of the caller's input, the
-ranks' agreement on a switch, the re-shard's memory count, the process groups, a placement's copies,
+ranks' agreement on a switch, the bytes a rank holds, the process groups, a placement's copies,
 a layout over part of the job and the figures of a switch.
 
 Copied together with moe_switch.py, which imports it by name (`from plumbing.moe_switch_details
@@ -8,8 +8,7 @@ import ...`: keep the folder, or change that one line). It imports only torch an
 library, never moe_switch.py: a layout is any EPLayout, an EP layer any EPMoE, and what a check
 needs of moe_switch.py (EXPERT_NAMES, moe_reference) is passed in. The code of moe_switch.py calls
 these by name; in order:
-  rank_in, held_bytes, Memory  this process's rank; the bytes held; plan_reshard's count of what
-                               each rank holds between rounds, in max(source, target) + one bucket
+  rank_in, held_bytes           this process's rank; the bytes a rank's experts hold
   check_*                      the checks, each a ValueError before any collective (check_dense is
                                options/dense_moe.py's too)
   agree_on_switch, digest      every rank of a layout says which switch it makes, in one all_gather
@@ -36,7 +35,6 @@ import datetime
 import functools
 import time
 import zlib
-from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -59,36 +57,6 @@ def held_bytes(*dicts):
                 s = t.untyped_storage()
                 seen[s.data_ptr()] = s.nbytes()
     return sum(seen.values())
-
-
-class Memory:
-    """plan_reshard's count of the bytes each rank holds between rounds: what it keeps, the slices
-    it still has to send, and those it received. A round may add to a rank's holding while it
-    stays within max(source, target) + bucket; a source slice is freed after its last send.
-    Some transfer always fits: a rank whose next receive would pass its bound holds more bytes
-    still to send than it has still to receive, and every byte still to send is some rank's
-    receive, so not every rank with receives left can be at its bound."""
-
-    def __init__(self, src, dst, slice_bytes, bucket_bytes, todo):
-        W, per_expert = src.world_size, sum(slice_bytes.values())
-        self.sizes, self.dst = slice_bytes, dst
-        self.sends = Counter((n, e, s) for n, e, s, _ in todo)  # sends left of each source slice
-        have = [set(src.owned(r)) for r in range(W)]
-        need = [set(dst.owned(r)) for r in range(W)]
-        self.held = [len(have[r] & need[r]) * per_expert for r in range(W)]  # kept, then the sent
-        for n, e, s in self.sends:
-            self.held[s] += slice_bytes[n] * (e not in need[s])
-        self.cap = [max(len(have[r]), len(need[r])) * per_expert + bucket_bytes for r in range(W)]
-
-    def fits(self, r, received):
-        return self.held[r] + received <= self.cap[r]
-
-    def done(self, rnd):
-        for n, e, s, r in rnd:
-            self.held[r] += self.sizes[n]
-            self.sends[(n, e, s)] -= 1
-            if not self.sends[(n, e, s)] and e not in self.dst.owned(s):
-                self.held[s] -= self.sizes[n]  # its last send: freed
 
 
 # --------------------------------------------------------------------- checks of the caller's input
