@@ -316,7 +316,8 @@ class FusedActor:
                         first in to_train(); their `names` are not built here, their `stats` join
                         metrics().
       transport         Broadcasts() (the default) or SharedMemory; close() closes it.
-    Hooks for the options (inplace=False, group, meta): explained in the companion's docstring."""
+    Hooks for the options (the companion's docstring says more): inplace=False, each bucket to
+    engine.load_weights (any TP); group, the actor's ranks; meta, the weights' owners (PP, HSDP)."""
 
     def __init__(self, model, optimizer, engine, bucket_bytes=1 << 20, inplace=False,
                  movers=(), transport=None, group=None, meta=own_meta):
