@@ -40,7 +40,7 @@ WORKLOAD = ["--warmup-steps", "0", "--rl-seconds", "0", "--filter-groups", "0", 
             "--staleness", "0", "--eval-prompts", "16", "--eval-every", "1000", "--log-every", "1000"]
 LAYOUTS = {2: ["--train-ep 0", "--train-ep 2 --infer-ep 1", "--train-ep 2 --infer-ep 1 --micro-batches 1",
                "--train-ep 2 --infer-ep 1 --micro-batches 8", "--train-ep 2 --infer-ep 2", "--infer-tp 2",
-               "--train-pp 2"],
+               "--train-pp 2", "--train-ep 0 --micro-batches 8"],
            4: ["--train-ep 0 --micro-batches 2", "--train-ep 2 --infer-ep 1", "--train-ep 4 --infer-ep 4",
                "--train-ep 2 --infer-ep 4", "--infer-tp 2", "--infer-tp 4", "--train-pp 2"]}
 BIG = ["--d-model", "256", "--n-layers", "4", "--n-experts", "8", "--d-expert", "512", "--bucket-kb", "4096"]
