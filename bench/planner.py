@@ -1,8 +1,8 @@
 """Check the layout planner (options/planner.py) against what this machine measures.
 
-    python bench/planner.py               # about 16 minutes on 2 cores: 6 calibrations, 16 layouts x 3, memory
+    python bench/planner.py               # about 14 minutes on 2 cores: 6 calibrations, 17 layouts x 3, memory
     python bench/planner.py --repeats 1 --steps 6                        # a quicker look
-    python bench/planner.py --staleness 1 --worlds 2 --memory 0 --repeats 3     # S = 1, world 2 (about 6 minutes)
+    python bench/planner.py --staleness 1 --worlds 2 --memory 0 --repeats 3     # S = 1, world 2 (about 4 minutes)
 
 One fixed workload (no warm-up, so the untrained policy ends a response at its end token with probability about
 1/14 a token; --rl-seconds 0, --steps, no dynamic sampling, no curriculum, S = 0 or --staleness), run by train_grpo.py
