@@ -323,7 +323,7 @@ class StaleSync:
         k, n = self.batches_out, self.cfg.groups_per_step if n is None else n
         needed = self._needed(needed)
         spare = self._spare(needed)
-        check_take(k, n, needed, spare)
+        check_take(k, n, needed, spare, all(map(_complete, needed)))
         chosen = sorted(needed + spare[:n - len(needed)], key=lambda g: g["slot"])
         per_token = fields_of(self, chosen)  # it may raise: before any change
         too_old = [g for g in self._due() if all(g is not c for c in chosen)]

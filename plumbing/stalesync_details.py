@@ -62,9 +62,9 @@ def check_update(sched, version):
                          "emitted)")
 
 
-def check_take(k, n, needed, spare):
-    """take()'s: the needed groups complete, and n within what this scheduler holds."""
-    complete = all(s["done"] for g in needed for s in g["samples"])  # each needed group's
+def check_take(k, n, needed, spare, complete):
+    """take()'s: the needed groups complete (`complete`, as stalesync.py judges them), and n within
+    what this scheduler holds."""
     if not complete or not len(needed) <= n <= len(needed) + len(spare):
         raise RuntimeError(f"take({n}) at batch {k}: its {len(needed)} needed groups must be "
                            f"complete, and there are {len(needed) + len(spare)} complete "
