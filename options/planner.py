@@ -2,14 +2,14 @@
 them included, and keep the fastest that fits in memory.
 
     python options/planner.py --machine bench/machines/h100x8.json --devices 16 --nodes 2
+    python options/planner.py --machine bench/machines/h100x8.json --deploy hybrid --aux-ranks 4
     torchrun --standalone --nproc_per_node=4 train_grpo.py --layout auto   # plans, then runs it
 
 An RL run has two layouts: training (FSDP over the data-parallel ranks, EP for the experts, PP
 stages, micro-batches) and rollout (TP for the engine, EP for its experts), with a switch between
 them at every step. The best training layout alone is not the best pair: EP 2 in training with EP 1
 in rollout trains the experts apart yet decodes without an all-to-all, and a wide TP engine leaves
-memory for the KV cache but pays two all-reduces per layer at every decode step. So the planner
-prices the pair: one RL step is
+memory for the KV cache but pays two all-reduces per layer at every decode step. One RL step is
   rollout    StaleSync's rounds of the whole batch (the replicas cut together) replayed on the
              responses' lengths (S = 0 waits for the longest sample; S >= 1 cuts once a batch is
              complete, the tail carried on): each replica's share of the prefills and rows, each
@@ -24,19 +24,19 @@ prices the pair: one RL step is
 A collective over n ranks costs its steps at the link's latency plus its bytes at the link's
 bandwidth. Memory per rank: the training shards, their gradients and Adam state, the engine's
 weights, the switch's bucket, the activations and the KV cache (the last two unchecked on a CPU).
+The deployment (Workload.deploy: --deploy) sets each stage's ranks and how the stages add up:
+colocated, all ranks, in turn; separated, W/2 trainers and W/2 generators (TP 1, no EP) joined by
+a push, the sides overlapped at S >= 1; hybrid, an actor of W - K ranks, the reference on K others.
 
 The search is exhaustive: every block is alike, so a layout is a handful of degrees (TP, EP in each
-phase, PP, micro-batches, FSDP within or across nodes), each a divisor of the device count W, and a
-candidate costs a fraction of a millisecond to price. With d(W) divisors and m micro-batch counts
-there are about 2 m d(W) layouts without EP and m e(W)^2 with it (e: the EP degrees dividing both W
-and the experts): 102 at W = 8, 403 at W = 384 with 64 experts. A dynamic program over stages
-(Alpa's) earns its place where stages differ; here every stage is the same block, and it would find
-the same answer.
+phase, PP, micro-batches, FSDP within or across nodes), each a divisor of the device count W, each
+priced in under a millisecond: with d(W) divisors and m micro-batch counts, about 2 m d(W) layouts
+without EP and m e(W)^2 with it (e: the EP degrees dividing W and the experts), 102 at W = 8. A
+dynamic program over stages (Alpa's) earns its place where stages differ; here every one is alike.
 
-The constants (Machine) come from a measurement on the machine planned for (options/
-layout_auto.py's calibrate) or from a file for one we do not have (bench/machines/*.json).
-The standard library only: it imports nothing of the project (the switch's byte counts are
-recomputed here, and tests/test_planner.py holds them equal to the run's own).
+The constants (Machine): measured on the machine planned for (options/layout_auto.py's calibrate),
+or from a file for one we do not have (bench/machines/*.json). The standard library only: the
+switch's byte counts are recomputed here (tests/test_planner.py holds them equal to the run's).
 """
 import argparse
 import dataclasses
@@ -130,6 +130,9 @@ class Model:
         return 2 * (self.n_layers * per_block + self.vocab * D)
 
 
+DEPLOYS = ("colocated", "colocated-all", "separated", "hybrid")  # the first two price the same
+
+
 @dataclass(frozen=True)
 class Workload:
     prompts_per_step: int
@@ -145,6 +148,8 @@ class Workload:
     chunk_steps: int = 8     # decode steps per sampler call at S >= 1 (and between EP agreements)
     threshold: float = 0.5   # StaleSync's: a replica decodes its share / threshold groups at once
     lengths: tuple = None    # the responses' lengths, equally likely; None: see response_lengths
+    deploy: str = "colocated"  # the run's --deploy: one of DEPLOYS
+    aux_ranks: int = 1       # --deploy hybrid: the ranks of the auxiliary stage (--aux-ranks)
 
     def __post_init__(self):
         if self.max_prompt_tokens is None:
@@ -161,6 +166,10 @@ class Workload:
             raise ValueError(f"chunk_steps {self.chunk_steps!r} must be an int >= 1")
         if not 0 < self.threshold <= 1:
             raise ValueError(f"threshold {self.threshold!r} must be in (0, 1]")
+        if self.deploy not in DEPLOYS:
+            raise ValueError(f"deploy {self.deploy!r} must be one of {', '.join(DEPLOYS)}")
+        if not (_is_int(self.aux_ranks) and self.aux_ranks >= 1):
+            raise ValueError(f"aux_ranks {self.aux_ranks!r} must be an int >= 1")
 
 
 @dataclass(frozen=True)
@@ -199,11 +208,28 @@ def divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def actor_ranks(machine, work):
+    """The ranks the colocated formulas price, as a Machine of their own: every rank (colocated);
+    each side's W/2 (separated: as many trainers as generators); the actor's W - K (hybrid). Where
+    they are not whole nodes, a group wider than gcd(ranks, devices_per_node) crosses nodes."""
+    W, k = machine.devices, machine.devices_per_node
+    n = {"separated": W // 2, "hybrid": W - work.aux_ranks}.get(work.deploy, W)
+    if n < 1 or work.deploy == "separated" and W % 2:
+        need = ("an even number of devices" if work.deploy == "separated"
+                else f"more devices than aux_ranks {work.aux_ranks}")
+        raise ValueError(f"deploy {work.deploy} needs {need} (got {W})")
+    per = min(n, k) if n % min(n, k) == 0 else math.gcd(n, k)
+    return dataclasses.replace(machine, devices=n, devices_per_node=per)
+
+
 def candidates(model, machine, work, micro_batches=(1, 2, 4, 8, 16, 32, 64), max_tp=4,
                max_pp=2):
     """Every layout the run can take: TP divides the heads and each expert's width; EP on in both
     phases or neither, dividing the experts, the degrees nesting, with TP 1, no PP and FSDP over
-    every rank; PP divides the blocks, a micro-batch per stage at least; HSDP over the nodes."""
+    every rank; PP divides the blocks, a micro-batch per stage at least; HSDP over the nodes. The
+    ranks are the deployment's (actor_ranks); separated and hybrid run neither PP nor HSDP, and
+    separated's generators are replicas of one rank each (TP 1), its experts in FSDP (no EP)."""
+    machine = actor_ranks(machine, work)
     W, out = machine.devices, []
     hsdp = (1, W // machine.devices_per_node)  # FSDP over every rank, or within each node
     for tp, pp, nodes, mb in itertools.product(divisors(W), divisors(W), set(hsdp), micro_batches):
@@ -216,6 +242,10 @@ def candidates(model, machine, work, micro_batches=(1, 2, 4, 8, 16, 32, 64), max
     for te, ie, mb in itertools.product(eps, eps, micro_batches):
         if max(te, ie) % min(te, ie) == 0 and work.prompts_per_step % W == 0:
             out.append(Layout(1, te, ie, 1, mb, 1))
+    if work.deploy in ("separated", "hybrid"):
+        out = [lay for lay in out if lay.train_pp == 1 and lay.nodes == 1]
+    if work.deploy == "separated":
+        out = [lay for lay in out if lay.infer_tp == 1 and not lay.train_ep]
     return out
 
 
@@ -313,7 +343,14 @@ def buckets(model, layout, bucket_bytes):
 
 def memory(model, machine, work, layout):
     """Rank 0's bytes by category: training (params, grads, optim, activations) and rollout
-    (params: the shards and EP's inference experts; infer: the engine's; bucket; kv)."""
+    (params: the shards and EP's inference experts; infer: the engine's; bucket; kv), over the
+    deployment's ranks (actor_ranks). Separated: a generator holds the engine and the push's bucket,
+    no shards. Hybrid: the auxiliary ranks' reference (one whole model) is not checked."""
+    return _memory(model, actor_ranks(machine, work), work, layout)
+
+
+def _memory(model, machine, work, layout):
+    """memory, over the ranks of `machine` as given."""
     params = train_bytes(model, machine, layout)
     tensors = sum(1 for n, _ in _stage_weights(model, layout, 0)
                   if not (layout.train_ep and _is_expert(n)))
@@ -337,6 +374,8 @@ def memory(model, machine, work, layout):
     kv = replica_rows * (work.prompt_tokens + work.max_new_tokens) * model.n_layers * 2 \
         * model.d_model / layout.infer_tp * model.dtype_bytes
     bucket = max(buckets(model, layout, work.bucket_bytes)) if layout.infer_tp > 1 else 0
+    if work.deploy == "separated":  # a generator: the engine only; the push lands bucket by bucket
+        inferred, bucket = 0, max(buckets(model, layout, work.bucket_bytes))
     # FSDP keeps its stage's parameters gathered from an update's first forward to its last
     # backward; a TP engine's load_weights takes one flat bucket at a time (in place: none)
     stage = set(_gathered(model, layout)) & set(_stage_weights(model, layout, 0))
@@ -476,13 +515,13 @@ def collective(machine, kind, nbytes, n, span=None):
     """Seconds for one collective over n ranks, its steps at the link's latency and its bytes at
     the bandwidth: a ring's all_reduce 2 (n - 1) steps and 2 (n - 1) / n of the bytes, all_gather
     (and reduce_scatter) n - 1 and (n - 1) / n; all_to_all one step (every message sent at once)
-    and (n - 1) / n; p2p one and all."""
+    and (n - 1) / n; p2p one and all; broadcast (a chain, pipelined) n - 1 and all."""
     if n <= 1:
         return 0.0
     link = _link(machine, span or n)
     steps, share = {"all_reduce": (2 * (n - 1), 2 * (n - 1) / n), "p2p": (1, 1.0),
                     "all_to_all": (1, (n - 1) / n), "all_gather": (n - 1, (n - 1) / n),
-                    "reduce_scatter": (n - 1, (n - 1) / n)}[kind]
+                    "reduce_scatter": (n - 1, (n - 1) / n), "broadcast": (n - 1, 1.0)}[kind]
     return steps * link.latency_s + share * nbytes / link.bandwidth
 
 
@@ -577,7 +616,7 @@ def switch_s(model, machine, work, lay):
     each update); the engine gathered from the shards, a broadcast per bucket, over the ranks
     FSDP shards over (every rank's, under PP: the other stage's weights); the experts re-sharded
     and back (where they move)."""
-    mem = memory(model, machine, work, lay)
+    mem = _memory(model, machine, work, lay)
     offload = 2 * mem["optim"] / machine.host_bandwidth
     span = machine.devices if lay.train_pp > 1 else _shard_ranks(machine, lay)
     link = _link(machine, span)
@@ -598,15 +637,62 @@ def score_s(model, machine, work, lay):
 
 
 def stages(model, machine, work, lay):
-    """Predicted seconds of each stage of one RL step."""
-    out = {"rollout": rollout_s(model, machine, work, lay),
-           "switch": switch_s(model, machine, work, lay),
-           "score": score_s(model, machine, work, lay),
-           "reference": train_s(model, machine, work, lay, backward=False) * work.reference,
-           "train": work.updates_per_batch * train_s(model, machine, work, lay),
-           "grad_sync": sync_s(model, machine, work, lay)}
+    """Predicted seconds of each stage of one RL step, each priced on the deployment's ranks
+    (actor_ranks); the step their sum, but where the deployment overlaps them (separated_step)."""
+    actor = actor_ranks(machine, work)
+    out = {"rollout": rollout_s(model, actor, work, lay),
+           "switch": switch_s(model, actor, work, lay),
+           "score": score_s(model, actor, work, lay),
+           "reference": train_s(model, actor, work, lay, backward=False) * work.reference,
+           "train": work.updates_per_batch * train_s(model, actor, work, lay),
+           "grad_sync": sync_s(model, actor, work, lay)}
+    if work.deploy == "separated":
+        out["switch"] = push_s(model, machine, work, lay)
+        return separated_step(work, out)
+    if work.deploy == "hybrid" and work.reference:
+        out["reference"] = aux_wait_s(model, machine, work, lay, out)
     out["step"] = sum(out.values())
     return out
+
+
+def push_s(model, machine, work, lay):
+    """--deploy separated's switch, the push (options/push.py): per bucket, the trainers gather it
+    from their FSDP shards as the colocated switch does, then trainer 0 broadcasts it to the W/2
+    generators (a group spanning the world). No offload: each side keeps its state. Left out: the
+    store's round trips, and a generator's wait for its decode chunk's end before it joins."""
+    W, sizes = machine.devices, buckets(model, lay, work.bucket_bytes)
+    trainers = actor_ranks(machine, work)
+    link = _link(machine, W // 2)
+    gather = switch_bytes(model, trainers, lay) / link.bandwidth + len(sizes) * link.latency_s
+    return gather + sum(collective(machine, "broadcast", b, W // 2 + 1, span=W) for b in sizes)
+
+
+def separated_step(work, t):
+    """--deploy separated (options/separated.py): the generators roll out and score, the trainers
+    run the reference, train and sync, and both take part in the push (switch). At S = 0 a round
+    waits for the last batch's weights, the trainers for its batch: the sum. At S >= 1 the
+    generators decode the next batch while the trainers train, the faster side waiting for the
+    slower: trainer 0's step (the run's) is the push and the slower side."""
+    generate = t["rollout"] + t["score"]
+    train = t["reference"] + t["train"] + t["grad_sync"]
+    t["step"] = t["switch"] + (max(generate, train) if work.staleness else generate + train)
+    return t
+
+
+def aux_wait_s(model, machine, work, lay, t):
+    """--deploy hybrid (options/hybrid.py): the actor (ranks [0, W - K)) runs the colocated step
+    but the reference's forward. Its K auxiliary ranks take their share of the groups as they are
+    put, one forward per piece of a micro-batch's groups, padded to its longest row (put order).
+    They work from the rollout's start (optimistic: groups complete late); the last piece's group
+    is put at its end. The actor's wait, its "reference": what is left after the switch and the
+    score, at least that piece. Left out: the queue's transfers, a reward model."""
+    per = max(1, work.prompts_per_step
+              // (lay.micro_batches * work.updates_per_batch * work.aux_ranks))  # groups a piece
+    pieces = math.ceil(work.prompts_per_step / work.aux_ranks / per)
+    seq = work.max_prompt_tokens + work.max_new_tokens
+    piece = forward_s(model, machine, per * work.group_size * seq, seq / 2, model.n_layers)
+    lead = t["switch"] + t["score"]
+    return max(0.0, piece - lead, pieces * piece - t["rollout"] - lead)
 
 
 # ----------------------------------------------------------------------------- the search
@@ -619,9 +705,10 @@ def plan(model, machine, work, runnable=None):
             continue
         rows.append((lay, stages(model, machine, work, lay), memory(model, machine, work, lay),
                      overflow(model, machine, work, lay)))
-    rows.sort(key=lambda r: (r[3] is not None, r[1]["step"]))
+    rows.sort(key=lambda r: (r[3] is not None, r[1]["step"], peak(r[2])))  # ties: less memory
     if not rows:
-        raise ValueError(f"no layout of {machine.devices} devices runs this model")
+        raise ValueError(f"no layout of {machine.devices} devices runs this model "
+                         f"(deploy {work.deploy})")
     if rows[0][3] is not None:
         smallest = min(rows, key=lambda r: peak(r[2]))
         raise ValueError(f"no layout fits: the smallest, {smallest[3]}")
@@ -644,6 +731,8 @@ def main(argv=None):
     p.add_argument("--machine", required=True, help="a JSON file of Machine's fields")
     p.add_argument("--devices", type=int, help="override the file's device count")
     p.add_argument("--nodes", type=int, help="nodes the devices are spread over")
+    p.add_argument("--deploy", choices=DEPLOYS, default="colocated", help="as train_grpo.py's")
+    p.add_argument("--aux-ranks", type=int, default=1, help="--deploy hybrid's")
     for name, default in [("vocab", 14), ("d_model", 64), ("n_layers", 2), ("n_heads", 4),
                           ("n_experts", 4), ("top_k", 2), ("d_expert", 128),
                           ("prompts_per_step", 16), ("group_size", 8), ("prompt_tokens", 18.0),
@@ -652,9 +741,10 @@ def main(argv=None):
         p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
     a = p.parse_args(argv)
     model = Model(a.vocab, a.d_model, a.n_layers, a.n_heads, a.n_experts, a.top_k, a.d_expert)
-    work = Workload(a.prompts_per_step, a.group_size, a.prompt_tokens, a.response_tokens,
-                    a.max_new_tokens, max_prompt_tokens=a.max_prompt_tokens, staleness=a.staleness)
-    try:  # a bad machine, or one no layout fits: the reason, no traceback
+    try:  # a bad workload or machine, or one no layout fits: the reason, no traceback
+        work = Workload(a.prompts_per_step, a.group_size, a.prompt_tokens, a.response_tokens,
+                        a.max_new_tokens, max_prompt_tokens=a.max_prompt_tokens,
+                        staleness=a.staleness, deploy=a.deploy, aux_ranks=a.aux_ranks)
         devices = a.devices or Machine.load(a.machine).devices
         per_node = devices // a.nodes if a.nodes else None
         machine = Machine.load(a.machine, devices=devices, devices_per_node=per_node)
@@ -662,8 +752,8 @@ def main(argv=None):
     except ValueError as e:
         p.error(str(e))
     nodes = machine.devices // machine.devices_per_node
-    print(f"{machine.name}: {machine.devices} devices, {nodes} node(s); {len(rows)} candidates, "
-          "predicted seconds per RL step")
+    print(f"{machine.name}: {machine.devices} devices, {nodes} node(s), --deploy {work.deploy}; "
+          f"{len(rows)} candidates, predicted seconds per RL step")
     print(table(rows))
     print(json.dumps({"machine": machine.name, "chosen": rows[0][0].flags(),
                       "rl_step_s": rows[0][1]["step"], "candidates": len(rows)}))
