@@ -15,7 +15,8 @@ Each constant is the ranks' median (an all-gather), so every rank plans from the
 chooses the same layout. Rank 0 prints the table; the run goes on with the choice. `--layout
 auto` chooses the parallel layout only (--infer-tp, --train-ep, --infer-ep, --train-pp,
 --micro-batches): the deployment, S and the gradient compression stay as given, since they
-change what is trained.
+change what is trained. The planner prices the --deploy given (colocated, separated or hybrid
+with its --aux-ranks: workload_of), and its candidates pass the run's own checks (runnable).
 
 --device-memory-gib G, with any layout: the planner's memory model checks the layout against G
 GiB a rank before any process group, and a layout that overflows is refused, naming what does.
@@ -39,16 +40,16 @@ FIELDS = ("infer_tp", "train_ep", "infer_ep", "train_pp", "micro_batches")
 
 def errors(cfg, world):
     """--layout and --device-memory-gib, checked before any process group."""
-    out = []
-    if cfg.layout == "auto" and cfg.deploy not in ("colocated", "colocated-all"):
-        out.append(f"--layout auto plans colocated deployments (got --deploy {cfg.deploy})")
     if cfg.device_memory_gib is not None and not cfg.device_memory_gib > 0:
-        return out + [f"--device-memory-gib {cfg.device_memory_gib} must be > 0"]
-    if cfg.device_memory_gib is not None and cfg.layout != "auto":
-        mem = dataclasses.replace(_nominal(world), memory_bytes=cfg.device_memory_gib * 2**30)
+        return [f"--device-memory-gib {cfg.device_memory_gib} must be > 0"]
+    if cfg.device_memory_gib is None or cfg.layout == "auto":
+        return []
+    mem = dataclasses.replace(_nominal(world), memory_bytes=cfg.device_memory_gib * 2**30)
+    try:
         over = planner.overflow(model_of(cfg), mem, workload_of(cfg), layout_of(cfg))
-        out += [f"--device-memory-gib {cfg.device_memory_gib}: {over}"] if over else []
-    return out
+    except ValueError:  # a world or --aux-ranks the deployment refuses: its own check names it
+        return []
+    return [f"--device-memory-gib {cfg.device_memory_gib}: {over}"] if over else []
 
 
 def model_of(cfg):
@@ -69,7 +70,8 @@ def workload_of(cfg):
                             staleness=cfg.staleness, reference=cfg.kl_coef > 0,
                             updates_per_batch=cfg.updates_per_batch, chunk_steps=cfg.chunk_steps,
                             threshold=cfg.threshold,
-                            bucket_bytes=cfg.bucket_kb * 1024)
+                            bucket_bytes=cfg.bucket_kb * 1024, deploy=cfg.deploy,
+                            aux_ranks=cfg.aux_ranks or 1)  # (--aux-ranks's default: 1)
 
 
 def layout_of(cfg):
@@ -226,7 +228,8 @@ def choose(cfg, device, rank, group=None):
     rows = planner.plan(model_of(cfg), machine, workload_of(cfg), runnable(cfg, machine.devices))
     if rank == 0:
         print(f"--layout auto: {len(rows)} candidates on {machine.name}, {machine.devices} "
-              f"rank(s), predicted seconds per RL step\n{planner.table(rows)}", flush=True)
+              f"rank(s), --deploy {cfg.deploy}, predicted seconds per RL step\n"
+              f"{planner.table(rows)}", flush=True)
     return dataclasses.replace(cfg, layout="manual", **_flags(rows[0][0]))
 
 

@@ -1,5 +1,6 @@
 """The layout planner (options/planner.py): its byte counts equal the run's own, its machine checks, its refusals,
-its command line alone in a folder, and --layout auto end to end."""
+its command line alone in a folder, the separated and hybrid deployments' pricing, and --layout auto end to end."""
+import dataclasses
 import json
 import os
 import shutil
@@ -85,10 +86,18 @@ def test_bad_workloads_are_refused():
                        (dict(staleness=True), "staleness True must be an int"),
                        (dict(chunk_steps=0), "chunk_steps 0 must be"),
                        (dict(lengths=(0, 3)), "lengths .* must be ints"),
-                       (dict(lengths=(41,)), "in 1 .. max_new_tokens 40")]:
+                       (dict(lengths=(41,)), "in 1 .. max_new_tokens 40"),
+                       (dict(deploy="split"), "deploy 'split' must be one of colocated, colocated-all, separated, hybrid"),
+                       (dict(deploy="hybrid", aux_ranks=0), "aux_ranks 0 must be an int >= 1"),
+                       (dict(aux_ranks=1.5), "aux_ranks 1.5 must be an int")]:
         with pytest.raises(ValueError, match=match):
             planner.Workload(16, 8, 18.0, 18.0, 40, **bad)
     assert planner.Workload(16, 8, 18.0, 18.0, 40, lengths=[3, 5]).lengths == (3, 5)  # a list is kept as a tuple
+    model = planner.Model(14, 64, 2, 4, 4, 2, 128)  # a deployment the machine cannot hold, by name
+    with pytest.raises(ValueError, match=r"deploy separated needs an even number of devices \(got 3\)"):
+        planner.plan(model, _machine(devices=3, devices_per_node=3), _work(deploy="separated"))
+    with pytest.raises(ValueError, match=r"deploy hybrid needs more devices than aux_ranks 8 \(got 8\)"):
+        planner.plan(model, _machine(), _work(deploy="hybrid", aux_ranks=8))
 
 
 def test_the_plan_prices_the_pair():
@@ -104,8 +113,13 @@ def test_the_plan_prices_the_pair():
 
 
 def test_layout_flags_are_checked_before_any_process_group():
-    with pytest.raises(ValueError, match="--layout auto plans colocated deployments"):
-        validate(Config(layout="auto", deploy="separated"), 2)
+    validate(Config(layout="auto", deploy="separated"), 2)  # --layout auto keeps the deployment given
+    validate(Config(layout="auto", deploy="hybrid", aux_ranks=1), 3)
+    work = layout_auto.workload_of(Config(deploy="hybrid", aux_ranks=2))
+    assert (work.deploy, work.aux_ranks) == ("hybrid", 2)
+    assert layout_auto.workload_of(Config(deploy="hybrid")).aux_ranks == 1  # --aux-ranks's default
+    with pytest.raises(ValueError, match="--device-memory-gib 0.0001: .* needs .* MiB a rank"):
+        validate(Config(deploy="separated", device_memory_gib=0.0001), 2)
     with pytest.raises(ValueError, match="--device-memory-gib 0.0001: .* needs .* MiB a rank .*optim"):
         validate(Config(device_memory_gib=0.0001), 2)
     with pytest.raises(ValueError, match="--device-memory-gib -1.0 must be > 0"):
@@ -124,20 +138,91 @@ def test_the_planner_runs_alone(tmp_path):
     assert last["candidates"] > 10 and "chosen" in done.stdout.splitlines()[2]
 
 
-def _auto(rank, world_size, out_dir):
+SMALL = planner.Model(14, 64, 2, 4, 4, 2, 128)
+SIDES = ("rollout", "score", "train", "grad_sync")  # priced alike on a deployment's ranks and a colocated world of as many
+
+
+def _work(**changes):
+    return planner.Workload(16, 8, 18.0, 18.0, 40, **changes)
+
+
+@pytest.mark.parametrize("deploy, world, aux", [("separated", 4, None), ("separated", 8, None), ("hybrid", 3, 1),
+                                                ("hybrid", 6, 2)])
+def test_a_deployments_candidates_are_its_runs(deploy, world, aux):
+    """The planner's own candidates for a deployment (no runnable filter) are layouts its run takes, by the run's own
+    checks: separated, TP 1 and EP off (and neither PP nor HSDP); hybrid, TP and EP over the actor's ranks."""
+    cfg = Config(deploy=deploy, aux_ranks=aux, warmup_batch=60)
+    machine = _machine(devices=world, devices_per_node=world)
+    lays = planner.candidates(layout_auto.model_of(cfg), machine, layout_auto.workload_of(cfg))
+    check = layout_auto.runnable(cfg, world)
+    assert lays and [lay for lay in lays if not check(lay)] == []
+    assert all(lay.train_pp == 1 and lay.nodes == 1 for lay in lays)
+    if deploy == "separated":
+        assert {(lay.infer_tp, lay.train_ep) for lay in lays} == {(1, 0)}
+    else:  # the engine cut and the experts spread over the actor's ranks, not the world's
+        assert {lay.infer_tp for lay in lays} == {1, 2} | ({4} if world - aux == 4 else set())
+        assert max(lay.train_ep for lay in lays) == world - aux
+
+
+@pytest.mark.parametrize("S", [0, 1])
+def test_separated_prices_each_side_on_its_ranks_and_overlaps_them_when_stale(S):
+    """Separated at W = 8: each side's stages are a colocated world of 4's, the switch is the push. At S = 0 the
+    step is the sum of the stages; at S = 1 the push and the slower side, so that while the generators are the slower
+    a costlier training layout (more micro-batches) leaves the step as it is."""
+    machine, four, work = _machine(), _machine(devices=4, devices_per_node=4), _work(staleness=S, deploy="separated")
+    for lay in planner.candidates(SMALL, machine, work):
+        t, c = planner.stages(SMALL, machine, work, lay), planner.stages(SMALL, four, _work(staleness=S), lay)
+        assert {k: t[k] for k in SIDES + ("reference",)} == {k: c[k] for k in SIDES + ("reference",)}
+        assert 0 < t["switch"] != c["switch"]  # no offload: the push
+        parts = sum(v for k, v in t.items() if k != "step")
+        generate, train = t["rollout"] + t["score"], t["reference"] + t["train"] + t["grad_sync"]
+        assert t["step"] == pytest.approx(parts if S == 0 else t["switch"] + max(generate, train))
+        assert (t["step"] < parts - 1e-12) == (S > 0)
+    one, eight = (planner.stages(SMALL, machine, work, planner.Layout(micro_batches=m)) for m in (1, 8))
+    assert eight["train"] > one["train"] and eight["train"] + eight["reference"] < eight["rollout"]
+    assert (eight["step"] == pytest.approx(one["step"])) == (S > 0)
+
+
+def test_the_hybrid_actor_waits_for_its_reference_instead_of_computing_it():
+    """Hybrid, K auxiliary ranks: the actor's stages are a colocated world of W - K's, less the reference forward.
+    Its "reference" is the wait for the auxiliary ranks' columns: hidden behind the rollout at W = 8, K = 4 (less
+    than the forward it replaces); where one auxiliary rank computes a long-prompt batch's reference for 4 actor
+    ranks behind a 1-token rollout (a model large enough to be compute-bound), longer than an actor rank's forward."""
+    big = planner.Model(32000, 2048, 16, 16, 16, 2, 2048)
+    for model, world, aux, work in [(SMALL, 8, 4, _work(deploy="hybrid", aux_ranks=4)),
+                                    (big, 5, 1, planner.Workload(16, 8, 2000.0, 1.0, 1, deploy="hybrid"))]:
+        machine = _machine(devices=world, devices_per_node=world)
+        actor = _machine(devices=world - aux, devices_per_node=world - aux)
+        colocated = dataclasses.replace(work, deploy="colocated")
+        for lay in planner.candidates(model, machine, work):
+            t, c = planner.stages(model, machine, work, lay), planner.stages(model, actor, colocated, lay)
+            assert {k: t[k] for k in SIDES + ("switch",)} == {k: c[k] for k in SIDES + ("switch",)}
+            assert t["step"] == pytest.approx(c["step"] - c["reference"] + t["reference"])
+            if world == 8:
+                assert 0 <= t["reference"] < c["reference"]
+        off = dataclasses.replace(work, reference=False)  # the KL term off: nothing to wait for
+        assert planner.stages(model, machine, off, lay)["reference"] == 0
+    lay = planner.Layout()  # TP 1, EP off, 4 micro-batches: 4 pieces on the auxiliary rank, its 16 groups
+    t, c = planner.stages(big, machine, work, lay), planner.stages(big, actor, colocated, lay)
+    assert t["reference"] > c["reference"] and t["reference"] > t["rollout"]
+
+
+def _auto(rank, world_size, out_dir, deploy):
     from tests.test_train_grpo import TINY
     import train_grpo as T
     from plumbing.run import planned
     cfg = planned(Config(**dict(TINY, layout="auto", warmup_steps=0, steps=2, filter_groups=False,
-                                out=out_dir)))
+                                out=out_dir, deploy=deploy)))
     T.train(cfg, out_dir=out_dir)
     return {f: getattr(cfg, f) for f in layout_auto.FIELDS} | {"layout": cfg.layout}
 
 
 @pytest.mark.slow
-def test_layout_auto_runs_its_choice(tmp_path):
-    """World 2: every rank measures, every rank makes the same choice, and the run trains in it."""
-    out = run_distributed(_auto, world_size=2, timeout_s=300, args=(str(tmp_path / "auto"),))
+@pytest.mark.parametrize("deploy", ["colocated", "separated"])
+def test_layout_auto_runs_its_choice(tmp_path, deploy):
+    """World 2: every rank measures, every rank makes the same choice, and the run trains in it (separated: one
+    trainer, one generator)."""
+    out = run_distributed(_auto, world_size=2, timeout_s=300, args=(str(tmp_path / "auto"), deploy))
     assert out[0] == out[1] and out[0]["layout"] == "manual"
     assert len([line for line in open(tmp_path / "auto" / "metrics.jsonl")]) >= 2
 
