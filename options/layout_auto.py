@@ -5,12 +5,15 @@
 Every rank measures at once, so that ranks sharing a host's cores share them as they will in the
 run (torchrun --nproc_per_node=W -m options.layout_auto prints what it measured, as JSON):
   op_s, flops       the policy's forward over 1 token (nothing to compute) and over 4096;
-  step_s, row_s     a decode step of the run's sampler over 1 row and over 64;
+  step_s, row_s     a decode step of the run's sampler over 1 row; its decode of 64 of the task's
+                    prompts, rows ending at the end token (a finished row leaves the batch);
   batch_s, update_s the run's own GRPO update (grpo.grpo_update) in 1 and in 8 micro-batches;
   latency           a small all-reduce inside a loop of forwards, less the loop without it (the
                     ranks arrive a forward's jitter apart, as in a decode step);
   bandwidth         a 4 MiB all-reduce; host_bandwidth (and memory_bandwidth: on a CPU the host
-                    is the device) a 16 MiB copy; sample_s the task's rule.
+                    is the device) a 16 MiB copy; sample_s the task's rule;
+  queue_s, _row_s   the queue's step (distqueue.py, the run's columns): every rank puts rows, the
+                    ids are gathered, every rank reads its share; with 2 rows a rank and with 32.
 Each constant is the ranks' median (an all-gather), so every rank plans from the same numbers and
 chooses the same layout. Rank 0 prints the table; the run goes on with the choice. `--layout
 auto` chooses the parallel layout only (--infer-tp, --train-ep, --infer-ep, --train-pp,
@@ -26,9 +29,11 @@ import json
 import statistics
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+import distqueue
 import grpo
 import task
 from model import Policy, Sampler
@@ -83,7 +88,8 @@ def _nominal(world):
     """A machine of `world` devices for the memory check alone (its speeds are not read)."""
     link = planner.Link(0.0, 1.0)
     speeds = dict.fromkeys(("memory_bytes", "flops", "host_bandwidth", "memory_bandwidth", "step_s",
-                            "row_s", "op_s", "batch_s", "update_s", "sample_s"), 1.0)
+                            "row_s", "op_s", "batch_s", "update_s", "sample_s", "queue_s",
+                            "queue_row_s"), 1.0)
     return planner.Machine(world, world, intra=link, inter=link, **speeds)
 
 
@@ -120,6 +126,22 @@ def _decode_step_s(model, cfg, rows):
     return _timed(lambda: sampler(contexts, list(range(rows)))) / steps
 
 
+def _decode_row_s(model, cfg, pm, flops, op_s, one):
+    """Seconds per row-step of a decode as the run meets it: the run's sampler on 64 of the task's
+    prompts, rows ending at the end token, a finished row leaving the batch (its cache rows copied
+    out), contexts growing to the budget. Its forwards F (the longest response) and row-steps R
+    (every response's tokens) are counted, its prefill priced as the planner prices it, and `one`,
+    a decode step of one row, taken for each forward: the rest is R - F row-steps."""
+    contexts = task.make_prompts(np.random.default_rng(cfg.seed), 64, cfg.max_digits)
+    sampler = Sampler(model, cfg.max_new_tokens, task.EOS, task.PAD, cfg.temperature, keep=False)
+    lengths = [len(t) for t in sampler(contexts, list(range(64))).tokens]
+    forwards, row_steps = max(lengths), sum(lengths)
+    tokens = sum(len(c) for c in contexts)
+    prefill = pm.n_layers * op_s + tokens * pm.flops_per_token(tokens / 64) / flops
+    spent = _timed(lambda: sampler(contexts, list(range(64)))) - prefill - forwards * one
+    return max(spent / max(row_steps - forwards, 1), 1e-9)
+
+
 def _samples(cfg, rows, response):
     """A batch shaped as the run's: rows of a mean prompt and `response` tokens, random."""
     g = torch.Generator().manual_seed(cfg.seed)
@@ -145,6 +167,41 @@ def _forward_s(model, tokens, device, width):
     batch = torch.randint(1, task.VOCAB, shape, device=device)
     with torch.no_grad():
         return _timed(lambda: model(batch))
+
+
+def _queue_step_s(cfg, device, group, world):
+    """(queue_s, queue_row_s): one step's queue traffic as the run makes it, every rank writing
+    `rows` rows of the run's columns (a mean prompt and response), the ids gathered, every rank
+    reading its share of them all (a DP group of the world), timed at 2 and 32 rows a rank."""
+    columns = {"prompt": "int64", "response": "int64", "old_logprobs": "float32",
+               "reward": "float32", "rule_reward": "float32", "advantage": "float32",
+               "stale": "int64"}
+    spec = distqueue.QueueSpec(columns=columns, scalars=("reward", "rule_reward", "advantage"),
+                               stages={"train": tuple(columns)}, timeout_s=cfg.pg_timeout_s,
+                               name="calibrate")
+    pg = dist.new_group(backend="gloo") if world > 1 and device.type != "cpu" else group
+    queue = distqueue.DistQueue(spec, pg=pg if world > 1 else None)
+    dp_group = (group or dist.group.WORLD) if world > 1 else None
+    prompt, response = cfg.max_digits // 2 + 2, min(cfg.max_new_tokens, cfg.max_digits // 2 + 2)
+
+    def rows_of(n):
+        ints, floats = torch.ones(prompt, dtype=torch.long), torch.zeros(response)
+        return {"prompt": [ints] * n, "response": [ints[:1].repeat(response)] * n,
+                "old_logprobs": [floats] * n, "reward": [0.0] * n, "rule_reward": [0.0] * n,
+                "advantage": [0.0] * n, "stale": [torch.zeros(4, dtype=torch.long)] * n}
+
+    def step(columns):
+        mine = queue.put(columns)
+        ids = [mine]
+        if world > 1:
+            ids = [None] * world
+            dist.all_gather_object(ids, mine, group=group)
+        every = {r for part in ids for r in part}
+        queue.get("train", len(every), dp_group=dp_group, only=every)
+    small, large = rows_of(2), rows_of(32)
+    few, many = _timed(lambda: step(small)), _timed(lambda: step(large))
+    row_s = max((many - few) / 30, 1e-9)
+    return max(few - 2 * row_s, 1e-7), row_s
 
 
 def _in_loop_latency_s(model, device, group, n):
@@ -180,8 +237,8 @@ def calibrate(cfg, device, group=None):
     flops = 4096 * pm.flops_per_token(width / 2) / max(big - tiny, 1e-9)
     op_s = tiny / L                                       # a block's forward, nothing to compute
     with torch.no_grad():
-        one, many = _decode_step_s(model, cfg, 1), _decode_step_s(model, cfg, 64)
-    row_s = max((many - one) / 63, 1e-9)                  # a decode step's cost per row
+        one = _decode_step_s(model, cfg, 1)
+        row_s = _decode_row_s(model, cfg, pm, flops, tiny / L, one)  # per row, as the run decodes
     step_s = max(one - tiny - row_s, 1e-7)                # a step beyond its forward and rows
     two = _samples(cfg, 8, 4)                               # 8 rows of a few tokens
     one_mb, eight_mb = (_update_s(model, cfg, two, m, device) for m in (1, 8))
@@ -196,8 +253,9 @@ def calibrate(cfg, device, group=None):
     host_bw = host.nbytes / _timed(lambda: host.copy_(src))
     pairs = _samples(cfg, 64, cfg.max_digits // 2 + 1)
     sample_s = _timed(lambda: task.rewards(pairs.prompts, pairs.responses)) / 64
+    queue_s, queue_row_s = _queue_step_s(cfg, device, group, world)
     raw = [1 / flops, op_s, max(step_s, 1e-7), batch_s, update_s, latency, 1 / bandwidth,
-           1 / host_bw, sample_s, row_s]
+           1 / host_bw, sample_s, row_s, queue_s, queue_row_s]
     if world > 1:  # the median rank's constants, on every rank
         t = torch.tensor(raw, dtype=torch.float64, device=device)
         every = [torch.empty_like(t) for _ in range(world)]
@@ -208,7 +266,8 @@ def calibrate(cfg, device, group=None):
     return planner.Machine(world, world, _memory_bytes(device, world), flops=1 / raw[0],
                            host_bandwidth=copy, memory_bandwidth=copy, step_s=raw[2], op_s=raw[1],
                            batch_s=raw[3], update_s=raw[4], sample_s=raw[8], row_s=raw[9],
-                           intra=link, inter=link, name=f"this machine ({device.type})")
+                           queue_s=raw[10], queue_row_s=raw[11], intra=link, inter=link,
+                           name=f"this machine ({device.type})")
 
 
 def _memory_bytes(device, world):

@@ -18,7 +18,8 @@ memory for the KV cache but pays two all-reduces per layer at every decode step.
              (the least a rank can receive: switch_bytes), the experts re-sharded (ep_bytes);
   reference  a forward over the rank's share of the batch (when the KL penalty is on);
   train      a forward and a backward per micro-batch, EP's all-to-alls, PP's bubble;
-  score      the rule on each sample, the rows into the queue;
+  score      the rule on each sample;
+  queue      the rows into the queue, their ids to every rank, each trainer's share read;
   grad sync  FSDP's all-gather and reduce-scatter (across the nodes' link where FSDP spans nodes),
              EP's gradient sum over each expert's replicas, the optimizer step.
 A collective over n ranks costs its steps at the link's latency plus its bytes at the link's
@@ -72,7 +73,9 @@ class Machine:
     op_s: float            # a block's fixed cost per forward: kernel launches, dispatch
     batch_s: float         # a training micro-batch's fixed cost beyond its blocks: loss, copies
     update_s: float        # an optimizer update: the clip, AdamW's step, the zeroing
-    sample_s: float        # scoring one sample and queueing it
+    sample_s: float        # scoring one sample
+    queue_s: float         # a step's queue traffic, fixed: the store's round trips and waits
+    queue_row_s: float     # a step's queue traffic per row a rank puts and reads
     intra: Link            # within a node
     inter: Link            # across nodes
     name: str = "machine"
@@ -82,7 +85,8 @@ class Machine:
             raise ValueError(f"devices {self.devices} must be >= 1 and a multiple of "
                              f"devices_per_node {self.devices_per_node} (>= 1)")
         for name in ("memory_bytes", "flops", "host_bandwidth", "memory_bandwidth", "step_s",
-                     "op_s", "batch_s", "update_s", "sample_s", "row_s"):
+                     "op_s", "batch_s", "update_s", "sample_s", "row_s", "queue_s",
+                     "queue_row_s"):
             _positive(self, name)
 
     @classmethod
@@ -538,7 +542,8 @@ def rollout_s(model, machine, work, lay):
     the rows. Its prefills (the new rows' prompts, and at S >= 1 the carried rows' prefixes read
     again under new weights), then its decode forwards, each a fixed cost, the weights it reads,
     its live rows' cost split over TP, TP's all-reduces and EP's all-to-alls (an EP group spans
-    the world: a rank from each row of the rank grid)."""
+    the world: a rank from each row of the rank grid); the cut's all-gather at every loop turn
+    (a decode chunk) and its spare slots' at the end."""
     W, D, k, B, L = machine.devices, model.d_model, model.top_k, model.dtype_bytes, model.n_layers
     replicas = W // lay.infer_tp
     shape = round_shape(work, work.prompts_per_step)
@@ -560,7 +565,9 @@ def rollout_s(model, machine, work, lay):
     prefill += tokens * model.flops_per_token(context) / lay.infer_tp / machine.flops
     prefill += 2 * L * shape["prefills"] * collective(  # TP's all-reduces over the contexts
         machine, "all_reduce", tokens / max(shape["prefills"], 1) * D * B, lay.infer_tp)
-    return prefill + decode
+    turns = 1 if work.staleness == 0 else max(shape["forwards"] / work.chunk_steps, 1)
+    cut = (turns + 1) * collective(machine, "all_gather", 8 * 7, W)  # the shared cut's facts
+    return prefill + decode + cut
 
 
 def padded_length(work, lay):
@@ -631,9 +638,19 @@ def switch_s(model, machine, work, lay):
 
 
 def score_s(model, machine, work, lay):
-    """Scoring the replica's samples, the rows into the queue and their ids to every rank."""
+    """Scoring the replica's samples, and the step's small all-reduces (the curriculum's counts,
+    the step's figures)."""
     rows = work.prompts_per_step * work.group_size * lay.infer_tp / machine.devices
     return rows * machine.sample_s + 3 * collective(machine, "all_reduce", 8, machine.devices)
+
+
+def queue_s(model, machine, work, lay):
+    """The rows into the queue (one writer a replica), their ids to every rank, each trainer's
+    share read: the measured fixed cost, and the cost per row of the mean of the rows a writer
+    puts and a trainer reads (the calibration's ranks put and read alike)."""
+    batch = work.prompts_per_step * work.group_size
+    put, read = batch * lay.infer_tp / machine.devices, batch * lay.train_pp / machine.devices
+    return machine.queue_s + machine.queue_row_s * (put + read) / 2
 
 
 def stages(model, machine, work, lay):
@@ -643,6 +660,7 @@ def stages(model, machine, work, lay):
     out = {"rollout": rollout_s(model, actor, work, lay),
            "switch": switch_s(model, actor, work, lay),
            "score": score_s(model, actor, work, lay),
+           "queue": queue_s(model, actor, work, lay),
            "reference": train_s(model, actor, work, lay, backward=False) * work.reference,
            "train": work.updates_per_batch * train_s(model, actor, work, lay),
            "grad_sync": sync_s(model, actor, work, lay)}
@@ -669,12 +687,12 @@ def push_s(model, machine, work, lay):
 
 def separated_step(work, t):
     """--deploy separated (options/separated.py): the generators roll out and score, the trainers
-    run the reference, train and sync, and both take part in the push (switch). At S = 0 a round
+    read their rows (queue), run the reference, train and sync, and both take part in the push (switch). At S = 0 a round
     waits for the last batch's weights, the trainers for its batch: the sum. At S >= 1 the
     generators decode the next batch while the trainers train, the faster side waiting for the
     slower: trainer 0's step (the run's) is the push and the slower side."""
     generate = t["rollout"] + t["score"]
-    train = t["reference"] + t["train"] + t["grad_sync"]
+    train = t["queue"] + t["reference"] + t["train"] + t["grad_sync"]
     t["step"] = t["switch"] + (max(generate, train) if work.staleness else generate + train)
     return t
 
@@ -717,7 +735,7 @@ def plan(model, machine, work, runnable=None):
 
 def table(rows, top=10):
     """The candidates as text, the choice first: each stage's predicted seconds, peak MiB."""
-    cols = ("step", "rollout", "switch", "score", "reference", "train", "grad_sync")
+    cols = ("step", "rollout", "switch", "score", "queue", "reference", "train", "grad_sync")
     lines = [f"{'':7} {'layout':<36}" + "".join(f"{c:>10}" for c in cols) + f"{'MiB':>10}"]
     for i, (lay, t, mem, over) in enumerate(rows[:top]):
         mark = "chosen" if i == 0 else ("no fit" if over else "")

@@ -107,7 +107,7 @@ def test_the_plan_prices_the_pair():
     rows = planner.plan(model, _machine(), work)
     steps = [t["step"] for _, t, _, over in rows if over is None]
     assert rows[0][1]["step"] == min(steps) and rows[0][3] is None
-    assert set(rows[0][1]) == {"rollout", "switch", "score", "reference", "train", "grad_sync", "step"}
+    assert set(rows[0][1]) == {"rollout", "switch", "score", "queue", "reference", "train", "grad_sync", "step"}
     two_nodes = planner.plan(model, _machine(devices=16), work)
     assert any(lay.nodes == 2 for lay, *_ in two_nodes)  # HSDP across the 2 nodes is a candidate
 
@@ -139,7 +139,7 @@ def test_the_planner_runs_alone(tmp_path):
 
 
 SMALL = planner.Model(14, 64, 2, 4, 4, 2, 128)
-SIDES = ("rollout", "score", "train", "grad_sync")  # priced alike on a deployment's ranks and a colocated world of as many
+SIDES = ("rollout", "score", "queue", "train", "grad_sync")  # priced alike on a deployment's ranks and a colocated world of as many
 
 
 def _work(**changes):
@@ -175,7 +175,7 @@ def test_separated_prices_each_side_on_its_ranks_and_overlaps_them_when_stale(S)
         assert {k: t[k] for k in SIDES + ("reference",)} == {k: c[k] for k in SIDES + ("reference",)}
         assert 0 < t["switch"] != c["switch"]  # no offload: the push
         parts = sum(v for k, v in t.items() if k != "step")
-        generate, train = t["rollout"] + t["score"], t["reference"] + t["train"] + t["grad_sync"]
+        generate, train = t["rollout"] + t["score"], t["queue"] + t["reference"] + t["train"] + t["grad_sync"]
         assert t["step"] == pytest.approx(parts if S == 0 else t["switch"] + max(generate, train))
         assert (t["step"] < parts - 1e-12) == (S > 0)
     one, eight = (planner.stages(SMALL, machine, work, planner.Layout(micro_batches=m)) for m in (1, 8))
