@@ -6,14 +6,16 @@
 
 One fixed workload (no warm-up, so the untrained policy ends a response at its end token with probability about
 1/14 a token; --rl-seconds 0, --steps, no dynamic sampling, no curriculum, S = 0 or --staleness), run by train_grpo.py
-at world 2 and 4 in every layout listed below and in the one the planner chooses for each world. First the machine is
+at world 2 and 4 in every layout listed below (colocated; and --deploy separated at both worlds, hybrid with 2
+auxiliary ranks at world 4, each priced as its deployment) and in the one the planner chooses for each world. First the machine is
 measured at each world (torchrun -m options.layout_auto: the constants --layout auto plans with). Then the layouts
 run --repeats times, interleaved (layout after layout, then again), each a torchrun, the machine measured again
 before each repeat after the first. A layout's step time is the median over its steps from the third on; its
 measured time is the median of its repeats, its predicted time the median of its repeats' predictions. Reported:
 each layout's predicted and measured seconds per RL step and their relative error; the Spearman rank correlation of
 predicted against measured over every layout; chosen_over_best, the planner's choice's measured time over the
-fastest measured at that world (the larger of the two worlds); median_rel_err.
+fastest colocated layout measured at that world (the larger of the two worlds; --layout auto keeps the deployment);
+median_rel_err. The table also holds each stage's measured seconds (time/<stage>_s, the queue's from perf/queue_frac).
 
 Memory: the same layouts' bytes per rank on a model of about 13M parameters (d_model 256, 4 blocks, 8 experts of width
 512), each run for two steps (the second switch's, with the Adam state): the run's mem/* figures (training shards, Adam
@@ -40,9 +42,11 @@ WORKLOAD = ["--warmup-steps", "0", "--rl-seconds", "0", "--filter-groups", "0", 
             "--staleness", "0", "--eval-prompts", "16", "--eval-every", "1000", "--log-every", "1000"]
 LAYOUTS = {2: ["--train-ep 0", "--train-ep 2 --infer-ep 1", "--train-ep 2 --infer-ep 1 --micro-batches 1",
                "--train-ep 2 --infer-ep 1 --micro-batches 8", "--train-ep 2 --infer-ep 2", "--infer-tp 2",
-               "--train-pp 2", "--train-ep 0 --micro-batches 8"],
+               "--train-pp 2", "--train-ep 0 --micro-batches 8", "--deploy separated"],
            4: ["--train-ep 0 --micro-batches 2", "--train-ep 2 --infer-ep 1", "--train-ep 4 --infer-ep 4",
-               "--train-ep 2 --infer-ep 4", "--infer-tp 2", "--infer-tp 4", "--train-pp 2"]}
+               "--train-ep 2 --infer-ep 4", "--infer-tp 2", "--infer-tp 4", "--train-pp 2", "--deploy separated",
+               "--deploy hybrid --aux-ranks 2"]}
+MEASURED = ("rollout", "switch", "score", "reference", "train")  # time/<stage>_s; the queue from perf/queue_frac
 BIG = ["--d-model", "256", "--n-layers", "4", "--n-experts", "8", "--d-expert", "512", "--bucket-kb", "4096"]
 
 
@@ -114,14 +118,18 @@ def ranking(machines, repeats, steps):
         rows = planner.plan(layout_auto.model_of(cfg), machine, workload(cfg), layout_auto.runnable(cfg, world))
         chosen[world] = " ".join(f"--{k.replace('_', '-')} {getattr(rows[0][0], k)}" for k in layout_auto.FIELDS)
         for flags in LAYOUTS[world] + [chosen[world]]:
-            layouts[(world, flags)] = dict(measured=[], predicted=[], stages=[])
+            layouts[(world, flags)] = dict(measured=[], predicted=[], stages=[], measured_stages=[])
     calibrations = []
     for repeat in range(repeats):
         now = machines if repeat == 0 else {w: calibrate(w) for w in machines}
         calibrations.append(now)
         for (world, flags), runs in layouts.items():
             recs = measure(world, flags, steps)
-            runs["measured"].append(statistics.median(r["time/step_s"] for r in recs if r["step"] >= 3))
+            recs = [r for r in recs if r["step"] >= 3]
+            runs["measured"].append(statistics.median(r["time/step_s"] for r in recs))
+            seen = {k: statistics.median(r[f"time/{k}_s"] for r in recs) for k in MEASURED}
+            seen["queue"] = statistics.median(r["perf/queue_frac"] * r["time/step_s"] for r in recs)
+            runs["measured_stages"].append(seen)
             cfg = config(world, flags)
             stage = planner.stages(layout_auto.model_of(cfg), now[world], workload(cfg), layout_auto.layout_of(cfg))
             runs["predicted"].append(stage["step"])
@@ -131,9 +139,10 @@ def ranking(machines, repeats, steps):
     table = []
     for (world, flags), runs in layouts.items():
         stages = {k: round(statistics.median(s[k] for s in runs["stages"]), 4) for k in runs["stages"][0]}
+        seen = {k: round(statistics.median(s[k] for s in runs["measured_stages"]), 4) for k in MEASURED + ("queue",)}
         table.append(dict(world=world, layout=flags, predicted_s=statistics.median(runs["predicted"]),
                           measured_s=statistics.median(runs["measured"]), chosen=flags == chosen[world],
-                          stages=stages))
+                          stages=stages, measured_stages=seen))
     return table, chosen, calibrations
 
 
@@ -142,8 +151,9 @@ def memory(machines):
     rows = []
     for world in machines:
         for flags in LAYOUTS[world]:
-            if "pp" in flags and world == 4:
-                continue  # a 4-block model at PP 2 and world 4 is the same check as at world 2
+            if "pp" in flags and world == 4 or "deploy" in flags:
+                continue  # a 4-block model at PP 2 and world 4 is the same check as at world 2; the deployments'
+                # memory is the colocated formulas' over their ranks (tests/test_planner.py)
             rec = measure(world, flags, 2, extra=BIG)[-1]  # step 2: the Adam state exists
             cfg = config(world, flags, BIG)
             model, lay = layout_auto.model_of(cfg), layout_auto.layout_of(cfg)
@@ -181,7 +191,9 @@ def main():
         r["rel_err"] = err
         mark = " (chosen)" if r["chosen"] else ""
         print(f"{r['world']:>5} {r['layout'] + mark:<52} {r['predicted_s']:9.3f} {r['measured_s']:8.3f} {err:+7.1%}")
-    best = {w: min(r["measured_s"] for r in table if r["world"] == w) for w in machines}
+    # the planner chooses among the colocated layouts (--layout auto keeps the deployment): the best of those
+    best = {w: min(r["measured_s"] for r in table if r["world"] == w and "deploy" not in r["layout"])
+            for w in machines}
     over = max(r["measured_s"] / best[r["world"]] for r in table if r["chosen"])
     mem = memory(machines) if a.memory else [dict(rel_err=0.0, figure="none", world=0, layout="not checked")]
     worst = max(mem, key=lambda r: r["rel_err"])

@@ -12,6 +12,7 @@ run (torchrun --nproc_per_node=W -m options.layout_auto prints what it measured,
                     ranks arrive a forward's jitter apart, as in a decode step);
   bandwidth         a 4 MiB all-reduce; host_bandwidth (and memory_bandwidth: on a CPU the host
                     is the device) a 16 MiB copy; sample_s the task's rule;
+  cores             the CPU's cores the ranks share (0 on an accelerator);
   queue_s, _row_s   the queue's step (distqueue.py, the run's columns): every rank puts rows, the
                     ids are gathered, every rank reads its share; with 2 rows a rank and with 32.
 Each constant is the ranks' median (an all-gather), so every rank plans from the same numbers and
@@ -26,6 +27,7 @@ GiB a rank before any process group, and a layout that overflows is refused, nam
 """
 import dataclasses
 import json
+import os
 import statistics
 import time
 
@@ -267,14 +269,18 @@ def calibrate(cfg, device, group=None):
                            host_bandwidth=copy, memory_bandwidth=copy, step_s=raw[2], op_s=raw[1],
                            batch_s=raw[3], update_s=raw[4], sample_s=raw[8], row_s=raw[9],
                            queue_s=raw[10], queue_row_s=raw[11], intra=link, inter=link,
-                           name=f"this machine ({device.type})")
+                           cores=_cores(device), name=f"this machine ({device.type})")
+
+
+def _cores(device):
+    """The cores a CPU's ranks share (0 for an accelerator: each computes alone)."""
+    return 0 if device.type != "cpu" else len(os.sched_getaffinity(0))
 
 
 def _memory_bytes(device, world):
     """A rank's memory: the accelerator's, or the host's RAM shared by its ranks."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
-    import os
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world
 
 

@@ -79,8 +79,11 @@ class Machine:
     intra: Link            # within a node
     inter: Link            # across nodes
     name: str = "machine"
+    cores: int = 0         # the compute units all the devices share (a CPU's cores); 0: their own
 
     def __post_init__(self):
+        if not (_is_int(self.cores) and self.cores >= 0):
+            raise ValueError(f"cores {self.cores!r} must be an int >= 0 (0: a device computes alone)")
         if self.devices < 1 or self.devices_per_node < 1 or self.devices % self.devices_per_node:
             raise ValueError(f"devices {self.devices} must be >= 1 and a multiple of "
                              f"devices_per_node {self.devices_per_node} (>= 1)")
@@ -223,7 +226,23 @@ def actor_ranks(machine, work):
                 else f"more devices than aux_ranks {work.aux_ranks}")
         raise ValueError(f"deploy {work.deploy} needs {need} (got {W})")
     per = min(n, k) if n % min(n, k) == 0 else math.gcd(n, k)
-    return dataclasses.replace(machine, devices=n, devices_per_node=per)
+    return _busy(dataclasses.replace(machine, devices=n, devices_per_node=per), W, work)
+
+
+def _busy(machine, world, work):
+    """Where the devices share `cores` (ranks on one CPU), the constants were measured with every
+    rank busy. Separated at S = 0 runs its sides in turn, each while the other waits: a side runs
+    faster, up to a core a rank, its compute speeds scaled by its share of the cores over the
+    world's. (The hybrid's auxiliary ranks serve and poll the queue: priced busy.)"""
+    alone = work.deploy == "separated" and not work.staleness
+    busy = machine.devices if alone else world
+    if not machine.cores or busy == world:
+        return machine
+    f = min(1.0, machine.cores / busy) / min(1.0, machine.cores / world)  # >= 1
+    times = {n: getattr(machine, n) / f for n in ("step_s", "row_s", "op_s", "batch_s",
+                                                  "update_s", "sample_s")}
+    return dataclasses.replace(machine, flops=machine.flops * f, **times,
+                               memory_bandwidth=machine.memory_bandwidth * f)
 
 
 def candidates(model, machine, work, micro_batches=(1, 2, 4, 8, 16, 32, 64), max_tp=4,

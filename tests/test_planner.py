@@ -70,7 +70,9 @@ def test_bad_machines_are_refused():
     with pytest.raises(ValueError, match="devices 12 must be .* a multiple of devices_per_node 8"):
         _machine(devices=12)
     with pytest.raises(ValueError, match="unknown machine fields"):
-        planner.Machine.load({**raw, "cores": 2})
+        planner.Machine.load({**raw, "speed": 2})
+    with pytest.raises(ValueError, match="cores -1 must be an int >= 0"):
+        _machine(cores=-1)
     with pytest.raises(ValueError, match="flops nan"):
         _machine(flops=float("nan"))
     model = planner.Model(14, 64, 2, 4, 4, 2, 128)
@@ -181,6 +183,18 @@ def test_separated_prices_each_side_on_its_ranks_and_overlaps_them_when_stale(S)
     one, eight = (planner.stages(SMALL, machine, work, planner.Layout(micro_batches=m)) for m in (1, 8))
     assert eight["train"] > one["train"] and eight["train"] + eight["reference"] < eight["rollout"]
     assert (eight["step"] == pytest.approx(one["step"])) == (S > 0)
+
+
+def test_ranks_sharing_a_cpus_cores_compute_faster_while_the_other_side_waits():
+    """4 ranks on 2 cores, measured all busy: separated at S = 0 runs a side of 2 at a time, so each of its ranks
+    computes twice as fast (a core each); at S = 1 both sides compute at once, and with cores 0 (a device computes
+    alone) nothing changes."""
+    cpu = _machine(devices=4, devices_per_node=4, cores=2)
+    for S, cores, faster in [(0, 2, 2.0), (1, 2, 1.0), (0, 0, 1.0)]:
+        side = planner.actor_ranks(dataclasses.replace(cpu, cores=cores), _work(deploy="separated", staleness=S))
+        assert side.devices == 2
+        assert side.flops == pytest.approx(cpu.flops * faster) and side.step_s == pytest.approx(cpu.step_s / faster)
+    assert planner.actor_ranks(cpu, _work()) == cpu  # colocated: every rank busy, as measured
 
 
 def test_the_hybrid_actor_waits_for_its_reference_instead_of_computing_it():
