@@ -7,7 +7,8 @@
 One fixed workload (no warm-up, so the untrained policy ends a response at its end token with probability about
 1/14 a token; --rl-seconds 0, --steps, no dynamic sampling, no curriculum, S = 0 or --staleness), run by train_grpo.py
 at world 2 and 4 in every layout listed below (colocated; and --deploy separated at both worlds, hybrid with 2
-auxiliary ranks at world 4, each priced as its deployment) and in the one the planner chooses for each world. First the machine is
+auxiliary ranks at world 4, each priced as its deployment) and in the one the planner chooses for each world (where
+that is a listed layout, the flags resolved alike, it is that one, measured once). First the machine is
 measured at each world (torchrun -m options.layout_auto: the constants --layout auto plans with). Then the layouts
 run --repeats times, interleaved (layout after layout, then again), each a torchrun, the machine measured again
 before each repeat after the first. A layout's step time is the median over its steps from the third on; its
@@ -106,6 +107,12 @@ def spearman(xs, ys):
     return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
 
 
+def _layout(world, flags):
+    """What a run of these flags runs: its layout and deployment, the defaults resolved."""
+    cfg = config(world, flags)
+    return layout_auto.layout_of(cfg), cfg.deploy, cfg.aux_ranks
+
+
 def ranking(machines, repeats, steps):
     """Every layout's predicted and measured step time (each stage the median of its repeats' predictions), the
     planner's choice at each world (from the first calibration, as --layout auto chooses at the start, here for the
@@ -116,8 +123,10 @@ def ranking(machines, repeats, steps):
     for world, machine in machines.items():
         cfg = config(world, "")
         rows = planner.plan(layout_auto.model_of(cfg), machine, workload(cfg), layout_auto.runnable(cfg, world))
-        chosen[world] = " ".join(f"--{k.replace('_', '-')} {getattr(rows[0][0], k)}" for k in layout_auto.FIELDS)
-        for flags in LAYOUTS[world] + [chosen[world]]:
+        choice = " ".join(f"--{k.replace('_', '-')} {getattr(rows[0][0], k)}" for k in layout_auto.FIELDS)
+        same = [f for f in LAYOUTS[world] if _layout(world, f) == _layout(world, choice)]
+        chosen[world] = same[0] if same else choice  # a listed layout the planner chose is measured once
+        for flags in LAYOUTS[world] + ([] if same else [choice]):
             layouts[(world, flags)] = dict(measured=[], predicted=[], stages=[], measured_stages=[])
     calibrations = []
     for repeat in range(repeats):
