@@ -46,7 +46,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from plumbing.planner_details import (  # the formulas, and what the callers read as planner.<name>
+from plumbing.planner_details import (  # noqa: F401 (some re-exported: the callers' planner.<name>)
     aux_wait_s, ep_bytes, is_int, memory_over, peak, positive, push_s, queue_s, response_length,
     response_lengths, rollout_s, round_shape, score_s, switch_bytes, switch_s, sync_s, train_s)
 
