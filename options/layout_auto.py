@@ -300,7 +300,7 @@ def choose(cfg, device, rank, group=None):
 
 def main():
     """torchrun --nproc_per_node=W -m options.layout_auto [train_grpo flags]: the Machine measured
-    for a world of W, as JSON (a file for `python options/planner.py --machine`)."""
+    for a world of W, as JSON (a file for `python -m options.planner --machine`)."""
     from plumbing.config import parse_args
     from plumbing.distributed import setup_distributed
     _, cfg = parse_args()

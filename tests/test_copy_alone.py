@@ -3,7 +3,8 @@ folder, runs the usage example its docstring gives (real code, on 1 or 2 gloo pr
 example cannot drift from the code. Also: the files import nothing of this project. A mechanism file
 teaches its concept; what a learner can take on trust (the checks of the caller's input, the brakes,
 recovery) may live in its companion, `plumbing/<file>_*.py`, which it imports by name and which
-imports nothing of the project itself: the two are copied together, the folder kept."""
+imports nothing of the project itself: the two are copied together, the folder kept. A standalone file
+may have one too: options/planner.py's holds its formulas (tests/test_planner.py runs the two alone)."""
 import ast
 import glob
 import os
@@ -16,7 +17,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MECHANISMS = ["fusion.py", "stalesync.py", "distqueue.py", "moe_switch.py", "curriculum.py", "options/gradsync.py",
               "options/reward_model.py"]
-STANDALONE = MECHANISMS + ["grpo.py", "task.py", "plumbing/timeline.py", "plumbing/shm_transport.py"]
+STANDALONE = MECHANISMS + ["grpo.py", "task.py", "plumbing/timeline.py", "plumbing/shm_transport.py",
+                           "options/planner.py"]
 FOLDERS = ("", "plumbing", "options")  # the core at the top level, the plumbing and the options beside it
 PROJECT = {os.path.splitext(f)[0] for d in FOLDERS for f in os.listdir(os.path.join(ROOT, d)) if f.endswith(".py")}
 PROJECT |= {d for d in FOLDERS if d}  # `from options import ...`
@@ -27,14 +29,14 @@ def stem(path):
 
 
 def companions(name):
-    """The project modules a mechanism file imports: each must be its own `plumbing/<stem>_*.py`."""
+    """The project modules a standalone file imports: each must be its own `plumbing/<stem>_*.py`."""
     tree = ast.parse(open(os.path.join(ROOT, name)).read())
     modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     return sorted(m.replace(".", "/") + ".py" for m in modules if m.startswith("plumbing."))
 
 
-COMPANIONS = sorted({c for name in MECHANISMS for c in companions(name)})
+COMPANIONS = sorted({c for name in STANDALONE for c in companions(name)})
 
 
 def docstring_example(path):
@@ -52,7 +54,7 @@ def docstring_example(path):
 
 
 def test_a_companion_is_its_mechanism_files_own():
-    for name in MECHANISMS:
+    for name in STANDALONE:
         for c in companions(name):
             assert c.startswith("plumbing/" + stem(name) + "_"), f"{name} imports {c}, not a companion of its own"
             assert os.path.exists(os.path.join(ROOT, c)), c
@@ -83,7 +85,7 @@ def test_a_standalone_file_imports_nothing_of_the_project(name):
     tree = ast.parse(open(os.path.join(ROOT, name)).read())
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    if name in MECHANISMS and companions(name):
+    if companions(name):
         imported -= {"plumbing"}  # its companions, checked by test_a_companion_is_its_mechanism_files_own
     own = stem(name)
     assert not imported & (PROJECT - {own}), f"{name} imports {imported & PROJECT}"

@@ -130,11 +130,14 @@ def test_layout_flags_are_checked_before_any_process_group():
 
 
 def test_the_planner_runs_alone(tmp_path):
-    """Copied into a folder with nothing else, its command line plans an 8-GPU pair of nodes and prints the table
-    and a JSON line."""
+    """Copied into a folder with nothing else but its companion (under plumbing/ there), its command line plans an
+    8-GPU pair of nodes and prints the table and a JSON line."""
     shutil.copy(os.path.join(ROOT, "options", "planner.py"), tmp_path)
+    (tmp_path / "plumbing").mkdir()
+    shutil.copy(os.path.join(ROOT, "plumbing", "planner_details.py"), tmp_path / "plumbing")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the folder alone, not this repository
     done = subprocess.run([sys.executable, "planner.py", "--machine", H100, "--devices", "16", "--nodes", "2"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     last = json.loads(done.stdout.splitlines()[-1])
     assert last["candidates"] > 10 and "chosen" in done.stdout.splitlines()[2]
