@@ -105,9 +105,11 @@ class Machine:
                 source = json.load(f)
         raw = {k: v for k, v in source.items() if not k.startswith("_")}
         raw.update({k: v for k, v in changes.items() if v is not None})
-        unknown = set(raw) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown machine fields {sorted(unknown)}")
+        fields = dataclasses.fields(cls)
+        unknown = set(raw) - {f.name for f in fields}
+        missing = [f.name for f in fields if f.default is dataclasses.MISSING and f.name not in raw]
+        if unknown or missing:
+            raise ValueError(f"unknown machine fields {sorted(unknown)}, missing {missing}")
         return cls(**{**raw, "intra": Link(**raw["intra"]), "inter": Link(**raw["inter"])})
 
 

@@ -71,6 +71,8 @@ def test_bad_machines_are_refused():
         _machine(devices=12)
     with pytest.raises(ValueError, match="unknown machine fields"):
         planner.Machine.load({**raw, "speed": 2})
+    with pytest.raises(ValueError, match=r"missing \['queue_s'\]"):  # a file older than the queue's stage
+        planner.Machine.load({k: v for k, v in raw.items() if k != "queue_s"})
     with pytest.raises(ValueError, match="cores -1 must be an int >= 0"):
         _machine(cores=-1)
     with pytest.raises(ValueError, match="flops nan"):
