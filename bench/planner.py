@@ -1,6 +1,6 @@
 """Check the layout planner (options/planner.py) against what this machine measures.
 
-    python bench/planner.py               # about 14 minutes on 2 cores: 6 calibrations, 17 layouts x 3, memory
+    python bench/planner.py               # about 15 minutes on 2 cores: 6 calibrations, 19 layouts x 3, memory
     python bench/planner.py --repeats 1 --steps 6                        # a quicker look
     python bench/planner.py --staleness 1 --worlds 2 --memory 0 --repeats 3     # S = 1, world 2 (about 4 minutes)
 
@@ -37,6 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from options import layout_auto, planner  # noqa: E402
+from plumbing.planner_details import ep_bytes, switch_bytes  # noqa: E402
 from plumbing.config import parse_args, resolve  # noqa: E402
 
 WORKLOAD = ["--warmup-steps", "0", "--rl-seconds", "0", "--filter-groups", "0", "--curriculum", "0",
@@ -171,9 +172,9 @@ def memory(machines):
             pairs = {"mem/train_params_bytes": mem["params"], "mem/train_optim_bytes": mem["optim"],
                      "mem/rollout_params_bytes": mem["rollout_params"], "mem/rollout_infer_bytes": mem["infer"],
                      "switch/peak_extra_bytes": mem["bucket"],
-                     "switch/received_min_bytes": planner.switch_bytes(model, machine, lay)}
+                     "switch/received_min_bytes": switch_bytes(model, machine, lay)}
             if lay.train_ep:
-                pairs["ep/to_rollout_bytes_moved"] = planner.ep_bytes(model, machine, lay)
+                pairs["ep/to_rollout_bytes_moved"] = ep_bytes(model, machine, lay)
             for key, predicted in pairs.items():
                 err = abs(predicted - rec[key]) / max(rec[key], 1)
                 rows.append(dict(world=world, layout=flags, figure=key, predicted=predicted, reported=rec[key],

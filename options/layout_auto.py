@@ -41,6 +41,7 @@ import task
 from model import Policy, Sampler
 from options import planner
 from plumbing.config import grpo_config, layout_errors, model_config
+from plumbing.distributed import host_group
 
 FIELDS = ("infer_tp", "train_ep", "infer_ep", "train_pp", "micro_batches")
 
@@ -78,7 +79,7 @@ def workload_of(cfg):
                             updates_per_batch=cfg.updates_per_batch, chunk_steps=cfg.chunk_steps,
                             threshold=cfg.threshold,
                             bucket_bytes=cfg.bucket_kb * 1024, deploy=cfg.deploy,
-                            aux_ranks=cfg.aux_ranks or 1)  # (--aux-ranks's default: 1)
+                            aux_ranks=1 if cfg.aux_ranks is None else cfg.aux_ranks)
 
 
 def layout_of(cfg):
@@ -181,8 +182,8 @@ def _queue_step_s(cfg, device, group, world):
     spec = distqueue.QueueSpec(columns=columns, scalars=("reward", "rule_reward", "advantage"),
                                stages={"train": tuple(columns)}, timeout_s=cfg.pg_timeout_s,
                                name="calibrate")
-    pg = dist.new_group(backend="gloo") if world > 1 and device.type != "cpu" else group
-    queue = distqueue.DistQueue(spec, pg=pg if world > 1 else None)
+    pg = host_group(device, cfg.pg_timeout_s) if world > 1 else None  # gloo: the queue's host rows
+    queue = distqueue.DistQueue(spec, pg=pg)
     dp_group = (group or dist.group.WORLD) if world > 1 else None
     prompt, response = cfg.max_digits // 2 + 2, min(cfg.max_new_tokens, cfg.max_digits // 2 + 2)
 
@@ -240,7 +241,7 @@ def calibrate(cfg, device, group=None):
     op_s = tiny / L                                       # a block's forward, nothing to compute
     with torch.no_grad():
         one = _decode_step_s(model, cfg, 1)
-        row_s = _decode_row_s(model, cfg, pm, flops, tiny / L, one)  # per row, as the run decodes
+        row_s = _decode_row_s(model, cfg, pm, flops, op_s, one)  # per row, as the run decodes
     step_s = max(one - tiny - row_s, 1e-7)                # a step beyond its forward and rows
     two = _samples(cfg, 8, 4)                               # 8 rows of a few tokens
     one_mb, eight_mb = (_update_s(model, cfg, two, m, device) for m in (1, 8))

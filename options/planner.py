@@ -46,9 +46,9 @@ import json
 import math
 from dataclasses import dataclass
 
-from plumbing.planner_details import (  # noqa: F401 (some re-exported: the callers' planner.<name>)
-    aux_wait_s, ep_bytes, is_int, memory_over, peak, positive, push_s, queue_s, response_length,
-    response_lengths, rollout_s, round_shape, score_s, switch_bytes, switch_s, sync_s, train_s)
+from plumbing.planner_details import (
+    aux_wait_s, is_int, memory_over, peak, positive, push_s, queue_s, rollout_s, score_s, switch_s,
+    sync_s, train_s)
 
 
 # ----------------------------------------------------------------------------- what is planned for
@@ -109,7 +109,8 @@ class Machine:
         unknown = set(raw) - {f.name for f in fields}
         missing = [f.name for f in fields if f.default is dataclasses.MISSING and f.name not in raw]
         if unknown or missing:
-            raise ValueError(f"unknown machine fields {sorted(unknown)}, missing {missing}")
+            wrong = [f"unknown machine fields {sorted(unknown)}"] * bool(unknown)
+            raise ValueError(", ".join(wrong + [f"missing {missing}"] * bool(missing)))
         return cls(**{**raw, "intra": Link(**raw["intra"]), "inter": Link(**raw["inter"])})
 
 
@@ -144,6 +145,7 @@ class Model:
 
 
 DEPLOYS = ("colocated", "colocated-all", "separated", "hybrid")  # the first two price the same
+# (colocated-all's copies of the reference to and from host are left out)
 
 
 @dataclass(frozen=True)
@@ -214,14 +216,15 @@ def divisors(n):
 def actor_ranks(machine, work):
     """The ranks the colocated formulas price, as a Machine of their own: every rank (colocated);
     each side's W/2 (separated: as many trainers as generators); the actor's W - K (hybrid). Where
-    they are not whole nodes, a group wider than gcd(ranks, devices_per_node) crosses nodes."""
+    they are not whole nodes (more ranks than a node holds, not a multiple of it), a group wider
+    than gcd(ranks, devices_per_node) crosses nodes."""
     W, k = machine.devices, machine.devices_per_node
     n = {"separated": W // 2, "hybrid": W - work.aux_ranks}.get(work.deploy, W)
     if n < 1 or work.deploy == "separated" and W % 2:
         need = ("an even number of devices" if work.deploy == "separated"
                 else f"more devices than aux_ranks {work.aux_ranks}")
         raise ValueError(f"deploy {work.deploy} needs {need} (got {W})")
-    per = min(n, k) if n % min(n, k) == 0 else math.gcd(n, k)
+    per = n if n <= k else math.gcd(n, k)
     return _busy(dataclasses.replace(machine, devices=n, devices_per_node=per), W, work)
 
 
@@ -229,7 +232,8 @@ def _busy(machine, world, work):
     """Where the devices share `cores` (ranks on one CPU), the constants were measured with every
     rank busy. Separated at S = 0 runs its sides in turn, each while the other waits: a side runs
     faster, up to a core a rank, its compute speeds scaled by its share of the cores over the
-    world's. (The hybrid's auxiliary ranks serve and poll the queue: priced busy.)"""
+    world's. The hybrid is priced busy: its auxiliary ranks compute during the rollout, though
+    they wait in the store while the actor trains (its training then priced slow)."""
     alone = work.deploy == "separated" and not work.staleness
     busy = machine.devices if alone else world
     if not machine.cores or busy == world:

@@ -1,8 +1,8 @@
 # Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (see LICENSE).
 """options/planner.py's details, which a reader can take on trust: the formulas it prices with.
 
-options/planner.py teaches the method (one RL step's stages, the deployments, the search, the
-calibration); this file holds what it calls by name:
+options/planner.py teaches the method (one RL step's stages, the deployments, the search; its
+constants measured by options/layout_auto.py); this file holds what it calls by name:
   - the checks of its dataclasses' fields: is_int, positive;
   - the byte counts and the memory model: a pipeline stage's weights, FSDP2's row shards, the
     experts under EP; train_bytes (a rank's shards), switch_bytes (the least a rank receives to
@@ -435,10 +435,12 @@ def push_s(model, machine, work, lay, trainers):
 def aux_wait_s(model, machine, work, lay, t):
     """--deploy hybrid (options/hybrid.py): the actor (ranks [0, W - K)) runs the colocated step
     but the reference's forward. Its K auxiliary ranks take their share of the groups as they are
-    put, one forward per piece of a micro-batch's groups, padded to its longest row (put order).
-    They work from the rollout's start (optimistic: groups complete late); the last piece's group
-    is put at its end. The actor's wait, its "reference": what is left after the switch and the
-    score, at least that piece. Left out: the queue's transfers, a reward model."""
+    put, one forward per piece of a micro-batch's groups, padded to the longest a row can be (put
+    order). They work from the rollout's start (optimistic: groups complete late); the last
+    piece's group is put at its end. The actor's wait, its "reference": what is left after the
+    switch and the score, at least that piece (both halves of the switch are counted, though the
+    one before the rollout comes before any group is put: a wait priced short by that half).
+    Left out: the queue's transfers, a reward model."""
     per = max(1, work.prompts_per_step
               // (lay.micro_batches * work.updates_per_batch * work.aux_ranks))  # groups a piece
     pieces = math.ceil(work.prompts_per_step / work.aux_ranks / per)
