@@ -16,11 +16,12 @@ run (torchrun --nproc_per_node=W -m options.layout_auto prints what it measured,
   queue_s, _row_s   the queue's step (distqueue.py, the run's columns): every rank puts rows, the
                     ids are gathered, every rank reads its share; with 2 rows a rank and with 32.
 Each constant is the ranks' median (an all-gather), so every rank plans from the same numbers and
-chooses the same layout. Rank 0 prints the table; the run goes on with the choice. `--layout
-auto` chooses the parallel layout only (--infer-tp, --train-ep, --infer-ep, --train-pp,
---micro-batches): the deployment, S and the gradient compression stay as given, since they
-change what is trained. The planner prices the --deploy given (colocated, separated or hybrid
-with its --aux-ranks: workload_of), and its candidates pass the run's own checks (runnable).
+chooses the same layout. Rank 0 prints the table, and names any other deployment predicted faster
+(said, not taken); the run goes on with the choice. `--layout auto` chooses the parallel layout only
+(--infer-tp, --train-ep, --infer-ep, --train-pp, --micro-batches): the deployment, S and the
+gradient compression stay as given, since they change what is trained. The planner prices the
+--deploy given (colocated, separated or hybrid with its --aux-ranks: workload_of), and its
+candidates pass the run's own checks (runnable).
 
 --device-memory-gib G, with any layout: the planner's memory model checks the layout against G
 GiB a rank before any process group, and a layout that overflows is refused, naming what does.
@@ -40,7 +41,7 @@ import grpo
 import task
 from model import Policy, Sampler
 from options import planner
-from plumbing.config import grpo_config, layout_errors, model_config
+from plumbing.config import grpo_config, layout_errors, model_config, validate
 from plumbing.distributed import host_group
 
 FIELDS = ("infer_tp", "train_ep", "infer_ep", "train_pp", "micro_batches")
@@ -296,7 +297,31 @@ def choose(cfg, device, rank, group=None):
         print(f"--layout auto: {len(rows)} candidates on {machine.name}, {machine.devices} "
               f"rank(s), --deploy {cfg.deploy}, predicted seconds per RL step\n"
               f"{planner.table(rows)}", flush=True)
+        for deploy, step in faster_deployments(cfg, machine, rows[0][1]["step"]):
+            print(f"--layout auto keeps --deploy {cfg.deploy}; --deploy {deploy} is predicted "
+                  f"faster here: {step:.4f} s a step", flush=True)
     return dataclasses.replace(cfg, layout="manual", **_flags(rows[0][0]))
+
+
+def faster_deployments(cfg, machine, step):
+    """The other deployments this world runs that the planner predicts faster than `step`, each
+    with its best step: said, never taken (the deployment is the user's choice)."""
+    out = []
+    plain = dict(infer_tp=1, train_ep=0, infer_ep=0, train_pp=1, nodes=1)  # the plan tries every one
+    for deploy in ("colocated", "separated", "hybrid"):
+        aux = 1 if deploy == "hybrid" else None
+        other = dataclasses.replace(cfg, deploy=deploy, aux_ranks=aux, layout="manual", **plain)
+        if deploy == cfg.deploy:
+            continue
+        try:
+            validate(other, machine.devices)  # the world, the flags: this deployment runs here
+            rows = planner.plan(model_of(other), machine, workload_of(other),
+                                runnable(other, machine.devices))
+        except ValueError:  # it does not run here, or no layout of it fits
+            continue
+        if rows[0][1]["step"] < step:
+            out.append((deploy, rows[0][1]["step"]))
+    return out
 
 
 def main():

@@ -133,6 +133,28 @@ def test_layout_flags_are_checked_before_any_process_group():
     validate(Config(device_memory_gib=1.0), 2)  # the default run fits in a GiB
 
 
+def test_layout_auto_names_a_faster_deployment_but_keeps_its_own():
+    """--layout auto plans the --deploy given, and names each other deployment this world runs that is predicted
+    faster, with its best step; the fastest deployment names none; a deployment the world cannot run (the hybrid:
+    16 prompts over 3 actor ranks) is never named."""
+    machine = _machine(devices=4, devices_per_node=4)
+    best = {}
+    for deploy in ("colocated", "separated", "hybrid"):
+        cfg = Config(layout="auto", deploy=deploy, aux_ranks=1 if deploy == "hybrid" else None)
+        try:
+            validate(dataclasses.replace(cfg, layout="manual"), 4)
+        except ValueError:
+            continue
+        rows = planner.plan(layout_auto.model_of(cfg), machine, layout_auto.workload_of(cfg),
+                            layout_auto.runnable(cfg, 4))
+        best[deploy] = (cfg, rows[0][1]["step"])
+    assert set(best) == {"colocated", "separated"}
+    for deploy, (cfg, step) in best.items():
+        named = layout_auto.faster_deployments(cfg, machine, step)
+        assert named == [(d, s) for d, (_, s) in best.items() if s < step]  # the fastest: none
+    assert len({s for _, s in best.values()}) == 2  # one of the two is named by the other
+
+
 def test_the_planner_runs_alone(tmp_path):
     """Copied into a folder with nothing else but its companion (under plumbing/ there), its command line plans an
     8-GPU pair of nodes and prints the table and a JSON line."""
