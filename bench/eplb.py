@@ -1,6 +1,6 @@
 """Benchmark expert load balancing (options/eplb.py) through the switch: a skewed router, placed by load.
 
-    python bench/eplb.py                 # 4 gloo processes, inference EP 2 and 4 (about 3 minutes)
+    python bench/eplb.py                 # 4 gloo processes, inference EP 2 and 4 (about 5 minutes)
 
 The model: 4 residual MoE layers (x + moe(x)) of 16 experts, top-2, D = 64, H = 128 (train_grpo.py's default
 widths), trained at EP 2 and switched to inference EP P = 2 and 4, as moe_switch.ExpertParallel does in the run. The
@@ -150,7 +150,7 @@ def summary(rounds):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--bucket-kb", type=int, default=256)
