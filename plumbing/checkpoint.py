@@ -251,12 +251,14 @@ def find(cfg, out_dir):
     yet). Every rank calls it before anything is written. Rank 0 chooses the folder (auto: the
     newest complete checkpoint it lists); each rank then checks that folder itself (its meta.json
     and files, their owners and modes, the config), and if one rank cannot load it, every rank fails
-    with that rank's reason."""
+    with that rank's reason. Under auto, a run that already ended exits 0 (`_finished`)."""
     if not cfg.resume:
         return None
     path = _choose(cfg, out_dir)
     if path is None:
         return None
+    if cfg.resume == "auto" and _finished(cfg, out_dir, path):  # a restart after the run's end
+        raise SystemExit(0)  # every rank: the caller's finally tears the process group down
     try:
         found, error = _check(cfg, path), None
     # OSError: FileNotFoundError, PermissionError, an unreadable file
@@ -288,6 +290,27 @@ def _choose(cfg, out_dir):
     if dist.is_initialized():
         dist.broadcast_object_list(choice, src=0)
     return choice[0]
+
+
+def _finished(cfg, out_dir, path):
+    """Whether the run in out_dir already ended: its newest checkpoint is at --steps and its
+    summary.json was written after it. Then a restart (torchrun's, after a crash at teardown) has
+    nothing to do, and says so. Rank 0 decides, as it chose the folder; it says why on stdout."""
+    done = [False]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        summary, meta = os.path.join(out_dir, "summary.json"), os.path.join(path, "meta.json")
+        try:
+            with open(meta) as f:
+                step = json.load(f)["step"]
+            done = [step >= cfg.steps and os.path.getmtime(summary) >= os.path.getmtime(meta)]
+        except (OSError, ValueError, KeyError, TypeError):  # _check names what is wrong
+            done = [False]
+        if done[0]:
+            print(f"{out_dir}: the run is complete (checkpoint at step {step}, --steps "
+                  f"{cfg.steps}, summary.json written after it): nothing to run", flush=True)
+    if dist.is_initialized():
+        dist.broadcast_object_list(done, src=0)
+    return done[0]
 
 
 def _check(cfg, path):

@@ -301,6 +301,13 @@ def test_a_checkpoint_that_does_not_fit_or_is_damaged_is_refused_before_anything
     run_distributed(_train_tiny, world_size=1, args=(str(tmp_path), mode))
     path = checkpoint.folder(str(tmp_path), 2)
     metrics = open(tmp_path / "metrics.jsonl").read()
+    ended = Config(**dict(TINY, **dict(mode, resume="auto")), out=str(tmp_path))
+    with pytest.raises(SystemExit) as restart:  # the run ended: torchrun's restart has nothing to do
+        checkpoint.find(ended, str(tmp_path))
+    assert restart.value.code == 0
+    os.utime(tmp_path / "summary.json", (0, 0))  # a summary older than the checkpoint: no end seen
+    with pytest.raises(ValueError, match="--steps 2 leaves nothing to run"):
+        checkpoint.find(ended, str(tmp_path))
 
     def refused(overrides, text):
         cfg = Config(**dict(TINY, **dict(mode, resume="auto", steps=4, **overrides)), out=str(tmp_path))
