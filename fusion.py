@@ -11,14 +11,15 @@ rank, beside grads and AdamW states that ROLLOUT never reads. The fix, to_rollou
   3. call the movers, the state that changes layout too (the experts, re-sharded by moe_switch.py).
 to_train() undoes the three, in reverse.
 
-The default run (train_grpo.py): FSDP2 over all W ranks (the experts aside: moe_switch.py's, a
-mover); the engine is the whole model at TP 1, its own parameters gathered into (inplace=True); the
-bytes move through plumbing/shm_transport.py's SharedMemory on one CPU host, else through Broadcasts
-(gloo; nccl on GPUs, untested past one rank). This file is that path, and the other paths' hooks
-(FusedActor.path names the one taken): any TP degree (inplace=False: engine.load_weights), other
-training layouts (meta: pipeline stages, HSDP; options/owners.py), the shards offloaded too
-(options/offload_params.py). The companion, plumbing/fusion_details.py, holds what a learner can
-take on trust: the input checks, the guards, the recovery, the counts, the load_weights helpers.
+This file is the default run's path (train_grpo.py): FSDP2 over all W ranks (the experts aside:
+moe_switch.py's, a mover); the engine is the whole model at TP 1, and the gather writes straight
+into its parameters. The bytes move through a transport (the seam: Broadcasts's docstring says
+what one must do): Broadcasts, the plain way (gloo; nccl on GPUs, untested past one rank), or on
+one CPU host plumbing/shm_transport.py's SharedMemory, the same contract through shared memory.
+The other paths are FusedActor subclasses in options/ (tensor_parallel.py: an engine at any TP
+degree, through its load_weights; owners.py: pipeline stages, HSDP; offload_params.py: the shards
+offloaded too). The companion, plumbing/fusion_details.py, holds what a learner can take on trust:
+the input checks, the guards, the recovery, the counts.
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
   1. FSDP2 (weights sharded at rest, as ZeRO-3) or PP stages to train, TP to generate; the engine is
@@ -50,7 +51,7 @@ gloo processes (tests/test_copy_alone.py runs it in a folder holding only the tw
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         model(torch.randn(4, 8)).sum().backward()
         opt.step()  # now there is Adam state to move
-        actor = FusedActor(model, opt, engine, bucket_bytes=1024, inplace=True)
+        actor = FusedActor(model, opt, engine, bucket_bytes=1024)
         x = torch.randn(2, 8)
         with rollout(actor) as eng:  # Adam state on host, the engine built from the shards
             out = eng(x)
@@ -79,10 +80,9 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from plumbing.fusion_details import (agreeing, bucket_views, check_fits, check_inplace,
-                                     check_model, check_not_shared, check_owners, expect_phase,
-                                     guard_hooks, hold_grads, load_bucket, memory_figures,
-                                     synchronize, timed, undo_rollout, unloaded)
+from plumbing.fusion_details import (agreeing, check_engine, check_fits, check_model,
+                                     check_not_shared, check_owners, expect_phase, guard_hooks,
+                                     hold_grads, memory_figures, synchronize, timed, undo_rollout)
 
 TRAIN, ROLLOUT = "TRAIN", "ROLLOUT"
 
@@ -202,12 +202,9 @@ def weight_meta(module):
     return [_weight(n, p) for n, p in module.named_parameters()]
 
 
-def own_meta(mine, group=None):
-    """FusedActor's default meta: the weights to build are this rank's own, mine, which under FSDP2
-    over the actor's ranks (group) every rank reports alike. A weight held otherwise (a pipeline
-    stage's, a node's) is refused before any collective: such layouts pass another meta."""
-    check_owners(mine, _group_ranks(group))
-    return list(mine)
+def full_bytes(w):
+    """The bytes of weight w (a Weight, or (name, shape, dtype)) whole: what each rank gathers."""
+    return torch.Size(w[1]).numel() * w[2].itemsize
 
 
 def plan_buckets(meta, bucket_bytes):
@@ -216,7 +213,7 @@ def plan_buckets(meta, bucket_bytes):
     buckets, size = [], 0
     for w in meta:  # Weight, or (name, shape, dtype)
         name, shape, dtype = w[:3]
-        nb = torch.Size(shape).numel() * dtype.itemsize
+        nb = full_bytes(w)
         check_fits(name, shape, nb, bucket_bytes)
         if not buckets or size + nb > bucket_bytes or dtype != buckets[-1][0][2]:
             buckets.append([])
@@ -260,8 +257,11 @@ def _on_own_meshes(name, p, out, works):
 
 # ------------------------------------------------------------------------------- the transport seam
 class Broadcasts:
-    """The portable transport, gather_into's broadcasts: any backend, any hosts. The seam, what
-    FusedActor calls of a transport (plumbing/shm_transport.py's SharedMemory implements it too):
+    """A transport moves each weight from its owners into a full-size tensor on every rank. This
+    one is the plain way: gather_into's broadcasts through the process group, any backend, any
+    hosts. plumbing/shm_transport.py's SharedMemory is the same contract done through shared
+    memory on one host (each rank copies its peers' rows out of their memory): the default CPU
+    run's. The contract, what FusedActor calls of a transport:
       keeps_shards   True where the shards must stay in their storages (never offloaded).
       gathering(params, layout, group)   a context around a switch's whole gather; leaving it, the
                      ranks agree on an ok flag: where one raised inside, every rank raises.
@@ -308,41 +308,51 @@ def rollout(actor):
 class FusedActor:
     """The actor in two phases on the same devices; starts in TRAIN.
       model, optimizer  this rank's: FSDP2 (fully_shard) over every rank; the optimizer built after.
-      engine            an nn.Module, the whole model on every rank, its weights freed in TRAIN.
+      engine            an nn.Module, the whole model on every rank (TP 1), its parameters the
+                        model's by name and shape: the gather writes into them. Freed in TRAIN.
       bucket_bytes      B, the most bytes of full weights a bucket holds.
-      inplace           True (TP 1): the gather writes into the engine's parameters, the model's
-                        by name and shape.
       movers            objects with to_rollout() and to_train(), called last in to_rollout() and
                         first in to_train(); their `names` are not built here, their `stats` join
                         metrics().
       transport         Broadcasts() (the default) or SharedMemory; close() closes it.
-    Hooks for the options (the companion's docstring says more): inplace=False, each bucket to
-    engine.load_weights (any TP); group, the actor's ranks; meta, the weights' owners (PP, HSDP)."""
+      group             the actor's ranks (None: every rank; a hybrid deployment keeps others).
+    The options' subclasses (options/) override the seams: _weights_to_build (which weights, held
+    by which ranks), _check_engine and _fill (how the buckets reach the engine), _gathered."""
+    fills = "in place"  # how the engine gets its weights, as `path` names it
 
-    def __init__(self, model, optimizer, engine, bucket_bytes=1 << 20, inplace=False,
-                 movers=(), transport=None, group=None, meta=own_meta):
+    def __init__(self, model, optimizer, engine, bucket_bytes=1 << 20, movers=(), transport=None,
+                 group=None):
         reshard_all(model)  # the parameters are the shards again
         check_model(model, optimizer)
         self.transport = transport if transport is not None else Broadcasts()
         self.model, self.optimizer, self.engine = model, optimizer, engine
-        self.movers, self.group = list(movers), group
-        self.bucket_bytes, self.inplace = bucket_bytes, inplace
+        self.movers, self.group, self.bucket_bytes = list(movers), group, bucket_bytes
         self.device = next(model.parameters()).device
         self.skip = {n for m in self.movers for n in getattr(m, "names", ())}  # the movers' weights
-        self.path = f"{'in place' if inplace else 'load_weights'}, {type(self.transport).__name__}"
-        # the weights to build, the same [Weight] on every rank (own_meta: this rank's own list,
-        # which FSDP2 over all ranks makes the same everywhere)
-        weights = meta([w for w in weight_meta(model) if w.name not in self.skip], group)
+        self.path = f"{self.fills}, {type(self.transport).__name__}"  # as the run prints it
+        # the weights to build, the same [Weight] on every rank
+        weights = self._weights_to_build([w for w in weight_meta(model) if w.name not in self.skip])
         self.layout = {w.name: w for w in weights}
         self.buckets = plan_buckets(weights, bucket_bytes)
-        if inplace:
-            check_inplace(weights, self._engine_weights())
+        self._check_engine(weights)
         self.phase, self.round_trips, self.stats = TRAIN, 0, {}
         self._off, self._hosts = [], []              # grads' and states' storages, host copies
         self._held_grads = []  # (parameter, its offloaded grad) in ROLLOUT
         self._free_engine()
         self._hooks = self._guard()
         self.record()
+
+    def _weights_to_build(self, mine):
+        """This rank's own weights, mine: under FSDP2 over the actor's ranks every rank reports the
+        same list. A weight held otherwise (a pipeline stage's, a node's) is refused before any
+        collective (options/owners.py agrees the owners of such layouts)."""
+        check_owners(mine, _group_ranks(self.group))
+        return list(mine)
+
+    def _check_engine(self, weights):
+        """The gather writes into the engine's parameters: the weights' names, full shapes and
+        dtypes, contiguous (checked here, before any switch)."""
+        check_engine(weights, self._engine_weights())
 
     @torch.no_grad()
     def to_rollout(self):
@@ -366,7 +376,7 @@ class FusedActor:
                 for p in eng.values():
                     p.untyped_storage().resize_(p.nbytes)
             with self._timed("gather"), self.transport.gathering(params, self.layout, self.group):
-                extra, gathered, received, least = self._fill(params, eng)
+                received, extra = self._fill(params, eng)
             self._gathered(params)  # a subclass's hook (options/offload_params.py)
             for m in self.movers:  # 3. whatever else changes layout (the experts' EP re-shard)
                 m.to_rollout()
@@ -375,6 +385,9 @@ class FusedActor:
             undo_rollout(self, switched)
             raise
         self._finish(ROLLOUT, t0)
+        gathered = sum(full_bytes(w) for w in self.layout.values())  # the weights built here
+        held = sum(_mine(params[n]).nbytes for n in self.layout if n in params)  # its own rows
+        least = gathered - held  # the least it could receive
         moved = 2 * self.stats["switch/offload_bytes"] + gathered  # per round trip
         self.stats.update({"switch/peak_extra_bytes": extra, "switch/gather_bytes": gathered,
                            "switch/bytes": moved, "switch/received_bytes": received,
@@ -382,31 +395,14 @@ class FusedActor:
         return self.engine
 
     def _fill(self, params, eng):
-        """Every bucket into the engine's weights: in place, or into a bucket buffer handed to
-        load_weights, whose error is held while this rank gathers on with its peers. Returns the
-        most bytes held beyond the engine's weights, the bytes gathered, received, and least
-        receivable (the weights' bytes less this rank's rows)."""
-        extra, gathered, received, least, loaded, error = 0, 0, 0, 0, set(), None
+        """Every bucket gathered straight into the engine's weights eng ({name: parameter}, the
+        model's by name and full shape), through the transport. Returns the bytes received from
+        other ranks, and the most held beyond the engine's weights: none."""
+        received = 0
         for bucket in self.buckets:
-            if self.inplace:  # the engine's weights are the model's, by name and full shape
-                flat, outs = None, [(name, eng[name].detach()) for name, *_ in bucket]
-            else:
-                flat, outs = bucket_views(bucket, self.device)
+            outs = [(name, eng[name].detach()) for name, *_ in bucket]  # [(name, (rows, ...))]
             received += self.transport.fill(params, outs, self.layout, self.group)
-            gathered += sum(t.nbytes for _, t in outs)
-            held = sum(_mine(params[n]).nbytes for n, _ in outs if n in params)  # its own rows
-            least += sum(t.nbytes for _, t in outs) - held
-            if self.inplace:
-                loaded |= {name for name, _ in outs}
-            elif error is None:
-                extra = max(extra, flat.nbytes)
-                error = load_bucket(self.engine, outs, loaded)  # None, or its error, held
-            flat = outs = None  # free the bucket before the next one
-        if error is None:  # an engine weight re-allocated and never filled is an error too
-            error = unloaded(eng, loaded)
-        if error is not None:
-            raise error
-        return extra, gathered, received, least
+        return received, 0
 
     @torch.no_grad()
     def to_train(self):

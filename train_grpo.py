@@ -274,9 +274,9 @@ def build(cfg, out_dir=None):
     transport = shm_transport.SharedMemory.connect(run.model, cfg.pg_timeout_s)
     transport = transport or fusion.Broadcasts()
     movers = [m for m in (run.experts, run.grad_sync) if m is not None]
-    run.actor = fusion.FusedActor(run.model, run.optimizer, run.engine,
-                                  bucket_bytes=cfg.bucket_kb * 1024, inplace=cfg.infer_tp == 1,
-                                  movers=movers, transport=transport, meta=run.switch_meta)
+    run.actor = run.actor_class(run.model, run.optimizer, run.engine,  # fusion.FusedActor
+                                bucket_bytes=cfg.bucket_kb * 1024, movers=movers,
+                                transport=transport)
     run.cut = build_cut(run)
     run.log = RunLog(run, start=run.resume_from[1]["step"] + 1 if run.resume_from else 1)
     say_layout(run)  # how the phases switch, and how the experts are laid out

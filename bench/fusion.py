@@ -211,10 +211,11 @@ def pipeline_stage(model, stage):
     return model
 
 
-def pp_actor(engine, opt, bucket_bytes, inplace, rank):
+def pp_actor(engine, opt, bucket_bytes, actor_class, rank):
     """The PP -> TP switch's actor: this rank's stage of a Policy like the engine (plain, one rank per stage),
     an AdamW like opt after one step (the Adam state exists), a fresh whole-model engine of the same
-    kind. The transport as train_grpo.build picks it: SharedMemory declines stages, so Broadcasts."""
+    kind, filled as actor_class (the run's switch) fills it. The transport as train_grpo.build picks it:
+    SharedMemory declines stages, so Broadcasts."""
     import torch
     import fusion
     from plumbing import shm_transport
@@ -230,9 +231,9 @@ def pp_actor(engine, opt, bucket_bytes, inplace, rank):
     pp_engine = tensor_parallel(Policy(engine.cfg), getattr(engine, "tp_group", None))
     pp_engine.eval().requires_grad_(False)
     transport = shm_transport.SharedMemory.connect(stage) or fusion.Broadcasts()
-    from options.owners import union_meta
-    return fusion.FusedActor(stage, stage_opt, pp_engine, bucket_bytes=bucket_bytes, inplace=inplace,
-                             transport=transport, meta=union_meta)
+    from options import owners
+    return owners.actor_class(actor_class)(stage, stage_opt, pp_engine, bucket_bytes=bucket_bytes,
+                                           transport=transport)
 
 
 def bench_switch(args, rank, tmp):
@@ -252,13 +253,13 @@ def bench_switch(args, rank, tmp):
     with contextlib.redirect_stdout(io.StringIO()):  # FSDP2, the engine and the actor as a run has them
         run = train_grpo.build(cfg, os.path.join(tmp, "switch"))
     model, opt, actor, engine = run.model, run.optimizer, run.actor, run.engine
-    by_broadcast = fusion.FusedActor(model, opt, engine, bucket_bytes=actor.bucket_bytes, inplace=actor.inplace,
-                                     movers=actor.movers, transport=fusion.Broadcasts())
+    by_broadcast = type(actor)(model, opt, engine, bucket_bytes=actor.bucket_bytes, movers=actor.movers,
+                               transport=fusion.Broadcasts())
     tokens = torch.randint(0, VOCAB, (4, 16))                                              # (B, T)
     model(tokens).logsumexp(-1).mean().backward()  # one step: the Adam state (exp_avg, exp_avg_sq) exists
     opt.step()
     opt.zero_grad(set_to_none=True)
-    pp = pp_actor(engine, opt, actor.bucket_bytes, actor.inplace, rank)
+    pp = pp_actor(engine, opt, actor.bucket_bytes, type(actor), rank)
     for a in (actor, by_broadcast, pp):  # warm: host buffers allocated once, reused after
         round_trip(a)
     nbytes, off = actor.stats["switch/bytes"], actor.stats["switch/offload_bytes"]

@@ -189,15 +189,16 @@ def build(cfg, out_dir=None):
         group = tp_group(run)  # every rank makes every group
         if actor:
             tensor_parallel.apply(run.engine, group)
+            run.actor_class = tensor_parallel.actor_class(run.actor_class)  # via load_weights
     if actor and cfg.reward_model and judged(cfg):  # the model is on the auxiliary ranks
         run.score = RemoteScore(run)
     if actor:  # the queue served between decode forwards: a group put is pulled within a forward
         T.build_rollout(run, lambda base: serving(base, run.queue), chunk_s0=True,
                         on_group=lambda group: put_group(run, group))
-        run.actor = fusion.FusedActor(run.model, run.optimizer, run.engine,
-                                      bucket_bytes=cfg.bucket_kb * 1024, inplace=cfg.infer_tp == 1,
-                                      movers=[run.experts] if run.experts else [],
-                                      group=run.rollout_group)
+        run.actor = run.actor_class(run.model, run.optimizer, run.engine,
+                                    bucket_bytes=cfg.bucket_kb * 1024,
+                                    movers=[run.experts] if run.experts else [],
+                                    group=run.rollout_group)
         cut = serving_cut(stalesync.SharedCut, run.queue)(
             run.rollout_group, replica=roles.replica(run.rank), leader=run.rank in roles.writers(),
             device=run.device, spans=run.spans) if cfg.shared_cut else \

@@ -45,7 +45,7 @@ def apply(run):
     run.grad_sync = gradsync.GradSync(cross_group, cfg.grad_compress, cfg.grad_topk,
                                       overlap=cfg.grad_overlap, timer=run.spans)
     run.clip_grads = functools.partial(synced_clip, run.grad_sync, run.clip_grads)
-    run.switch_meta = owners.union_meta  # each node's replica: the ranks agree on the owners
+    run.actor_class = owners.actor_class(run.actor_class)  # each node's replica: owners agreed
     return DeviceMesh.from_group(node_group, run.device.type)
 
 

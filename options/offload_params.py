@@ -9,7 +9,7 @@ among the train state: the switch is never above its start or its end. In ROLLOU
 forward raises, naming the phase, where it would read a freed shard. A transport that keeps the
 shards in place (SharedMemory: a shared storage cannot be freed) is refused as the actor is built.
 
-    actor = ShardsOffloaded(model, optimizer, engine, inplace=True)  # FusedActor's arguments
+    actor = ShardsOffloaded(model, optimizer, engine)  # FusedActor's arguments
 
     python -m pytest tests/test_fusion.py -k "offload or distributed"   (W 4: -m slow)
 """

@@ -5,17 +5,30 @@ Under FSDP2 over all ranks (the default run) every rank reports the same weights
 over every rank: fusion.FusedActor takes this rank's own list. The other training layouts report
 different lists. A pipeline stage holds only its own weights, under the whole model's names: FSDP2
 over the stage's ranks, or whole on one rank. Under HSDP each node shards the whole model on a mesh
-of its own, a replica per node. union_meta, passed as FusedActor's `meta`, makes one list of the
-weights to build from every rank's report (one all_gather_object), the same on every rank, and
-checks that the reports agree before any gather: a weight's owners, shape and dtype.
+of its own, a replica per node. union_meta makes one list of the weights to build from every rank's
+report (one all_gather_object), the same on every rank, and checks that the reports agree before
+any gather: a weight's owners, shape and dtype. actor_class(FusedActor) builds those weights, each
+rank gathering the whole engine from their owners through Broadcasts (SharedMemory needs shards
+over all W ranks).
 
-    actor = fusion.FusedActor(stage, optimizer, engine, meta=owners.union_meta)
+    actor = owners.actor_class(fusion.FusedActor)(stage, optimizer, engine)
 
     python -m pytest tests/test_owners.py   (PP 2 at world 2; HSDP; PP 2 x FSDP 2 at W 4: -m slow)
 """
 import torch.distributed as dist
 
 from fusion import Weight
+
+
+def actor_class(base):
+    """`base` (fusion.FusedActor or a subclass) whose weights to build are union_meta's: for a model
+    that is a pipeline stage, or a node's replica (HSDP)."""
+
+    class FromOwners(base):
+        def _weights_to_build(self, mine):
+            """The weights every rank of the actor's reports agree on, not this rank's own alone."""
+            return union_meta(mine, self.group)
+    return FromOwners
 
 
 def union_meta(mine, group=None):

@@ -4,7 +4,7 @@ own build and loop.
     torchrun --standalone --nproc_per_node=2 train_grpo.py --train-pp 2
 
 The policy is cut into stages before FSDP2 (each stage FSDP2 over its own ranks); the switch gathers
-the engine's weights from the stages (fusion.py reads which ranks hold each weight); a pipeline
+the engine's weights from the stages (options/owners.py agrees which ranks hold each); a pipeline
 reads its rows once, through DistQueue's model-parallel group, and every stage of it sees the same
 micro-batches; the reference is stages too, with its own schedules. Trains to a world of one's
 parameters.
@@ -24,7 +24,7 @@ from plumbing.config import model_config
 from model import Policy
 from options.pipeline import (Pipeline, PPLayout, clip_grads, full_state_dict, grpo_update,
                               logprobs, new_groups, split, supervised_step)
-from options import owners
+from options import owners, tensor_parallel
 from plumbing.run import Run, start
 from plumbing.runlog import RunLog, share_figures
 
@@ -102,9 +102,11 @@ def build(cfg, out_dir=None):
     run.clip_grads = functools.partial(clip_grads, group=pipe_group)
     run.data_index, run.data_size = run.rank % layout.dp, layout.dp
     T.build_rollout(run)
-    run.actor = fusion.FusedActor(run.model, run.optimizer, run.engine,
-                                  bucket_bytes=cfg.bucket_kb * 1024, inplace=cfg.infer_tp == 1,
-                                  transport=fusion.Broadcasts(), meta=owners.union_meta)
+    run.actor_class = owners.actor_class(run.actor_class)  # the weights from the stages
+    if cfg.infer_tp > 1:  # the engine handed full weights through its load_weights
+        run.actor_class = tensor_parallel.actor_class(run.actor_class)
+    run.actor = run.actor_class(run.model, run.optimizer, run.engine,
+                                bucket_bytes=cfg.bucket_kb * 1024, transport=fusion.Broadcasts())
     run.cut = T.build_cut(run)
     if run.rank == 0:
         print(f"switch: {run.actor.path}", flush=True)

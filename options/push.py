@@ -24,9 +24,9 @@ import torch.distributed as dist
 import grpo
 from fusion import Broadcasts, plan_buckets, reshard_all, weight_meta
 from model import Policy
+from options.tensor_parallel import bucket_views
 from plumbing import checkpoint
 from plumbing.config import model_config
-from plumbing.fusion_details import bucket_views
 
 
 @torch.no_grad()

@@ -6,9 +6,10 @@ A transform of the engine, applied where the run is built: attention keeps H/t h
 head, the output projection by its input), every expert keeps F/t of its hidden width, and each
 rank's partial sum is all-reduced over its TP group (inference only: a plain all_reduce, no
 autograd); router, embedding, norms and head stay whole. The switch hands the engine full weights
-through its load_weights, which cuts this rank's piece (fusion.py's load_weights path). The replicas
-are the TP groups: each generates its own slice of the prompts, one rank of each writes its samples
-into the queue. Training stays FSDP2 over every rank.
+through its load_weights, which cuts this rank's piece: actor_class(fusion.FusedActor) gathers each
+bucket into a buffer of its own and hands it over (vLLM's interface: any engine, at any TP degree).
+The replicas are the TP groups: each generates its own slice of the prompts, one rank of each
+writes its samples into the queue. Training stays FSDP2 over every rank.
 
     python -m pytest tests/test_fusion.py tests/test_train_grpo.py -k "tp or tensor"
 """
@@ -132,14 +133,81 @@ def load_weights(policy, weights):
     return loaded
 
 
+# ------------------------------------------------------- the switch's side: buckets to load_weights
+def actor_class(base):
+    """`base` (fusion.FusedActor or a subclass) for an engine whose parameters are not the model's
+    (cut by TP, fused, renamed): each bucket of full weights is gathered into a flat buffer (B bytes
+    at most) and handed to engine.load_weights(iterable of (name, full tensor)), vLLM's interface.
+    The tensors live for the call only; it cuts its TP piece, fuses, renames, copies, and returns
+    the names of its parameters it loaded (None: the model's names). Unchecked: a load_weights that
+    claims a weight it never wrote (names are checked, not bytes)."""
+
+    class LoadWeights(base):
+        fills = "load_weights"  # its path: "load_weights, <transport>"
+
+        def _check_engine(self, weights):
+            """Nothing before a switch: load_weights checks each weight it is handed, and _fill
+            that it loaded every one."""
+
+        def _fill(self, params, eng):
+            """Every bucket into a flat buffer handed to load_weights, whose error is held while
+            this rank gathers on with its peers. Returns the bytes received from other ranks, and
+            the most held beyond the engine's weights: the largest bucket."""
+            received, extra, loaded, error = 0, 0, set(), None
+            for bucket in self.buckets:
+                flat, outs = bucket_views(bucket, self.device)  # (numels summed,), full views
+                received += self.transport.fill(params, outs, self.layout, self.group)
+                if error is None:  # after an error this rank only gathers, for its peers
+                    extra = max(extra, flat.nbytes)
+                    error = load_bucket(self.engine, outs, loaded)  # None, or its error, held
+                flat = outs = None  # free the bucket before the next one
+            if error is None:  # an engine weight re-allocated and never filled is an error too
+                error = unloaded(eng, loaded)
+            if error is not None:
+                raise error
+            return received, extra
+    return LoadWeights
+
+
+def bucket_views(bucket, device):
+    """One flat buffer for a bucket and, per weight, its full view (rows, ...) into it."""
+    sizes = [torch.Size(w[1]).numel() for w in bucket]
+    flat = torch.empty(sum(sizes), dtype=bucket[0][2], device=device)    # (numels summed,)
+    return flat, [(w[0], v.view(w[1])) for w, v in zip(bucket, flat.split(sizes))]
+
+
+def load_bucket(engine, outs, loaded):
+    """engine.load_weights on a bucket outs; adds the names it loaded to loaded. Returns its
+    error instead of raising it, or None."""
+    try:
+        names = engine.load_weights(outs)  # None: the model's names
+        loaded |= set(names if names is not None else (n for n, _ in outs))
+    except Exception as e:  # noqa: BLE001 - held: the peers need this rank's gathers
+        return e
+    return None
+
+
+def unloaded(eng, loaded):
+    """The error where the engine's weights eng are not all in loaded (re-allocated and never
+    filled: load_weights skipped them), else None."""
+    missing = sorted(set(eng) - loaded)
+    if missing:
+        return ValueError(f"the engine's weights {missing[:8]} were not loaded: its "
+                          "load_weights must load every one (or a mover name it) and return "
+                          "the engine parameter names it loaded")
+    return None
+
+
 def engine(cfg, group):
     """A tensor-parallel engine over `group`: the Policy, cut."""
     return apply(Policy(cfg), group)
 
 
 def apply_to_run(run):
-    """--infer-tp: the run's engine cut over this rank's TP group (every rank makes every group)."""
+    """--infer-tp: the run's engine cut over this rank's TP group (every rank makes every group),
+    and the switch that fills it through its load_weights."""
     cfg = run.cfg
     layout = TPLayout(run.roles.world, cfg.infer_tp, n_heads=cfg.n_heads)
     group = layout.new_groups(cfg.pg_timeout_s)[0]
     apply(run.engine, group)
+    run.actor_class = actor_class(run.actor_class)  # the switch hands it full weights

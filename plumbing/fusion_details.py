@@ -1,12 +1,13 @@
 # Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (see LICENSE).
-"""fusion.py's details, which a learner can take on trust: guards, recovery, counts, load_weights.
+"""fusion.py's details, which a learner can take on trust: guards, recovery, counts.
 
 fusion.py teaches the switch; this file holds what it calls by name. Copy the two together (this
 one at plumbing/ beside fusion.py, or change fusion.py's one import line); it imports torch and the
 standard library only, never fusion.py:
   - the checks of the caller's input, before any collective: check_model (FSDP2, Shard(0) over a
-    1-D mesh, an optimizer built after fully_shard), check_owners (own_meta's), check_inplace,
-    check_fits (a weight larger than a bucket), check_not_shared (a shared storage cannot be freed);
+    1-D mesh, an optimizer built after fully_shard), check_owners (the weights held by the actor's
+    ranks), check_engine (the engine's parameters, which the gather writes into), check_fits (a
+    weight larger than a bucket), check_not_shared (a shared storage cannot be freed);
   - the phase guards: expect_phase (FusedActor._expect), guard_hooks (the engine called in TRAIN;
     optimizer.step() or a backward in ROLLOUT raise, naming the phase, where the call would read
     a freed storage and crash), BackwardCheck, and hold_grads (in ROLLOUT the grads are held off
@@ -15,27 +16,12 @@ standard library only, never fusion.py:
   - the recovery: undo_rollout (after a failed to_rollout(), back to TRAIN as it was), and
     agreeing, the Broadcasts transport's agreement: one all_reduce of an ok flag leaving a gather,
     so that an error on one rank raises on every rank and none waits in the next collective;
-  - the load_weights path (inplace=False): bucket_views (a bucket's buffer), load_bucket (calls
-    engine.load_weights, holding its error while the peers gather on), unloaded (an engine weight
-    that load_weights never claimed). Unchecked: an engine whose load_weights claims a weight it
-    never wrote (names are checked, not bytes);
   - the counts: timed and synchronize (switch/*_s), memory_figures and allocated_bytes (mem/*).
+The options' paths are FusedActor subclasses in options/, with their own helpers: an engine at any
+TP degree through its load_weights (tensor_parallel.py), pipeline stages and HSDP (owners.py), the
+shards offloaded too (offload_params.py).
 
-The options' hooks in FusedActor's arguments:
-  inplace=False  any TP degree: each bucket of full weights goes to
-                 engine.load_weights(iterable of (name, full tensor)), vLLM's interface; the
-                 tensors live for the call only; it cuts its TP piece, fuses, renames, copies,
-                 and returns the names of its parameters it loaded (None: the model's names).
-  group          the actor's ranks (None: every rank; a hybrid deployment keeps others).
-  meta           (this rank's [Weight], group) -> the [Weight] every rank builds, the same
-                 on every rank. options/owners.py's union_meta takes a model that is a
-                 pipeline stage (FSDP2 over the stage's ranks, or whole on one rank, under the
-                 whole model's names) or HSDP (FSDP2 within each node, a copy per node):
-                 every rank gathers the whole engine from the weights' owners, through
-                 Broadcasts (SharedMemory needs shards over all W ranks).
-  transport      any object with Broadcasts's four members (the seam).
-
-    python -m pytest tests/test_fusion.py   (the guards, the recovery, the load_weights path)
+    python -m pytest tests/test_fusion.py   (the guards, the recovery, the bad input)
 """
 import time
 from contextlib import contextmanager, suppress
@@ -65,25 +51,26 @@ def check_model(model, optimizer):
                          "after fully_shard")
 
 
-def check_inplace(meta, eng):
-    """inplace=True writes the gather into the engine's parameters eng: the weights meta."""
+def check_engine(meta, eng):
+    """FusedActor writes the gather into the engine's parameters eng: the weights meta."""
     if not ({w.name for w in meta} == set(eng) and all(
             tuple(eng[w.name].shape) == w.shape and eng[w.name].dtype == w.dtype
             and eng[w.name].is_contiguous() for w in meta)):
-        raise ValueError("inplace=True needs engine parameters with the model's names, full "
-                         "shapes and dtypes (TP 1), contiguous; use inplace=False "
-                         "(load_weights)")
+        raise ValueError("FusedActor writes the gather into the engine's parameters: they need "
+                         "the model's names, full shapes and dtypes (TP 1), contiguous; for "
+                         "another engine, options/tensor_parallel.py's actor_class(FusedActor) "
+                         "hands each bucket to its load_weights")
 
 
 def check_owners(mine, ranks):
-    """own_meta's check: every weight of mine held by the actor's ranks (FSDP2 over them); a weight
-    held otherwise (a pipeline stage's, a node's) is refused before any collective."""
+    """FusedActor's weights mine, each held by the actor's ranks (FSDP2 over them); a weight held
+    otherwise (a pipeline stage's, a node's) is refused before any collective."""
     for w in mine:
         if set(w.owners) != set(ranks):
             raise ValueError(f"{w.name} is held by ranks {list(w.owners)}, not by the actor's "
                              f"ranks {ranks}: shard it with fully_shard over the actor's ranks, or "
-                             "pass a meta that agrees the owners (options/owners.py's union_meta: "
-                             "pipeline stages, HSDP)")
+                             "build options/owners.py's actor_class(FusedActor), which agrees the "
+                             "owners (pipeline stages, HSDP)")
 
 
 def check_fits(name, shape, nb, bucket_bytes):
@@ -181,36 +168,6 @@ def agreeing(device, group):
     if not ok.item():
         raise RuntimeError("another rank failed in this switch (its error is in its output); "
                            "back in TRAIN")
-
-
-# ---------------------------------------------------------------------------- the load_weights path
-def bucket_views(bucket, device):
-    """One flat buffer for a bucket and, per weight, its full view (rows, ...) into it."""
-    sizes = [torch.Size(w[1]).numel() for w in bucket]
-    flat = torch.empty(sum(sizes), dtype=bucket[0][2], device=device)    # (numels summed,)
-    return flat, [(w[0], v.view(w[1])) for w, v in zip(bucket, flat.split(sizes))]
-
-
-def load_bucket(engine, outs, loaded):
-    """engine.load_weights on a bucket outs; adds the names it loaded to loaded. Returns its
-    error instead of raising it, or None."""
-    try:
-        names = engine.load_weights(outs)  # None: the model's names
-        loaded |= set(names if names is not None else (n for n, _ in outs))
-    except Exception as e:  # noqa: BLE001 - held: the peers need this rank's gathers
-        return e
-    return None
-
-
-def unloaded(eng, loaded):
-    """The error where the engine's weights eng are not all in loaded (re-allocated and never
-    filled: load_weights skipped them), else None."""
-    missing = sorted(set(eng) - loaded)
-    if missing:
-        return ValueError(f"the engine's weights {missing[:8]} were not loaded: its "
-                          "load_weights must load every one (or a mover name it) and return "
-                          "the engine parameter names it loaded")
-    return None
 
 
 # --------------------------------------------------------------------- the timing and memory counts

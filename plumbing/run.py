@@ -70,7 +70,7 @@ class Run:
     around: object = None         # grpo's context around each forward (Samples.around)
     step0: dict = field(default_factory=dict)  # figures an option adds to step 0's record
     grad_sync: object = None      # --nodes (options/nodes.py): the gradients' average across nodes
-    switch_meta: object = fusion.own_meta  # the switch's weights (--nodes: options/owners.py's)
+    actor_class: type = fusion.FusedActor  # the switch's class (--infer-tp, --nodes: a subclass)
     reward_model: fusion.HostOffloaded = None  # --reward-model (options/learned_reward.py)
 
     # a deployment whose loop keeps state of its own saves it with the rank's (options/hybrid.py)

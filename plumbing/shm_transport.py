@@ -12,7 +12,7 @@ own sharing: the parameters, FSDP2 and the optimizer keep their tensors) and map
 gather copies each owner's rows out of its memory, as GPU systems do with CUDA IPC handles:
 
     transport = shm_transport.SharedMemory.connect(model, timeout_s=300) or fusion.Broadcasts()
-    actor = fusion.FusedActor(model, optimizer, engine, inplace=True, transport=transport)
+    actor = fusion.FusedActor(model, optimizer, engine, transport=transport)
 
 No peer may change its shards while others read them: gathering() brackets a gather with two
 barriers, entering and leaving, where each rank brings an ok flag so that an error on one raises on
@@ -84,7 +84,8 @@ def keep_freed_memory():
 
 class SharedMemory:
     """fusion.py's transport for the ranks of one host on CPU: each reads its peers' FSDP2 shards
-    from shared memory. Built by SharedMemory.connect(model)."""
+    from shared memory. The contract is fusion.Broadcasts's (its docstring says what each member
+    must do): keeps_shards, gathering(), fill(), close(). Built by SharedMemory.connect(model)."""
     # rule 4: a shared storage is never freed (options/offload_params.py refuses this transport)
     keeps_shards = True
 

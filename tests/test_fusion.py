@@ -16,6 +16,7 @@ import fusion
 from fusion import (ROLLOUT, TRAIN, FusedActor, HostOffloaded, held_bytes, plan_buckets,
                     rollout, weight_meta)
 from model import ModelConfig, Policy, generate
+from options import tensor_parallel
 from options.offload_params import ShardsOffloaded
 from options.tensor_parallel import TPLayout, engine as tp_engine
 from options.push import push_weights
@@ -25,6 +26,7 @@ CFG = ModelConfig(vocab_size=14, d_model=32, n_layers=2, n_heads=4, n_experts=4,
                   max_seq_len=48)
 BUCKET = 20_000  # bytes: the largest weight, (4, 32, 32) float32, is 16 KiB; the model is ~136 KB
 EOS = 1
+LoadWeights = tensor_parallel.actor_class(FusedActor)  # each bucket to engine.load_weights (any TP)
 
 
 def _tokens(seed, B=3, T=10):
@@ -84,8 +86,9 @@ def _check_exact_and_memory(rank, world, model, opt, ref, connect=None):
         # load_weights, which cuts the TP pieces
         for kind in ("inplace", "bucket", "naive") if tp == 1 else ("bucket",):
             transport = connect(model) if connect else None
-            actor = FusedActor(model, opt, tp_engine(CFG, tp_group), bucket_bytes=1 << 30 if kind == "naive" else BUCKET,
-                               inplace=kind == "inplace", transport=transport)
+            cls = FusedActor if kind == "inplace" else LoadWeights
+            actor = cls(model, opt, tp_engine(CFG, tp_group), bucket_bytes=1 << 30 if kind == "naive" else BUCKET,
+                        transport=transport)
             assert actor.path == f"{'in place' if kind == 'inplace' else 'load_weights'}, " \
                                  f"{type(transport or fusion.Broadcasts()).__name__}"
             assert held_bytes(actor.engine.parameters()) == 0                   # TRAIN: no inference weights
@@ -120,7 +123,7 @@ def _check_bit_identical(rank, world, offload_params, round_trips, connect=None)
     b, opt_b = _train_model(world)
     layout = TPLayout(world, 2 if world > 1 else 1, n_heads=CFG.n_heads)
     tp_group, _ = layout.new_groups(timeout_s=60)
-    cls = ShardsOffloaded if offload_params else FusedActor  # options/offload_params.py
+    cls = tensor_parallel.actor_class(ShardsOffloaded if offload_params else FusedActor)  # options/offload_params.py
     actor = cls(a, opt_a, tp_engine(CFG, tp_group), bucket_bytes=BUCKET, transport=connect(a) if connect else None)
     for step in range(3):
         for model, opt in ((a, opt_a), (b, opt_b)):
@@ -181,7 +184,7 @@ def _check_one_rank_fails(rank, world, model, opt, connect=None):
     """engine.load_weights raises on rank 1 only, at its second bucket: rank 1 goes on joining the gather,
     the ranks agree on an ok flag at its end, and every rank raises (rank 1 its own error, the others
     RuntimeError) and is back in TRAIN, as it was, without waiting out a timeout; then a switch works."""
-    actor = FusedActor(model, opt, Policy(CFG), bucket_bytes=BUCKET, transport=connect(model) if connect else None)
+    actor = LoadWeights(model, opt, Policy(CFG), bucket_bytes=BUCKET, transport=connect(model) if connect else None)
     before, load, calls = _snapshot(model, opt), actor.engine.load_weights, []
 
     def failing(pairs):
@@ -235,12 +238,14 @@ def test_fusion_distributed(world):
 
 
 # ----------------------------------------------------------------------------- single process, no spawn
-def _plain_actor(offload_params=False, **kw):
+def _plain_actor(offload_params=False, inplace=False, transport=None):
+    """A single-process actor: through load_weights unless inplace (options/tensor_parallel.py's)."""
     torch.manual_seed(0)
     model = Policy(CFG)
     opt = torch.optim.AdamW(model.parameters())
     cls = ShardsOffloaded if offload_params else FusedActor  # options/offload_params.py
-    return cls(model, opt, Policy(CFG), bucket_bytes=BUCKET, **kw)
+    cls = cls if inplace else tensor_parallel.actor_class(cls)
+    return cls(model, opt, Policy(CFG), bucket_bytes=BUCKET, transport=transport)
 
 
 def test_bad_layouts_name_their_sizes():
@@ -293,10 +298,10 @@ def test_the_engine_outside_rollout_a_custom_load_weights_and_renamed_engines():
         actor.engine(tok)
     calls, load = [], actor.engine.load_weights
     actor.engine.load_weights = lambda pairs: calls.append(1) or load(pairs)
-    with rollout(actor) as engine:  # not inplace unless asked: a load_weights of its own is always called
+    with rollout(actor) as engine:  # not in place unless asked: a load_weights of its own is always called
         engine(tok)
-    assert calls and not actor.inplace
-    second = FusedActor(actor.model, actor.optimizer, actor.engine, bucket_bytes=BUCKET)
+    assert calls and actor.path.startswith("load_weights")
+    second = LoadWeights(actor.model, actor.optimizer, actor.engine, bucket_bytes=BUCKET)
     with pytest.raises(RuntimeError, match="the engine was called in phase TRAIN"):  # the first actor's hook, in TRAIN
         with rollout(second) as engine:
             engine(tok)
@@ -307,7 +312,7 @@ def test_the_engine_outside_rollout_a_custom_load_weights_and_renamed_engines():
     model = Policy(CFG)
     want = model(tok)
     for report in (True, False):
-        actor = FusedActor(model, torch.optim.AdamW(model.parameters()), Renamed(report), bucket_bytes=BUCKET)
+        actor = LoadWeights(model, torch.optim.AdamW(model.parameters()), Renamed(report), bucket_bytes=BUCKET)
         if report:  # the names it loaded are its own: accepted, and it computes what the model does
             with rollout(actor) as engine:
                 torch.testing.assert_close(engine(tok), want)
@@ -500,14 +505,14 @@ def test_a_bucket_is_freed_before_the_next_is_gathered(monkeypatch):
     """The bound "final weights + one bucket" needs every view of bucket k gone when bucket k + 1 is
     allocated; with offload_params the reported peak extra is still at most one bucket."""
     import weakref
-    alive, views = [], fusion.bucket_views
+    alive, views = [], tensor_parallel.bucket_views
 
     def tracked(bucket, device):
         assert not [r for r in alive if r() is not None], "a view of the previous bucket is still alive"
         flat, pairs = views(bucket, device)
         alive[:] = [weakref.ref(flat)] + [weakref.ref(t) for _, t in pairs]
         return flat, pairs
-    monkeypatch.setattr(fusion, "bucket_views", tracked)
+    monkeypatch.setattr(tensor_parallel, "bucket_views", tracked)
     for offload_params in (False, True):
         actor = _plain_actor(inplace=False, offload_params=offload_params)
         with rollout(actor):
@@ -554,7 +559,8 @@ def test_cuda_memory_allocated_pinned_offload_and_round_trips():
         opt.step()
         opt.zero_grad(set_to_none=True)
         for kind in ("inplace", "bucket"):
-            actor = FusedActor(model, opt, Policy(CFG).to(dev), bucket_bytes=BUCKET, inplace=kind == "inplace")
+            cls = FusedActor if kind == "inplace" else LoadWeights
+            actor = cls(model, opt, Policy(CFG).to(dev), bucket_bytes=BUCKET)
             optim_bytes = sum(v.nbytes for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
             torch.cuda.synchronize()
             train_bytes = torch.cuda.memory_allocated()

@@ -1,8 +1,8 @@
 """options/owners.py: fusion.py's switch from the other training layouts, the weights' owners agreed by
-union_meta. Pipeline stages (PP 2 at world 2, PP 2 x FSDP 2 at world 4): the engine built from the stages
-exactly, with the minimum bytes, training untouched by the switches; reports the ranks disagree on refused.
-HSDP (FSDP2 within each node, a copy per node): the engine built from each node's own shards. Without
-union_meta, FusedActor refuses such a model before any collective, naming the weight.
+union_meta (its actor_class). Pipeline stages (PP 2 at world 2, PP 2 x FSDP 2 at world 4): the engine built
+from the stages exactly, with the minimum bytes, training untouched by the switches; reports the ranks
+disagree on refused. HSDP (FSDP2 within each node, a copy per node): the engine built from each node's own
+shards. Without union_meta, FusedActor refuses such a model before any collective, naming the weight.
 
 The multi-rank checks run in one gloo spawn per world size and layout: each spawn costs seconds of imports."""
 import pytest
@@ -12,10 +12,13 @@ import torch.nn.functional as F
 
 from fusion import FusedActor, rollout
 from model import Policy
-from options.owners import union_meta
+from options import owners, tensor_parallel
 from options.tensor_parallel import TPLayout, engine as tp_engine
 from tests.distributed import run_distributed
 from tests.test_fusion import BUCKET, CFG, _backward, _local, _snapshot, _tokens
+
+FromOwners = owners.actor_class(FusedActor)  # the weights' owners agreed by union_meta
+FromOwnersLoadWeights = tensor_parallel.actor_class(FromOwners)  # each bucket to engine.load_weights
 
 
 # ----------------------------------------------------------------------------- pipeline stages as the training layout
@@ -102,8 +105,8 @@ def _check_pp_switch(rank, world, model, opt):
         want = tp_engine(CFG, tp_group)
         want.load_weights(full.items())
         for inplace in (True, False) if tp == 1 else (False,):
-            actor = FusedActor(model, opt, tp_engine(CFG, tp_group), bucket_bytes=BUCKET, inplace=inplace,
-                               meta=union_meta)
+            cls = FromOwners if inplace else FromOwnersLoadWeights
+            actor = cls(model, opt, tp_engine(CFG, tp_group), bucket_bytes=BUCKET)
             assert [w.name for w in actor.layout.values()] == list(full)  # stage by stage, the model's order
             with rollout(actor) as engine, torch.no_grad():
                 for (name, p), q in zip(engine.named_parameters(), want.parameters()):
@@ -123,7 +126,7 @@ def _check_pp_training(rank, world, fsdp):
     bit for bit, as the same steps without switches."""
     a, opt_a = _stage_model(rank, world, fsdp)
     b, opt_b = _stage_model(rank, world, fsdp)
-    actor = FusedActor(a, opt_a, Policy(CFG), bucket_bytes=BUCKET, inplace=True, meta=union_meta)
+    actor = FromOwners(a, opt_a, Policy(CFG), bucket_bytes=BUCKET)
     for step in range(2):
         for model, opt in ((a, opt_a), (b, opt_b)):
             _pp_backward(model, rank, world, step)
@@ -145,7 +148,8 @@ def _check_pp_refusals(rank, world):
     any gather (the ranks go on together): FSDP2 over a mesh of rank 0 alone on rank 0 and over both ranks on
     rank 1 (owners [0] and [0, 1] overlap); whole on rank 0, Shard(0) on rank 1. The whole model plain on every
     rank (every rank an owner) is accepted: each rank copies its own, receiving nothing. Without union_meta
-    (fusion.own_meta, the default) a weight not sharded over every rank is refused on its own rank, naming it."""
+    (FusedActor's own _weights_to_build, the default) a weight not sharded over every rank is refused on its
+    own rank, naming it."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
     alone = [dist.new_group([r]) for r in range(world)][rank]
@@ -158,14 +162,12 @@ def _check_pp_refusals(rank, world):
         if rank in sharded_on:
             fully_shard(model, mesh=both if len(sharded_on) == 2 and rank == 1 else DeviceMesh.from_group(alone, "cpu"))
         with pytest.raises(ValueError, match=match):
-            FusedActor(model, torch.optim.AdamW(model.parameters()), Policy(CFG), bucket_bytes=BUCKET,
-                       meta=union_meta)
+            FromOwnersLoadWeights(model, torch.optim.AdamW(model.parameters()), Policy(CFG), bucket_bytes=BUCKET)
     torch.manual_seed(0)
     model = Policy(CFG)
     with pytest.raises(ValueError, match=rf"embed.weight is held by ranks \[{rank}\], not by the actor's ranks"):
-        FusedActor(model, torch.optim.AdamW(model.parameters()), Policy(CFG), bucket_bytes=BUCKET, inplace=True)
-    actor = FusedActor(model, torch.optim.AdamW(model.parameters()), Policy(CFG), bucket_bytes=BUCKET, inplace=True,
-                       meta=union_meta)
+        FusedActor(model, torch.optim.AdamW(model.parameters()), Policy(CFG), bucket_bytes=BUCKET)
+    actor = FromOwners(model, torch.optim.AdamW(model.parameters()), Policy(CFG), bucket_bytes=BUCKET)
     assert all(w.owners == tuple(range(world)) and not w.sharded for w in actor.layout.values())
     with rollout(actor) as engine:
         assert all(torch.equal(p, q) for p, q in zip(engine.parameters(), model.parameters()))
@@ -216,8 +218,8 @@ def _nodes(rank, world):
         tp_group, _ = TPLayout(world, tp, n_heads=CFG.n_heads).new_groups(timeout_s=60)
         want = tp_engine(CFG, tp_group)
         want.load_weights(full.items())
-        actor = FusedActor(model, opt, tp_engine(CFG, tp_group), bucket_bytes=BUCKET, inplace=tp == 1,
-                           meta=union_meta)
+        cls = FromOwners if tp == 1 else FromOwnersLoadWeights
+        actor = cls(model, opt, tp_engine(CFG, tp_group), bucket_bytes=BUCKET)
         assert all(w.replicas == 2 and len(w.owners) == per for w in actor.layout.values())
         with rollout(actor) as engine:
             assert all(torch.equal(p, q) for p, q in zip(engine.parameters(), want.parameters())), tp

@@ -157,8 +157,7 @@ def _one_node(rank, world):
             assert not any(_local(p).is_shared() for p in model.parameters())  # nothing moved
         shm_transport.socket.gethostname = hostname
         os.environ["GROUP_RANK"] = str(rank)
-        actor = FusedActor(model, opt, Policy(CFG), inplace=True,
-                           transport=SharedMemory.connect(model) or fusion.Broadcasts())
+        actor = FusedActor(model, opt, Policy(CFG), transport=SharedMemory.connect(model) or fusion.Broadcasts())
         assert actor.path == "in place, Broadcasts"
         with rollout(actor) as engine, torch.no_grad():
             torch.testing.assert_close(engine(_tokens(7)), _reference(model)(_tokens(7)), atol=1e-5, rtol=0)
