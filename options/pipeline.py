@@ -134,10 +134,13 @@ def split(policy, layout, rank):
 class Pipeline:
     """One stage's side of a pipeline: its module (FSDP2 over the stage's ranks, or plain), the pipe
     group, and a 1F1B schedule per micro-batch shape. train() and logits() are collective over the
-    pipe group; every stage passes the same (B, T) tokens."""
+    pipe group; every stage passes the same (B, T) tokens. stage_group: this stage's ranks (one per
+    pipeline), over which padded_length agrees (None: one pipeline)."""
 
-    def __init__(self, module, layout, rank, pipe_group, micro_batches, length, device):
+    def __init__(self, module, layout, rank, pipe_group, micro_batches, length, device,
+                 stage_group=None):
         self.module, self.layout, self.group = module, layout, pipe_group
+        self.stage_group = stage_group
         self.device = torch.device(device)
         self.length = length  # the longest a row can be (the longest prompt + the response budget)
         self.stage, self.micro_batches = layout.stage(rank), micro_batches
@@ -147,8 +150,15 @@ class Pipeline:
     def padded_length(self, rows):
         """T for these rows (each a sequence of tokens): their longest, rounded up to a multiple of
         SHAPE_STEP and at most `length`: a few shapes, hence a few schedules, and less padding than
-        always padding to `length`. The same on every stage (they hold the same rows)."""
+        always padding to `length`. The same on every stage (they hold the same rows), and on every
+        pipeline: a new shape's schedule runs its stage once at its first step to learn the shapes
+        (FSDP's collectives over the stage's ranks included), so the stage's ranks must meet a new
+        shape at the same step. Collective over stage_group."""
         longest = max(len(r) for r in rows)
+        if self.stage_group is not None:  # the longest of every pipeline's rows
+            t = torch.tensor([longest], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.stage_group)
+            longest = int(t[0])
         return min(self.length, -(-longest // SHAPE_STEP) * SHAPE_STEP)
 
     def _schedule(self, shape, train):

@@ -96,7 +96,7 @@ def build(cfg, out_dir=None):
         stage = split(model, layout, run.rank)
         length = model.cfg.max_seq_len  # the longest row: the longest prompt + the response budget
         run.pipe = Pipeline(stage, layout, run.rank, pipe_group, cfg.micro_batches, length,
-                            run.device)
+                            run.device, stage_group)
         return stage, DeviceMesh.from_group(stage_group, run.device.type)
     T.build_policy(run, None, split=cut)
     run.clip_grads = functools.partial(clip_grads, group=pipe_group)
@@ -124,7 +124,7 @@ def attach_reference(run):
     ref.load_state_dict({k: v.full_tensor() if hasattr(v, "full_tensor") else v
                          for k, v in run.model.state_dict().items()})
     run.ref_pipe = Pipeline(ref, run.pipe.layout, run.rank, run.pipe.group, run.cfg.micro_batches,
-                            run.pipe.length, run.device)
+                            run.pipe.length, run.device, run.stage_group)
     offload = run.cfg.deploy == "colocated-all"
     run.reference = fusion.HostOffloaded(ref.requires_grad_(False), offload=offload)
 

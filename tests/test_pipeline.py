@@ -1,5 +1,6 @@
 """pipeline.py against one process: a stage split computes the policy's logits; a GRPO update, a warm-up step and the
-log-prob recompute through torch's schedule give one process's parameters and log-probs; bad layouts are refused."""
+log-prob recompute through torch's schedule give one process's parameters and log-probs; bad layouts are refused. At
+2 pipelines of 2 stages, every rank of a stage pads to one shape."""
 import copy
 
 import pytest
@@ -82,3 +83,32 @@ def test_updates_through_the_schedule_equal_one_process(updates, recompute):
     _, _, lp_whole, lp_pipe = out[1]
     assert all(lp is None for lp in out[0][3])  # the first stage has no logits
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(lp_pipe, lp_whole))
+
+
+def _two_pipelines_rank(rank, world_size):
+    """Two pipelines of two stages, each stage FSDP2 over its 2 ranks (as at --train-pp 2 on 4 ranks): two warm-up
+    steps whose rows are longer in pipeline 1 at the first, in both at the second. Returns this rank's shapes."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    layout = pipeline.PPLayout(2, world_size, CFG.n_layers)
+    stage_group, pipe_group = pipeline.new_groups(layout, timeout_s=20)
+    stage = pipeline.split(_policy(), layout, rank)
+    fully_shard(stage, mesh=DeviceMesh.from_group(stage_group, "cpu"), reshard_after_forward=False)
+    pipe = pipeline.Pipeline(stage, layout, rank, pipe_group, micro_batches=2, length=T, device="cpu",
+                             stage_group=stage_group)
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank % layout.dp)  # the pipeline's rows, the same on its stages
+    for long in (rank % layout.dp == 1, True):  # 10 tokens (T 16) or 20 (T 24)
+        prompts = [torch.randint(4, 14, (8 if long else 5,), generator=g) for _ in range(4)]
+        targets = [torch.randint(1, 14, (12 if long else 5,), generator=g) for _ in range(4)]
+        pipeline.supervised_step(pipe, stage, opt, prompts, targets, "cpu", 1.0, None,
+                                 lambda m, c: pipeline.clip_grads(m, c, group=pipe_group))
+    return sorted(pipe.schedules)
+
+
+def test_every_pipeline_pads_to_one_shape():
+    """A schedule's first step runs its stage once to learn the shapes, FSDP's collectives included: the pipelines
+    pad each step to one T (the longest over the stage's ranks), so that every rank of a stage builds its
+    schedules at the same steps. Pipeline 0 meeting T 24 a step after pipeline 1 hung until the timeout."""
+    out = run_distributed(_two_pipelines_rank, world_size=4, timeout_s=120, pg_timeout_s=20)
+    assert out == [[((4, T), True)]] * 4, out
