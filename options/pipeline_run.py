@@ -129,6 +129,19 @@ def attach_reference(run):
     run.reference = fusion.HostOffloaded(ref.requires_grad_(False), offload=offload)
 
 
+def read_rows(run):
+    """4. This pipeline's rows of the batch (run.batch_ids): an equal count per pipeline (fixed
+    micro-batch shapes), read once per pipeline (DistQueue's model-parallel group) and broadcast
+    to its stages. The pipelines read apart, no DP group waiting for all, so each rank then serves
+    its cells until every pipeline has read them: a rank gone on to a collective (the update's)
+    would leave another pipeline's reader waiting for them. Every rank calls it."""
+    mine = set(sorted(run.batch_ids)[run.data_index::run.data_size])
+    with run.spans("queue"):
+        rows = run.queue.get("train", len(mine), group=run.pipe_group, only=mine)
+        run.queue.drain()
+    return rows
+
+
 def pipeline_loop(run):
     """train_grpo.colocated_loop: the batch read once per pipeline, trained through the schedule."""
     spans, sched, actor, cfg = run.spans, run.sched, run.actor, run.cfg
@@ -147,12 +160,8 @@ def pipeline_loop(run):
         # 2-3. score, advantages, into the queue
         with spans("score"):
             run.batch_ids = T.announce_rows(run, T.score_and_enqueue(run, batch))
-        # 4. an equal count per pipeline (fixed micro-batch shapes), read once per pipeline
-        #    (DistQueue's model-parallel group) and broadcast to its stages; the reference through
-        #    its own pipeline
-        mine = set(sorted(run.batch_ids)[run.data_index::run.data_size])
-        with spans("queue"):
-            rows = run.queue.get("train", len(mine), group=run.pipe_group, only=mine)
+        # 4. this pipeline's rows, read once per pipeline; the reference through its own pipeline
+        rows = read_rows(run)
         samples = T.samples_of(run, rows)
         samples.advantages = grpo.finish_advantages(samples.advantages, cfg.adv_estimator,
                                                     run.device, run.stage_group)

@@ -1,6 +1,6 @@
 """pipeline.py against one process: a stage split computes the policy's logits; a GRPO update, a warm-up step and the
 log-prob recompute through torch's schedule give one process's parameters and log-probs; bad layouts are refused. At
-2 pipelines of 2 stages, every rank of a stage pads to one shape."""
+2 pipelines of 2 stages, every rank of a stage pads to one shape, and pipeline_run's read serves every pipeline."""
 import copy
 
 import pytest
@@ -112,3 +112,36 @@ def test_every_pipeline_pads_to_one_shape():
     schedules at the same steps. Pipeline 0 meeting T 24 a step after pipeline 1 hung until the timeout."""
     out = run_distributed(_two_pipelines_rank, world_size=4, timeout_s=120, pg_timeout_s=20)
     assert out == [[((4, T), True)]] * 4, out
+
+
+def _read_rows_rank(rank, world_size):
+    """pipeline_run.read_rows at 2 pipelines of 2 stages: rank r puts (1, 2, 2, 1)[r] rows, ids j x 4 + r, so
+    pipeline 1 (ranks 1, 3) reads rows 1, 3, 6 (rank 0's none) and pipeline 0 reads rows 0, 2, 5 (rank 1's 5).
+    Pipeline 0's reader starts late; each rank then blocks in a collective, as the update does. Its rows' ids."""
+    import contextlib
+    import time
+    from types import SimpleNamespace
+    import torch.distributed as dist
+    import distqueue
+    from options import pipeline_run
+    layout = pipeline.PPLayout(2, world_size, CFG.n_layers)
+    _, pipe_group = pipeline.new_groups(layout, timeout_s=20)
+    spec = distqueue.QueueSpec(columns={"x": "int64"}, stages={"train": ("x",)}, timeout_s=10)
+    queue = distqueue.DistQueue(spec, distqueue.default_store(), rank, world_size, dist.group.WORLD)
+    queue.put({"x": [torch.arange(3)] * (1, 2, 2, 1)[rank]})
+    run = SimpleNamespace(queue=queue, batch_ids={0, 1, 2, 3, 5, 6}, data_index=rank % layout.dp,
+                          data_size=layout.dp, pipe_group=pipe_group,
+                          spans=lambda name: contextlib.nullcontext())
+    if rank == 0:
+        time.sleep(1.0)  # pipeline 1 has its rows by now
+    rows = pipeline_run.read_rows(run)
+    dist.all_reduce(torch.zeros(1))  # a collective, which serves no queue
+    return rows.ids
+
+
+def test_a_pipeline_that_has_its_rows_serves_the_others_first():
+    """The pipelines read the queue apart: a rank whose pipeline has its rows keeps serving its cells until every
+    pipeline has read them. It went on to the update's collectives, and another pipeline's reader waited for its
+    cells until the queue's timeout."""
+    out = run_distributed(_read_rows_rank, world_size=4, timeout_s=120, pg_timeout_s=20)
+    assert out == [[0, 2, 5], [1, 3, 6]] * 2, out
