@@ -15,8 +15,8 @@ synchronous path, bit for bit.
 This file is the default path, naive first: sync_rollout and the sampler's contract; StaleConfig
 and StaleSync, the scheduler (the round, admission, decoding, the cut); the replicas' cuts,
 AllReady (naive) and SharedCut. Its companion, plumbing/stalesync_details.py, holds the checks, the
-brakes, dynamic sampling, a batch's figures, the options' hooks and the checkpoint state. Routing
-replay's per-token fields (StaleSync's `fields`) are in options/routing_replay.py.
+brakes, dynamic sampling, a batch's figures and the checkpoint state. An option subclasses
+StaleSync at a named seam (options/lockstep.py, routing_replay.py, streaming.py).
 
 Shapes: B samples in a batch, G group size, R rows in flight, n_i tokens of sample i,
 S staleness bound, v policy version (batches trained), k batch index (trained at v = k).
@@ -65,10 +65,10 @@ import torch
 import torch.distributed as dist
 
 from plumbing.stalesync_details import (
-    accounting_of, as_batch, as_prompt, as_seed, batch_metrics, call_idle, check_budget,
-    check_config, check_not_stuck, check_progress, check_replicas_not_stuck, check_rollout,
-    check_take, check_update, fields_of, filter_groups, load_scheduler_state, sampler_hooks,
-    scheduler_state, show_groups, start_scheduler_at, unpack_sampled)
+    accounting_of, as_batch, as_prompt, as_seed, batch_metrics, check_budget, check_config,
+    check_not_stuck, check_progress, check_replicas_not_stuck, check_rollout, check_take,
+    check_update, filter_groups, load_scheduler_state, sampler_cache, scheduler_state,
+    start_scheduler_at, unpack_sampled)
 
 
 # ---------------------------------------------------------------------------------- the naive round
@@ -92,9 +92,8 @@ def sync_rollout(step_fn, prompts, group_size, seeds):
 #   logprobs   R sequences, the log-prob of each new token
 #   done       R bools, True once a row has ended
 # Every call makes a token or ends each row, and every row ends by StaleConfig.max_len tokens.
-# A cached sampler keeps its KV cache between chunks; StaleSync calls its reset() when it is stale.
-# unpack_sampled (in the companion) checks what it returns. Other per-token outputs of the sampler
-# (routing replay's experts) ride with their samples through a `fields` object: see StaleSync.
+# A cached sampler keeps its KV cache between chunks: StaleSync calls its reset() when it is stale,
+# and saves its state_dict() with its own. unpack_sampled (in the companion) checks each call.
 
 
 # ------------------------------------------------------------------------------------ the scheduler
@@ -105,12 +104,11 @@ class StaleConfig:
     group_size: int = 8         # G: responses per prompt
     threshold: float = 1.0      # in (0, 1]: a round ends once this share of the pool is complete
                                 #   (the pool: groups_per_step / threshold groups decoding at once)
-    chunk_steps: int = 8        # decode steps per sampler call (S > 0, or chunk_s0)
+    chunk_steps: int = 8        # decode steps per sampler call (at S > 0)
     max_len: int = 1 << 17      # brake: a row not done at this many tokens raises (raise it for
                                 #   longer outputs; the default is past today's response budgets)
     max_filtered: int = None    # brake: keep_group drops at most this many groups while one batch
                                 #   is made (None: 128 x groups_per_step)
-    chunk_s0: bool = False      # an option's: S = 0 decodes in chunks too (see the companion)
 
     def __post_init__(self):
         check_config(self)  # in the companion
@@ -136,7 +134,7 @@ class Batch:
     start_versions: list  # (B,) version of each sample's first token
     done: list            # (B,) always True
     metrics: dict         # stale/* counters of this batch
-    per_token: dict = field(default_factory=dict)  # name -> (B,) of (n_i, ...): see `fields` below
+    per_token: dict = field(default_factory=dict)  # name -> (B,) of (n_i, ...): see _per_token
 
 
 def _complete(g):
@@ -155,17 +153,18 @@ class StaleSync:
 
     prompt_fn(slot, attempt) -> a group's prompt, (P,) int64 or a list of ints. The optional ones:
     seed_fn(slot, attempt, member) -> int (default: the sample's id, 0, 1, 2, ... as made);
-    keep_group(prompt, responses) -> bool, dynamic sampling (filter_groups, in the companion). The
-    sampler's reset(), idle() and state, and on_group: hooks, see the companion. fields: an object
-    that keeps the sampler's other per-token outputs with their samples, keep(samples, out, tokens)
-    per call and batch(samples) -> Batch.per_token (routing replay's: options/routing_replay.py)."""
+    keep_group(prompt, responses) -> bool, dynamic sampling (filter_groups, in the companion). A
+    cached sampler's reset() and state_dict() are step_fn's own (a bound method: its object's).
+    An option subclasses it, overriding a method that does the default thing here: decode
+    (options/lockstep.py), _keep_completed (options/streaming.py, which sets max_steps too),
+    _keep_per_token and _per_token (options/routing_replay.py)."""
 
-    def __init__(self, cfg: StaleConfig, step_fn, prompt_fn, seed_fn=None, keep_group=None,
-                 reset=None, state=None, idle=None, on_group=None, fields=None):
+    def __init__(self, cfg: StaleConfig, step_fn, prompt_fn, seed_fn=None, keep_group=None):
         self.cfg, self.step_fn, self.prompt_fn, self.seed_fn = cfg, step_fn, prompt_fn, seed_fn
-        self.keep_group, self.on_group = keep_group, on_group
-        hooks = sampler_hooks(step_fn, reset, idle, state, fields)  # step_fn's own unless given
-        self.reset_fn, self.idle_fn, self.sampler_state, self.fields = hooks
+        self.keep_group = keep_group
+        self.reset_fn, self.sampler_state = sampler_cache(step_fn)  # None: it has none
+        # new tokens per row of a sampler call: at S = 0 no cut (None), the synchronous call
+        self.max_steps = None if cfg.staleness == 0 else cfg.chunk_steps
         self.version = 0          # v: the weights the sampler uses now
         self.batches_out = 0      # k: batches emitted; the next one is trained at version k
         self.slots_opened = 0     # slots opened so far (a reopened one is not counted again)
@@ -252,10 +251,10 @@ class StaleSync:
         their log-probs and the current version. Returns the tokens made. At S = 0 the call has no
         cut (max_steps=None): once per round, and once per refill of dropped groups, the very call
         sync_rollout makes, so the samples, updates and parameters are the synchronous path's, bit
-        for bit. Hooks for the options (idle, fields, on_group, chunk_s0): see the companion."""
+        for bit."""
         rows = [(g, s) for g in self.pool for s in g["samples"] if not s["done"]]
-        if not rows:  # no row in flight: the sampler's idle(), see the companion
-            return call_idle(self)
+        if not rows:  # nothing to decode on this rank
+            return 0
         for g, _ in rows:
             if g["start_version"] is None:  # the group's first token: its age starts now
                 g["start_version"] = self.version
@@ -263,13 +262,10 @@ class StaleSync:
                     for g, s in rows]                                          # R of (P + n,)
         seeds = torch.tensor([s["seed"] for _, s in rows], dtype=torch.long)             # (R,)
         n_done = torch.tensor([len(s["tokens"]) for _, s in rows], dtype=torch.long)     # (R,)
-        synchronous = self.cfg.staleness == 0 and not self.cfg.chunk_s0
-        max_steps = None if synchronous else self.cfg.chunk_steps
-        out = self.step_fn(contexts, seeds, n_done, max_steps)
+        out = self.step_fn(contexts, seeds, n_done, self.max_steps)
         tokens, logprobs, done = unpack_sampled(out, len(rows))
-        if self.fields is not None:  # the sampler's other per-token outputs, kept with each sample
-            self.fields.keep([s for _, s in rows], out, tokens)
-        check_progress(tokens, done, len(rows), max_steps)
+        self._keep_per_token([s for _, s in rows], out, tokens)
+        check_progress(tokens, done, len(rows), self.max_steps)
         for (_, s), t, lp, d in zip(rows, tokens, logprobs, done):
             s["tokens"] += t.tolist()
             s["logprobs"] += lp.tolist()  # float32 values, exact in a Python float
@@ -277,10 +273,16 @@ class StaleSync:
             s["done"] = d
         check_budget(self, rows)
         completed = [g for g in {id(g): g for g, _ in rows}.values() if _complete(g)]
-        kept = filter_groups(self, completed)  # dynamic sampling (keep_group): see the companion
-        if self.on_group is not None:
-            show_groups(self, kept, Batch)
+        self._keep_completed(completed)
         return sum(len(t) for t in tokens)
+
+    def _keep_per_token(self, samples, out, tokens):
+        """A call's other per-token outputs (`out`'s), kept with their samples: none here."""
+
+    def _keep_completed(self, groups):
+        """Dynamic sampling (keep_group, in the companion) drops some of the groups a call
+        completed, and their slots reopen. Returns those kept."""
+        return filter_groups(self, groups)
 
     # --- the cut of batch k, trained at version k
     # A sample's age at batch k is k - start_version, the version of its group's first token. At
@@ -325,7 +327,7 @@ class StaleSync:
         spare = self._spare(needed)
         check_take(k, n, needed, spare, all(map(_complete, needed)))
         chosen = sorted(needed + spare[:n - len(needed)], key=lambda g: g["slot"])
-        per_token = fields_of(self, chosen)  # it may raise: before any change
+        per_token = self._per_token(chosen)  # it may raise: before any change
         too_old = [g for g in self._due() if all(g is not c for c in chosen)]
         self.pool = [g for g in self.pool if all(g is not c for c in chosen)]
         self.batches_out += 1
@@ -341,6 +343,10 @@ class StaleSync:
             self.fate[s["id"]] = "trained"
         metrics = batch_metrics(self, k, samples, len(too_old))  # in the companion
         return as_batch(Batch, chosen, k, metrics, per_token)
+
+    def _per_token(self, groups):
+        """Batch.per_token of these groups: none here."""
+        return {}
 
     def spare_slots(self, needed):
         """The slots of the complete groups beyond the first `needed` due ones, lowest first."""
