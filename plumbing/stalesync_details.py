@@ -10,8 +10,8 @@ This file holds what its code calls by name and a learner need not read:
   - dynamic sampling (filter_groups), which the default run uses in every round: keep_group drops a
     group whose rewards are all equal, and its slot reopens (StaleSync.admit refills it first);
   - a batch's packing (as_batch), its stale/* figures (batch_metrics) and the samples' accounting;
-  - a cached sampler's reset() and state (sampler_cache), and notes on a separated caller and
-    SharedCut's replica and leader;
+  - a cached sampler's reset() and state (sampler_cache), the cuts' posted collectives
+    (post_or_wait), and notes on a separated caller and SharedCut's replica and leader;
   - the checkpoint state behind StaleSync.state_dict, load_state_dict and start_at.
 
 It imports torch and the standard library only, never stalesync.py (what it needs of it, the Batch
@@ -21,6 +21,7 @@ only in this file. FilterLimitError is public: a caller catches it (plumbing/run
 the flags).
 """
 import numbers
+from contextlib import nullcontext
 
 import torch
 
@@ -117,9 +118,9 @@ def check_not_stuck(sched):
                            "no batch ready: check the sampler's done flags")
 
 
-def check_replicas_not_stuck(sched, rows, complete, batch):
+def check_replicas_not_stuck(sched, replicas, complete, batch):
     """SharedCut's brake: no batch ready, and no replica has anything left that could make one."""
-    if not any(r["work"] for r in rows):
+    if not any(r["work"] for r in replicas):
         raise RuntimeError(f"batch {sched.batches_out}: the replicas hold {complete} "
                            f"complete groups of {batch} and none has a group in flight or "
                            "one it may start: check the sampler's done flags")
@@ -244,7 +245,7 @@ def accounting_of(sched):
     return out
 
 
-# ---------------------------------------------------------------------------- the sampler's cache
+# ------------------------------------------------------------------- the sampler's cache, the cuts
 def sampler_cache(step_fn):
     """A cached sampler's reset() and the state that StaleSync.state_dict saves: step_fn's own, or
     its owner's for a bound method (None where it has none). reset() drops its KV cache, at a
@@ -254,6 +255,21 @@ def sampler_cache(step_fn):
     stateful = hasattr(owner, "state_dict") and hasattr(owner, "load_state_dict")
     plain = stateful and not isinstance(owner, torch.nn.Module)
     return getattr(owner, "reset", None), owner if plain else None
+
+
+def post_or_wait(cut, collective, tensors, wait):
+    """One collective of a cut (AllReady, SharedCut), collective(async_op=...). A rank that knows
+    the answer already (no) posts its part and decodes on. One that waits (spanned "idle", through
+    cut.wait: a caller's subclass may work meanwhile) also waits for its posts, paired by now
+    (collectives pair in order), so that an error surfaces."""
+    if not wait:
+        cut.posted.append((collective(async_op=True), tensors))
+        return
+    with (cut.spans("idle") if cut.spans else nullcontext()):
+        cut.wait(collective(async_op=True))
+        for work, _ in cut.posted:
+            work.wait()
+    cut.posted.clear()
 
 
 # Notes on the options, which stalesync.py points to ("see the companion").
