@@ -307,9 +307,10 @@ def scheduler_state(sched):
 
 
 def load_scheduler_state(sched, sd):
-    """StaleSync.load_state_dict: refuses another config (the brakes aside)."""
+    """StaleSync.load_state_dict: refuses another config (the brakes aside). An older checkpoint's
+    chunk_s0 (now options/streaming.py's, a deployment's: checkpoint.py checks that) is not read."""
     brakes = ("max_len", "max_filtered")  # they bound a run, not its state: free to change
-    saved, mine = ({k: v for k, v in c.items() if k not in brakes}
+    saved, mine = ({k: v for k, v in c.items() if k not in brakes + ("chunk_s0",)}
                    for c in (sd["cfg"], vars(sched.cfg)))
     if saved != mine:
         raise ValueError(f"checkpoint config {saved} differs from this scheduler's {mine}")
