@@ -408,8 +408,8 @@ class Sampler:
         return out
 
     def idle(self):
-        """A call with no rows (StaleSync calls it when this rank has nothing in flight): the hooks
-        still run, so that a lock-step rank joins its peers' forwards."""
+        """A call with no rows (options/lockstep.py's StaleSync calls it when this rank has nothing
+        in flight): the hooks still run, so that a lock-step rank joins its peers' forwards."""
         self._before_prefill([], [], None, [])
         self._after_prefill()
         return self._after_decode(Generation(tokens=[], logprobs=[], done=[]), 0, [], None)

@@ -15,8 +15,8 @@ synchronous path, bit for bit.
 This file is the default path, naive first: sync_rollout and the sampler's contract; StaleConfig
 and StaleSync, the scheduler (the round, admission, decoding, the cut); the replicas' cuts,
 AllReady (naive) and SharedCut. Its companion, plumbing/stalesync_details.py, holds the checks, the
-brakes, dynamic sampling, a batch's figures, the options' hooks and the checkpoint state. Routing
-replay's per-token fields (StaleSync's `fields`) are in options/routing_replay.py.
+brakes, dynamic sampling, a batch's figures and the checkpoint state. An option subclasses
+StaleSync at a named seam (options/lockstep.py, routing_replay.py, streaming.py).
 
 Shapes: B samples in a batch, G group size, R rows in flight, n_i tokens of sample i,
 S staleness bound, v policy version (batches trained), k batch index (trained at v = k).
@@ -65,10 +65,10 @@ import torch
 import torch.distributed as dist
 
 from plumbing.stalesync_details import (
-    accounting_of, as_batch, as_prompt, as_seed, batch_metrics, call_idle, check_budget,
-    check_config, check_not_stuck, check_progress, check_replicas_not_stuck, check_rollout,
-    check_take, check_update, fields_of, filter_groups, load_scheduler_state, sampler_hooks,
-    scheduler_state, show_groups, start_scheduler_at, unpack_sampled)
+    accounting_of, as_batch, as_prompt, as_seed, batch_metrics, check_budget, check_config,
+    check_not_stuck, check_progress, check_replicas_not_stuck, check_rollout, check_take,
+    check_update, filter_groups, load_scheduler_state, post_or_wait, sampler_cache,
+    scheduler_state, start_scheduler_at, unpack_sampled)
 
 
 # ---------------------------------------------------------------------------------- the naive round
@@ -92,9 +92,8 @@ def sync_rollout(step_fn, prompts, group_size, seeds):
 #   logprobs   R sequences, the log-prob of each new token
 #   done       R bools, True once a row has ended
 # Every call makes a token or ends each row, and every row ends by StaleConfig.max_len tokens.
-# A cached sampler keeps its KV cache between chunks; StaleSync calls its reset() when it is stale.
-# unpack_sampled (in the companion) checks what it returns. Other per-token outputs of the sampler
-# (routing replay's experts) ride with their samples through a `fields` object: see StaleSync.
+# A cached sampler keeps its KV cache between chunks: StaleSync calls its reset() when it is stale,
+# and saves its state_dict() with its own. unpack_sampled (in the companion) checks each call.
 
 
 # ------------------------------------------------------------------------------------ the scheduler
@@ -105,12 +104,11 @@ class StaleConfig:
     group_size: int = 8         # G: responses per prompt
     threshold: float = 1.0      # in (0, 1]: a round ends once this share of the pool is complete
                                 #   (the pool: groups_per_step / threshold groups decoding at once)
-    chunk_steps: int = 8        # decode steps per sampler call (S > 0, or chunk_s0)
+    chunk_steps: int = 8        # decode steps per sampler call (at S > 0)
     max_len: int = 1 << 17      # brake: a row not done at this many tokens raises (raise it for
                                 #   longer outputs; the default is past today's response budgets)
     max_filtered: int = None    # brake: keep_group drops at most this many groups while one batch
                                 #   is made (None: 128 x groups_per_step)
-    chunk_s0: bool = False      # an option's: S = 0 decodes in chunks too (see the companion)
 
     def __post_init__(self):
         check_config(self)  # in the companion
@@ -136,7 +134,7 @@ class Batch:
     start_versions: list  # (B,) version of each sample's first token
     done: list            # (B,) always True
     metrics: dict         # stale/* counters of this batch
-    per_token: dict = field(default_factory=dict)  # name -> (B,) of (n_i, ...): see `fields` below
+    per_token: dict = field(default_factory=dict)  # name -> (B,) of (n_i, ...): see _per_token
 
 
 def _complete(g):
@@ -155,17 +153,18 @@ class StaleSync:
 
     prompt_fn(slot, attempt) -> a group's prompt, (P,) int64 or a list of ints. The optional ones:
     seed_fn(slot, attempt, member) -> int (default: the sample's id, 0, 1, 2, ... as made);
-    keep_group(prompt, responses) -> bool, dynamic sampling (filter_groups, in the companion). The
-    sampler's reset(), idle() and state, and on_group: hooks, see the companion. fields: an object
-    that keeps the sampler's other per-token outputs with their samples, keep(samples, out, tokens)
-    per call and batch(samples) -> Batch.per_token (routing replay's: options/routing_replay.py)."""
+    keep_group(prompt, responses) -> bool, dynamic sampling (filter_groups, in the companion). A
+    cached sampler's reset() and state_dict() are step_fn's own (a bound method: its object's).
+    An option subclasses it, overriding a method that does the default thing here: decode
+    (options/lockstep.py), _keep_completed (options/streaming.py, which sets max_steps too),
+    _keep_per_token and _per_token (options/routing_replay.py)."""
 
-    def __init__(self, cfg: StaleConfig, step_fn, prompt_fn, seed_fn=None, keep_group=None,
-                 reset=None, state=None, idle=None, on_group=None, fields=None):
+    def __init__(self, cfg: StaleConfig, step_fn, prompt_fn, seed_fn=None, keep_group=None):
         self.cfg, self.step_fn, self.prompt_fn, self.seed_fn = cfg, step_fn, prompt_fn, seed_fn
-        self.keep_group, self.on_group = keep_group, on_group
-        hooks = sampler_hooks(step_fn, reset, idle, state, fields)  # step_fn's own unless given
-        self.reset_fn, self.idle_fn, self.sampler_state, self.fields = hooks
+        self.keep_group = keep_group
+        self.reset_fn, self.sampler_state = sampler_cache(step_fn)  # None: it has none
+        # new tokens per row of a sampler call: at S = 0 no cut (None), the synchronous call
+        self.max_steps = None if cfg.staleness == 0 else cfg.chunk_steps
         self.version = 0          # v: the weights the sampler uses now
         self.batches_out = 0      # k: batches emitted; the next one is trained at version k
         self.slots_opened = 0     # slots opened so far (a reopened one is not counted again)
@@ -252,10 +251,10 @@ class StaleSync:
         their log-probs and the current version. Returns the tokens made. At S = 0 the call has no
         cut (max_steps=None): once per round, and once per refill of dropped groups, the very call
         sync_rollout makes, so the samples, updates and parameters are the synchronous path's, bit
-        for bit. Hooks for the options (idle, fields, on_group, chunk_s0): see the companion."""
+        for bit."""
         rows = [(g, s) for g in self.pool for s in g["samples"] if not s["done"]]
-        if not rows:  # no row in flight: the sampler's idle(), see the companion
-            return call_idle(self)
+        if not rows:  # nothing to decode on this rank
+            return 0
         for g, _ in rows:
             if g["start_version"] is None:  # the group's first token: its age starts now
                 g["start_version"] = self.version
@@ -263,13 +262,10 @@ class StaleSync:
                     for g, s in rows]                                          # R of (P + n,)
         seeds = torch.tensor([s["seed"] for _, s in rows], dtype=torch.long)             # (R,)
         n_done = torch.tensor([len(s["tokens"]) for _, s in rows], dtype=torch.long)     # (R,)
-        synchronous = self.cfg.staleness == 0 and not self.cfg.chunk_s0
-        max_steps = None if synchronous else self.cfg.chunk_steps
-        out = self.step_fn(contexts, seeds, n_done, max_steps)
+        out = self.step_fn(contexts, seeds, n_done, self.max_steps)
         tokens, logprobs, done = unpack_sampled(out, len(rows))
-        if self.fields is not None:  # the sampler's other per-token outputs, kept with each sample
-            self.fields.keep([s for _, s in rows], out, tokens)
-        check_progress(tokens, done, len(rows), max_steps)
+        self._keep_per_token([s for _, s in rows], out, tokens)
+        check_progress(tokens, done, len(rows), self.max_steps)
         for (_, s), t, lp, d in zip(rows, tokens, logprobs, done):
             s["tokens"] += t.tolist()
             s["logprobs"] += lp.tolist()  # float32 values, exact in a Python float
@@ -277,10 +273,16 @@ class StaleSync:
             s["done"] = d
         check_budget(self, rows)
         completed = [g for g in {id(g): g for g, _ in rows}.values() if _complete(g)]
-        kept = filter_groups(self, completed)  # dynamic sampling (keep_group): see the companion
-        if self.on_group is not None:
-            show_groups(self, kept, Batch)
+        self._keep_completed(completed)
         return sum(len(t) for t in tokens)
+
+    def _keep_per_token(self, samples, out, tokens):
+        """A call's other per-token outputs (`out`'s), kept with their samples: none here."""
+
+    def _keep_completed(self, groups):
+        """Dynamic sampling (keep_group, in the companion) drops some of the groups a call
+        completed, and their slots reopen. Returns those kept."""
+        return filter_groups(self, groups)
 
     # --- the cut of batch k, trained at version k
     # A sample's age at batch k is k - start_version, the version of its group's first token. At
@@ -289,26 +291,37 @@ class StaleSync:
     #   needed  one of the first groups_per_step due groups, in admission order: batch k takes it;
     #   spare   any other complete group: the spare groups fill the batch, lowest slot first.
     # Batch k is ready once its needed groups are complete and groups_per_step groups are complete
-    # in all. A due group left out (more fell due at once than a batch holds, which needs S >= 2)
-    # is regenerated: restarted with fresh samples, counted (stale/regenerated), never trained.
+    # in all. At S = 0 every started group is due, so the cut waits for all of them.
+    # A due group left out (more fell due at once than a batch holds, which needs S >= 2) is
+    # regenerated: restarted with fresh samples, counted (stale/regenerated), never trained.
     # Dropping it would lose its prompt, and the prompts with long answers are the ones that age
     # out. A retry keeps the prompt mix, though for each prompt it still favours the attempts that
-    # finish in time. At S = 0 every started group is due, so the cut waits for all of them.
-    def offer(self):
-        """The rule's counts at batch k: due, the due groups; done, how many due groups are
-        complete before the first that is not (the needed ones are complete once done >=
-        min(due, groups_per_step)); complete, the complete groups; work, whether a group is in
-        flight or may start. SharedCut gathers every replica's."""
-        due = self._due()
-        done = next((i for i, g in enumerate(due) if not _complete(g)), len(due))
-        work = self.in_flight() > 0 or bool(self.reopen) or self.slots_opened < self.capacity()
-        return dict(due=len(due), done=done, complete=sum(map(_complete, self.pool)), work=work)
+    # finish in time.
+    # One round: S = 1, groups_per_step 2, batch 3 (due: started at version 2 or before).
+    #   slot 6  started at v2, complete   due, and needed
+    #   slot 7  started at v3, decoding   not due
+    #   slot 8  started at v3, complete   spare
+    #   slot 9  started at v3, complete   spare
+    # Batch 3 is ready: slot 6 is complete, and 3 groups in all. It takes slot 6 and slot 8, the
+    # lowest spare. Slot 7 decodes on. Were slot 6 still decoding, the cut would wait for it.
+    def _due(self):
+        """The due groups of batch k, in admission order."""
+        last = self.batches_out - self.cfg.staleness  # started at or before it: due
+        started = [g for g in self.pool if g["start_version"] is not None]
+        return [g for g in started if g["start_version"] <= last]
+
+    def _needed(self, n=None):  # a shared cut may ask for more than groups_per_step
+        return self._due()[:self.cfg.groups_per_step if n is None else n]
+
+    def _spare(self, needed):
+        """The complete groups other than the `needed` ones, lowest slot first."""
+        return sorted((g for g in self.pool if _complete(g) and all(g is not h for h in needed)),
+                      key=lambda g: g["slot"])
 
     def ready(self):
         """Whether this scheduler alone can cut batch k."""
-        offer, gps = self.offer(), self.cfg.groups_per_step
-        needed_complete = offer["done"] >= min(offer["due"], gps)  # the first gps due groups
-        return needed_complete and offer["complete"] >= gps
+        needed_complete = all(map(_complete, self._needed()))
+        return needed_complete and sum(map(_complete, self.pool)) >= self.cfg.groups_per_step
 
     def cut_alone(self):
         """(groups_per_step, None) once ready(), else None; it raises rather than spin."""
@@ -319,13 +332,13 @@ class StaleSync:
 
     def take(self, n=None, needed=None):
         """Emit batch k: n groups (default groups_per_step), the first `needed` due ones (default:
-        up to groups_per_step), then the lowest-slot complete ones; regenerate the due ones left."""
+        up to groups_per_step), then the lowest-slot spare ones; regenerate the due ones left."""
         k, n = self.batches_out, self.cfg.groups_per_step if n is None else n
-        needed = self._needed(needed)
+        needed = self._needed(needed)  # the groups
         spare = self._spare(needed)
         check_take(k, n, needed, spare, all(map(_complete, needed)))
         chosen = sorted(needed + spare[:n - len(needed)], key=lambda g: g["slot"])
-        per_token = fields_of(self, chosen)  # it may raise: before any change
+        per_token = self._per_token(chosen)  # it may raise: before any change
         too_old = [g for g in self._due() if all(g is not c for c in chosen)]
         self.pool = [g for g in self.pool if all(g is not c for c in chosen)]
         self.batches_out += 1
@@ -342,22 +355,23 @@ class StaleSync:
         metrics = batch_metrics(self, k, samples, len(too_old))  # in the companion
         return as_batch(Batch, chosen, k, metrics, per_token)
 
-    def spare_slots(self, needed):
-        """The slots of the complete groups beyond the first `needed` due ones, lowest first."""
-        return [g["slot"] for g in self._spare(self._needed(needed))]
+    def _per_token(self, groups):
+        """Batch.per_token of these groups: none here."""
+        return {}
 
-    def _due(self):
-        """The due groups of batch k, in admission order."""
-        last = self.batches_out - self.cfg.staleness  # started at or before it: due
-        started = [g for g in self.pool if g["start_version"] is not None]
-        return [g for g in started if g["start_version"] <= last]
+    # --- what SharedCut (below) asks of each replica's scheduler
+    def offer(self):
+        """The rule's counts at batch k: due, the due groups; done, the due groups complete
+        before the first that is not; complete, the complete groups; work, whether a group is in
+        flight or may start."""
+        due = self._due()
+        done = next((i for i, g in enumerate(due) if not _complete(g)), len(due))
+        work = self.in_flight() > 0 or bool(self.reopen) or self.slots_opened < self.capacity()
+        return dict(due=len(due), done=done, complete=sum(map(_complete, self.pool)), work=work)
 
-    def _needed(self, n=None):  # a shared cut may ask for more than groups_per_step
-        return self._due()[:self.cfg.groups_per_step if n is None else n]
-
-    def _spare(self, needed):
-        return sorted((g for g in self.pool if _complete(g) and all(g is not h for h in needed)),
-                      key=lambda g: g["slot"])
+    def spare_slots(self, n_needed):
+        """The slots of the complete groups beyond the first n_needed due ones, lowest first."""
+        return [g["slot"] for g in self._spare(self._needed(n_needed))]
 
     # --- off the default path: the accounting, checkpoint and resume (bodies in the companion)
     def accounting(self):
@@ -378,26 +392,12 @@ class StaleSync:
 
 
 # ----------------------------------------------------------------------------------------- the cuts
-def _post_or_wait(cut, collective, tensors, wait):
-    """One collective of a cut, collective(async_op=...). A rank that knows the answer already
-    (no) posts its part and decodes on. One that waits (spanned "idle", through cut.wait: a
-    caller's subclass may work meanwhile) also waits for its posts, paired by now (collectives
-    pair in order), so that an error surfaces."""
-    if not wait:
-        cut.posted.append((collective(async_op=True), tensors))
-        return
-    with (cut.spans("idle") if cut.spans else nullcontext()):
-        cut.wait(collective(async_op=True))
-        for work, _ in cut.posted:
-            work.wait()
-    cut.posted.clear()
-
-
 class AllReady:
     """Colocated, the naive cut: each rank gives its own groups_per_step once every rank that
-    trains together is ready, an all-reduce MIN of a flag per loop turn. A ready rank decodes its
-    tail while the answer is no. One replica's bad luck (a chain of dropped groups) is then the
-    whole step's time: SharedCut fixes that."""
+    trains together is ready, an all-reduce MIN of a flag per loop turn. A rank not ready posts
+    its flag and decodes on. A ready one waits for the answer (post_or_wait, in the companion),
+    and decodes its tail while the answer is no. One replica's bad luck (a chain of dropped
+    groups) is then the whole step's time: SharedCut fixes that."""
 
     def __init__(self, group=None, device="cpu", spans=None):  # spans: times the waits
         self.group, self.device, self.spans = group, device, spans
@@ -411,7 +411,7 @@ class AllReady:
         flag = torch.tensor([float(mine)], device=self.device)                          # (1,)
         all_reduce = functools.partial(dist.all_reduce, flag, op=dist.ReduceOp.MIN,
                                        group=self.group)
-        _post_or_wait(self, all_reduce, flag, wait=mine)
+        post_or_wait(self, all_reduce, flag, wait=mine)
         return (sched.cfg.groups_per_step, None) if mine and flag.item() else None
 
 
@@ -427,8 +427,9 @@ class SharedCut:
          of all, until the batch is full.
     So a replica held back (its groups dropped again and again) no longer holds the step: its
     peers' complete groups of later slots take its place. A replica's share varies, the batch
-    does not; every slot is still trained once, within S. At S = 0 each replica gives
+    does not. Every slot is still trained once, within S. At S = 0 each replica gives
     groups_per_step, as under AllReady.
+    Three rounds of it, traced turn by turn: docs/walkthrough.md ("The shared cut, traced").
     Per loop turn, one all-gather of offer()'s counts; at the cut, one of the spare slots.
     replica and leader: for a replica of several ranks, see the companion."""
 
@@ -452,20 +453,21 @@ class SharedCut:
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
         all_gather = functools.partial(dist.all_gather, everyone, mine, group=self.group)
         ready = offer["done"] >= min(offer["due"], gps)  # its first needed groups are complete
-        _post_or_wait(self, all_gather, everyone, wait=ready)
+        post_or_wait(self, all_gather, everyone, wait=ready)
         if not ready:
             return None
-        rows = [dict(zip(self.FACTS, r.tolist())) for r in everyone if r[0]]  # the leaders'
-        rows.sort(key=lambda r: r["replica"])
-        batch = sum(r["gps"] for r in rows)
-        needed = self._needed(rows, batch)                                                 # (R,)
-        complete = sum(r["complete"] for r in rows)
-        if any(r["done"] < n for r, n in zip(rows, needed)) or complete < batch:
-            check_replicas_not_stuck(sched, rows, complete, batch)
+        replicas = [dict(zip(self.FACTS, r.tolist())) for r in everyone if r[0]]  # the leaders'
+        replicas.sort(key=lambda r: r["replica"])
+        batch = sum(r["gps"] for r in replicas)
+        needed = self._needed_per_replica(replicas, batch)                                 # (R,)
+        complete = sum(r["complete"] for r in replicas)
+        if any(r["done"] < n for r, n in zip(replicas, needed)) or complete < batch:
+            check_replicas_not_stuck(sched, replicas, complete, batch)
             return None
-        my_needed = needed[[r["replica"] for r in rows].index(self.replica)]
-        quota = batch - sum(needed)
-        return my_needed + self._spares_taken(sched.spare_slots(my_needed), quota), my_needed
+        my_needed = needed[[r["replica"] for r in replicas].index(self.replica)]
+        spare_places = batch - sum(needed)
+        my_spares = self._spares_taken(sched.spare_slots(my_needed), spare_places)
+        return my_needed + my_spares, my_needed
 
     # Why nothing ages out at S = 1 (R replicas, gps groups each, batch k cut at version k):
     #   - a group due at batch k started at a version <= k - 1, so its slot opened by then, and
@@ -473,26 +475,26 @@ class SharedCut:
     #   - the k batches out took R * k * gps groups, every one from a slot opened by version k - 1
     #     (batch j's groups started by version j), and each slot is trained once;
     #   - so at most R * (k + 1) * gps - R * k * gps = R * gps slots opened by then are untrained:
-    #     the due groups fit in one batch, and _needed gives each of them a place.
+    #     the due groups fit in one batch, and _needed_per_replica places them all.
     # At S >= 2 the batches out may also take slots opened after version k - S: more can fall due.
     @staticmethod
-    def _needed(rows, batch):
+    def _needed_per_replica(replicas, batch):
         """Each replica's needed groups, the lower replica first."""
-        base = [min(r["due"], r["gps"]) for r in rows]
+        base = [min(r["due"], r["gps"]) for r in replicas]
         room, out = batch - sum(base), []
-        for r, b in zip(rows, base):
+        for r, b in zip(replicas, base):
             more = min(r["due"] - b, room)
             room -= more
             out.append(b + more)
         return out
 
-    def _spares_taken(self, spare, quota):
-        """How many of this replica's spare groups are among the `quota` lowest (slot, replica)."""
-        mine = torch.full((quota + 1,), -1, dtype=torch.long, device=self.device)  # (1 + quota,)
+    def _spares_taken(self, spare, places):
+        """How many of this replica's spare groups are among the `places` lowest (slot, replica)."""
+        mine = torch.full((places + 1,), -1, dtype=torch.long, device=self.device)  # (1 + places,)
         mine[0] = self.replica if self.leader else -1
-        mine[1:1 + min(len(spare), quota)] = torch.tensor(spare[:quota], dtype=torch.long)
+        mine[1:1 + min(len(spare), places)] = torch.tensor(spare[:places], dtype=torch.long)
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(everyone, mine, group=self.group)
         slots = sorted((slot, int(t[0])) for t in everyone if t[0] >= 0
                        for slot in t[1:].tolist() if slot >= 0)
-        return sum(replica == self.replica for _, replica in slots[:quota])
+        return sum(replica == self.replica for _, replica in slots[:places])

@@ -347,10 +347,10 @@ def build_policy(run, mesh, split=None):
                                       betas=(0.9, 0.98), weight_decay=0.0, foreach=True)
 
 
-def build_rollout(run, wrap=None, **stale):
+def build_rollout(run, wrap=None, wrap_sched=None):
     """The engine's sampler (its KV cache kept between decode chunks) and StaleSync over this
-    replica's slots of the global batches. wrap(sampler class) -> class and `stale`: a deployment's
-    own (the hybrid's)."""
+    replica's slots of the global batches. wrap(sampler class) -> class and wrap_sched(StaleSync
+    class) -> class: a deployment's own (the hybrid's)."""
     cfg, roles = run.cfg, run.roles
     n_prompts = cfg.prompts_per_step // roles.replicas
     replica = roles.replica(run.rank)
@@ -358,28 +358,30 @@ def build_rollout(run, wrap=None, **stale):
     def to_global(slot):  # replica r makes groups [r n, (r + 1) n) of every step's prompts_per_step
         step, j = divmod(slot, n_prompts)
         return step * cfg.prompts_per_step + replica * n_prompts + j
-    make = Sampler
+    make, scheduler = Sampler, stalesync.StaleSync
     if cfg.infer_ep > 1:  # every forward meets the EP group's: its ranks decode in lock-step
         from options import lockstep
         group = run.experts.infer_groups[0]
         make = lockstep.sampler_class(make, lockstep.LockStep(group, run.device, cfg.chunk_steps))
+        scheduler = lockstep.scheduler_class(scheduler)  # a rank with no row in flight idles
     if cfg.routing_replay:  # each token's experts recorded, for training to replay
         from options import routing_replay
         make = routing_replay.sampler_class(make)
+        scheduler = routing_replay.scheduler_class(scheduler)  # the experts kept with the samples
     make = wrap(make) if wrap else make
+    scheduler = wrap_sched(scheduler) if wrap_sched else scheduler
     run.sampler = make(run.engine, cfg.max_new_tokens, task.EOS, task.PAD, cfg.temperature,
                        cfg.top_p)
     config = stalesync.StaleConfig(cfg.staleness, n_prompts, cfg.group_size, cfg.threshold,
                                    cfg.chunk_steps, max_len=cfg.max_new_tokens,
-                                   max_filtered=cfg.filter_limit * n_prompts,
-                                   chunk_s0=stale.pop("chunk_s0", False))
+                                   max_filtered=cfg.filter_limit * n_prompts)
     observe = cfg.filter_groups or cfg.curriculum  # neither: nothing to score as groups complete
-    run.sched = stalesync.StaleSync(
+    run.sched = scheduler(
         config, run.sampler,
         prompt_fn=lambda slot, attempt: run.rl_prompts(to_global(slot), attempt),
         seed_fn=lambda slot, attempt, j: task.sample_seed(cfg.seed, to_global(slot), attempt, j),
         keep_group=(lambda prompt, responses: observe_group(run, prompt, responses)) if observe
-        else None, **stale)
+        else None)
 
 
 # ----------------------------------------------------------------------------- command line

@@ -4,7 +4,7 @@ the reward model) on ranks [W-K, W) as a queue stage between rollout and trainin
     torchrun --standalone --nproc_per_node=3 train_grpo.py --deploy hybrid --reward-model 1
 
 The actor runs the colocated step (actor_loop), with three changes: it puts each group into the
-queue the moment it completes (put_group, StaleSync's on_group; at S = 0 the round decodes in chunks
+queue the moment it completes (put_group, options/streaming.py; at S = 0 the round decodes in chunks
 too), answering the queue's requests between decode forwards; the batch StaleSync cuts is then only
 named (announce_batch); and the update reads each micro-batch's reference log-probs as it reaches
 them (AuxColumns), the micro-batches in the order the rows were put. With a reward model (on the
@@ -46,7 +46,7 @@ from plumbing.config import model_config
 from model import Policy
 from options.hybrid_aux import (RemoteScore, aux_done_key, aux_loop, final_key, inbox_key,
                                 notify, ready_key)
-from options import tensor_parallel
+from options import streaming, tensor_parallel
 from options.liveness import PeerLost, Watchdog
 from options.push import Inbox, dense_twin, push_weights, wait_for, warm_up_or_wait
 from plumbing.run import Run, start
@@ -193,8 +193,8 @@ def build(cfg, out_dir=None):
     if actor and cfg.reward_model and judged(cfg):  # the model is on the auxiliary ranks
         run.score = RemoteScore(run)
     if actor:  # the queue served between decode forwards: a group put is pulled within a forward
-        T.build_rollout(run, lambda base: serving(base, run.queue), chunk_s0=True,
-                        on_group=lambda group: put_group(run, group))
+        T.build_rollout(run, lambda base: serving(base, run.queue),
+                        lambda base: streaming.scheduler_class(base, lambda g: put_group(run, g)))
         run.actor = run.actor_class(run.model, run.optimizer, run.engine,
                                     bucket_bytes=cfg.bucket_kb * 1024,
                                     movers=[run.experts] if run.experts else [],
@@ -340,7 +340,7 @@ def quiesce(run, step):
 
 
 def put_group(run, group):
-    """StaleSync's on_group: a group into the queue the moment it completes (and is kept), for the
+    """streaming's on_group: a group into the queue the moment it completes (and is kept), for the
     auxiliary ranks to work on while the round decodes on; its rows' ids wait for the batch that
     takes it (announce_batch). Its rewards and advantages go in with it (a reward model's: the
     verdict a rule asked for, kept by RemoteScore), unless the auxiliary stage adds them."""

@@ -10,7 +10,7 @@ agrees every `every` forwards whether any rank still has rows; meanwhile a rank 
 "dummy" forwards of zero rows of its own, which still compute its experts on its peers' tokens
 (vLLM's data-parallel dummy batch, SGLang's idle batch). Each agreement is one all-reduce of one
 integer: per decode chunk, never per token. A rank with nothing to decode calls Sampler.idle()
-(StaleSync does).
+(its StaleSync does: scheduler_class).
 
     python -m pytest tests/test_model.py -k lock_step
 """
@@ -82,3 +82,17 @@ def sampler_class(base, lockstep):
 
     LockStepSampler.lockstep = lockstep
     return LockStepSampler
+
+
+def scheduler_class(base):
+    """`base` (stalesync.StaleSync or a subclass) whose decode() with no row in flight calls the
+    sampler's idle(): this rank's forwards then join its peers' (LockStepSampler's)."""
+
+    class LockStepSync(base):
+        def decode(self):
+            if self.in_flight():
+                return super().decode()
+            getattr(self.step_fn, "__self__", self.step_fn).idle()  # a bound method: its sampler
+            return 0
+
+    return LockStepSync

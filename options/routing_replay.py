@@ -5,7 +5,7 @@ the experts the rollout chose for it, gated by the trained router's probabilitie
 
 The engine records, per response token and MoE layer, the experts the decode forward that read it
 chose (a routing hook on each MoE layer: model.MoE's `routing`, moe_switch.EPMoE's). The record
-travels with the sample, through StaleSync's `fields` (PerTokenFields) and a queue column, to the
+travels with the sample, through its StaleSync (scheduler_class) and a queue column, to the
 trainer, whose forward takes it (Around). A prefix read again under new weights (a cut row's prefill
 after the sampler's reset) routes its response tokens with their record too, so that what training
 replays is what the behaviour computed with. Figures (moe/*): the response tokens with a record,
@@ -81,8 +81,6 @@ def sampler_class(base):
     refused."""
 
     class RoutesSampler(base):
-        fields = PerTokenFields()  # StaleSync keeps the routes with each sample (its `fields`)
-
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.recorded = {}  # seed -> (its response so far (n,), their experts (n, L, K))
@@ -185,7 +183,7 @@ def sampler_class(base):
 
 # ----------------------------------------------------------- the routes ride with their samples
 class PerTokenFields:
-    """StaleSync's `fields` (stalesync.py), RoutesSampler's: the sampler's per-token outputs, its
+    """What scheduler_class keeps, RoutesSampler's: the sampler's per-token outputs, its
     Generation's per_token (name -> R sequences of one entry per new token, each token's experts
     (n, L, K)), kept with each sample across the chunks of a partial rollout, saved with the
     samples in flight (StaleSync.state_dict), and handed on in Batch.per_token. A field must
@@ -242,6 +240,39 @@ def _joined(s, name):
     """A sample's per-token field, its calls' pieces joined: (n_i, ...); no piece: (0,)."""
     pieces = s.get("per_token", {}).get(name, [])
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+
+
+def scheduler_class(base):
+    """`base` (stalesync.StaleSync or a subclass) that keeps the sampler's per-token outputs with
+    their samples (PerTokenFields), as train_grpo.build_rollout takes it: across the chunks of a
+    partial rollout, in its state_dict, and in each Batch.per_token."""
+
+    class PerTokenSync(base):
+        fields = PerTokenFields()
+
+        def _keep_per_token(self, samples, out, tokens):
+            self.fields.keep(samples, out, tokens)
+
+        def _per_token(self, groups):
+            return self.fields.batch([s for g in groups for s in g["samples"]])
+
+        def state_dict(self):
+            samples = [s for g in self.pool for s in g["samples"]]
+            self.fields.names(samples)  # each covers its tokens
+            sd = super().state_dict()
+            for saved, s in zip([t for g in sd["pool"] for t in g["samples"]], samples):
+                saved["per_token"] = self.fields.save(s)
+            return sd
+
+        def load_state_dict(self, sd):
+            saved = [s for g in sd["pool"] for s in g["samples"]]
+            pieces = [self.fields.load(s) for s in saved]
+            self.fields.names([dict(s, per_token=p) for s, p in zip(saved, pieces)])  # all or none
+            super().load_state_dict(sd)
+            for s, p in zip([s for g in self.pool for s in g["samples"]], pieces):
+                s["per_token"] = p
+
+    return PerTokenSync
 
 
 # ----------------------------------------------------------------------------- training replays

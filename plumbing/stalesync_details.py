@@ -10,8 +10,8 @@ This file holds what its code calls by name and a learner need not read:
   - dynamic sampling (filter_groups), which the default run uses in every round: keep_group drops a
     group whose rewards are all equal, and its slot reopens (StaleSync.admit refills it first);
   - a batch's packing (as_batch), its stale/* figures (batch_metrics) and the samples' accounting;
-  - the options' hooks (the sampler's reset, idle, state and fields; on_group), and notes on
-    chunk_s0, a separated caller and SharedCut's replica and leader;
+  - a cached sampler's reset() and state (sampler_cache), the cuts' posted collectives
+    (post_or_wait), and notes on a separated caller and SharedCut's replica and leader;
   - the checkpoint state behind StaleSync.state_dict, load_state_dict and start_at.
 
 It imports torch and the standard library only, never stalesync.py (what it needs of it, the Batch
@@ -21,6 +21,7 @@ only in this file. FilterLimitError is public: a caller catches it (plumbing/run
 the flags).
 """
 import numbers
+from contextlib import nullcontext
 
 import torch
 
@@ -117,9 +118,9 @@ def check_not_stuck(sched):
                            "no batch ready: check the sampler's done flags")
 
 
-def check_replicas_not_stuck(sched, rows, complete, batch):
+def check_replicas_not_stuck(sched, replicas, complete, batch):
     """SharedCut's brake: no batch ready, and no replica has anything left that could make one."""
-    if not any(r["work"] for r in rows):
+    if not any(r["work"] for r in replicas):
         raise RuntimeError(f"batch {sched.batches_out}: the replicas hold {complete} "
                            f"complete groups of {batch} and none has a group in flight or "
                            "one it may start: check the sampler's done flags")
@@ -244,48 +245,34 @@ def accounting_of(sched):
     return out
 
 
-# ------------------------------------------------------------------------------- the options' hooks
-def sampler_hooks(step_fn, reset, idle, state, fields):
-    """StaleSync's reset(), idle(), sampler state and fields: those given, else the sampler's own
-    (step_fn's, or its owner's for a bound method). reset() drops its KV cache (at a round's end,
-    and in update); idle() is a call with no rows (decode); the state goes into state_dict: the
-    sampler itself if it has one, but a model's weights stay out of it."""
+# ------------------------------------------------------------------- the sampler's cache, the cuts
+def sampler_cache(step_fn):
+    """A cached sampler's reset() and the state that StaleSync.state_dict saves: step_fn's own, or
+    its owner's for a bound method (None where it has none). reset() drops its KV cache, at a
+    round's end and in update(). The state is the sampler itself if it has state_dict() and
+    load_state_dict(), but a model's weights stay out of it."""
     owner = getattr(step_fn, "__self__", step_fn)  # a bound method's object
-    reset_fn = reset if reset is not None else getattr(owner, "reset", None)
-    idle_fn = idle if idle is not None else getattr(owner, "idle", None)
     stateful = hasattr(owner, "state_dict") and hasattr(owner, "load_state_dict")
     plain = stateful and not isinstance(owner, torch.nn.Module)
-    fields = fields if fields is not None else getattr(owner, "fields", None)
-    return reset_fn, idle_fn, state if state is not None else (owner if plain else None), fields
+    return getattr(owner, "reset", None), owner if plain else None
 
 
-def call_idle(sched):
-    """decode() with no row in flight: the sampler's idle(), so that a rank of a lock-step engine
-    (expert parallel) joins its peers' call. Returns the tokens made: none."""
-    if sched.idle_fn is not None:
-        sched.idle_fn()
-    return 0
-
-
-def fields_of(sched, groups):
-    """Batch.per_token of these groups: the fields object's (it refuses a gap), else none."""
-    if sched.fields is None:
-        return {}
-    return sched.fields.batch([s for g in groups for s in g["samples"]])
-
-
-def show_groups(sched, kept, Batch):
-    """on_group(batch): each kept group shown once, as it completes, as a Batch of version None
-    (a streaming caller puts its rows into a queue at once)."""
-    for g in kept:
-        sched.on_group(as_batch(Batch, [g], None, {}, fields_of(sched, [g])))
+def post_or_wait(cut, collective, tensors, wait):
+    """One collective of a cut (AllReady, SharedCut), collective(async_op=...). A rank that knows
+    the answer already (no) posts its part and decodes on. One that waits (spanned "idle", through
+    cut.wait: a caller's subclass may work meanwhile) also waits for its posts, paired by now
+    (collectives pair in order), so that an error surfaces."""
+    if not wait:
+        cut.posted.append((collective(async_op=True), tensors))
+        return
+    with (cut.spans("idle") if cut.spans else nullcontext()):
+        cut.wait(collective(async_op=True))
+        for work, _ in cut.posted:
+            work.wait()
+    cut.posted.clear()
 
 
 # Notes on the options, which stalesync.py points to ("see the companion").
-#
-# chunk_s0 (StaleConfig): S = 0 decodes in chunks of chunk_steps too, so that a caller can work
-# between them. A counter-based sampler then makes the same tokens, its log-probs equal up to float
-# rounding.
 #
 # A separated caller drives the scheduler on its generator itself: admit(), decode(), and take()
 # while ready(); update(v) as the weights of version v arrive (v in [version, batches_out]).
@@ -298,23 +285,19 @@ def show_groups(sched, kept, Batch):
 # -------------------------------------------------------------------------- the checkpoint state
 _COUNTERS = ("version", "batches_out", "slots_opened", "next_id", "regenerated", "filtered",
              "filtered_reported", "filtered_at_take", "max_admitted_over")
+_SAMPLE = ("id", "seed", "tokens", "logprobs", "versions", "done")  # a subclass saves its own keys
 
 
 def scheduler_state(sched):
-    """StaleSync.state_dict: the groups in flight (their samples' lists as tensors), the slots
-    to reopen, the counters (_COUNTERS), the fates, the sampler's state, and the samples' other
-    per-token fields (the `fields` object's). Not prompt_fn's or seed_fn's: a function of (slot,
-    attempt) alone, or of state the caller restores, resumes exactly; one that reads an unsaved
-    stream serves it again."""
-    fields = sched.fields
-    if fields is not None:
-        fields.names([s for g in sched.pool for s in g["samples"]])  # each covers its tokens
-
+    """StaleSync.state_dict: the groups in flight (their samples' _SAMPLE keys, lists as tensors),
+    the slots to reopen, the counters (_COUNTERS), the fates, the sampler's state. Not prompt_fn's
+    or seed_fn's: a function of (slot, attempt) alone, or of state the caller restores, resumes
+    exactly; one that reads an unsaved stream serves it again."""
     def saved(s):  # a sample, its lists as tensors
-        return dict(s, tokens=torch.tensor(s["tokens"], dtype=torch.long),
-                    logprobs=torch.tensor(s["logprobs"], dtype=torch.float32),
-                    versions=torch.tensor(s["versions"], dtype=torch.long),
-                    per_token=fields.save(s) if fields is not None else {})
+        return {k: s[k] for k in _SAMPLE} | dict(
+            tokens=torch.tensor(s["tokens"], dtype=torch.long),
+            logprobs=torch.tensor(s["logprobs"], dtype=torch.float32),
+            versions=torch.tensor(s["versions"], dtype=torch.long))
     pool = [dict(g, prompt=g["prompt"].clone(), samples=[saved(s) for s in g["samples"]])
             for g in sched.pool]
     sampler = sched.sampler_state.state_dict() if sched.sampler_state is not None else None
@@ -324,25 +307,20 @@ def scheduler_state(sched):
 
 
 def load_scheduler_state(sched, sd):
-    """StaleSync.load_state_dict: refuses another config (the brakes aside)."""
+    """StaleSync.load_state_dict: refuses another config (the brakes aside). An older checkpoint's
+    chunk_s0 (now options/streaming.py's, a deployment's: checkpoint.py checks that) is not read."""
     brakes = ("max_len", "max_filtered")  # they bound a run, not its state: free to change
-    saved, mine = ({k: v for k, v in c.items() if k not in brakes}
+    saved, mine = ({k: v for k, v in c.items() if k not in brakes + ("chunk_s0",)}
                    for c in (sd["cfg"], vars(sched.cfg)))
     if saved != mine:
         raise ValueError(f"checkpoint config {saved} differs from this scheduler's {mine}")
-    fields = sched.fields
 
-    def loaded(s):  # a saved sample, its tensors as lists (older checkpoints: no per_token)
-        out = dict(s, tokens=s["tokens"].tolist(), logprobs=s["logprobs"].tolist(),
-                   versions=s["versions"].tolist())
-        out.pop("per_token", None)
-        if fields is not None:
-            out["per_token"] = fields.load(s)
-        return out
+    def loaded(s):  # a saved sample's _SAMPLE keys (older checkpoints: per_token too), as lists
+        return {k: s[k] for k in _SAMPLE} | dict(
+            tokens=s["tokens"].tolist(), logprobs=s["logprobs"].tolist(),
+            versions=s["versions"].tolist())
     pool = [dict(g, prompt=g["prompt"].clone(), samples=[loaded(s) for s in g["samples"]])
             for g in sd["pool"]]
-    if fields is not None:
-        fields.names([s for g in pool for s in g["samples"]])  # a field some samples lack
     for key in _COUNTERS:  # older checkpoints have no filtered_at_take
         fallback = sd["filtered_reported"] if key == "filtered_at_take" else sd[key]
         setattr(sched, key, sd.get(key, fallback))

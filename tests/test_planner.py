@@ -298,7 +298,8 @@ def test_the_round_replay_counts_what_stalesync_decodes(S, threshold):
                 [m == x for m, x in zip(made, left)])
 
     cfg = StaleConfig(staleness=S, groups_per_step=2, group_size=8, chunk_steps=8, threshold=threshold)
-    sched = StaleSync(cfg, step_fn, lambda slot, attempt: [1] * 18, reset=held.clear)
+    step_fn.reset = held.clear  # a cached sampler's reset(), which StaleSync calls as the weights change
+    sched = StaleSync(cfg, step_fn, lambda slot, attempt: [1] * 18)
     for _ in range(S + 1 + 12):
         rounds.append(dict.fromkeys(("forwards", "row_steps", "prefills", "prefill_rows", "prefill_tokens"), 0))
         sched.rollout()

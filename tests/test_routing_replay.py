@@ -10,13 +10,14 @@ import grpo
 import task
 from grpo import GRPOConfig, Samples, chunk_logprobs
 from model import ModelConfig, Policy, Sampler
-from options.routing_replay import (Around, PerTokenFields, RecordRoutes, means, moe_layers, routing,
-                                    sampler_class)
+from options.routing_replay import (Around, RecordRoutes, means, moe_layers, routing, sampler_class,
+                                    scheduler_class)
 from stalesync import StaleConfig, StaleSync
 from tests.test_model import EOS, _contexts, _model
 from tests.test_stalesync import ScriptedSampler, _lengths
 
 Recording = sampler_class(Sampler)
+PerTokenSync = scheduler_class(StaleSync)  # StaleSync keeping the sampler's per-token fields with the samples
 
 
 def _free_routes(model, seq):
@@ -123,10 +124,9 @@ def test_the_engine_records_each_response_tokens_experts_and_training_replays_th
     assert all(torch.equal(a, b) for a, b in zip(lp_own, lp_free))
 
 
-# ------------------------------------------------------- the routes ride with their samples (StaleSync's fields)
+# ------------------------------------------------- the routes ride with their samples (scheduler_class's fields)
 class TaggingSampler(ScriptedSampler):
     """ScriptedSampler that also gives, per new token, a (2,) field: its seed and its position."""
-    fields = PerTokenFields()  # StaleSync keeps the field with each sample
 
     def __call__(self, contexts, seeds, n_done, max_steps):
         toks, lps, done = super().__call__(contexts, seeds, n_done, max_steps)
@@ -142,7 +142,7 @@ def test_per_token_fields_follow_their_samples_across_chunks_and_a_resume():
     cfg = StaleConfig(staleness=1, groups_per_step=2, group_size=3, threshold=0.5, chunk_steps=4)
 
     def make():
-        return StaleSync(cfg, TaggingSampler(lengths), lambda slot, attempt: torch.tensor([2, slot % 10 + 4, 3]))
+        return PerTokenSync(cfg, TaggingSampler(lengths), lambda slot, attempt: torch.tensor([2, slot % 10 + 4, 3]))
 
     a = make()
     a.rollout(), a.update()
@@ -156,8 +156,7 @@ def test_per_token_fields_follow_their_samples_across_chunks_and_a_resume():
             assert torch.equal(tag, torch.stack([torch.full((len(r),), seed), torch.arange(len(r))], 1))
             assert torch.equal(tag, tag_b)
     one_row = type("Out", (), dict(tokens=[[5]], logprobs=[[-0.1]], done=[True], per_token={"tag": [[1, 2]]}))()
-    bad = StaleSync(StaleConfig(groups_per_step=1, group_size=1), lambda *a: one_row, lambda s, a: [2, 3],
-                    fields=PerTokenFields())
+    bad = PerTokenSync(StaleConfig(groups_per_step=1, group_size=1), lambda *a: one_row, lambda s, a: [2, 3])
     with pytest.raises(ValueError, match=r"per_token\['tag'\]: rows \[0\] do not hold one entry per new token"):
         bad.admit(), bad.decode()
 
@@ -180,16 +179,16 @@ def test_a_per_token_field_that_does_not_cover_its_tokens_is_refused_naming_the_
             out.per_token = out.per_token if int(n_done.max()) > 0 else {}
             return out
 
-    sched = StaleSync(cfg, Sometimes(lambda s: 5), prompt)
+    sched = PerTokenSync(cfg, Sometimes(lambda s: 5), prompt)
     sched.admit(), sched.decode(), sched.decode()  # 2 tokens without the field, then 2 with it
     with pytest.raises(ValueError, match=r"sample 0: per_token\['tag'\] holds 2 entries for its 4 tokens"):
         sched.state_dict()
     with pytest.raises(ValueError, match=r"sample 0: per_token\['tag'\] holds 3 entries for its 5 tokens"):
         sched.rollout()
-    good = StaleSync(cfg, TaggingSampler(lambda s: 5), prompt)
+    good = PerTokenSync(cfg, TaggingSampler(lambda s: 5), prompt)
     good.admit(), good.decode()
     sd = good.state_dict()
     del sd["pool"][0]["samples"][1]["per_token"]  # as a checkpoint saved before the field existed, for one sample
     with pytest.raises(ValueError, match=r"sample 1: per_token\['tag'\] holds 0 entries for its 2 tokens"):
-        StaleSync(cfg, TaggingSampler(lambda s: 5), prompt).load_state_dict(sd)
+        PerTokenSync(cfg, TaggingSampler(lambda s: 5), prompt).load_state_dict(sd)
     assert StaleSync(cfg, ScriptedSampler(lambda s: 2), prompt).rollout().per_token == {}

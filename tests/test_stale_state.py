@@ -38,6 +38,9 @@ def test_state_dict_resumes_bit_exactly():
         assert all(torch.equal(p, q) for p, q in zip(x.responses + x.logprobs, y.responses + y.logprobs))
     with pytest.raises(ValueError, match="config"):
         StaleSync(StaleConfig(staleness=1), None, None).load_state_dict(a.state_dict())
+    older = a.state_dict()
+    older["cfg"]["chunk_s0"] = False  # a checkpoint of the code before options/streaming.py: it resumes
+    make().load_state_dict(older)
 
 
 def test_state_dict_with_a_cached_sampler_resumes_bit_exactly():

@@ -12,6 +12,7 @@ import torch
 
 from grpo import grpo_loss, group_advantages, pad_responses, sequence_logprobs, token_logprobs
 from model import ModelConfig, Policy, Sampler, counter_uniform, generate, sample_tokens
+from options import lockstep, streaming
 from stalesync import StaleConfig, StaleSync, sync_rollout
 from task import EOS, PAD, VOCAB, make_prompts, score
 
@@ -142,19 +143,21 @@ def test_bound_and_nothing_lost_while_groups_age_out(S):
 
 @pytest.mark.parametrize("S, chunk_s0", [(0, False), (0, True), (1, False), (2, False)])
 def test_on_group_shows_every_kept_group_once_before_it_is_trained(S, chunk_s0):
-    """on_group streams each group as it completes and is kept, with the samples, tokens and log-probs that take()
-    later emits: every trained group was shown before its batch, once; a filtered group never; at S = 2 a group
-    shown and then aged out is shown again with fresh samples (and only the second attempt trains). chunk_s0:
-    S = 0 in chunks of chunk_steps, the groups then complete over several calls (and the batches are the same)."""
+    """on_group (options/streaming.py) streams each group as it completes and is kept, with the samples, tokens and
+    log-probs that take() later emits: every trained group was shown before its batch, once; a filtered group
+    never; at S = 2 a group shown and then aged out is shown again with fresh samples (and only the second attempt
+    trains). chunk_s0: S = 0 in chunks of chunk_steps, the groups then complete over several calls (and the batches
+    are the same)."""
     same = lambda prompt, responses: len({len(r) for r in responses}) > 1
     batches = {}
     for chunked in sorted({False, chunk_s0}):
-        cfg = StaleConfig(staleness=S, groups_per_step=2, group_size=2, threshold=0.5, chunk_steps=3, chunk_s0=chunked)
+        cfg = StaleConfig(staleness=S, groups_per_step=2, group_size=2, threshold=0.5, chunk_steps=3)
         shown, calls = {}, []
         sampler = ScriptedSampler(_lengths(np.random.default_rng(7 + S)))
-        sched = StaleSync(cfg, sampler, prompt_fn=lambda slot, attempt: torch.tensor([2, 5, 3, slot % 7]),
-                          keep_group=same, on_group=lambda b: calls.append(b) or shown.update(
-                              {i: (r, lp) for i, r, lp in zip(b.ids, b.responses, b.logprobs)}))
+        Streaming = streaming.scheduler_class(StaleSync, lambda b: calls.append(b) or shown.update(
+            {i: (r, lp) for i, r, lp in zip(b.ids, b.responses, b.logprobs)}), chunk_s0=chunked)
+        sched = Streaming(cfg, sampler, prompt_fn=lambda slot, attempt: torch.tensor([2, 5, 3, slot % 7]),
+                          keep_group=same)
         trained = []
         for _ in range(12):
             b = sched.rollout()
@@ -604,19 +607,19 @@ class IdleCounting(ScriptedSampler):
 
 
 def test_decode_calls_idle_exactly_when_no_row_is_in_flight():
-    """decode() with no row in flight calls idle() in place of step_fn (a lock-step engine's rank joins its peers'
-    forwards there): the step_fn's own, or its owner's for a bound method, or the idle= given, which wins."""
+    """options/lockstep.py's scheduler: decode() with no row in flight calls idle() in place of step_fn (a lock-step
+    engine's rank joins its peers' forwards there): the step_fn's own, or its owner's for a bound method. The core
+    StaleSync calls no idle()."""
     cfg = StaleConfig(staleness=1, groups_per_step=1, group_size=2, threshold=0.5, chunk_steps=2)
     prompt = lambda slot, attempt: torch.tensor([2, 3])  # noqa: E731
+    LockStepSync = lockstep.scheduler_class(StaleSync)
     for bound in (False, True):
         sampler = IdleCounting(lambda s: 3)
-        sched = StaleSync(cfg, sampler.__call__ if bound else sampler, prompt)
+        sched = LockStepSync(cfg, sampler.__call__ if bound else sampler, prompt)
         assert sched.decode() == 0 and (sampler.idles, sampler.calls) == (1, 0)  # nothing admitted yet
         sched.admit()
         while sched.in_flight():
             assert sched.decode() > 0 and sampler.idles == 1  # rows in flight: the sampler, never idle()
         assert sampler.calls == 2 and sched.decode() == 0 and (sampler.idles, sampler.calls) == (2, 2)
-    given = []
-    sched = StaleSync(cfg, sampler, prompt, idle=lambda: given.append(1))
-    assert sched.decode() == 0 and given == [1] and sampler.idles == 2  # the override, not the owner's
+    assert StaleSync(cfg, sampler, prompt).decode() == 0 and sampler.idles == 2  # the core: no idle() called
     assert StaleSync(cfg, ScriptedSampler(lambda s: 3), prompt).decode() == 0  # no idle anywhere: nothing to call
