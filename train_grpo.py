@@ -361,13 +361,10 @@ def build_rollout(run, wrap=None, wrap_sched=None):
     make, scheduler = Sampler, stalesync.StaleSync
     if cfg.infer_ep > 1:  # every forward meets the EP group's: its ranks decode in lock-step
         from options import lockstep
-        group = run.experts.infer_groups[0]
-        make = lockstep.sampler_class(make, lockstep.LockStep(group, run.device, cfg.chunk_steps))
-        scheduler = lockstep.scheduler_class(scheduler)  # a rank with no row in flight idles
+        make, scheduler = lockstep.rollout_classes(make, scheduler, run)
     if cfg.routing_replay:  # each token's experts recorded, for training to replay
         from options import routing_replay
-        make = routing_replay.sampler_class(make)
-        scheduler = routing_replay.scheduler_class(scheduler)  # the experts kept with the samples
+        make, scheduler = routing_replay.rollout_classes(make, scheduler)
     make = wrap(make) if wrap else make
     scheduler = wrap_sched(scheduler) if wrap_sched else scheduler
     run.sampler = make(run.engine, cfg.max_new_tokens, task.EOS, task.PAD, cfg.temperature,

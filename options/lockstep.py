@@ -96,3 +96,10 @@ def scheduler_class(base):
             return 0
 
     return LockStepSync
+
+
+def rollout_classes(sampler, scheduler, run):
+    """The run's sampler and scheduler classes in lock-step over its inference EP group: every
+    rank runs the group's forwards, and a rank with no row in flight idles through them."""
+    step = LockStep(run.experts.infer_groups[0], run.device, run.cfg.chunk_steps)
+    return sampler_class(sampler, step), scheduler_class(scheduler)

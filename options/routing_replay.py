@@ -358,3 +358,9 @@ def apply(run):
     them)."""
     run.around = Around(replay=True)
     run.log.means.append(means)
+
+
+def rollout_classes(sampler, scheduler):
+    """The run's sampler and scheduler classes, each generated token's experts recorded and kept
+    with its sample until the batch that trains it."""
+    return sampler_class(sampler), scheduler_class(scheduler)
