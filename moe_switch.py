@@ -99,9 +99,8 @@ import torch.nn.functional as F
 from plumbing.moe_switch_details import (agree_on_switch, check_bucket, check_computes_alike,
                                          check_dense_layer, check_ep_group, check_found_layers,
                                          check_layout, check_naive_group, check_reshard,
-                                         check_switch, group_of_ranks, held_bytes, layout_rank,
-                                         new_groups, rank_in, shard_experts, swap_layers,
-                                         switch_figures, untie)
+                                         check_switch, group_of_ranks, held_bytes, new_groups,
+                                         rank_in, shard_experts, swap_layers, switch_figures, untie)
 
 EXPERT_NAMES = ("w_gate", "w_up", "w_down")  # (E, D, H), (E, D, H), (E, H, D) in the dense MoE
 # EP 1 runs every expert on every token while tokens x D x H stays within this (see EPMoE.forward)
@@ -209,9 +208,6 @@ class EPLayout:
         """(n,) expert ids -> (n,) slots, p * L + j for row p's j-th expert: for the blocks, the
         expert id itself (`rank`, the rows' sender, matters where an expert has copies)."""
         return experts
-
-    def local_rank(self, global_rank):  # a layout over part of the job (ranks=): the companion
-        return layout_rank(self, global_rank)
 
 
 # ----------------------------------------------------------------------- re-sharding, naive first

@@ -40,7 +40,7 @@ def rank_in(group, layout):
     """This process's rank: in `group` if given, else in the layout's own numbering."""
     if not dist.is_initialized():
         return 0
-    return dist.get_rank(group) if group is not None else layout.local_rank(dist.get_rank())
+    return dist.get_rank(group) if group is not None else layout_rank(layout, dist.get_rank())
 
 
 def held_bytes(*dicts):
@@ -270,8 +270,7 @@ def digest(layout):
 
 # -------------------------------------------------------------------- a layout over part of the job
 def layout_rank(layout, global_rank):
-    """EPLayout.local_rank: this process's rank in the layout; ValueError if the layout does not
-    span it."""
+    """A global rank's rank in the layout (rank_in's); ValueError if the layout does not span it."""
     if layout.ranks is None:
         return global_rank
     if global_rank not in layout.ranks:
