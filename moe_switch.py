@@ -14,8 +14,9 @@ The default run (train_grpo.py) trains at EP 2 and generates at EP 1; this file,
   reshard_naive, reshard    the naive switch, then the bucketed one (plan_reshard, _Memory)
   EPMoE                     route, send counts then packed tokens, local experts, combine; switch()
   ExpertParallel            a model's MoE layers: apply, to_rollout, to_train, clip_grads
-Its companion plumbing/moe_switch_details.py: checks, agree_on_switch, options' hooks, layouts over
-part of the job. Others' experts: options/dense_moe.py; dense_state_dict: plumbing/checkpoint.py.
+Its companion plumbing/moe_switch_details.py: checks, agree_on_switch, groups, layers swapped, a
+layout over part of the job. Experts placed by load: options/eplb.py, subclasses of these classes.
+Others' experts: options/dense_moe.py; dense_state_dict: plumbing/checkpoint.py.
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
   1. Each expert slice (name, e) is its own tensor, not a view of a stacked (E, D, H) parameter: a
@@ -95,12 +96,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from plumbing.moe_switch_details import (agree_on_switch, check_bucket,
-                                         check_computes_alike, check_dense_layer, check_ep_group,
-                                         check_found_layers, check_layout, check_naive_group,
-                                         check_reshard, check_switch, group_of_ranks, held_bytes,
-                                         layout_rank, new_groups, rank_in, spread_over_copies,
-                                         swap_layers, switch_figures)
+from plumbing.moe_switch_details import (agree_on_switch, check_bucket, check_computes_alike,
+                                         check_dense_layer, check_ep_group, check_found_layers,
+                                         check_layout, check_naive_group, check_reshard,
+                                         check_switch, group_of_ranks, held_bytes, new_groups,
+                                         rank_in, shard_experts, swap_layers, switch_figures, untie)
 
 EXPERT_NAMES = ("w_gate", "w_up", "w_down")  # (E, D, H), (E, D, H), (E, H, D) in the dense MoE
 # EP 1 runs every expert on every token while tokens x D x H stays within this (see EPMoE.forward)
@@ -164,20 +164,17 @@ def all_to_all_rows(x, out_splits, in_splits, group):
 # ----------------------------------------------------------------------- layouts
 @dataclass(frozen=True)
 class EPLayout:
-    """Who owns which expert. Rank grid arange(W).view(P, W // P): row p owns expert block p, and
-    the W // P ranks of a row are its data-parallel replicas. An EP group takes one rank from each
-    row. Ranks here are the layout's own, 0 .. W-1: `ranks` names the global ranks they are.
-    A row holds L experts, its slots p * L .. p * L + L - 1: the block's, or under a placement
-    (an option, load balancing: the companion) any L, an expert held by several rows copied."""
+    """Who owns which expert. Rank grid arange(W).view(P, W // P): row p owns expert block p, its
+    slots p * L .. p * L + L - 1, and the W // P ranks of a row are its data-parallel replicas. An
+    EP group takes one rank from each row. Ranks here are the layout's own, 0 .. W-1: `ranks`
+    names the global ranks they are. (Experts placed by load instead: options/eplb.py.)"""
     ep: int              # P, the EP degree: the experts split into P blocks of L = E / P
     world_size: int      # W ranks, each holding one block
     n_experts: int       # E
     ranks: tuple = None  # the global rank of each layout rank (None: the same numbers)
-    placement: tuple = None  # each row's experts, increasing (None: the blocks)
 
     def __post_init__(self):
-        check_layout(self)  # in the companion: P divides E and W; ranks distinct, in order;
-        # a placement's rows the same length, of distinct experts, holding every expert
+        check_layout(self)  # in the companion: P divides E and W; ranks distinct, in order
 
     def global_rank(self, r):
         return r if self.ranks is None else self.ranks[r]
@@ -188,13 +185,13 @@ class EPLayout:
 
     @property
     def slots(self):
-        """The experts each rank holds: L = E / P (more under a placement with copies)."""
-        return self.n_experts // self.ep if self.placement is None else len(self.placement[0])
+        """The experts each rank holds: L = E / P."""
+        return self.n_experts // self.ep
 
     def owned(self, rank):
         """The global expert ids that `rank` holds, in slot order: its block, a range of L."""
         L, p = self.slots, rank // self.dp
-        return range(p * L, (p + 1) * L) if self.placement is None else self.placement[p]
+        return range(p * L, (p + 1) * L)
 
     def holders(self, e):
         rows = [p for p in range(self.ep) if e in self.owned(p * self.dp)]
@@ -208,17 +205,9 @@ class EPLayout:
         return list(range(p * self.dp, (p + 1) * self.dp))
 
     def slot_of(self, experts, rank=0):
-        """(n,) expert ids -> (n,) slots, p * L + j for row p's j-th expert: the expert id itself
-        for the blocks (a placement's, where `rank` spreads the copies: in the companion)."""
-        return experts if self.placement is None else spread_over_copies(self, experts, rank)
-
-    def local_rank(self, global_rank):  # a layout over part of the job (ranks=): the companion
-        return layout_rank(self, global_rank)
-
-
-def shard_experts(full, layout, rank):
-    """A dense MoE's stacks (name -> (E, ...)) -> this rank's slices: name -> {e: (...)}."""
-    return {n: {e: t[e].detach().clone() for e in layout.owned(rank)} for n, t in full.items()}
+        """(n,) expert ids -> (n,) slots, p * L + j for row p's j-th expert: for the blocks, the
+        expert id itself (`rank`, the rows' sender, matters where an expert has copies)."""
+        return experts
 
 
 # ----------------------------------------------------------------------- re-sharding, naive first
@@ -362,13 +351,6 @@ def reshard(experts, src, dst, bucket_bytes, group=None):
 
 
 # ----------------------------------------------------------------------- the EP layer
-def _untie(moe):
-    """Make every expert Parameter of an EP layer an empty tensor, dropping its reference."""
-    for n in EXPERT_NAMES:
-        for p in getattr(moe, n):
-            p.data = p.data.new_empty(0)
-
-
 class EPMoE(nn.Module):
     """The MoE with its experts split over an EP group: a drop-in for a dense MoE (from_dense).
     w_gate, w_up and w_down hold one Parameter per global expert, empty (numel 0) where this rank
@@ -377,13 +359,12 @@ class EPMoE(nn.Module):
     (layout.dp_group_ranks), and the replicated router's grad over the world."""
 
     def __init__(self, d_model, d_hidden, n_experts, top_k, layout, group=None):
-        """Uninitialised, the global RNG untouched: fill it with load_dense, or use from_dense."""
+        """Uninitialised, the global RNG untouched: use from_dense for a layer with weights."""
         super().__init__()
         self.top_k, self.layout, self.group = top_k, layout, group
         self.world_group = None  # exactly the layout's ranks where part of the job (ExpertParallel)
         self.rank = rank_in(None, layout)
         self.routing = None  # a hook for an option (routing replay): see the companion
-        self.load = None  # (P * L,) rows per slot, summed, where an option sets it: there too
         self.every_expert_below = EVERY_EXPERT_WORK / (d_model * d_hidden)  # tokens
         check_ep_group(layout, group, self.rank)
         self.router = nn.utils.skip_init(nn.Linear, d_model, n_experts, bias=False)  # (E, D)
@@ -402,7 +383,10 @@ class EPMoE(nn.Module):
         check_computes_alike(moe, EXPERT_NAMES, moe_reference)
         E, D, H = moe.w_gate.shape
         ep = cls(D, H, E, moe.top_k, layout, group).to(moe.w_gate.device, moe.w_gate.dtype)
-        ep.load_dense(moe.router.weight, {n: getattr(moe, n) for n in EXPERT_NAMES})
+        with torch.no_grad():
+            ep.router.weight.copy_(moe.router.weight)
+        full = {n: getattr(moe, n) for n in EXPERT_NAMES}  # name -> (E, ...)
+        ep._put(shard_experts(full, layout, ep.rank))  # this rank's slices: name -> {e: (...)}
         return ep
 
     def forward(self, x):
@@ -414,9 +398,7 @@ class EPMoE(nn.Module):
         flat_e = self.layout.slot_of(top_e.reshape(-1), self.rank)      # (N*k,) slot: expert
         order = flat_e.argsort(stable=True)                             # (N*k,) by slot = rank
         x_sorted = x[order // k]                                        # (N*k, D)
-        counts = torch.bincount(flat_e, minlength=P * L)                # (P*L,) rows to each slot
-        if self.load is not None:  # a hook for an option (load balancing): see the companion
-            self.load += counts
+        counts = self._rows_per_slot(flat_e)                            # (P*L,) rows to each slot
         # step 1: the counts, so every rank knows how many rows it gets per (source, local expert)
         counts_in = all_to_all_rows(counts, [L] * P, [L] * P, self.group)  # (P*L,)
         # .tolist() is a device-to-host sync: the payload's split sizes must live on the host
@@ -432,6 +414,10 @@ class EPMoE(nn.Module):
         y = all_to_all_rows(y_in, in_splits, out_splits, self.group)    # (N*k, D) back home
         y = y[order.argsort()].view(-1, k, shape[-1])                   # (N, k, D)
         return (y * gates.unsqueeze(-1).to(x.dtype)).sum(1).reshape(shape)
+
+    def _rows_per_slot(self, slots):
+        """(N*k,) slot of each row -> (P*L,) rows to each slot (options/eplb.py sums them too)."""
+        return torch.bincount(slots, minlength=self.layout.ep * self.layout.slots)
 
     def _every_expert(self, x, gates, top_e):
         """EP 1 sends nothing, and a few tokens run faster through every expert, each weighted by
@@ -451,18 +437,13 @@ class EPMoE(nn.Module):
         taken = self.local_experts()  # name -> {e: tensor}, the Parameters' data
         check_switch(self, taken, layout, group, bucket_bytes, world_group)
         agree_on_switch(self.layout, layout, world_group, self.router.weight.device)
-        _untie(self)  # the switch must own the only reference, or nothing could be freed
+        untie(self, EXPERT_NAMES)  # the switch must own the only reference, or none is freed
         new, stats = reshard(taken, self.layout, layout, bucket_bytes, world_group)
         self._put(new)
         self.layout, self.group = layout, group
         return stats
 
     # helpers of from_dense and switch
-    @torch.no_grad()
-    def load_dense(self, router_weight, full):
-        self.router.weight.copy_(router_weight)
-        self._put(shard_experts(full, self.layout, self.rank))
-
     def local_experts(self):
         """name -> {e: tensor} of the experts this rank owns (the Parameters' data, no copy)."""
         own = self.layout.owned(self.rank)
@@ -484,6 +465,7 @@ class ExpertParallel:
     moves them back. Every rank calls them together, once the experts' grads and optimizer states
     are off the device: as a mover of fusion.FusedActor. to_rollout moves only the experts: the
     engine's other weights are the caller's to load (`names`: the expert parameters to skip)."""
+    layer = EPMoE  # the class of the EP layers it makes (options/eplb.py's also counts rows)
 
     def __init__(self, train_ep, infer_ep, world_size, n_experts, bucket_bytes, timeout_s=300.0,
                  ranks=None):
@@ -495,21 +477,18 @@ class ExpertParallel:
         self.group = group_of_ranks(ranks, timeout_s)
         self.bucket_bytes, self.world, self.stats = bucket_bytes, world_size, {}
         self.model_layers, self.engine_layers, self.names = [], [], set()
-        self.balancer = None  # an object passed in, for an option (load balancing): the companion
 
     def apply(self, model, engine=None):
         self.model_layers = self.shard(model)
         check_found_layers(self.model_layers)
         self.names = {n for n, _ in model.named_parameters() if n.split(".")[-2] in EXPERT_NAMES}
         if engine is not None:
-            self.engine_layers = swap_layers(engine, is_dense_moe, self._empty_like)
+            self.engine_layers = swap_layers(engine, self._empty_like, EXPERT_NAMES, EPMoE)
 
     @torch.no_grad()
     def to_rollout(self):
         t0, moved, ep_group = time.perf_counter(), [], self.infer_groups[0]
-        layouts = [self.infer_layout] * len(self.model_layers)  # one a layer
-        if self.balancer is not None:
-            layouts = self.balancer.place(self)
+        layouts = self._rollout_layouts()  # one a layer
         for m, e, layout in zip(self.model_layers, self.engine_layers, layouts):
             moved.append(m.switch(layout, ep_group, self.bucket_bytes, self.group))
             e.layout = layout  # the engine's layer routes to where the experts now are
@@ -522,10 +501,8 @@ class ExpertParallel:
     def to_train(self):
         t0, moved, ep_group = time.perf_counter(), [], self.train_groups[0]
         for m, e in zip(self.model_layers, self.engine_layers):
-            _untie(e)  # the switch must hold the only reference, or nothing could be freed
+            untie(e, EXPERT_NAMES)  # the switch must hold the only reference, or none is freed
             moved.append(m.switch(self.train_layout, ep_group, self.bucket_bytes, self.group))
-        if self.balancer is not None:
-            self.balancer.rollout_done(self)
         self.stats.update(switch_figures("to_train", t0, moved))
 
     def clip_grads(self, model, max_norm):
@@ -560,8 +537,8 @@ class ExpertParallel:
         Also for a frozen copy (the reference): it then runs the policy's own EP forward and
         computes what the policy does, bit for bit (a dense forward rounds differently)."""
         group = self.train_groups[0]
-        layers = swap_layers(module, is_dense_moe,
-                             lambda m: EPMoE.from_dense(m, self.train_layout, group))
+        layers = swap_layers(module, lambda m: self.layer.from_dense(m, self.train_layout, group),
+                             EXPERT_NAMES, EPMoE)
         for layer in layers:  # the group of a whole-model gather (a checkpoint's, a dense copy's)
             layer.world_group = self.group
         return layers
@@ -570,21 +547,19 @@ class ExpertParallel:
         """The model's expert Parameters: one per global expert, empty where this rank owns none."""
         return [p for n, p in model.named_parameters() if n in self.names]
 
-    # a helper of apply
+    # helpers of apply and to_rollout
+    def _rollout_layouts(self):
+        """Each layer's layout in rollout: the inference layout (options/eplb.py: by load)."""
+        return [self.infer_layout] * len(self.model_layers)
+
     def _empty_like(self, moe):
         """An engine's EP layer: the dense layer's router Parameter itself (a loader filling the
         engine by name still finds it), and no experts until to_rollout aliases the moved ones."""
         E, D, H = moe.w_gate.shape
-        ep = EPMoE(D, H, E, moe.top_k, self.infer_layout, self.infer_groups[0])
+        ep = self.layer(D, H, E, moe.top_k, self.infer_layout, self.infer_groups[0])
         ep = ep.to(moe.router.weight.device)
         ep.router.weight = moe.router.weight                            # (E, D)
         ep.requires_grad_(False)
-        _untie(ep)
+        untie(ep, EXPERT_NAMES)  # no experts until to_rollout
         return ep
 
-
-# ----------------------------------------------------------- a model's dense MoE layers, found
-def is_dense_moe(m):
-    """A dense MoE layer, by attributes: router, top_k, w_gate, w_up and w_down; not an EPMoE."""
-    has_all = all(hasattr(m, a) for a in ("router", "top_k", *EXPERT_NAMES))
-    return has_all and not isinstance(m, EPMoE)

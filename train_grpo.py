@@ -280,9 +280,6 @@ def build(cfg, out_dir=None):
     run.cut = build_cut(run)
     run.log = RunLog(run, start=run.resume_from[1]["step"] + 1 if run.resume_from else 1)
     say_layout(run)  # how the phases switch, and how the experts are laid out
-    if cfg.eplb:  # the rollout's experts placed by their measured load, the hottest copied
-        from options import eplb
-        eplb.apply(run)
     if cfg.routing_replay:  # the trainers replay the recorded experts; moe/* in the log
         from options import routing_replay
         routing_replay.apply(run)
@@ -322,9 +319,13 @@ def build_policy(run, mesh, split=None):
     if rank in roles.generators:
         run.engine = Policy(model_config(cfg)).to(run.device).eval().requires_grad_(False)
     if cfg.train_ep:  # the experts leave FSDP2: EP shards them over the trainers, re-shards them
-        run.experts = moe_switch.ExpertParallel(cfg.train_ep, cfg.infer_ep, len(roles.trainers),
-                                                cfg.n_experts, cfg.bucket_kb * 1024,
-                                                cfg.pg_timeout_s, ranks=roles.experts_over)
+        sizes = (cfg.train_ep, cfg.infer_ep, len(roles.trainers), cfg.n_experts,
+                 cfg.bucket_kb * 1024, cfg.pg_timeout_s)
+        if cfg.eplb:  # the rollout's experts placed by their measured load, the hottest copied
+            from options import eplb
+            run.experts = eplb.expert_parallel(cfg, *sizes, ranks=roles.experts_over)
+        else:
+            run.experts = moe_switch.ExpertParallel(*sizes, ranks=roles.experts_over)
     if rank not in roles.trainers:  # (every rank makes EP's groups; the trainers hold experts)
         return
     if run.experts:

@@ -3,7 +3,7 @@
     python bench/eplb.py                 # 4 gloo processes, inference EP 2 and 4 (about 5 minutes)
 
 The model: 4 residual MoE layers (x + moe(x)) of 16 experts, top-2, D = 64, H = 128 (train_grpo.py's default
-widths), trained at EP 2 and switched to inference EP P = 2 and 4, as moe_switch.ExpertParallel does in the run. The
+widths), trained at EP 2 and switched to inference EP P = 2 and 4, as eplb.BalancedExperts does in the run. The
 router is skewed on purpose: the router rows of experts 0 to 3 are scaled by 2, and the tokens lean their way (a
 shared direction added to each), so the blocks, which put experts 0 to 3 on one rank, give that rank most of the
 rows. Each decode step is a forward of the engine's 4 layers on 32 fresh tokens a rank (the same tokens in every
@@ -39,7 +39,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import moe_switch  # noqa: E402
 from options import eplb  # noqa: E402
 from options.dense_moe import DenseMoE  # noqa: E402
 from plumbing import checkpoint  # noqa: E402
@@ -117,10 +116,11 @@ def worker(rank, args, port, out):
     with torch.no_grad():
         for P in (2, 4):
             model, engine = copy.deepcopy(dense), copy.deepcopy(dense).requires_grad_(False)
-            ep = moe_switch.ExpertParallel(2, P, W, E, bucket_bytes=args.bucket_kb * 1024, timeout_s=120)
-            ep.apply(model, engine)
             modes = {"blocks": eplb.Balancer(0, by_load=False), "by_load": eplb.Balancer(P),
                      "no_copies": eplb.Balancer(0), "copies": eplb.Balancer(P, target=2.0)}
+            ep = eplb.BalancedExperts(2, P, W, E, bucket_bytes=args.bucket_kb * 1024, timeout_s=120,
+                                      balancer=modes["blocks"])  # each round sets its own
+            ep.apply(model, engine)
             for m in BY_LOAD:  # their loads: a first rollout's, in blocks
                 one_round(ep, engine, dense, modes[m], lean, args, rank)
             rounds = {m: [] for m in modes}

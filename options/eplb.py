@@ -6,8 +6,8 @@
 Under expert parallelism a rank's work is the token rows its experts are sent. A router that
 favours a few experts makes the rank that holds them the step's straggler: the others wait for it
 at the all-to-all. Balancing places the experts by their measured load instead of in blocks:
-  1. Measure: each MoE layer sums the rows each slot is sent (EPMoE.load), in rollout and in
-     training. At the end of the switch back to training, every rank all-reduces the rollout's
+  1. Measure: each MoE layer sums the rows each slot is sent (CountingEPMoE.load), in rollout and
+     in training. At the end of the switch back to training, every rank all-reduces the rollout's
      counts: every rank holds the same loads (integers: exact). The log gets moe/* for both
      phases; only the rollout's loads place the experts.
   2. Replicate: the inference layout may hold up to `redundant` extra slots (one a rank by
@@ -29,14 +29,87 @@ layer in rollout than the blocks would (E / P + R / P); the switch's peak grows 
 holds two copies of one expert, so an expert has at most P copies.
 Placement changes where an expert runs: every token still meets its k experts with their weights,
 and the outputs match the blocks' up to float rounding (about 5e-7, as EP's own).
+Built into moe_switch.py's classes by subclassing: PlacedLayout (an EPLayout whose rows are a
+placement), CountingEPMoE (an EPMoE that counts), BalancedExperts (an ExpertParallel whose rollout
+layouts are placed by load; train_grpo.build_policy builds it under --eplb 1).
 
     python -m pytest tests/test_eplb.py
 """
+import functools
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.distributed as dist
 
 import moe_switch
+
+
+
+# ---------------------------------------------------------------------------- the layout
+@dataclass(frozen=True)
+class PlacedLayout(moe_switch.EPLayout):
+    """An EPLayout whose row p holds placement[p]: any L experts in increasing order, an expert
+    held by several rows copied, each copy taking its share of the expert's rows (slot_of). A
+    placement with copies is for inference: no grad sums over the copies. It need not nest with
+    the training layout: the switch then holds up to max(source, target) + one bucket
+    (plan_reshard's memory bound), not target + one bucket."""
+    placement: tuple = ()  # each row's experts, increasing
+
+    def __post_init__(self):
+        super().__post_init__()  # P divides E and W; ranks distinct, in order
+        check_placement(self)
+
+    @property
+    def slots(self):
+        """The experts each rank holds: E / P, and more with copies."""
+        return len(self.placement[0])
+
+    def owned(self, rank):
+        """The global expert ids that `rank` holds, in slot order: its row of the placement."""
+        return self.placement[rank // self.dp]
+
+    def slot_of(self, experts, rank=0):
+        """(n,) expert ids -> (n,) slots, p * L + j for row p's j-th expert. The i-th token row
+        (in order) of an expert with c copies goes to copy (i + rank) mod c: each copy gets its
+        share of the expert's rows, to within one on each rank, and the ranks start at different
+        copies."""
+        E = self.n_experts
+        table, n_copies = copies_of(self, experts.device)                     # (E, P), (E,)
+        if self.slots * self.ep == E:  # no copies: each expert's one slot
+            return table[experts, 0]
+        order = experts.argsort(stable=True)                                   # (n,) by expert
+        counts = torch.bincount(experts, minlength=E)                          # (E,)
+        first = counts.cumsum(0) - counts                                      # (E,) of each
+        nth = torch.empty_like(experts)                                        # (n,) i: its rank
+        nth[order] = torch.arange(len(experts), device=experts.device) - first[experts[order]]
+        return table[experts, (nth + rank) % n_copies[experts]]
+
+
+def check_placement(layout):
+    """PlacedLayout's checks: P rows of L expert ids each, increasing (so distinct), and every
+    expert held."""
+    rows, E = layout.placement, layout.n_experts
+    lengths = {len(r) for r in rows}
+    held = {e for r in rows for e in r}
+    bad = (not isinstance(rows, tuple) or not all(isinstance(r, tuple) for r in rows)
+           or len(rows) != layout.ep or len(lengths) != 1 or held != set(range(E))
+           or any(list(r) != sorted(set(r)) for r in rows)
+           or any(not isinstance(e, int) for r in rows for e in r))
+    if bad:
+        raise ValueError(f"placement {rows} must be a tuple of P = {layout.ep} tuples of the same "
+                         f"length, each of int expert ids in increasing order, holding all of "
+                         f"0 .. {E - 1}")
+
+
+@functools.lru_cache(maxsize=256)
+def copies_of(layout, device):
+    """A placement's slots of each expert, (E, P) padded with its first, and their counts (E,)."""
+    L, P = layout.slots, layout.ep
+    copies = [[p * L + j for p in range(P) for j, x in enumerate(layout.placement[p]) if x == e]
+              for e in range(layout.n_experts)]
+    return (torch.tensor([c + c[:1] * (P - len(c)) for c in copies], device=device),
+            torch.tensor([len(c) for c in copies], device=device))
 
 
 # ---------------------------------------------------------------------------- the placement
@@ -111,9 +184,40 @@ def per_expert(load, layout):
     return np.bincount(experts, weights=load.tolist(), minlength=layout.n_experts)
 
 
+class CountingEPMoE(moe_switch.EPMoE):
+    """An EP layer that sums the rows each slot is sent into `load`, a (P * L,) tensor, while it
+    is one (_start_counting); none on the EP 1 path that runs every expert."""
+    load = None  # None: not counting
+
+    def _rows_per_slot(self, slots):
+        counts = super()._rows_per_slot(slots)                                       # (P * L,)
+        if self.load is not None:
+            self.load += counts
+        return counts
+
+
+class BalancedExperts(moe_switch.ExpertParallel):
+    """ExpertParallel whose layers count their rows (CountingEPMoE) and whose rollout layouts are
+    balancer.place(self)'s; at the end of each switch back, balancer.rollout_done(self) reads the
+    rollout's loads. `balancer` may be swapped between switches (bench/eplb.py's modes)."""
+    layer = CountingEPMoE
+
+    def __init__(self, *args, balancer, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.balancer = balancer  # its loads are saved with a checkpoint
+
+    def _rollout_layouts(self):
+        return self.balancer.place(self)
+
+    @torch.no_grad()
+    def to_train(self):
+        super().to_train()
+        self.balancer.rollout_done(self)
+
+
 class Balancer:
-    """ExpertParallel.balancer: place(ep) at each switch to rollout, rollout_done(ep) at the end of
-    each switch back. Figures in ep.stats (so in the step's record, as the switch's):
+    """BalancedExperts.balancer: place(ep) at each switch to rollout, rollout_done(ep) at the end
+    of each switch back. Figures in ep.stats (so in the step's record, as the switch's):
       moe/{rollout,train}_balancedness  mean over layers of balancedness, under the layout used
       moe/{rollout,train}_busiest_share the busiest rank's rows over all rows, mean over layers
       moe/{rollout,train}_busiest_rows  the busiest rank's rows, summed over layers
@@ -135,7 +239,7 @@ class Balancer:
         if self.by_load and self.loads is not None and base.ep > 1:
             placements = [fewest_copies(load, base.ep, base.slots, self.redundant, self.target)
                           for load in self.loads]
-            layouts = [moe_switch.EPLayout(base.ep, base.world_size, base.n_experts, base.ranks, p)
+            layouts = [PlacedLayout(base.ep, base.world_size, base.n_experts, base.ranks, p)
                        for p in placements]
         for layer, layout in zip(ep.engine_layers, layouts):
             _start_counting(layer, layout)
@@ -214,6 +318,7 @@ def redundant(cfg):
     return cfg.infer_ep if cfg.eplb_redundant is None else cfg.eplb_redundant
 
 
-def apply(run):
-    """The run's expert layers measure their loads, and each switch to rollout places by them."""
-    run.experts.balancer = Balancer(redundant(run.cfg))
+def expert_parallel(cfg, *args, **kwargs):
+    """The run's ExpertParallel (train_grpo.build_policy's arguments): its layers measure their
+    loads, and each switch to rollout places the experts by them."""
+    return BalancedExperts(*args, balancer=Balancer(redundant(cfg)), **kwargs)

@@ -374,7 +374,7 @@ def save(run, step):
             own["sched"] = run.sched.state_dict()
         if run.actor is not None:
             own["actor"] = run.actor.state_dict()
-        if run.experts is not None and run.experts.balancer is not None:  # --eplb: its loads
+        if hasattr(run.experts, "balancer"):  # --eplb (options/eplb.py): its loads
             own["eplb"] = run.experts.balancer.state_dict()
         # --nodes: the error-feedback residual, this rank's shard of its node's
         if run.grad_sync is not None:
@@ -615,7 +615,7 @@ def _load_own(run, own):
         run.sched.load_state_dict(own["sched"])
     if run.actor is not None:
         run.actor.load_state_dict(own["actor"])
-    if run.experts is not None and run.experts.balancer is not None and "eplb" in own:
+    if hasattr(run.experts, "balancer") and "eplb" in own:
         run.experts.balancer.load_state_dict(own["eplb"])  # else the blocks, until a rollout
     run.load_own_state(own.get("run", {}))
     run.queue.load_state_dict(own["queue"])  # collective: every rank publishes the rows it holds

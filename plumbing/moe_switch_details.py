@@ -1,38 +1,33 @@
 # Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (see LICENSE).
 """moe_switch.py's details, which a learner can take on trust: the checks of the caller's input, the
-ranks' agreement on a switch, the bytes a rank holds, the process groups, a placement's copies,
-a layout over part of the job and the figures of a switch.
+ranks' agreement on a switch, the bytes a rank holds, the process groups, a layout over part of the
+job, the model's layers swapped and the figures of a switch.
 
 Copied together with moe_switch.py, which imports it by name (`from plumbing.moe_switch_details
 import ...`: keep the folder, or change that one line). It imports only torch and the standard
 library, never moe_switch.py: a layout is any EPLayout, an EP layer any EPMoE, and what a check
 needs of moe_switch.py (EXPERT_NAMES, moe_reference) is passed in. The code of moe_switch.py calls
 these by name; in order:
-  rank_in, held_bytes           this process's rank; the bytes a rank's experts hold
+  rank_in, held_bytes          this process's rank; the bytes a rank's experts hold
+  shard_experts                a dense MoE's stacks -> this rank's slices of them
   check_*                      the checks, each a ValueError before any collective (check_dense is
                                options/dense_moe.py's too)
   agree_on_switch, digest      every rank of a layout says which switch it makes, in one all_gather
-  spread_over_copies           EPLayout.slot_of under a placement: each copy takes its share of rows
   layout_rank, group_of_ranks  a layout over part of the job (ranks=)
   new_groups, swap_layers      building: the EP and DP groups; a model's dense MoE layers replaced
+  untie                        an EP layer's expert Parameters emptied, before a switch
   switch_figures               ExpertParallel.stats of a switch
 
-The options' hooks in moe_switch.py: route(..., routing) and EPMoE.routing, a hook (N, k) -> (N, k)
-on the experts chosen that records or replaces them (options/routing_replay.py); the gates are then
-the router's probabilities of the experts it returns, renormalised. Load balancing
-(options/eplb.py): EPLayout's placement puts any experts on any row, an expert on several rows
-holding copies, and each copy takes its share of the expert's rows (slot_of). A placement with
-copies is for inference: no grad sums over the copies. EPMoE.load, a (P * L,) tensor, sums the rows
-each slot is sent (none on the EP 1 path that runs every expert). ExpertParallel.balancer, an object
-passed in: place(ep) gives each layer's rollout layout at the switch to rollout, and
-rollout_done(ep) reads the rollout's loads at the end of the switch back. A placement need not nest
-with the training layout: the switch then holds up to max(source, target) + one bucket
-(plan_reshard's memory bound), not target + one bucket. ranks= (EPLayout, ExpertParallel), group=
-(reshard) and world_group= (EPMoE.switch): a layout over part of the job, switched over the group of
-its ranks.
+Two hooks stay in moe_switch.py for options. route(..., routing) and EPMoE.routing: a hook (N, k)
+-> (N, k) on the experts chosen that records or replaces them (options/routing_replay.py, which
+sets it on model.py's dense MoE layers too); the gates are then the router's probabilities of the
+experts it returns, renormalised. ranks= (EPLayout, ExpertParallel), group= (reshard) and
+world_group= (EPMoE.switch): a layout over part of the job (the hybrid deployment's actor),
+switched over the group of its ranks. Expert load balancing (options/eplb.py) subclasses
+EPLayout, EPMoE and ExpertParallel at their seams: slots, owned and slot_of; _rows_per_slot;
+layer and _rollout_layouts.
 """
 import datetime
-import functools
 import time
 import zlib
 
@@ -45,7 +40,7 @@ def rank_in(group, layout):
     """This process's rank: in `group` if given, else in the layout's own numbering."""
     if not dist.is_initialized():
         return 0
-    return dist.get_rank(group) if group is not None else layout.local_rank(dist.get_rank())
+    return dist.get_rank(group) if group is not None else layout_rank(layout, dist.get_rank())
 
 
 def held_bytes(*dicts):
@@ -57,6 +52,11 @@ def held_bytes(*dicts):
                 s = t.untyped_storage()
                 seen[s.data_ptr()] = s.nbytes()
     return sum(seen.values())
+
+
+def shard_experts(full, layout, rank):
+    """A dense MoE's stacks (name -> (E, ...)) -> this rank's slices: name -> {e: (...)}, copies."""
+    return {n: {e: t[e].detach().clone() for e in layout.owned(rank)} for n, t in full.items()}
 
 
 # --------------------------------------------------------------------- checks of the caller's input
@@ -74,8 +74,6 @@ def check_layout(layout):
         raise ValueError(f"ranks {ranks} must be {layout.world_size} distinct global ranks in "
                          "increasing order (torch.distributed.new_group orders a group's "
                          "ranks so)")
-    if layout.placement is not None:
-        check_placement(layout)
 
 
 def check_fits_the_job(layout):
@@ -236,22 +234,6 @@ def check_dense_layer(moe):
                          "and compute something else")
 
 
-def check_placement(layout):
-    """EPLayout's checks of a placement: P rows of L expert ids each, increasing (so distinct), and
-    every expert held."""
-    rows, E = layout.placement, layout.n_experts
-    lengths = {len(r) for r in rows}
-    held = {e for r in rows for e in r}
-    bad = (not isinstance(rows, tuple) or not all(isinstance(r, tuple) for r in rows)
-           or len(rows) != layout.ep or len(lengths) != 1 or held != set(range(E))
-           or any(list(r) != sorted(set(r)) for r in rows)
-           or any(not isinstance(e, int) for r in rows for e in r))
-    if bad:
-        raise ValueError(f"placement {rows} must be a tuple of P = {layout.ep} tuples of the same "
-                         f"length, each of int expert ids in increasing order, holding all of "
-                         f"0 .. {E - 1}")
-
-
 # ----------------------------------------------------------------------- the ranks' agreement
 def agree_on_switch(src, dst, group=None, device="cpu"):
     """Every rank of the layout says which switch it makes, (source EP, target EP), in one
@@ -279,41 +261,16 @@ def agree_on_switch(src, dst, group=None, device="cpu"):
 
 
 def digest(layout):
-    """A placement's digest, the same in every process (0: the blocks)."""
-    return 0 if layout.placement is None else zlib.crc32(repr(layout.placement).encode()) + 1
-
-
-# ----------------------------------------------------------- a placement: experts anywhere, copies
-def spread_over_copies(layout, experts, rank):
-    """EPLayout.slot_of under a placement: the i-th token row (in order) of an expert with c copies
-    goes to copy (i + rank) mod c: each copy gets its share of the expert's rows, to within one on
-    each rank, and the ranks start at different copies."""
-    E = layout.n_experts
-    table, n_copies = copies_of(layout, experts.device)                    # (E, P), (E,)
-    if len(layout.placement[0]) * layout.ep == E:  # no copies: each expert's one slot
-        return table[experts, 0]
-    order = experts.argsort(stable=True)                                   # (n,) by expert
-    counts = torch.bincount(experts, minlength=E)                          # (E,)
-    first = counts.cumsum(0) - counts                                      # (E,) of each expert
-    nth = torch.empty_like(experts)                                        # (n,) i: row's rank
-    nth[order] = torch.arange(len(experts), device=experts.device) - first[experts[order]]
-    return table[experts, (nth + rank) % n_copies[experts]]
-
-
-@functools.lru_cache(maxsize=256)
-def copies_of(layout, device):
-    """A placement's slots of each expert, (E, P) padded with its first, and their counts (E,)."""
-    L, P = layout.slots, layout.ep
-    copies = [[p * L + j for p in range(P) for j, x in enumerate(layout.placement[p]) if x == e]
-              for e in range(layout.n_experts)]
-    return (torch.tensor([c + c[:1] * (P - len(c)) for c in copies], device=device),
-            torch.tensor([len(c) for c in copies], device=device))
+    """Which experts each row holds, as a number the same in every process (0: the blocks; any
+    other placement, options/eplb.py's, its crc32 + 1)."""
+    rows = tuple(tuple(layout.owned(p * layout.dp)) for p in range(layout.ep))
+    blocks = tuple(tuple(range(p * len(r), (p + 1) * len(r))) for p, r in enumerate(rows))
+    return 0 if rows == blocks else zlib.crc32(repr(rows).encode()) + 1
 
 
 # -------------------------------------------------------------------- a layout over part of the job
 def layout_rank(layout, global_rank):
-    """EPLayout.local_rank: this process's rank in the layout; ValueError if the layout does not
-    span it."""
+    """A global rank's rank in the layout (rank_in's); ValueError if the layout does not span it."""
     if layout.ranks is None:
         return global_rank
     if global_rank not in layout.ranks:
@@ -347,16 +304,26 @@ def new_groups(layout, timeout_s=60.0):
     return tuple(mine)
 
 
-def swap_layers(module, which, make):
-    """Replace each submodule m of module for which which(m) (moe_switch.is_dense_moe: a dense MoE
-    layer) by make(m): returns the new layers, in order."""
+def swap_layers(module, make, names, ep_class):
+    """Replace each dense MoE layer m of module by make(m): returns the new layers, in order. A
+    dense MoE layer is found by its attributes, router, top_k and the stacks `names`
+    (moe_switch.py's EXPERT_NAMES), and is not an EP layer already (ep_class: EPMoE)."""
     layers = []
     for name, child in list(module.named_modules()):
-        if which(child):
+        is_moe = all(hasattr(child, a) for a in ("router", "top_k", *names))
+        if is_moe and not isinstance(child, ep_class):
             parent, _, attr = name.rpartition(".")
             layers.append(make(child))
             setattr(module.get_submodule(parent), attr, layers[-1])
     return layers
+
+
+def untie(layer, names):
+    """Make every expert Parameter of an EP layer (its ParameterLists `names`) an empty tensor,
+    dropping its reference to the storage."""
+    for n in names:
+        for p in getattr(layer, n):
+            p.data = p.data.new_empty(0)
 
 
 def switch_figures(key, t0, moved):

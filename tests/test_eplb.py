@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_switch import EPLayout, EPMoE, ExpertParallel, moe_reference, reshard, shard_experts
+from moe_switch import EPLayout, EPMoE, moe_reference, reshard, shard_experts
 from options import eplb
 from options.dense_moe import DenseMoE
 from plumbing.checkpoint import dense_state_dict
@@ -31,7 +31,7 @@ def test_the_packing_holds_every_expert_on_distinct_rows_and_balances_a_skewed_l
         copies = eplb.replicate(load, P, slots)
         assert len(rows) == P and all(len(r) == slots and len(set(r)) == slots for r in rows), (trial, rows)
         assert all(sum(e in r for r in rows) == copies[e] for e in range(n_experts)), (trial, rows, copies)
-        EPLayout(P, P, n_experts, placement=rows)  # the layout's own checks take it
+        eplb.PlacedLayout(P, P, n_experts, placement=rows)  # the layout's own checks take it
     load = np.array([100, 90, 80, 70] + [5] * 12)  # 16 experts, 4 hot: blocks put them all on rank 0
     for P in (2, 4):
         blocks = load.reshape(P, -1).sum(1)
@@ -52,11 +52,11 @@ def test_bad_placements_are_refused_by_the_layout():
     for bad in (((0, 1), (2, 3)), ((0, 1, 2, 3), (4, 5, 6, 6)), ((0, 1, 2), (3, 4, 5, 6, 7)), [(0, 1, 2, 3)] * 2,
                 ((0, 1, 2, 3),), ((0, 1, 2, 3, 4), (4, 5, 6, 7, 7)), ((1, 0, 2, 3), (4, 5, 6, 7))):
         with pytest.raises(ValueError, match="placement"):
-            EPLayout(2, 4, E, placement=bad)
+            eplb.PlacedLayout(2, 4, E, placement=bad)
 
 
 def test_copies_share_their_experts_rows_and_each_rank_starts_at_another():
-    layout = EPLayout(2, 2, 4, placement=((0, 1, 2), (0, 2, 3)))  # experts 0 and 2 copied: slots 0, 3 and 2, 4
+    layout = eplb.PlacedLayout(2, 2, 4, placement=((0, 1, 2), (0, 2, 3)))  # experts 0 and 2 copied: slots 0, 3 and 2, 4
     rows = torch.tensor([0] * 7 + [2] * 4 + [1, 3])
     for rank, want in ((0, [4, 1, 2, 3, 2, 1]), (1, [3, 1, 2, 4, 2, 1])):
         assert torch.bincount(layout.slot_of(rows, rank), minlength=6).tolist() == want
@@ -78,7 +78,7 @@ def _exact_under_placements(rank, router, full):
     """Every placement, copies included, computes the dense MoE's output (forward, no grads)."""
     moe = types.SimpleNamespace(router=types.SimpleNamespace(weight=router), top_k=K, **full)
     for P, slots in ((2, 4), (2, 5), (4, 2), (4, 3), (4, 4)):
-        layout = EPLayout(P, W, E, placement=_placement(P, slots, seed=P * 10 + slots))
+        layout = eplb.PlacedLayout(P, W, E, placement=_placement(P, slots, seed=P * 10 + slots))
         group = new_groups(layout, timeout_s=60)[0]
         layer = EPMoE.from_dense(moe, layout, group)
         x = torch.randn(7 + 5 * rank, D, generator=torch.Generator().manual_seed(rank))
@@ -90,9 +90,9 @@ def _switch_through_placements(rank, full):
     """Blocks -> a placement with copies -> another -> blocks: exact bytes, the minimum moved, and at most
     max(source, target) + one bucket held."""
     train, wide = EPLayout(2, W, E), EPLayout(4, W, E)
-    first = EPLayout(4, W, E, placement=_placement(4, 3, seed=1))
-    second = EPLayout(4, W, E, placement=_placement(4, 3, seed=2))
-    more = EPLayout(2, W, E, placement=_placement(2, 6, seed=3))  # more experts a rank than training's 2
+    first = eplb.PlacedLayout(4, W, E, placement=_placement(4, 3, seed=1))
+    second = eplb.PlacedLayout(4, W, E, placement=_placement(4, 3, seed=2))
+    more = eplb.PlacedLayout(2, W, E, placement=_placement(2, 6, seed=3))  # more experts a rank than training's 2
     experts, stats = shard_experts(full, train, rank), []
     for src, dst in ((train, first), (first, second), (second, train), (train, wide), (wide, more), (more, wide)):
         experts, st = reshard(experts, src, dst, BUCKET)
@@ -117,13 +117,14 @@ def _skewed_stack(seed=0, layers=2):
 
 
 def _balanced_rollouts(rank):
-    """ExpertParallel with a Balancer: the first rollout in blocks, the next by load; the engine computes the
-    dense model's output under both, the balance rises, and the switch back restores the experts bit for bit."""
+    """BalancedExperts (ExpertParallel with a Balancer): the first rollout in blocks, the next by load; the engine
+    computes the dense model's output under both, the balance rises, and the switch back restores the experts bit
+    for bit."""
     dense = _skewed_stack()
     model, engine = copy.deepcopy(dense), copy.deepcopy(dense).requires_grad_(False)
-    ep = ExpertParallel(train_ep=2, infer_ep=4, world_size=W, n_experts=E, bucket_bytes=BUCKET, timeout_s=60)
+    ep = eplb.BalancedExperts(train_ep=2, infer_ep=4, world_size=W, n_experts=E, bucket_bytes=BUCKET, timeout_s=60,
+                              balancer=eplb.Balancer(redundant=4))
     ep.apply(model, engine)
-    ep.balancer = eplb.Balancer(redundant=4)
     figures = []
     with torch.no_grad():
         for turn in range(3):
@@ -131,7 +132,8 @@ def _balanced_rollouts(rank):
             x = torch.randn(64, D, generator=torch.Generator().manual_seed(10 * turn + rank))
             torch.testing.assert_close(engine(x), dense(x), atol=1e-5, rtol=1e-5)
             ep.to_train()
-            figures.append((ep.stats["moe/rollout_balancedness"], ep.engine_layers[0].layout.placement,
+            placed = getattr(ep.engine_layers[0].layout, "placement", None)  # None: the blocks, an EPLayout
+            figures.append((ep.stats["moe/rollout_balancedness"], placed,
                             ep.stats["ep/to_rollout_bytes_moved"] == ep.stats["ep/to_rollout_bytes_min"]))
     state = dense_state_dict(model)
     assert all(torch.equal(state[k], v) for k, v in dense.state_dict().items())
@@ -144,7 +146,8 @@ def _disagreeing_placements(rank, router, full):
     two = EPLayout(2, W, E)
     group = new_groups(two, timeout_s=60)[0]
     layer = EPMoE.from_dense(moe, two, group)
-    mine = EPLayout(2, W, E, placement=((0, 2, 4, 6), (1, 3, 5, 7)) if rank % 2 else ((0, 1, 2, 7), (3, 4, 5, 6)))
+    rows = ((0, 2, 4, 6), (1, 3, 5, 7)) if rank % 2 else ((0, 1, 2, 7), (3, 4, 5, 6))
+    mine = eplb.PlacedLayout(2, W, E, placement=rows)
     with pytest.raises(ValueError, match=r"disagree on the switch .*\(placements 0 -> \d+\)"):
         layer.switch(mine, group, BUCKET)
     assert layer.layout == two and all(layer.w_up[e].numel() for e in two.owned(rank))
