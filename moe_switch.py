@@ -99,8 +99,9 @@ import torch.nn.functional as F
 from plumbing.moe_switch_details import (agree_on_switch, check_bucket, check_computes_alike,
                                          check_dense_layer, check_ep_group, check_found_layers,
                                          check_layout, check_naive_group, check_reshard,
-                                         check_switch, group_of_ranks, held_bytes, new_groups,
-                                         rank_in, shard_experts, swap_layers, switch_figures, untie)
+                                         check_switch, clip_with_experts, group_of_ranks,
+                                         held_bytes, new_groups, rank_in, shard_experts,
+                                         swap_layers, switch_figures, sync_expert_grads, untie)
 
 EXPERT_NAMES = ("w_gate", "w_up", "w_down")  # (E, D, H), (E, D, H), (E, H, D) in the dense MoE
 # EP 1 runs every expert on every token while tokens x D x H stays within this (see EPMoE.forward)
@@ -506,31 +507,17 @@ class ExpertParallel:
         self.stats.update(switch_figures("to_train", t0, moved))
 
     def clip_grads(self, model, max_norm):
-        """sync_grads, then clip_grad_norm_ over the FSDP shards and the owned experts together."""
+        """The experts' grads synced (sync_grads), then clipped together with the FSDP shards' as
+        one norm (clip_with_experts, in the companion). Returns the total norm."""
         self.sync_grads(model)
-        experts = set(map(id, self.params(model)))
-        dense = [p.grad for p in model.parameters() if id(p) not in experts and p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(dense)
-        sq = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).double() ** 2
-        squares = [p.grad.double().pow(2).sum() for p in self.params(model) if p.numel()]
-        own = sum(squares).reshape(1)  # this rank's experts' squared norm
-        dist.all_reduce(own, group=self.group)  # every expert counted once per replica
-        total = (sq + own[0] / self.train_layout.dp).sqrt()
-        coef = min(1.0, max_norm / (float(total) + 1e-6))
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(coef)
-        return total
+        return clip_with_experts(model, self.params(model), max_norm, self.train_layout.dp,
+                                 self.group)
 
     def sync_grads(self, model):
-        """After backward: an owned expert's grad sums its EP group's tokens. Summed over the
-        replicas and divided by the world, it is the mean over all ranks, as FSDP's grads are."""
-        grads = [p.grad for p in self.params(model) if p.numel()]
-        flat = torch.cat([g.flatten() for g in grads]) / self.world
-        if self.train_layout.dp > 1:
-            dist.all_reduce(flat, group=self.train_groups[1])
-        for g, f in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(f.view_as(g))
+        """After backward: each owned expert's grad made the mean over all ranks, as FSDP's are
+        (sync_expert_grads, in the companion)."""
+        replicas = self.train_groups[1] if self.train_layout.dp > 1 else None
+        sync_expert_grads([p.grad for p in self.params(model) if p.numel()], self.world, replicas)
 
     def shard(self, module):
         """module's dense MoE layers -> EPMoE layers of the training layout, keeping their weights.

@@ -17,6 +17,8 @@ these by name; in order:
   new_groups, swap_layers      building: the EP and DP groups; a model's dense MoE layers replaced
   untie                        an EP layer's expert Parameters emptied, before a switch
   switch_figures               ExpertParallel.stats of a switch
+  sync_expert_grads,           the experts' grads, outside FSDP2: the mean over all ranks, then
+  clip_with_experts            one norm with the FSDP shards' to clip them
 
 Two hooks stay in moe_switch.py for options. route(..., routing) and EPMoE.routing: a hook (N, k)
 -> (N, k) on the experts chosen that records or replaces them (options/routing_replay.py, which
@@ -336,3 +338,34 @@ def switch_figures(key, t0, moved):
         f"ep/{key}_peak_extra_bytes": max(s["peak_extra_bytes"] for s in moved),
         f"ep/{key}_layer_peak_switch_bytes": max(s["peak_switch_bytes"] for s in moved),
         f"ep/{key}_layer_target_bytes": max(s["to_bytes"] for s in moved)}  # a layer at a time
+
+
+# ------------------------------------------------------------------------ the experts' gradients
+def sync_expert_grads(grads, world, replicas_group):
+    """After backward an owned expert's grad sums its EP group's tokens. Summed over the expert's
+    replicas (replicas_group; None: it has none) and divided by the world size, it is the mean over
+    all ranks, as FSDP's grads are."""
+    flat = torch.cat([g.flatten() for g in grads]) / world
+    if replicas_group is not None:
+        dist.all_reduce(flat, group=replicas_group)
+    for g, f in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(f.view_as(g))
+
+
+def clip_with_experts(model, expert_params, max_norm, replicas, group):
+    """clip_grad_norm_ over the FSDP shards and the owned experts together. The dense grads' norm
+    comes from torch (a DTensor's over its mesh); the experts' squares are summed over `group`,
+    where each expert is counted once per replica. Returns the total norm."""
+    experts = set(map(id, expert_params))
+    dense = [p.grad for p in model.parameters() if id(p) not in experts and p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(dense)
+    sq = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).double() ** 2
+    squares = [p.grad.double().pow(2).sum() for p in expert_params if p.numel()]
+    own = sum(squares).reshape(1)  # this rank's experts' squared norm
+    dist.all_reduce(own, group=group)  # every expert counted once per replica
+    total = (sq + own[0] / replicas).sqrt()
+    coef = min(1.0, max_norm / (float(total) + 1e-6))
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(coef)
+    return total
