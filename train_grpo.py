@@ -319,13 +319,12 @@ def build_policy(run, mesh, split=None):
     if rank in roles.generators:
         run.engine = Policy(model_config(cfg)).to(run.device).eval().requires_grad_(False)
     if cfg.train_ep:  # the experts leave FSDP2: EP shards them over the trainers, re-shards them
-        sizes = (cfg.train_ep, cfg.infer_ep, len(roles.trainers), cfg.n_experts,
-                 cfg.bucket_kb * 1024, cfg.pg_timeout_s)
+        experts = moe_switch.ExpertParallel
         if cfg.eplb:  # the rollout's experts placed by their measured load, the hottest copied
             from options import eplb
-            run.experts = eplb.expert_parallel(cfg, *sizes, ranks=roles.experts_over)
-        else:
-            run.experts = moe_switch.ExpertParallel(*sizes, ranks=roles.experts_over)
+            experts = eplb.balanced_experts(cfg)
+        run.experts = experts(cfg.train_ep, cfg.infer_ep, len(roles.trainers), cfg.n_experts,
+                              cfg.bucket_kb * 1024, cfg.pg_timeout_s, ranks=roles.experts_over)
     if rank not in roles.trainers:  # (every rank makes EP's groups; the trainers hold experts)
         return
     if run.experts:

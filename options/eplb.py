@@ -318,7 +318,7 @@ def redundant(cfg):
     return cfg.infer_ep if cfg.eplb_redundant is None else cfg.eplb_redundant
 
 
-def expert_parallel(cfg, *args, **kwargs):
-    """The run's ExpertParallel (train_grpo.build_policy's arguments): its layers measure their
-    loads, and each switch to rollout places the experts by them."""
-    return BalancedExperts(*args, balancer=Balancer(redundant(cfg)), **kwargs)
+def balanced_experts(cfg):
+    """The run's ExpertParallel class (train_grpo.build_policy calls it with its arguments): its
+    layers measure their loads, and each switch to rollout places the experts by them."""
+    return functools.partial(BalancedExperts, balancer=Balancer(redundant(cfg)))
