@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from distqueue import DTYPES, DistQueue, Rows, pack_cells
-from plumbing.distqueue_details import check_member, count, unpack_cells
+from plumbing.distqueue_details import count, unpack_cells
 
 
 class SelectiveQueue(DistQueue):
@@ -140,7 +140,9 @@ def check_choices(q, n, min_rows, group):
     """get's choices: 0 <= min_rows <= n, this rank in the group, a gloo group to broadcast in."""
     if not 0 <= min_rows <= n:
         raise ValueError(f"n={n}, min_rows={min_rows}: need 0 <= min_rows <= n")
-    check_member(q, group, "group")
+    if group is not None and dist.get_rank(group) < 0:
+        raise ValueError(f"rank {q.rank} is not in the group it passed (ranks "
+                         f"{dist.get_process_group_ranks(group)})")
     if group is not None and dist.get_backend(group) != "gloo":
         raise ValueError(f"group backend is {dist.get_backend(group)}; the broadcast needs a "
                          f"gloo group")

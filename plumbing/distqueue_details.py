@@ -289,14 +289,9 @@ def check_get(q, stage, n, dp_group):
     dp = dist.get_world_size(dp_group) if dp_group else 1
     if n < max(dp, 1):
         raise ValueError(f"n={n}, dp size {dp}: need n >= dp and n >= 1")
-    check_member(q, dp_group, "dp_group")
-
-
-def check_member(q, group, what):
-    """This rank is in the group (or None) that it passed as `what`."""
-    if group is not None and dist.get_rank(group) < 0:
-        raise ValueError(f"rank {q.rank} is not in the {what} it passed (ranks "
-                         f"{dist.get_process_group_ranks(group)})")
+    if dp_group is not None and dist.get_rank(dp_group) < 0:
+        raise ValueError(f"rank {q.rank} is not in the dp_group it passed (ranks "
+                         f"{dist.get_process_group_ranks(dp_group)})")
 
 
 def check_same_n(stage, n, n0, dp_rank):
