@@ -46,10 +46,9 @@ from plumbing.config import model_config
 from model import Policy
 from options.hybrid_aux import (RemoteScore, aux_done_key, aux_loop, final_key, inbox_key,
                                 notify, ready_key)
-from options import tensor_parallel
+from options import selective_queue, tensor_parallel
 from options.liveness import PeerLost, Watchdog
 from options.push import Inbox, dense_twin, push_weights, wait_for, warm_up_or_wait
-from options.selective_queue import SelectiveQueue
 from plumbing.run import Run, start
 from plumbing.runlog import RunLog, cut_facts, share_figures, stale_facts
 
@@ -181,7 +180,7 @@ def build(cfg, out_dir=None):
     if added:  # the actor puts; the auxiliary ranks read "aux", add "from_aux"
         stages.update({"aux": ("prompt", "response"), "from_aux": added})
     T.build_queue(run, columns, stages, poll_s=0.0005,  # each step waits on its round trips
-                  cls=SelectiveQueue)  # reads of named rows, of what there is; puts of columns
+                  cls=selective_queue.SelectiveQueue)  # get(only=, min_rows=), put(ids=)
     timeout = datetime.timedelta(seconds=cfg.pg_timeout_s)
     run.train_group = run.rollout_group = dist.new_group(roles.trainers, timeout=timeout)
     run.push_group = dist.new_group([0] + roles.auxiliaries, timeout=timeout)
