@@ -57,8 +57,8 @@ class SelectiveQueue(DistQueue):
         return rows if self._only is None else [r for r in rows if r in self._only]
 
     def _enough(self, n):
-        """How many complete rows a claim waits for before it takes any: min_rows."""
-        return self._least
+        """How many complete rows a claim waits for before it takes any: min_rows (else all n)."""
+        return n if self._least is None else self._least
 
     def _read(self, stage, n, dp_group, step, deadline):
         """With a group, only its first rank reads; it broadcasts the rows, or its error."""
