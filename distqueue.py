@@ -1,5 +1,5 @@
 # Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (see LICENSE).
-"""DistQueue: the data queue between RL stages, packed and read hierarchically.
+"""DistQueue: the data queue between RL stages, packed and balanced by length.
 
 Rows (samples) by columns (fields) flow from rollout to training; a cell stays on the rank that
 wrote it until a stage reads it. Three ideas move it:
@@ -10,8 +10,8 @@ wrote it until a stage reads it. Three ideas move it:
   row weighs its variable-length cells' elements; `balance_split`: max - min <= the longest row).
   A row stays with the rank that wrote it while that rank holds no more than a fair share, so
   colocated readers move few rows.
-- Hierarchical transfer (figure 6, an option): with `group=`, only the group's first rank reads
-  the queue, then broadcasts the packed batch to the rest of its model-parallel group.
+- Hierarchical transfer (figure 6): one reader per model-parallel group, which broadcasts the batch
+  to the rest, is an option: get(group=) of SelectiveQueue (options/selective_queue.py).
 
 Reads are made safe by a protocol on a torch.distributed Store, under keys "<name>/...":
   ready/n, ready/<i>  the ready log, one key per put: "row,column,owner,length;" per cell
@@ -25,15 +25,15 @@ Reads are made safe by a protocol on a torch.distributed Store, under keys "<nam
   done/..., outcome/...       the DP group's vote: every rank keeps its rows, or none does
 A get that raises keeps no row and releases its claims: a retry reads each row exactly once.
 Every wait serves other ranks' requests and raises TimeoutError naming the stage, the rows and the
-rank: a rank whose cells are still wanted keeps calling the queue, or drain(), before it blocks.
+rank: a rank whose cells are still wanted keeps calling the queue (serve()) before it blocks.
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
 1. Data lives in host memory and moves on a gloo group (`pg`); the source's queue is an RDMA store.
-2. No separate queue servers: an owner serves its own cells inside any queue call or `drain()`.
+2. No separate queue servers: an owner serves its own cells inside any queue call (`serve()`).
 3. The padded equivalent (metrics) pads each field to the longest cell of the step's global batch.
 4. Ids are deterministic (local_count * world + rank), so a resumed run sees the same rows in order.
-This file: the default path. Its companion plumbing/distqueue_details.py: log formats, checks,
-recovery and the vote, metrics, the options' paths (drain, get(group=)), checkpoint state.
+This file: the default path. Its companion plumbing/distqueue_details.py: the store, log formats,
+checks, recovery, metrics, checkpoints. The options' reads and puts: options/selective_queue.py.
 Run: python -m pytest tests/test_distqueue.py ; python bench/distqueue.py --lengths lognormal:5,1.2
 Shapes: B rows, C fields of a stage, K cells (row x field) in one transfer, N elements, T longest.
 Copy alone: torch (CPU tensors, a gloo group) and a TCPStore or a HashStore (one process); copy
@@ -63,8 +63,6 @@ example runs in a folder holding only the two (tests/test_copy_alone.py):
             port = s.getsockname()[1]
         mp.spawn(rank_main, args=(2, port), nprocs=2)
 """
-import datetime
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -72,11 +70,13 @@ import torch
 import torch.distributed as dist
 
 from plumbing.distqueue_details import (  # what a learner can take on trust, by role:
-    ready_entries, parse_entries, cells_of, new_token, holders,  # the store logs' formats
-    check_spec, check_master_env, check_store, rank_and_world, check_pg,  # checks of the input
-    from_python, check_columns, check_cell, check_get, check_same_n, check_sent, check_header,
-    refused, lacking, silent, may_send, release, cancel,  # recovery from a failed read
-    count_sent, traffic, drain_wait, read_in_group,  # metrics, and the options' paths
+    default_store,  # the rendezvous' store (a TCPStore client), or a HashStore in a world of one
+    publish, read_ready, ready_entries, cells_of, new_token, holders, request, parse_request,
+    take_plan, ack,  # the store logs' formats: the ready log, claims, requests, plans, acks
+    check_spec, check_store, rank_and_world, check_pg,  # checks of the input
+    put_cells, check_columns, check_get, check_sent, check_header,
+    refused, lacking, silent, may_send, release, cancel, verdict_error,  # recovery, the verdict
+    row_homes, count_sent, traffic,  # a row's home (balance); metrics
     queue_state, load_queue_state, unpack_cells)  # checkpoint state; the inverse of pack_cells
 
 DTYPES = {"int64": torch.int64, "int32": torch.int32, "float32": torch.float32,
@@ -176,16 +176,6 @@ class Rows:
         return pack(self.cols[col])  # flat (N,), lengths (B,)
 
 
-def default_store(timeout_s=300.0):
-    """The rendezvous' store: a TCPStore client of MASTER_ADDR:MASTER_PORT (set by torchrun or any
-    env:// start), or an in-process HashStore in a world of one."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return dist.HashStore()
-    check_master_env()  # without MASTER_ADDR/MASTER_PORT, says what to pass
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                         is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-
-
 # ------------------------------------------------------------------------------ the queue
 
 
@@ -226,26 +216,21 @@ class DistQueue:
         return "/".join([self.spec.name, *map(str, parts)])
 
     # --- producers and owners
-    def put(self, columns, ids=None):
-        """Write the cells of new rows and return their ids (ids=: an option's hook, see below)."""
+    def put(self, columns):
+        """Write the cells of new rows and return their ids."""
         n = len(next(iter(columns.values()), []))  # rows: the first column's count
-        check_columns(self.spec, columns, n)  # everything is validated before anything is published
-        new = ids is None
-        ids = [self.row_id(self.next_local + i) for i in range(n)] if new else list(ids)
-        if columns and len(ids) != n:
-            raise ValueError(f"{len(ids)} ids for {n} rows")
-        cells = {}
-        for c, vals in columns.items():
-            want = DTYPES[self.spec.columns[c]]
-            for r, v in zip(ids, vals):
-                t = v if torch.is_tensor(v) else from_python(v, want, r, c)
-                check_cell(self, r, c, t, want)  # dtype, shape, written once
-                cells[(r, c)] = t.detach().reshape(-1).to("cpu", copy=True)  # the queue's own copy
-        self.cells.update(cells)
-        self.next_local += len(ids) if new else 0
-        self._publish(ready_entries(self, cells))  # one ready-log key for this put's cells
-        self.serve()
+        ids = [self.row_id(self.next_local + i) for i in range(n)]
+        self._write(columns, ids)
+        self.next_local += n
         return ids
+
+    def _write(self, columns, ids):
+        """Keep the queue's own copies of the cells of rows `ids`, publish them, then serve."""
+        check_columns(self.spec, columns, len(ids))  # all validated before anything is published
+        cells = put_cells(self, columns, ids, DTYPES)  # checked; the queue's own host copies
+        self.cells.update(cells)
+        publish(self, ready_entries(self, cells))  # one ready-log key for this put's cells
+        self.serve()
 
     def serve(self):
         """Answer the requests waiting for this rank, one packed transfer each; then retire the
@@ -262,24 +247,17 @@ class DistQueue:
                     self._delivered(k, stage)
             self.store.delete_key(self._k("ack", tag))
 
-    def _publish(self, entries):
-        """Append to the ready log: count the key in ready/n, then write it."""
-        i = int(self.store.add(self._k("ready", "n"), 1)) - 1
-        self.store.set(self._k("ready", i), entries)
-
     def _answer(self, request):
         """One request "reader|tag|stage|longest cells|row:col,...": unless the reader cancelled,
         write "sent" (or the missing cells) in state/<tag>, then send a header (K,), one payload."""
-        reader, tag, stage, tmax, wanted = request.split("|")
-        tag = int(tag)
-        keys = [(int(r), c) for r, c in (x.split(":") for x in wanted.split(","))]
+        reader, tag, stage, tmax, keys = parse_request(request)
         if not may_send(self, tag, keys):  # the first writer of state/<tag> wins
             return
         cells = [self.cells[k] for k in keys]
         header, payload = pack_cells(cells)  # (K,), (bytes,)
-        works = [dist.isend(header, int(reader), group=self.pg, tag=2 * tag)]
+        works = [dist.isend(header, reader, group=self.pg, tag=2 * tag)]
         if payload.numel():
-            works.append(dist.isend(payload, int(reader), group=self.pg, tag=2 * tag + 1))
+            works.append(dist.isend(payload, reader, group=self.pg, tag=2 * tag + 1))
         self.inflight[tag] = (works, (header, payload), keys, stage)
         count_sent(self, keys, cells, tmax, header, payload)  # metrics
 
@@ -291,7 +269,7 @@ class DistQueue:
 
     def _wait(self, done, deadline, what):
         """Poll `done` until the deadline, serving peers all along: even a wait that succeeds at
-        once serves, or a rank that only polls (get(min_rows=0)) would starve its readers."""
+        once serves, or a rank that only polls (an option's read) would starve its readers."""
         while not (self.serve() or done()):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"distqueue '{self.spec.name}' rank {self.rank}: timed out "
@@ -299,23 +277,17 @@ class DistQueue:
             time.sleep(self.spec.poll_s)
 
     # --- consumers
-    def get(self, stage, n, dp_group=None, group=None, min_rows=None, only=None):
-        """Read n rows that `stage` has not consumed, from the ids in `only` if given. dp_group: n
-        is the global batch, split by tokens across its ranks; the get returns once every rank of
-        the group has its rows. A get that raises keeps no row. min_rows, group: hooks for the
-        options, see below."""
-        min_rows = n if min_rows is None else min_rows
-        check_get(self, stage, n, min_rows, dp_group, group)
+    def get(self, stage, n, dp_group=None):
+        """Read n rows that `stage` has not consumed. dp_group: n is the global batch, split by
+        tokens across its ranks; the get returns once every rank of the group has its rows. A get
+        that raises keeps no row."""
+        check_get(self, stage, n, dp_group)
         deadline = time.monotonic() + self.spec.timeout_s
         step = self.steps[stage]  # the same count on every rank (SPMD)
         self.steps[stage] += 1
-        if group is not None:  # the hierarchical read, an option: read_in_group (companion)
-            dtypes = [DTYPES[self.spec.columns[c]] for c in self.spec.stages[stage]]
-            return read_in_group(self, stage, n, min_rows, dp_group, group, step, deadline, only,
-                                 dtypes=dtypes, pack=pack_cells, make_rows=Rows)
-        return self._read(stage, n, min_rows, dp_group, step, deadline, only)
+        return self._read(stage, n, dp_group, step, deadline)
 
-    def _read(self, stage, n, min_rows, dp_group, step, deadline, only):
+    def _read(self, stage, n, dp_group, step, deadline):
         """One read, in four steps, each with the store keys it uses:
         1. claim (dp rank 0): the new ready/<i> keys show which rows are complete; it appends
            "token:rows;" to claims/<stage>/<block>, reads that log back and keeps the rows that
@@ -336,14 +308,13 @@ class DistQueue:
         token, claimed, tags, error = new_token(self), {}, [], None
         try:
             if dp_rank == 0:
-                least = n if dp_size > 1 else min_rows  # a DP group shares all n rows
-                claimed = self._claim(stage, n, least, deadline, token, only)
+                claimed = self._claim(stage, n, deadline, token)
                 rows = claimed
                 if dp_size > 1:
                     self.store.set(plan, f"{n}|{ready_entries(self, cells_of(claimed, cols))}")
             else:  # wait past dp rank 0's deadline: if its claim times out, that is the error
                 late = deadline + self.spec.timeout_s
-                rows = self._take_plan(stage, n, dp_rank, step, root, late)
+                rows = take_plan(self, stage, n, dp_rank, step, root, late)  # waits, checks n
             # per field, the longest cell of the global batch: the padded equivalent's measure
             tmax = {c: max(rows[r][c][1] for r in rows) for c in cols} if rows else {}
             if dp_size > 1:
@@ -355,7 +326,7 @@ class DistQueue:
             error = self._agree(stage, step, root, dp_rank, dp_size, error, deadline)
             if dp_rank == 0:  # every rank has read the plan, or the group failed
                 self.store.delete_key(plan)
-        self._ack(tags, keep=error is None)
+        ack(self, tags, keep=error is None)  # ack/<tag>: "kept" or "dropped"
         if error is not None:
             if dp_rank == 0:  # its claim holds the whole group's rows
                 release(self, stage, token, claimed)
@@ -364,45 +335,43 @@ class DistQueue:
             for c in cols:
                 if rows[r][c][0] == self.rank:
                     self._delivered((r, c), stage)
-        if rows:  # a poll that found nothing (min_rows=0) is no read
+        if rows:  # a read of no row (an option's poll that found none) counts no read
             self.store.add(self._k("reads", stage), 1)
         ids = sorted(rows)
         return Rows(ids, {c: [got[(r, c)] for r in ids] for c in cols}, tmax)
 
     # step 1, claim: rows that the ready log shows complete, won in the claim logs (their formats,
     # the token that names a read's claims, and their release: in the companion)
-    def _claim(self, stage, n, min_rows, deadline, token, only):
-        """Claim up to n complete rows (at least min_rows) as token -> {row: {col: (owner, len)}}.
-        A claim that times out releases what it won, so its rows go to the next reader."""
+    def _claim(self, stage, n, deadline, token):
+        """Claim n complete rows as token -> {row: {col: (owner, len)}}. A claim that times out
+        releases what it won, so its rows go to the next reader."""
         cols, seen, mine = self.spec.stages[stage], self.unclaimed[stage], {}
+        least = self._enough(n)  # all n (an option may settle for fewer)
 
         def poll():
-            self._refresh(stage)
-            ready = sorted(r for r, cells in seen.items()
-                           if len(cells) == len(cols) and (only is None or r in only))
-            if len(mine) + len(ready) < min_rows:  # not enough yet: claim nothing
+            read_ready(self, stage)  # the ready log's new keys, into self.unclaimed[stage]
+            ready = self._claimable(sorted(r for r in seen if len(seen[r]) == len(cols)))
+            if len(mine) + len(ready) < least:  # not enough yet: claim nothing
                 return False
             mine.update(self._claim_rows(stage, ready[: n - len(mine)], token))
-            # done: n rows, or at least min_rows once every ready row has been tried
-            return len(mine) >= n or (len(mine) >= min_rows and len(ready) <= n - len(mine))
+            # done: n rows (or, where an option settles for fewer, every ready row tried)
+            return len(mine) >= n or (len(mine) >= least and len(ready) <= n - len(mine))
         try:
-            self._wait(poll, deadline, lambda: lacking(self, stage, n, min_rows, len(mine), only))
+            self._wait(poll, deadline, lambda: lacking(self, stage, n, least, len(mine)))
         except Exception:
             release(self, stage, token, mine)
             raise
         return mine
 
-    def _refresh(self, stage):
-        """Read the ready log's new keys into self.unclaimed[stage]: one store round trip when
-        there is nothing new, three when there is. A key counted but not yet written stops the
-        read: it and the keys after it wait for a later poll (if its writer died, for ever)."""
-        n = int(self.store.add(self._k("ready", "n"), 0))
-        keys = [self._k("ready", i) for i in range(self.ready_off[stage], n)]
-        while keys and not self.store.check(keys):  # some key is not written yet:
-            keys = keys[:-1] if self.store.check(keys[:1]) else []  # drop the last, or all
-        for entries in self.store.multi_get(keys) if keys else []:
-            parse_entries(self.spec, entries.decode(), stage, self.unclaimed[stage])
-        self.ready_off[stage] += len(keys)
+    # the claim's two seams: which complete rows it may take, how many are enough (an option's
+    # read changes them: options/selective_queue.py)
+    def _claimable(self, rows):
+        """The rows (ids, ascending) that this read may claim: all of them."""
+        return rows
+
+    def _enough(self, n):
+        """How many complete rows a claim waits for before it takes any: all n."""
+        return n
 
     def _claim_rows(self, stage, rows, token):
         """Claim rows as token; returns {row: cells} of those won. Per block of CLAIM_BLOCK ids, one
@@ -425,30 +394,13 @@ class DistQueue:
         for block in sorted({r // CLAIM_BLOCK for r in rows}):
             yield block, ",".join(str(r) for r in sorted(rows) if r // CLAIM_BLOCK == block)
 
-    # step 2, share: each rank of a DP group takes its part of the claimed rows
-    def _take_plan(self, stage, n, dp_rank, step, root, deadline):
-        """dp rank > 0: the rows dp rank 0 claimed, unless the group failed first; checks n."""
-        plan, outcome = self._k("plan", stage, step, root), self._k("outcome", stage, step, root)
-        self._wait(lambda: self.store.check([plan]) or self.store.check([outcome]), deadline,
-                   lambda: f"in stage '{stage}' waiting for dp rank 0's plan for step {step}")
-        if not self.store.check([plan]):  # the group failed: _agree says why
-            raise RuntimeError(f"dp rank 0 published no plan for step {step}")
-        n0, entries = self.store.get(plan).decode().split("|")
-        check_same_n(stage, n, n0, dp_rank)
-        return parse_entries(self.spec, entries, stage, {})
-
+    # step 2, share: each rank of a DP group takes its part of the rows in dp rank 0's plan
     def _share(self, rows, cols, dp_group):
         """This rank's share of rows by tokens (balance_split), a row's home being the DP rank that
         holds most of its elements, if any: a rank reading what it wrote pulls nothing."""
         dp_index = {g: i for i, g in enumerate(dist.get_process_group_ranks(dp_group))}
         ids = sorted(rows)
-        homes = []
-        for r in ids:
-            held = {}  # DP rank -> elements of row r it holds
-            for owner, length in rows[r].values():
-                if owner in dp_index:
-                    held[dp_index[owner]] = held.get(dp_index[owner], 0) + length
-            homes.append(max(held, key=lambda i: (held[i], -i)) if held else None)
+        homes = row_homes(rows, ids, dp_index)  # per row, the DP rank holding most of it, or None
         var = [c for c in cols if c not in self.spec.scalars]
         tokens = [sum(rows[r][c][1] for c in var) for r in ids]
         share = balance_split(tokens, len(dp_index), homes)[dist.get_rank(dp_group)]
@@ -466,13 +418,10 @@ class DistQueue:
         # that reads a cell takes the queue's own tensor, freed from the queue as the read keeps it
         got = {k: self.cells[k] if self._read_last(k) else self.cells[k].clone()
                for k in owners.pop(self.rank, [])}
-        longest = ",".join(f"{c}={length}" for c, length in tmax.items())
         tags, received = {}, []
         for o, keys in owners.items():
             tags[o] = int(self.store.add(self._k("tag"), 1))  # state/, ack/, p2p tags 2t, 2t+1
-            wanted = ",".join(f"{r}:{c}" for r, c in keys)
-            request = f"{self.rank}|{tags[o]}|{stage}|{longest}|{wanted}"
-            self.store.queue_push(self._k("req", o), request)
+            self.store.queue_push(self._k("req", o), request(self.rank, tags[o], stage, tmax, keys))
         try:
             for o, tag in list(tags.items()):
                 self._wait(lambda: self.store.check([self._k("state", tag)]), deadline,
@@ -491,10 +440,7 @@ class DistQueue:
 
     def _recv(self, o, tag, keys, rows):
         """One transfer from owner o: its answer in state/<tag>, a header (K,), one payload."""
-        state = self._k("state", tag)
-        answer = self.store.get(state).decode()
-        self.store.delete_key(state)
-        check_sent(o, answer, self.rank)  # "sent", or the owner lacked cells
+        check_sent(self, o, tag)  # the answer in state/<tag>: "sent", or the owner lacked cells
         header = torch.empty(len(keys), dtype=torch.int64)  # (K,)
         dist.recv(header, o, group=self.pg, tag=2 * tag)
         dtypes = [DTYPES[self.spec.columns[c]] for _, c in keys]
@@ -525,36 +471,17 @@ class DistQueue:
         except TimeoutError as e:
             error = e
             self.store.compare_set(outcome, "", f"{dp_rank}|TimeoutError|{e}")
-        verdict = self.store.get(outcome).decode()
-        if verdict == "ok":
-            return None
-        first, kind, why = verdict.split("|", 2)
-        if int(first) == dp_rank:
-            return error
-        kinds = {"TimeoutError": TimeoutError, "ValueError": ValueError}
-        return kinds.get(kind, RuntimeError)(f"dp rank {first} of this get's dp_group failed, so "
-                                             f"this rank keeps no row: {why}")
-
-    def _ack(self, tags, keep):
-        for tag in tags:
-            self.store.set(self._k("ack", tag), "kept" if keep else "dropped")
+        return verdict_error(self.store.get(outcome).decode(), dp_rank, error)
 
     # --- observability (the counters: count_sent and traffic, in the companion)
     def metrics(self):
         """The whole queue's traffic, counted in the store by the ranks that sent it: packed bytes
         sent (headers included), what padding each field to the step's longest cell would have
-        sent, bytes broadcast inside model-parallel groups, and stage reads."""
+        sent, bytes broadcast inside model-parallel groups (an option's read), and stage reads."""
         return traffic(self)
 
     def reads(self, stage):
         return int(self.store.add(self._k("reads", stage), 0))
-
-    # --- what only the options use. put(ids=): more columns of rows put before (ids: theirs).
-    # get(min_rows=m): at least m rows, up to n (default n; 0 = a poll, which may find none).
-    # drain(), and get(group=): the hierarchical read (read_in_group, in the companion).
-    def drain(self, timeout_s=None):
-        """A producer that is done serves until each cell it owns reached each stage reading it."""
-        drain_wait(self, timeout_s)
 
     # --- checkpointing (the bodies: queue_state and load_queue_state, in the companion)
     def state_dict(self):

@@ -95,9 +95,9 @@ def colocated_loop(run):
         # 6. switch back to TRAIN (scoring needs no engine: its memory is freed first)
         with spans("switch_to_train"):
             actor.to_train()
-        # 2-3. score, advantages within each group, into the queue; every writer's row ids
+        # 2-3. score, advantages within each group, into the queue (which then holds the batch)
         with spans("score"):
-            run.batch_ids = announce_rows(run, score_and_enqueue(run, batch))
+            score_and_enqueue(run, batch)
         # 4. this rank's token-balanced share of the batch, and the reference's log-probs of it
         samples, rows = read_share(run)
         ref_logprobs = reference_logprobs(run, samples)
@@ -147,20 +147,13 @@ def per_token(run, batch):
             for name, values in batch.per_token.items()}
 
 
-def announce_rows(run, mine):
-    """The batch's row ids, every writer's (`mine`: this rank's) gathered over the trainers: the
-    shared cut's shares vary from step to step, so a writer's rows are named, not counted."""
-    everyone = [None] * dist.get_world_size(run.train_group)
-    dist.all_gather_object(everyone, mine or [], group=run.train_group)
-    return {r for part in everyone for r in part}
-
-
 def read_share(run, rows=None):
-    """4. This trainer's token-balanced share of the batch (run.batch_ids): (samples, rows)."""
+    """4. This trainer's token-balanced share of the batch, the rows the queue holds: (samples,
+    rows). (A deployment that puts rows ahead names the batch's: options/selective_queue.py.)"""
     if rows is None:
         per_step = run.cfg.prompts_per_step * run.cfg.group_size
         with run.spans("queue"):
-            rows = run.queue.get("train", per_step, dp_group=run.train_group, only=run.batch_ids)
+            rows = run.queue.get("train", per_step, dp_group=run.train_group)
     samples = samples_of(run, rows)
     samples.advantages = grpo.finish_advantages(samples.advantages, run.cfg.adv_estimator,
                                                 run.device, run.train_group)
@@ -296,9 +289,10 @@ def build_cut(run):
                                spans=run.spans)
 
 
-def build_queue(run, columns=(), stages=None, poll_s=0.002):
+def build_queue(run, columns=(), stages=None, poll_s=0.002, cls=distqueue.DistQueue):
     """The queue between rollout and training: one row per sample, its keys in the process group's
-    store under this start's prefix. `columns` and `stages`: a deployment's own (the hybrid's)."""
+    store under this start's prefix. `columns` and `stages`: a deployment's own (the hybrid's);
+    cls: DistQueue, or a deployment's subclass (options/selective_queue.py's reads and puts)."""
     columns = {"prompt": "int64", "response": "int64", "old_logprobs": "float32",
                "reward": "float32", "rule_reward": "float32", "advantage": "float32",
                "stale": "int64", **run.per_token, **dict(columns)}
@@ -306,7 +300,7 @@ def build_queue(run, columns=(), stages=None, poll_s=0.002):
                                stages=stages or {"train": tuple(columns)}, poll_s=poll_s,
                                timeout_s=run.cfg.pg_timeout_s, name=f"dq:{run.key}")
     pg = host_group(run.device, run.cfg.pg_timeout_s)  # the queue moves host tensors: gloo
-    run.queue = distqueue.DistQueue(spec, run.store, run.rank, run.roles.world, pg)
+    run.queue = cls(spec, run.store, run.rank, run.roles.world, pg)
 
 
 def build_policy(run, mesh, split=None):

@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import distqueue as dq  # noqa: E402
+from options.selective_queue import SelectiveQueue  # noqa: E402  (get(group=): the hierarchical read; drain())
 
 COLS = {"response": "int64", "logp": "float32", "reward": "float32"}
 
@@ -55,7 +56,7 @@ def phase(rank, world, args, group_size, name):
     """One phase: args.steps steps of put + global read. Returns per-rank counters."""
     spec = dq.QueueSpec(columns=COLS, scalars=("reward",), stages={"train": tuple(COLS)}, name=name,
                         timeout_s=120)
-    q = dq.DistQueue(spec, dq.default_store(), rank, world)
+    q = SelectiveQueue(spec, dq.default_store(), rank, world)
     groups = [dist.new_group(list(range(g, g + group_size))) for g in range(0, world, group_size)]
     mp_group = groups[rank // group_size] if group_size > 1 else None
     dp_groups = [dist.new_group([r for r in range(world) if r % group_size == k]) for k in range(group_size)]

@@ -74,7 +74,6 @@ def rank_main(rank, world, port):
         dist.barrier()
     rows = q.get("train", 4, dp_group=dist.group.WORLD)
     notes.append(f" got: rows {rows.ids}, lengths {[len(t) for t in rows.cols['tokens']]}")
-    q.drain()
     everyone = [None] * world
     dist.all_gather_object(everyone, notes)
     if rank == 0:

@@ -46,7 +46,7 @@ from plumbing.config import model_config
 from model import Policy
 from options.hybrid_aux import (RemoteScore, aux_done_key, aux_loop, final_key, inbox_key,
                                 notify, ready_key)
-from options import streaming, tensor_parallel
+from options import selective_queue, streaming, tensor_parallel
 from options.liveness import PeerLost, Watchdog
 from options.push import Inbox, dense_twin, push_weights, wait_for, warm_up_or_wait
 from plumbing.run import Run, start
@@ -179,7 +179,8 @@ def build(cfg, out_dir=None):
     stages = {"train": tuple(c for c in names if c not in added)}
     if added:  # the actor puts; the auxiliary ranks read "aux", add "from_aux"
         stages.update({"aux": ("prompt", "response"), "from_aux": added})
-    T.build_queue(run, columns, stages, poll_s=0.0005)  # each step waits on its round trips
+    T.build_queue(run, columns, stages, poll_s=0.0005,  # each step waits on its round trips
+                  cls=selective_queue.SelectiveQueue)  # get(only=, min_rows=), put(ids=)
     timeout = datetime.timedelta(seconds=cfg.pg_timeout_s)
     run.train_group = run.rollout_group = dist.new_group(roles.trainers, timeout=timeout)
     run.push_group = dist.new_group([0] + roles.auxiliaries, timeout=timeout)
@@ -374,11 +375,11 @@ def announce_batch(run, batch):
     """The batch StaleSync cut is in the queue already, group by group; its row ids, gathered from
     every writer, are what the trainers read; its cut's facts count in this rank's figures
     (collective). The rows of groups put and then regenerated (S >= 2) wait to be let go."""
-    run.batch_ids = T.announce_rows(run, [run.rows_ahead.pop(i) for i in batch.ids])
+    run.batch_ids = selective_queue.announce_rows(run, [run.rows_ahead.pop(i) for i in batch.ids])
     if run.cfg.staleness >= 2:  # (at S <= 1 the cut takes every due group: none is regenerated)
         gone = [i for i in run.rows_ahead if run.sched.fate.get(i) == "regenerated"]
         mine = [r for r in (run.rows_ahead.pop(i) for i in gone) if r is not None]
-        anyone = T.announce_rows(run, mine)  # where any writer has some, every trainer reads
+        anyone = selective_queue.announce_rows(run, mine)  # any writer has some: all read
         run.dropped = set(mine) if anyone else None
     run.at_cut = cut_facts(batch)
 

@@ -41,6 +41,7 @@ import grpo
 import task
 from model import Policy, Sampler
 from options import planner
+from options.selective_queue import SelectiveQueue
 from plumbing.config import grpo_config, layout_errors, model_config, validate
 from plumbing.distributed import host_group
 
@@ -184,7 +185,7 @@ def _queue_step_s(cfg, device, group, world):
                                stages={"train": tuple(columns)}, timeout_s=cfg.pg_timeout_s,
                                name="calibrate")
     pg = host_group(device, cfg.pg_timeout_s) if world > 1 else None  # gloo: the queue's host rows
-    queue = distqueue.DistQueue(spec, pg=pg)
+    queue = SelectiveQueue(spec, pg=pg)  # get(only=)
     dp_group = (group or dist.group.WORLD) if world > 1 else None
     prompt, response = cfg.max_digits // 2 + 2, min(cfg.max_new_tokens, cfg.max_digits // 2 + 2)
 

@@ -25,6 +25,7 @@ from model import Policy
 from options.pipeline import (Pipeline, PPLayout, clip_grads, full_state_dict, grpo_update,
                               logprobs, new_groups, split, supervised_step)
 from options import owners, tensor_parallel
+from options.selective_queue import SelectiveQueue, announce_rows
 from plumbing.run import Run, start
 from plumbing.runlog import RunLog, share_figures
 
@@ -84,7 +85,7 @@ def build(cfg, out_dir=None):
     this rank's Stage, the pipeline's schedules, the batch slice of its pipeline. Collective."""
     run = start(cfg, out_dir, cls=PipelineRun)
     cfg = run.cfg  # --train-ep auto resolved
-    T.build_queue(run)
+    T.build_queue(run, cls=SelectiveQueue)  # a pipeline reads once (get(group=))
     run.train_group = run.rollout_group = dist.group.WORLD
     layout = PPLayout(cfg.train_pp, run.roles.world, cfg.n_layers)
     stage_group, pipe_group = new_groups(layout, cfg.pg_timeout_s)
@@ -159,7 +160,7 @@ def pipeline_loop(run):
             actor.to_train()
         # 2-3. score, advantages, into the queue
         with spans("score"):
-            run.batch_ids = T.announce_rows(run, T.score_and_enqueue(run, batch))
+            run.batch_ids = announce_rows(run, T.score_and_enqueue(run, batch))
         # 4. this pipeline's rows, read once per pipeline; the reference through its own pipeline
         rows = read_rows(run)
         samples = T.samples_of(run, rows)

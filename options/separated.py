@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import grpo
 import train_grpo as T
 from options.push import push_weights, wait_for, warm_up_or_wait
+from options.selective_queue import SelectiveQueue
 from plumbing import checkpoint
 from plumbing.evaluation import eval_figures, held_out_correct, is_eval_step
 from plumbing.run import Run, start
@@ -59,7 +60,7 @@ def build(cfg, out_dir=None):
     """FSDP2 over the trainers; the engine, the sampler and StaleSync on the generators."""
     run = start(cfg, out_dir, cls=SeparatedRun)
     cfg = run.cfg  # --train-ep auto resolved
-    T.build_queue(run)
+    T.build_queue(run, cls=SelectiveQueue)  # a trainer reads the batch named (get(only=))
     roles, timeout = run.roles, datetime.timedelta(seconds=cfg.pg_timeout_s)
     run.train_group = dist.new_group(roles.trainers, timeout=timeout)
     run.push_group = dist.new_group([0] + roles.generators, timeout=timeout)

@@ -3,16 +3,16 @@
 
 distqueue.py teaches the queue: the packing, the claim protocol on the store, a read's four steps
 (claim, share, fetch, agree), put and serve. This file holds the rest, which that code calls:
-- the store logs' formats: ready-log entries, claim tokens, claim logs (`ready_entries`,
-  `parse_entries`, `cells_of`, `new_token`, `holders`);
-- the checks of the caller's input, each with a long error that says what to do (`check_*`,
-  `rank_and_world`, `from_python`);
+- the store logs' formats: the ready log written and read (`publish`, `read_ready`,
+  `ready_entries`, `parse_entries`), claim tokens and logs (`new_token`, `holders`), a DP group's
+  plan (`take_plan`), pull requests (`request`, `parse_request`), acknowledgements (`ack`);
+  a row's cells and home (`cells_of`, `row_homes`);
+- the default store (`default_store`) and the checks of the caller's input, each with a long
+  error that says what to do (`check_*`, `rank_and_world`, `from_python`, `put_cells`);
 - recovery from failures: why a wait still waits (`lacking`, `silent`, `refused`), the owner's
   send-or-cancel handshake (`may_send`), claims given back (`release`), pulls cancelled
-  (`cancel`): a DP group's all-or-nothing vote itself is DistQueue._agree;
-- metrics: the bytes sent, and what padding would have sent (`count_sent`, `traffic`);
-- what only the options use: drain's wait (`drain_wait`), the hierarchical read, get(group=)
-  (`read_in_group`);
+  (`cancel`), a failed vote's error (`verdict_error`): the vote itself is DistQueue._agree;
+- metrics: the bytes sent, and what padding would have sent (`count`, `count_sent`, `traffic`);
 - checkpoint state: the bodies of DistQueue.state_dict and load_state_dict (`queue_state`,
   `load_queue_state`);
 - unpack_cells, unpad and unpack: the inverses of distqueue's pack_cells, pad and pack.
@@ -20,10 +20,11 @@ distqueue.py teaches the queue: the packing, the claim protocol on the store, a 
 A function that needs the queue's store or state takes the queue itself, `q`, first (a DistQueue,
 used as its methods use self); the others take only the values they need. A name with a leading
 underscore is used only in this file. This file imports only torch and the standard library,
-never distqueue.py: what it needs of that file (dtypes, pack_cells, Rows) is passed in. It is
+never distqueue.py: what it needs of that file (its DTYPES) is passed in. It is
 copied together with distqueue.py, as plumbing/distqueue_details.py beside it (keep the folder,
 or change distqueue.py's one import line).
 """
+import datetime
 import os
 import time
 
@@ -44,6 +45,25 @@ def ready_entries(q, cells, stage=""):
     return "".join(out)
 
 
+def publish(q, entries):
+    """Append to the ready log: count the key in ready/n, then write it."""
+    i = int(q.store.add(q._k("ready", "n"), 1)) - 1
+    q.store.set(q._k("ready", i), entries)
+
+
+def read_ready(q, stage):
+    """Read the ready log's new keys into q.unclaimed[stage]: one store round trip when there is
+    nothing new, three when there is. A key counted but not yet written stops the read: it and
+    the keys after it wait for a later poll (if its writer died, for ever)."""
+    n = int(q.store.add(q._k("ready", "n"), 0))
+    keys = [q._k("ready", i) for i in range(q.ready_off[stage], n)]
+    while keys and not q.store.check(keys):  # some key is not written yet:
+        keys = keys[:-1] if q.store.check(keys[:1]) else []  # drop the last, or all
+    for entries in q.store.multi_get(keys) if keys else []:
+        parse_entries(q.spec, entries.decode(), stage, q.unclaimed[stage])
+    q.ready_off[stage] += len(keys)
+
+
 def parse_entries(spec, entries, stage, rows):
     """Entries of this stage's columns -> rows {row: {col: (owner, length)}}; returns rows."""
     names = list(spec.columns)
@@ -57,6 +77,19 @@ def parse_entries(spec, entries, stage, rows):
 def cells_of(rows, cols):
     """{row: {col: (owner, length)}} -> {(row, col): (owner, length)}, rows ascending."""
     return {(r, c): rows[r][c] for r in sorted(rows) for c in cols}
+
+
+def row_homes(rows, ids, dp_index):
+    """Per row of ids, its home for balance_split: the DP rank (dp_index: global rank -> index in
+    the group) that holds most of its elements, ties to the lower index; None if none holds any."""
+    homes = []
+    for r in ids:
+        held = {}  # DP rank -> elements of row r it holds
+        for owner, length in rows[r].values():
+            if owner in dp_index:
+                held[dp_index[owner]] = held.get(dp_index[owner], 0) + length
+        homes.append(max(held, key=lambda i: (held[i], -i)) if held else None)
+    return homes
 
 
 def new_token(q):
@@ -78,7 +111,40 @@ def holders(log):
     return held
 
 
-# ----------------------------------- checks of a spec, the environment, a store and a process group
+def take_plan(q, stage, n, dp_rank, step, root, deadline):
+    """dp rank > 0: the rows dp rank 0 claimed, {row: {col: (owner, length)}}, read from its
+    plan/<stage>/<step>/<root> ("n|entries"), unless the group failed first; checks n."""
+    plan, outcome = q._k("plan", stage, step, root), q._k("outcome", stage, step, root)
+    q._wait(lambda: q.store.check([plan]) or q.store.check([outcome]), deadline,
+            lambda: f"in stage '{stage}' waiting for dp rank 0's plan for step {step}")
+    if not q.store.check([plan]):  # the group failed: _agree says why
+        raise RuntimeError(f"dp rank 0 published no plan for step {step}")
+    n0, entries = q.store.get(plan).decode().split("|")
+    check_same_n(stage, n, n0, dp_rank)
+    return parse_entries(q.spec, entries, stage, {})
+
+
+def request(reader, tag, stage, tmax, keys):
+    """A pull request: "reader|tag|stage|longest cells|row:col,...", tmax {col: longest cell}."""
+    longest = ",".join(f"{c}={length}" for c, length in tmax.items())
+    wanted = ",".join(f"{r}:{c}" for r, c in keys)
+    return f"{reader}|{tag}|{stage}|{longest}|{wanted}"
+
+
+def parse_request(text):
+    """request's inverse: reader, tag, stage, the longest cells (as text), keys [(row, col)]."""
+    reader, tag, stage, tmax, wanted = text.split("|")
+    keys = [(int(r), c) for r, c in (x.split(":") for x in wanted.split(","))]
+    return int(reader), int(tag), stage, tmax, keys
+
+
+def ack(q, tags, keep):
+    """The reader's word on each transfer it received: ack/<tag> "kept" or "dropped"."""
+    for tag in tags:
+        q.store.set(q._k("ack", tag), "kept" if keep else "dropped")
+
+
+# ------------------------------ the default store; checks of a spec, a store and a process group
 
 
 def check_spec(spec, dtypes):
@@ -105,9 +171,12 @@ def check_spec(spec, dtypes):
                          f"| : , ; = / or whitespace")
 
 
-def check_master_env():
-    """default_store's client reaches the store at MASTER_ADDR:MASTER_PORT; without them, the error
-    says what to pass instead."""
+def default_store(timeout_s=300.0):
+    """The rendezvous' store: a TCPStore client of MASTER_ADDR:MASTER_PORT (set by torchrun or any
+    env:// start), or an in-process HashStore in a world of one. Without MASTER_ADDR/MASTER_PORT,
+    the error says what to pass instead."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return dist.HashStore()
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         raise ValueError("DistQueue needs a store that every rank reaches, and MASTER_ADDR/"
                          "MASTER_PORT are not set (the process group was not started from "
@@ -116,6 +185,8 @@ def check_master_env():
                          "of the store that the rendezvous already serves on PORT (a second "
                          "is_master=True store there fails: the port is taken). Else a TCPStore on "
                          "a free port, is_master=True on one rank only")
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def check_store(store):
@@ -198,22 +269,29 @@ def check_cell(q, r, c, t, want):
         raise ValueError(f"cell (row {r}, column '{c}') written twice")
 
 
-def check_get(q, stage, n, min_rows, dp_group, group):
-    """get's arguments: a known stage, 0 <= min_rows <= n, n >= the DP size, this rank in the
-    groups it passed, and a gloo group to broadcast in."""
+def put_cells(q, columns, ids, dtypes):
+    """put's cells of rows `ids`, {(row, col): 1-D tensor}: each a tensor or Python values, in
+    its column's dtype (dtypes: distqueue.DTYPES), checked, and copied to host: the queue's own."""
+    cells = {}
+    for c, vals in columns.items():
+        want = dtypes[q.spec.columns[c]]
+        for r, v in zip(ids, vals):
+            t = v if torch.is_tensor(v) else from_python(v, want, r, c)
+            check_cell(q, r, c, t, want)  # dtype, shape, written once
+            cells[(r, c)] = t.detach().reshape(-1).to("cpu", copy=True)  # the queue's own copy
+    return cells
+
+
+def check_get(q, stage, n, dp_group):
+    """get's arguments: a known stage, n >= the DP size (and >= 1), this rank in the dp_group."""
     if stage not in q.spec.stages:
         raise KeyError(f"unknown stage '{stage}'; valid: {list(q.spec.stages)}")
     dp = dist.get_world_size(dp_group) if dp_group else 1
-    if not 0 <= min_rows <= n or n < max(dp, 1):
-        raise ValueError(f"n={n}, min_rows={min_rows}, dp size {dp}: need 0 <= min_rows <= n "
-                         f"and n >= dp")
-    for g, what in ((dp_group, "dp_group"), (group, "group")):
-        if g is not None and dist.get_rank(g) < 0:
-            raise ValueError(f"rank {q.rank} is not in the {what} it passed (ranks "
-                             f"{dist.get_process_group_ranks(g)})")
-    if group is not None and dist.get_backend(group) != "gloo":
-        raise ValueError(f"group backend is {dist.get_backend(group)}; the broadcast needs a "
-                         f"gloo group")
+    if n < max(dp, 1):
+        raise ValueError(f"n={n}, dp size {dp}: need n >= dp and n >= 1")
+    if dp_group is not None and dist.get_rank(dp_group) < 0:
+        raise ValueError(f"rank {q.rank} is not in the dp_group it passed (ranks "
+                         f"{dist.get_process_group_ranks(dp_group)})")
 
 
 def check_same_n(stage, n, n0, dp_rank):
@@ -224,10 +302,14 @@ def check_same_n(stage, n, n0, dp_rank):
                          f"batch)")
 
 
-def check_sent(o, answer, reader):
-    """A pull's answer to rank `reader`: "sent", or the owner o lacked some of the cells."""
+def check_sent(q, o, tag):
+    """Owner o's answer to a pull, read from state/<tag> (then deleted): "sent", or it lacked
+    some of the cells."""
+    state = q._k("state", tag)
+    answer = q.store.get(state).decode()
+    q.store.delete_key(state)
     if answer != "sent":
-        raise RuntimeError(f"rank {o}, asked by rank {reader} for cells it does not hold, "
+        raise RuntimeError(f"rank {o}, asked by rank {q.rank} for cells it does not hold, "
                            f"answered {answer}")
 
 
@@ -249,22 +331,23 @@ def refused(q):
     return f"; a peer's queue was refused: {q.store.get(key).decode()}"
 
 
-def lacking(q, stage, n, min_rows, claimed, only):
-    """Why a claim still waits: rows that miss columns, fewer complete rows than asked, none."""
+def lacking(q, stage, n, least, claimed):
+    """Why a claim still waits: rows that miss columns, fewer complete rows than asked, none. The
+    rows counted: those this read may claim (DistQueue._claimable)."""
     cols, seen = q.spec.stages[stage], q.unclaimed[stage]
-    rows = [r for r in seen if only is None or r in only]
+    rows = q._claimable(list(seen))
     partial = sorted(r for r in rows if len(seen[r]) < len(cols))
     why = (f"in stage '{stage}' waiting for {n - claimed} more rows with columns {list(cols)} "
            f"(claimed {claimed}): {len(rows) - len(partial)} unclaimed rows"
-           f"{' (of only)' if only is not None else ''} have every column, and this get asked "
-           f"for {n} (at least {min_rows})")
+           f"{' (of those it may take)' if len(rows) < len(seen) else ''} have every column, "
+           f"and this get asked for {n} (at least {least})")
     if partial:
         lack = sorted({c for r in partial for c in cols if c not in seen[r]})
         return why + f"; rows {partial[:32]} are missing columns {lack}"
     if not rows:
         return why + "; no unclaimed row has been put: is a producer still putting rows?"
     return why + (": put more rows before this get, ask for fewer (n), or take what there "
-                  "is (min_rows)")
+                  "is (SelectiveQueue's min_rows)")
 
 
 def silent(q, stage, o, keys):
@@ -295,7 +378,7 @@ def release(q, stage, token, rows):
     for block, ids in q._blocks(rows):
         q.store.append(q._k("claims", stage, block), f"-{token}:{ids};")
     if rows:
-        q._publish(ready_entries(q, cells_of(rows, q.spec.stages[stage]), stage))
+        publish(q, ready_entries(q, cells_of(rows, q.spec.stages[stage]), stage))
 
 
 def cancel(q, tags, owners, rows, received):
@@ -305,7 +388,20 @@ def cancel(q, tags, owners, rows, received):
         if q.store.compare_set(q._k("state", tag), "", "cancelled") == b"sent":
             q._recv(o, tag, owners[o], rows)  # it sent just now: take it, to drop it
             received.append(tag)
-    q._ack(received, keep=False)
+    ack(q, received, keep=False)
+
+
+def verdict_error(verdict, dp_rank, error):
+    """DistQueue._agree's outcome/... read back: None if "ok", else the error this rank raises: its
+    own if it failed first, else one of the first failure's kind that names that rank and why."""
+    if verdict == "ok":
+        return None
+    first, kind, why = verdict.split("|", 2)
+    if int(first) == dp_rank:
+        return error
+    kinds = {"TimeoutError": TimeoutError, "ValueError": ValueError}
+    return kinds.get(kind, RuntimeError)(f"dp rank {first} of this get's dp_group failed, so "
+                                         f"this rank keeps no row: {why}")
 
 
 # ------------------------------------------------------------------------------ metrics
@@ -313,7 +409,7 @@ def cancel(q, tags, owners, rows, received):
 _COUNTERS = ("bytes_sent", "bytes_padded_equiv", "bytes_bcast")  # count/<name> in the store
 
 
-def _count(q, name, n):
+def count(q, name, n):
     """Add n to the queue-wide counter count/<name> in the store."""
     q.store.add(q._k("count", name), int(n))
 
@@ -323,8 +419,8 @@ def count_sent(q, keys, cells, tmax, header, payload):
     "col=length,...") would have sent."""
     longest = {c: int(n) for c, n in (x.split("=") for x in tmax.split(",") if x)}
     padded = sum(longest.get(c, t.numel()) * t.itemsize for (_, c), t in zip(keys, cells))
-    _count(q, "bytes_sent", header.nbytes + payload.nbytes)
-    _count(q, "bytes_padded_equiv", header.nbytes + padded)
+    count(q, "bytes_sent", header.nbytes + payload.nbytes)
+    count(q, "bytes_padded_equiv", header.nbytes + padded)
 
 
 def traffic(q):
@@ -332,78 +428,6 @@ def traffic(q):
     out = {f"queue/{c}": int(q.store.add(q._k("count", c), 0)) for c in _COUNTERS}
     out["queue/reads"] = sum(q.reads(s) for s in q.spec.stages)
     return out
-
-
-# -------------------------- what only the options use: drain, the hierarchical read get(group=)
-
-
-def drain_wait(q, timeout_s):
-    """DistQueue.drain's body: serve until this rank holds no cell, and no transfer that its
-    reader has not acknowledged."""
-    deadline = time.monotonic() + (timeout_s or q.spec.timeout_s)
-    q._wait(lambda: not q.cells and not q.inflight, deadline,
-            lambda: f"in drain: rows {sorted({r for r, _ in q.cells})[:16]} not yet read "
-                    f"by every stage, transfers {sorted(q.inflight)} not acknowledged")
-
-
-def read_in_group(q, stage, n, min_rows, dp_group, group, step, deadline, only, dtypes, pack,
-                  make_rows):
-    """get(group=): only the group's first rank reads; it broadcasts the rows, or its error.
-    dtypes: the stage's columns' dtypes; pack, make_rows: distqueue.py's pack_cells and Rows
-    (this file cannot import it)."""
-    leader = dist.get_global_rank(group, 0)
-    batch, error = None, None
-    if leader == q.rank:
-        try:
-            batch = q._read(stage, n, min_rows, dp_group, step, deadline, only)
-        except Exception as e:  # told to the group first, so that its members raise too
-            error = e
-    return _bcast(q, batch, error, stage, group, leader, deadline + q.spec.timeout_s, dtypes,
-                  pack, make_rows)
-
-
-def _bcast(q, batch, error, stage, group, leader, deadline, dtypes, pack, make_rows):
-    """Leader -> its model-parallel group: the size B (or the leader's failure: < 0), a header
-    (B, 1+C) [ids, lengths], one payload. The deadline is the leader's plus timeout_s."""
-    cols = q.spec.stages[stage]
-    failures = (TimeoutError, ValueError, RuntimeError)  # a leader's failure -> -1, -2, -3
-
-    def bcast(t, what):
-        w = dist.broadcast(t, leader, group=group, async_op=True)
-        q._wait(w.is_completed, deadline,
-                lambda: f"in stage '{stage}' waiting for {what} from leader {leader}")
-        w.wait()  # completed may mean failed (a dead leader): raise that, never read garbage
-    size = len(batch.ids) if batch is not None else 0
-    if error is not None:
-        size = next((-1 - i for i, f in enumerate(failures) if isinstance(error, f)), -3)
-    meta = torch.tensor([size])  # (1,)
-    bcast(meta, "the batch size")
-    if error is not None:
-        raise error
-    B = int(meta)
-    if B < 0:
-        raise failures[-B - 1](f"in stage '{stage}' the read of this group's leader, rank "
-                               f"{leader}, failed (its error says why): this rank keeps no row")
-    if batch is not None:
-        flat = [batch.cols[c][i] for i in range(B) for c in cols]  # row-major cells, K = B * C
-        lengths, payload = pack(flat)  # (K,), (bytes,)
-        ids = torch.tensor(batch.ids).view(B, 1)  # (B, 1)
-        header = torch.cat([ids, lengths.view(B, len(cols))], 1)  # (B, 1+C)
-        _count(q, "bytes_bcast", header.nbytes + payload.nbytes)
-    else:
-        header = torch.empty(B, 1 + len(cols), dtype=torch.int64)  # (B, 1+C)
-    if B:
-        bcast(header, "the header")
-    if batch is None:
-        lengths = header[:, 1:].reshape(-1).tolist()  # (K,)
-        nbytes = sum(n * d.itemsize for n, d in zip(lengths, dtypes * B))
-        payload = torch.empty(nbytes, dtype=torch.uint8)  # (bytes,)
-    if payload.numel():
-        bcast(payload, "the payload")
-    if batch is not None:
-        return batch
-    cells = unpack_cells(header[:, 1:].reshape(-1), payload, dtypes * B)  # K = B * C
-    return make_rows(header[:, 0].tolist(), {c: cells[j::len(cols)] for j, c in enumerate(cols)})
 
 
 # ------------------------------------------------------------------------------ checkpoint state
@@ -435,7 +459,7 @@ def load_queue_state(q, sd):
     q.steps = dict(sd["steps"])
     q._reset_caches()
     if q.cells:  # one ready-log key, as one put writes
-        q._publish(ready_entries(q, dict(sorted(q.cells.items()))))
+        publish(q, ready_entries(q, dict(sorted(q.cells.items()))))
     for s in q.spec.stages:  # read by s already: claimed in s's logs
         read = sorted({r for (r, _), stages in q.served.items() if s in stages})
         for block, ids in q._blocks(read):

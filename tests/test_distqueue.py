@@ -1,4 +1,5 @@
-"""DistQueue: packing, exactly-once delivery, hierarchical reads, token balance, failure, checkpoint.
+"""DistQueue: packing, exactly-once delivery, token balance, failure, checkpoint; SelectiveQueue's reads (only,
+min_rows, hierarchical), puts of more columns, drain.
 
 python -m pytest tests/test_distqueue.py
 """
@@ -13,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 import distqueue as dq
-from plumbing.distqueue_details import new_token, unpack, unpack_cells, unpad
+from options.selective_queue import SelectiveQueue  # get(only=, min_rows=, group=), put(ids=), drain()
+from plumbing.distqueue_details import new_token, read_ready, unpack, unpack_cells, unpad
 from tests.distributed import run_distributed
 
 COLS = {"prompt": "int64", "response": "int64", "logp": "float32", "reward": "float32"}
@@ -150,7 +152,7 @@ def test_state_dict_resume_is_bit_exact():
 def test_only_takes_the_named_rows():
     """A reader that must take one given batch (the separated trainer when generators run ahead)."""
     spec = dq.QueueSpec(columns=COLS, scalars=("reward",), stages={"b": tuple(COLS)}, timeout_s=0.2)
-    q = dq.DistQueue(spec, dq.default_store())
+    q = SelectiveQueue(spec, dq.default_store())
     q.put({c: [_row(r)[c] for r in range(8)] for c in COLS})
     assert q.get("b", 3, only={5, 2, 7}).ids == [2, 5, 7]
     assert q.get("b", 2).ids == [0, 1]                      # the rest, oldest first
@@ -247,7 +249,7 @@ def test_a_read_claims_its_rows_in_a_few_store_round_trips():
             return counted
     spec = dq.QueueSpec(columns={"x": "int64"}, stages={"a": ("x",)}, timeout_s=5)
     store = CountingStore()
-    q = dq.DistQueue(spec, store)
+    q = SelectiveQueue(spec, store)
     block, saved = 40, dq.CLAIM_BLOCK
     dq.CLAIM_BLOCK = block
     try:
@@ -261,9 +263,9 @@ def test_a_read_claims_its_rows_in_a_few_store_round_trips():
         # a second reader of the same store, rank and queue name (a restarted process) wins only what is left
         q.put({"x": [torch.arange(3)] * 3})  # rows 80, 81, 82
         other = dq.DistQueue(spec, store)
-        other._refresh("a")
+        read_ready(other, "a")
         assert sorted(other._claim_rows("a", [78, 79, 80, 81], new_token(other))) == [80, 81]
-        q._refresh("a")
+        read_ready(q, "a")
         assert sorted(q._claim_rows("a", [81, 82], new_token(q))) == [82]
     finally:
         dq.CLAIM_BLOCK = saved
@@ -271,7 +273,7 @@ def test_a_read_claims_its_rows_in_a_few_store_round_trips():
 
 def test_a_get_of_more_rows_than_exist_says_how_many_and_what_to_do():
     spec = dq.QueueSpec(columns={"x": "int64"}, stages={"a": ("x",)}, timeout_s=0.2)
-    q = dq.DistQueue(spec, dq.default_store())
+    q = SelectiveQueue(spec, dq.default_store())
     q.put({"x": [torch.arange(3)] * 3})
     with pytest.raises(TimeoutError) as e:
         q.get("a", 5)
@@ -293,7 +295,7 @@ def test_a_poll_scans_only_the_rows_not_yet_claimed():
     """A claim poll scans what the queue holds per row: after 2,000 rows put and read in two stages, that
     follows the rows still unread, not every row ever put."""
     spec = dq.QueueSpec(columns={"x": "int64", "y": "int64"}, stages={"a": ("x", "y"), "b": ("x",)}, timeout_s=5)
-    q = dq.DistQueue(spec, dist.HashStore())
+    q = SelectiveQueue(spec, dist.HashStore())
     for _ in range(100):
         q.put({"x": [torch.arange(3)] * 20, "y": [torch.arange(2)] * 20})
         assert len(q.get("a", 20).ids) == 20 and len(q.get("b", 20).ids) == 20
@@ -316,7 +318,7 @@ def _exactly_once(rank, world, rows_per_producer):
                         timeout_s=30, poll_s=0.005)
     dq.CLAIM_BLOCK = 5  # claims race over several claim logs, and one claim can span two of them
     store = dq.default_store()
-    q = dq.DistQueue(spec, store, rank, world)
+    q = SelectiveQueue(spec, store, rank, world)
     rng, total = random.Random(rank), 2 * rows_per_producer
     out = {"produced": [], "score": [], "train": [], "bad": 0}
     if rank >= 2:
@@ -358,7 +360,7 @@ def _hierarchical(rank, world, steps):
     dp = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
     everyone = dist.new_group([0, 1, 2, 3])
     spec = dq.QueueSpec(columns=COLS, scalars=("reward",), stages={"train": tuple(COLS)}, timeout_s=30)
-    q = dq.DistQueue(spec, dq.default_store(), rank, world)
+    q = SelectiveQueue(spec, dq.default_store(), rank, world)
     g = torch.Generator().manual_seed(rank)
     out = {"batches": [], "reads": [], "bad": 0}
     for step in range(steps + 1):
@@ -452,7 +454,7 @@ def _dead_leader(rank, world):
     reads through the leader, which has died: an error, never an empty batch."""
     only0, group = dist.new_group([0]), dist.new_group([0, 1])
     spec = dq.QueueSpec(columns={"x": "int64"}, stages={"t": ("x",)}, timeout_s=20)
-    q = dq.DistQueue(spec, dq.default_store(), rank, world)
+    q = SelectiveQueue(spec, dq.default_store(), rank, world)
     if rank == 0:
         dq.default_store().wait(["t/put"])
         return None  # the leader leaves: its process group is destroyed and the process exits
@@ -507,7 +509,7 @@ def _slow_owner(rank, world, answers_late):
     answers_late, until that get cancels its request: rank 2 then answers first)."""
     spec = dq.QueueSpec(columns={"x": "int64"}, stages={"t": ("x",)}, timeout_s=3)
     store = dq.default_store()
-    q = dq.DistQueue(spec, _OwnerAnswersFirst(store) if answers_late and rank == 0 else store, rank, world)
+    q = SelectiveQueue(spec, _OwnerAnswersFirst(store) if answers_late and rank == 0 else store, rank, world)
     q.put({"x": [torch.arange(3) + 10 * (rank + 3 * j) for j in range(2)]})  # rows rank, rank + 3
     store.add("t/put", 1)
     if rank > 0:
@@ -548,7 +550,7 @@ def _dp_slow_owner(rank, world):
     dp = dist.new_group([0, 1])
     spec = dq.QueueSpec(columns={"x": "int64"}, stages={"t": ("x",)}, timeout_s=3)
     store = dq.default_store()
-    q = dq.DistQueue(spec, store, rank, world)
+    q = SelectiveQueue(spec, store, rank, world)
     q.put({"x": [torch.arange(3) + 10 * (rank + 3 * j) for j in range(2)]})
     store.add("t/put", 1)
     if rank == 2:
@@ -605,7 +607,7 @@ def _leader_fails(rank, world):
     """Model-parallel group {0, 1}, leader 0: the first read times out (no row), the second finds rows."""
     group = dist.new_group([0, 1])
     spec = dq.QueueSpec(columns={"x": "int64"}, stages={"t": ("x",)}, timeout_s=2)
-    q = dq.DistQueue(spec, dq.default_store(), rank, world)
+    q = SelectiveQueue(spec, dq.default_store(), rank, world)
     try:
         q.get("t", 2, group=group)
         error = None
