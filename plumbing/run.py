@@ -63,7 +63,7 @@ class Run:
     sched: stalesync.StaleSync = None
     actor: fusion.FusedActor = None  # the phase switch
     cut: object = None            # how the replicas cut each batch: SharedCut (AllReady: apart)
-    batch_ids: set = None         # the row ids of the batch this step trains
+    batch_ids: set = None         # the batch's row ids, where a deployment reads them by name
     score: object = task.rewards  # (prompts, responses) -> (B,) rewards (options: a model's)
     watch: object = dict          # () -> figures, at each evaluation (a learned scorer's checks)
     per_token: dict = field(default_factory=dict)  # the sampler's per-token fields: queue dtypes

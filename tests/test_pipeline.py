@@ -124,10 +124,11 @@ def _read_rows_rank(rank, world_size):
     import torch.distributed as dist
     import distqueue
     from options import pipeline_run
+    from options.selective_queue import SelectiveQueue
     layout = pipeline.PPLayout(2, world_size, CFG.n_layers)
     _, pipe_group = pipeline.new_groups(layout, timeout_s=20)
     spec = distqueue.QueueSpec(columns={"x": "int64"}, stages={"train": ("x",)}, timeout_s=10)
-    queue = distqueue.DistQueue(spec, distqueue.default_store(), rank, world_size, dist.group.WORLD)
+    queue = SelectiveQueue(spec, distqueue.default_store(), rank, world_size, dist.group.WORLD)  # as the run's
     queue.put({"x": [torch.arange(3)] * (1, 2, 2, 1)[rank]})
     run = SimpleNamespace(queue=queue, batch_ids={0, 1, 2, 3, 5, 6}, data_index=rank % layout.dp,
                           data_size=layout.dp, pipe_group=pipe_group,
