@@ -13,17 +13,17 @@ wrote it until a stage reads it. Three ideas move it:
 - Hierarchical transfer (figure 6): one reader per model-parallel group, which broadcasts the batch
   to the rest, is an option: get(group=) of SelectiveQueue (options/selective_queue.py).
 
-Reads are made safe by a protocol on a torch.distributed Store, under keys "<name>/...":
-  ready/n, ready/<i>  the ready log, one key per put: "row,column,owner,length;" per cell
-  claims/<stage>/<b>  claim logs: a reader appends "token:rows;"; a row belongs to the first
-                      claim naming it that no "-token:rows;" has released, so it is read once
-  req/<owner>         pull requests; the owner answers each with one packed transfer
-  state/<tag>         the owner's "sent" or the reader's "cancelled": the first writer wins
-  ack/<tag>           the reader "kept" or "dropped" the cells; an owner frees a cell once
-                      every stage that reads it kept it
-  plan/<stage>/<step>/<root>  the rows that dp rank 0 claimed for its DP group
-  done/..., outcome/...       the DP group's vote: every rank keeps its rows, or none does
-A get that raises keeps no row and releases its claims: a retry reads each row exactly once.
+Reads are made safe by a protocol on a torch.distributed Store, keys "<name>/...", by writer:
+  ready/n, ready/<i>  put (publish): the ready log, a key a put, "row,column,owner,length;" a cell
+  claims/<stage>/<b>  _claim_rows appends "token:rows;": a row belongs to the first claim naming
+                      it that no "-token:rows;" (release) has given back
+  plan/<stage>/<step>/<root>  _read, on dp rank 0: the rows it claimed for its DP group
+  req/<owner>         _fetch: a pull request; serve answers each with one packed transfer
+  state/<tag>         may_send: "sent", or the cells missing; cancel: "cancelled"; the first wins
+  done/..., outcome/...  _agree: the DP group's vote, then ack/<tag> (ack): "kept" or "dropped"
+No row is read twice: one claim holds it (holders), the vote keeps all of a read or none of it, and
+a read that fails gives its claims back (release) and its pulls up (cancel) before it raises. An
+owner frees a cell once every stage that reads it has kept it.
 Every wait serves other ranks' requests and raises TimeoutError naming the stage, the rows and the
 rank: a rank whose cells are still wanted keeps calling the queue (serve()) before it blocks.
 

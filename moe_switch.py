@@ -24,7 +24,8 @@ Departures from the source system (Huawei's RL post-training on CloudMatrix 384)
      and B in per rank, from the source storage straight into the final one.
   2. Memory is the module's own count of the storages it holds. Once a switch has freed what it
      neither keeps nor sends, it holds at most target + one bucket for layouts that nest
-     (stats["peak_switch_bytes"]). Counting the entry, the peak is max(source, target) + one bucket.
+     (stats["peak_switch_bytes"]). Counting the entry, the peak is at most max(source, target) +
+     one bucket.
   3. Ranks are laid out EP-outer, grid arange(W).view(P, W // P), so degrees that divide each other
      nest: a switch to a higher degree moves nothing, one to a lower degree what each rank lacks.
   4. Grads and optimizer states stay outside: the caller clears grads before a switch, and the

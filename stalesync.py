@@ -429,9 +429,9 @@ class SharedCut:
     peers' complete groups of later slots take its place. A replica's share varies, the batch
     does not. Every slot is still trained once, within S. At S = 0 each replica gives
     groups_per_step, as under AllReady.
-    Three rounds of it, traced turn by turn: docs/walkthrough.md ("The shared cut, traced").
-    Per loop turn, one all-gather of offer()'s counts; at the cut, one of the spare slots.
-    replica and leader: for a replica of several ranks, see the companion."""
+    Per loop turn, one all-gather of offer()'s counts (why every rank then decides alike:
+    post_or_wait, in the companion); at the cut, one of the spare slots. Traced, three rounds:
+    docs/walkthrough.md ("The shared cut, traced"). replica, leader: a replica of several ranks."""
 
     FACTS = ("leader", "replica", "due", "done", "complete", "work", "gps")  # posted per turn
 

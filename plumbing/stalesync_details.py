@@ -261,7 +261,10 @@ def post_or_wait(cut, collective, tensors, wait):
     """One collective of a cut (AllReady, SharedCut), collective(async_op=...). A rank that knows
     the answer already (no) posts its part and decodes on. One that waits (spanned "idle", through
     cut.wait: a caller's subclass may work meanwhile) also waits for its posts, paired by now
-    (collectives pair in order), so that an error surfaces."""
+    (collectives pair in order), so that an error surfaces.
+    Why every rank decides alike: the n-th collectives of the ranks pair, so every rank that waits
+    reads the same counts and computes the same answer. A rank that only posted knows its own
+    needed groups are not complete, so that answer is no: every rank cuts at the same turn."""
     if not wait:
         cut.posted.append((collective(async_op=True), tensors))
         return
