@@ -106,6 +106,7 @@ def _two_pipelines_rank(rank, world_size):
     return sorted(pipe.schedules)
 
 
+@pytest.mark.slow  # world 4 on 2 cores: the wider matrix
 def test_every_pipeline_pads_to_one_shape():
     """A schedule's first step runs its stage once to learn the shapes, FSDP's collectives included: the pipelines
     pad each step to one T (the longest over the stage's ranks), so that every rank of a stage builds its
@@ -140,6 +141,7 @@ def _read_rows_rank(rank, world_size):
     return rows.ids
 
 
+@pytest.mark.slow  # world 4 on 2 cores: the wider matrix
 def test_a_pipeline_that_has_its_rows_serves_the_others_first():
     """The pipelines read the queue apart: a rank whose pipeline has its rows keeps serving its cells until every
     pipeline has read them. It went on to the update's collectives, and another pipeline's reader waited for its
