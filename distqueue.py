@@ -21,7 +21,7 @@ Reads are made safe by a protocol on a torch.distributed Store, keys "<name>/...
   req/<owner>         _fetch: a pull request; serve answers each with one packed transfer
   state/<tag>         may_send: "sent", or the cells missing; cancel: "cancelled"; the first wins
   done/..., outcome/...  _agree: the DP group's vote, then ack/<tag> (ack): "kept" or "dropped"
-No row is read twice: one claim holds it (holders), the vote keeps all of a read or none of it, and
+No row is kept by two reads: one claim holds it (holders), the vote keeps all of a read or none, and
 a read that fails gives its claims back (release) and its pulls up (cancel) before it raises. An
 owner frees a cell once every stage that reads it has kept it.
 Every wait serves other ranks' requests and raises TimeoutError naming the stage, the rows and the

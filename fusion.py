@@ -7,7 +7,8 @@ gathers the whole model for the engine and keeps the training state: a whole ext
 rank, beside grads and AdamW states that ROLLOUT never reads. The fix, to_rollout():
   1. offload: copy the AdamW states (and any grads) to host, then free their device storages in
      place (resized to 0, the optimizer keeps its tensors); to_train() copies them back exactly;
-  2. build the engine's weights from the training shards bucket by bucket: at most one bucket more;
+  2. build the engine's weights from the training shards bucket by bucket: at most one bucket more
+     (none here: the gather writes straight into the engine's own parameters);
   3. call the movers, the state that changes layout too (the experts, re-sharded by moe_switch.py).
 to_train() undoes the three, in reverse.
 

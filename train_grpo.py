@@ -25,7 +25,7 @@ supervised warm-up comes first; its held-out accuracy is the "before" figure.
 Departures from the source system, on purpose:
 1. Scoring is a rule on the generating rank: reward and advantage travel with the sample.
 2. Sampling is counter-based (model.py), and a group's prompt and seeds are functions of its global
-   slot and attempt: every layout trains on the same groups, to a world of one's parameters.
+   slot and attempt: at S = 0 every layout trains on the same groups, to a world of one's weights.
 
 Options the default run leaves off live in options/, each applied where the run is built (a
 deployment runs a loop of its own). The run's flags, log, checkpoints and devices: plumbing/.
