@@ -8,6 +8,7 @@ import datetime
 import os
 import socket
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -74,6 +75,9 @@ def rank_main(rank, world, port):
         dist.barrier()
     rows = q.get("train", 4, dp_group=dist.group.WORLD)
     notes.append(f" got: rows {rows.ids}, lengths {[len(t) for t in rows.cols['tokens']]}")
+    while q.inflight:  # an owner serves until its reader acknowledged every transfer it sent
+        q.serve()
+        time.sleep(spec.poll_s)
     everyone = [None] * world
     dist.all_gather_object(everyone, notes)
     if rank == 0:
