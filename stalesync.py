@@ -102,8 +102,8 @@ class StaleConfig:
     staleness: int = 0          # S: the most versions a trained sample may lag (0: synchronous)
     groups_per_step: int = 2    # groups in a step's batch (this replica's; SharedCut varies it)
     group_size: int = 8         # G: responses per prompt
-    threshold: float = 1.0      # in (0, 1]: a round ends once this share of the pool is complete
-                                #   (the pool: groups_per_step / threshold groups decoding at once)
+    threshold: float = 1.0      # in (0, 1]: a batch is this share of the pool, which decodes
+                                #   groups_per_step / threshold groups at once (the cut: below)
     chunk_steps: int = 8        # decode steps per sampler call (at S > 0)
     max_len: int = 1 << 17      # brake: a row not done at this many tokens raises (raise it for
                                 #   longer outputs; the default is past today's response budgets)
