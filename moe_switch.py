@@ -7,25 +7,23 @@ layout to the other. The naive switch gathers all E experts onto every rank and 
 Here only the experts whose owner changes move, one bucket at a time, each source slice freed once
 sent: no rank holds a copy of an expert that its target layout does not ask for.
 
-The default run (train_grpo.py) trains at EP 2 and generates at EP 1; this file, in reading order:
+The default run (train_grpo.py) trains at EP 2 and generates at EP 1. This file, in reading order:
   route, moe_reference      the single-process MoE the EP layer must match, a slow loop
   all_to_all_rows           uneven all_to_all_single; its backward is the reverse all_to_all
-  EPLayout                  which rank owns which expert (its groups: new_groups, in the companion)
+  EPLayout                  which rank owns which expert
   reshard_naive, reshard    the naive switch, then the bucketed one (plan_reshard, _Memory)
   EPMoE                     route, send counts then packed tokens, local experts, combine; switch()
   ExpertParallel            a model's MoE layers: apply, to_rollout, to_train, clip_grads
-Its companion plumbing/moe_switch_details.py: checks, agree_on_switch, groups, layers swapped, a
-layout over part of the job. Experts placed by load: options/eplb.py, subclasses of these classes.
-Others' experts: options/dense_moe.py; dense_state_dict: plumbing/checkpoint.py.
+The companion plumbing/moe_switch_details.py holds what a learner may take on trust: the checks,
+the groups, the switch's agreement, the decode's fast path. Experts placed by load: options/eplb.py.
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
   1. Each expert slice (name, e) is its own tensor, not a view of a stacked (E, D, H) parameter: a
      view cannot be freed alone. A bucket is one round of batched isend/irecv, at most B bytes out
      and B in per rank, from the source storage straight into the final one.
-  2. Memory is the module's own count of the storages it holds. Once a switch has freed what it
-     neither keeps nor sends, it holds at most target + one bucket for layouts that nest
-     (stats["peak_switch_bytes"]). Counting the entry, the peak is at most max(source, target) +
-     one bucket.
+  2. Memory is the module's own count of the storages it holds: at most max(source, target) + one
+     bucket (stats["peak_bytes"]). Once a switch has freed what it neither keeps nor sends, at
+     most target + one bucket for layouts that nest (stats["peak_switch_bytes"]).
   3. Ranks are laid out EP-outer, grid arange(W).view(P, W // P), so degrees that divide each other
      nest: a switch to a higher degree moves nothing, one to a lower degree what each rank lacks.
   4. Grads and optimizer states stay outside: the caller clears grads before a switch, and the
@@ -33,18 +31,16 @@ Departures from the source system (Huawei's RL post-training on CloudMatrix 384)
   5. No capacity factor, token dropping or load-balancing loss: every token reaches its k experts.
 
 Run: python -m pytest tests/test_moe_switch.py; python bench/moe_switch.py (bytes, memory, time).
-Using this file elsewhere: torch only. A dense MoE layer is found by attributes: router (E, D),
-w_gate and w_up (E, D, H), w_down (E, H, D) in x @ w orientation, and top_k (SwiGLU experts, no
-biases). Every rank of a layout calls switch() together, with the same target, or the others raise.
-Copy moe_switch.py together with its companion plumbing/moe_switch_details.py (keep the folder, or
-change the one import line). On 2 gloo processes (tests/test_copy_alone.py runs it, the two alone):
+Using this file elsewhere: torch only. Every rank of a layout calls switch() together, with the
+same target, or the others raise. Copy moe_switch.py with its companion (keep the folder, or change
+the one import line). On 2 gloo processes (tests/test_copy_alone.py runs it, the two files alone):
 
     import copy, datetime, os, socket
     import torch, torch.distributed as dist, torch.multiprocessing as mp
     from moe_switch import EXPERT_NAMES, ExpertParallel, moe_reference
 
-    class MoE(torch.nn.Module):  # a dense MoE, found by its attributes: router, top_k, stacks
-        def __init__(self, E=4, D=8, H=16):  # x @ w orientation: (E, D, H), (E, D, H), (E, H, D)
+    class MoE(torch.nn.Module):  # a dense MoE (SwiGLU, no biases), found by its attributes:
+        def __init__(self, E=4, D=8, H=16):  # router (E, D), top_k, stacks in x @ w orientation
             super().__init__()
             self.router, self.top_k = torch.nn.Linear(D, E, bias=False), 2
             for n, shape in zip(EXPERT_NAMES, [(E, D, H), (E, D, H), (E, H, D)]):
@@ -97,16 +93,16 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from plumbing.moe_switch_details import (agree_on_switch, check_bucket, check_computes_alike,
-                                         check_dense_layer, check_ep_group, check_found_layers,
-                                         check_layout, check_naive_group, check_reshard,
-                                         check_switch, clip_with_experts, group_of_ranks,
+from plumbing.moe_switch_details import (EVERY_EXPERT_WORK, AllToAll, agree_on_switch,
+                                         check_bucket, check_dense_layer, check_ep_group,
+                                         check_found_layers, check_layout, check_naive_group,
+                                         check_reshard, check_switch, clip_with_experts,
+                                         empty_engine_layer, every_expert, group_of_ranks,
                                          held_bytes, new_groups, rank_in, shard_experts,
-                                         swap_layers, switch_figures, sync_expert_grads, untie)
+                                         slice_specs, swap_layers, switch_figures,
+                                         sync_expert_grads, untie)
 
 EXPERT_NAMES = ("w_gate", "w_up", "w_down")  # (E, D, H), (E, D, H), (E, H, D) in the dense MoE
-# EP 1 runs every expert on every token while tokens x D x H stays within this (see EPMoE.forward)
-EVERY_EXPERT_WORK = 3 * 2 ** 18
 
 
 # ----------------------------------------------------------------------- the MoE, in one process
@@ -138,29 +134,11 @@ def moe_reference(x, router_weight, experts, top_k):
 
 
 # ----------------------------------------------------------------------- communication primitive
-def _a2a(x, out_splits, in_splits, group):
-    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-    return out
-
-
-class _AllToAll(torch.autograd.Function):
-    """Uneven all_to_all_single of rows in forward, the reverse all_to_all_single in backward."""
-
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _a2a(x, out_splits, in_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        return _a2a(grad, in_splits, out_splits, ctx.group), None, None, None
-
-
 def all_to_all_rows(x, out_splits, in_splits, group):
-    """Send rows x[sum(in_splits[:j]):...] to group rank j; differentiable; in a group of 1, x."""
-    return x if len(in_splits) == 1 else _AllToAll.apply(x, out_splits, in_splits, group)
+    """Send rows x[sum(in_splits[:j]):...] to group rank j, receiving out_splits[j] rows from it: an
+    uneven all_to_all_single. Differentiable (AllToAll, in the companion): the backward sends each
+    grad row back the way its row came, the reverse all_to_all. In a group of 1, x itself."""
+    return x if len(in_splits) == 1 else AllToAll.apply(x, out_splits, in_splits, group)
 
 
 # ----------------------------------------------------------------------- layouts
@@ -308,13 +286,8 @@ def reshard(experts, src, dst, bucket_bytes, group=None):
     other reference, or freed slices stay alive. Returns (name -> {e: tensor} for dst, stats)."""
     rank = rank_in(group, src)
     check_reshard(experts, src, dst, rank, group)
-    like = {n: next(iter(s.values())) for n, s in experts.items()}  # one slice per name
-    meta = {n: dict(size=t.shape, dtype=t.dtype, device=t.device) for n, t in like.items()}
-    slice_bytes = {n: t.nbytes for n, t in like.items()}
-    del like  # no reference may outlive the slice it points to
+    meta, slice_bytes, peer = slice_specs(experts, group, src)  # a slice's shape; global ranks
     rounds = plan_reshard(src, dst, slice_bytes, bucket_bytes)  # raises before any collective
-    peer = [src.global_rank(r) if group is None else dist.get_global_rank(group, r)
-            for r in range(src.world_size)]  # P2POp wants global ranks
     per_expert, need, have = sum(slice_bytes.values()), set(dst.owned(rank)), set(src.owned(rank))
     stats = dict(bytes_moved=0, bytes_min=len(need - have) * per_expert, rounds=len(rounds),
                  from_bytes=len(have) * per_expert, to_bytes=len(need) * per_expert,
@@ -380,9 +353,8 @@ class EPMoE(nn.Module):
     @classmethod
     def from_dense(cls, moe, layout, group=None):
         """Copy a dense MoE (router, w_gate, w_up, w_down, top_k; x @ w) into an EP layer."""
-        check_dense_layer(moe)  # the shapes, top_k, and a router without a bias
-        # its own forward, if it has one, computes this file's MoE (moe_reference, on a probe)
-        check_computes_alike(moe, EXPERT_NAMES, moe_reference)
+        # the shapes, top_k, a router without a bias; its own forward computes moe_reference's
+        check_dense_layer(moe, EXPERT_NAMES, moe_reference)
         E, D, H = moe.w_gate.shape
         ep = cls(D, H, E, moe.top_k, layout, group).to(moe.w_gate.device, moe.w_gate.dtype)
         with torch.no_grad():
@@ -396,7 +368,8 @@ class EPMoE(nn.Module):
         L, x = self.layout.slots, x.reshape(-1, shape[-1])              # (N, D)
         gates, top_e = route(x, self.router.weight, k, self.routing)    # (N, k)
         if P == 1 and x.shape[0] <= self.every_expert_below:  # EP 1, a decode step's few tokens
-            return self._every_expert(x, gates, top_e).reshape(shape)
+            out = every_expert(self, x, gates, top_e, expert_mlp, EXPERT_NAMES)  # no sort, no send
+            return out.reshape(shape)
         flat_e = self.layout.slot_of(top_e.reshape(-1), self.rank)      # (N*k,) slot: expert
         order = flat_e.argsort(stable=True)                             # (N*k,) by slot = rank
         x_sorted = x[order // k]                                        # (N*k, D)
@@ -420,17 +393,6 @@ class EPMoE(nn.Module):
     def _rows_per_slot(self, slots):
         """(N*k,) slot of each row -> (P*L,) rows to each slot (options/eplb.py sums them too)."""
         return torch.bincount(slots, minlength=self.layout.ep * self.layout.slots)
-
-    def _every_expert(self, x, gates, top_e):
-        """EP 1 sends nothing, and a few tokens run faster through every expert, each weighted by
-        its gate (0 where not chosen), than sorted by expert: E/k times the work, no indexing."""
-        dense_gates = torch.zeros(x.shape[0], self.layout.n_experts, device=x.device)
-        dense_gates = dense_gates.scatter(-1, top_e, gates).to(x.dtype)  # (N, E)
-        out = torch.zeros_like(x)                                       # (N, D)
-        for e in range(self.layout.n_experts):
-            y = expert_mlp(x, *(getattr(self, n)[e] for n in EXPERT_NAMES))  # (N, D)
-            out = out + dense_gates[:, e, None] * y
-        return out
 
     def switch(self, layout, group, bucket_bytes, world_group=None):
         """Re-shard the experts in place to `layout`, EP group `group`. Grads must be None.
@@ -485,7 +447,8 @@ class ExpertParallel:
         check_found_layers(self.model_layers)
         self.names = {n for n, _ in model.named_parameters() if n.split(".")[-2] in EXPERT_NAMES}
         if engine is not None:
-            self.engine_layers = swap_layers(engine, self._empty_like, EXPERT_NAMES, EPMoE)
+            empty = lambda moe: empty_engine_layer(self, moe, EXPERT_NAMES)  # noqa: E731
+            self.engine_layers = swap_layers(engine, empty, EXPERT_NAMES, EPMoE)  # no experts yet
 
     @torch.no_grad()
     def to_rollout(self):
@@ -508,17 +471,13 @@ class ExpertParallel:
         self.stats.update(switch_figures("to_train", t0, moved))
 
     def clip_grads(self, model, max_norm):
-        """The experts' grads synced (sync_grads), then clipped together with the FSDP shards' as
-        one norm (clip_with_experts, in the companion). Returns the total norm."""
-        self.sync_grads(model)
-        return clip_with_experts(model, self.params(model), max_norm, self.train_layout.dp,
-                                 self.group)
-
-    def sync_grads(self, model):
         """After backward: each owned expert's grad made the mean over all ranks, as FSDP's are
-        (sync_expert_grads, in the companion)."""
+        (sync_expert_grads), then clipped together with the FSDP shards' as one norm
+        (clip_with_experts; both in the companion). Returns the total norm."""
         replicas = self.train_groups[1] if self.train_layout.dp > 1 else None
         sync_expert_grads([p.grad for p in self.params(model) if p.numel()], self.world, replicas)
+        return clip_with_experts(model, self.params(model), max_norm, self.train_layout.dp,
+                                 self.group)
 
     def shard(self, module):
         """module's dense MoE layers -> EPMoE layers of the training layout, keeping their weights.
@@ -539,15 +498,3 @@ class ExpertParallel:
     def _rollout_layouts(self):
         """Each layer's layout in rollout: the inference layout (options/eplb.py: by load)."""
         return [self.infer_layout] * len(self.model_layers)
-
-    def _empty_like(self, moe):
-        """An engine's EP layer: the dense layer's router Parameter itself (a loader filling the
-        engine by name still finds it), and no experts until to_rollout aliases the moved ones."""
-        E, D, H = moe.w_gate.shape
-        ep = self.layer(D, H, E, moe.top_k, self.infer_layout, self.infer_groups[0])
-        ep = ep.to(moe.router.weight.device)
-        ep.router.weight = moe.router.weight                            # (E, D)
-        ep.requires_grad_(False)
-        untie(ep, EXPERT_NAMES)  # no experts until to_rollout
-        return ep
-

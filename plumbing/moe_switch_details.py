@@ -17,6 +17,9 @@ these by name; in order:
   new_groups, swap_layers      building: the EP and DP groups; a model's dense MoE layers replaced
   untie                        an EP layer's expert Parameters emptied, before a switch
   switch_figures               ExpertParallel.stats of a switch
+  AllToAll                     all_to_all_rows' autograd: the reverse all_to_all in backward
+  every_expert                 EP 1's decode step: every token through every expert, no sort
+  empty_engine_layer           an engine's EP layer, its experts aliased at each to_rollout
   sync_expert_grads,           the experts' grads, outside FSDP2: the mean over all ranks, then
   clip_with_experts            one norm with the FSDP shards' to clip them
 
@@ -228,12 +231,25 @@ def check_computes_alike(moe, names, reference, tokens=4):
                          "need DenseMoE(..., orientation='nn.Linear') (options/dense_moe.py)")
 
 
-def check_dense_layer(moe):
-    """EPMoE.from_dense's check: the shapes and top_k of check_dense, and a router with no bias."""
+def check_dense_layer(moe, names, reference):
+    """EPMoE.from_dense's check: the shapes and top_k of check_dense, a router with no bias, and
+    its own forward, if it has one, computing moe_switch.py's MoE (check_computes_alike)."""
     check_dense(moe.router.weight, moe.w_gate, moe.w_up, moe.w_down, moe.top_k)
     if getattr(moe.router, "bias", None) is not None:
         raise ValueError("router has a bias; moe_switch.py's MoE has no biases: it would drop it "
                          "and compute something else")
+    check_computes_alike(moe, names, reference)
+
+
+def slice_specs(experts, group, src):
+    """reshard's view of a rank's slices, holding no reference to them: per name the size, dtype
+    and device of a slice and its bytes; and the global rank of each layout rank (P2POp's)."""
+    like = {n: next(iter(s.values())) for n, s in experts.items()}  # one slice per name
+    meta = {n: dict(size=t.shape, dtype=t.dtype, device=t.device) for n, t in like.items()}
+    slice_bytes = {n: t.nbytes for n, t in like.items()}
+    peer = [src.global_rank(r) if group is None else dist.get_global_rank(group, r)
+            for r in range(src.world_size)]
+    return meta, slice_bytes, peer
 
 
 # ----------------------------------------------------------------------- the ranks' agreement
@@ -338,6 +354,59 @@ def switch_figures(key, t0, moved):
         f"ep/{key}_peak_extra_bytes": max(s["peak_extra_bytes"] for s in moved),
         f"ep/{key}_layer_peak_switch_bytes": max(s["peak_switch_bytes"] for s in moved),
         f"ep/{key}_layer_target_bytes": max(s["to_bytes"] for s in moved)}  # a layer at a time
+
+
+# ------------------------------------------------------- the EP layer's differentiable all_to_all
+def _a2a(x, out_splits, in_splits, group):
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """moe_switch.all_to_all_rows: the uneven all_to_all_single of rows in forward, the reverse
+    all_to_all_single in backward."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _a2a(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _a2a(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+# ------------------------------------------------------------------- a decode step's fast path
+# EP 1 runs every expert on every token while tokens x D x H stays within this (EPMoE.forward)
+EVERY_EXPERT_WORK = 3 * 2 ** 18
+
+
+def every_expert(layer, x, gates, top_e, expert_mlp, names):
+    """EPMoE.forward at EP 1 on a few tokens (a decode step): nothing is sent, and the tokens run
+    faster through every expert, each weighted by its gate (0 where not chosen), than sorted by
+    expert: E/k times the work, no indexing. x (N, D), gates and top_e (N, k) -> (N, D)."""
+    dense_gates = torch.zeros(x.shape[0], layer.layout.n_experts, device=x.device)
+    dense_gates = dense_gates.scatter(-1, top_e, gates).to(x.dtype)  # (N, E)
+    out = torch.zeros_like(x)                                       # (N, D)
+    for e in range(layer.layout.n_experts):
+        y = expert_mlp(x, *(getattr(layer, n)[e] for n in names))   # (N, D)
+        out = out + dense_gates[:, e, None] * y
+    return out
+
+
+def empty_engine_layer(ep, moe, names):
+    """An engine's EP layer for ExpertParallel.apply: the dense layer's router Parameter itself (a
+    loader filling the engine by name still finds it), and no experts until to_rollout aliases
+    the moved ones."""
+    E, D, H = moe.w_gate.shape
+    layer = ep.layer(D, H, E, moe.top_k, ep.infer_layout, ep.infer_groups[0])
+    layer = layer.to(moe.router.weight.device)
+    layer.router.weight = moe.router.weight                         # (E, D)
+    layer.requires_grad_(False)
+    untie(layer, names)  # no experts until to_rollout
+    return layer
 
 
 # ------------------------------------------------------------------------ the experts' gradients
