@@ -13,19 +13,19 @@ wrote it until a stage reads it. Three ideas move it:
 - Hierarchical transfer (figure 6): one reader per model-parallel group, which broadcasts the batch
   to the rest, is an option: get(group=) of SelectiveQueue (options/selective_queue.py).
 
-Reads are made safe by a protocol on a torch.distributed Store, keys "<name>/...", by writer:
-  ready/n, ready/<i>  put (publish): the ready log, a key a put, "row,column,owner,length;" a cell
-  claims/<stage>/<b>  _claim_rows appends "token:rows;": a row belongs to the first claim naming
-                      it that no "-token:rows;" (release) has given back
-  plan/<stage>/<step>/<root>  _read, on dp rank 0: the rows it claimed for its DP group
-  req/<owner>         _fetch: a pull request; serve answers each with one packed transfer
-  state/<tag>         may_send: "sent", or the cells missing; cancel: "cancelled"; the first wins
-  done/..., outcome/...  _agree: the DP group's vote, then ack/<tag> (ack): "kept" or "dropped"
-No row is kept by two reads: one claim holds it (holders), the vote keeps all of a read or none, and
-a read that fails gives its claims back (release) and its pulls up (cancel) before it raises. An
-owner frees a cell once every stage that reads it has kept it.
-Every wait serves other ranks' requests and raises TimeoutError naming the stage, the rows and the
-rank: a rank whose cells are still wanted keeps calling the queue (serve()) before it blocks.
+A read (DistQueue._read: claim, share, fetch, agree) follows a protocol on a torch.distributed
+Store, keys "<name>/...". Its invariants, each with its keys and the functions that keep it:
+- A row is claimed only whole: ready/<i> holds a put's cells, ready/n counts the keys (read_ready).
+- One claim holds a row: "token:rows;" in claims/<stage>/<b> takes the rows no claim holds, till
+  its "-token:rows;" (_claim_rows, holders). A failed read's rows go to the next reader (_release).
+- A pull (req/<owner>) is sent or cancelled, never both: state/<tag> keeps the first of the owner's
+  answer and the reader's "cancelled" (_answer, _cancel).
+- A DP group keeps all of a read or none: dp rank 0's claim in plan/..., votes in done/..., one
+  verdict in outcome/... (_agree).
+- An owner frees a cell once every stage reading it kept it: ack/<tag> says so (serve, _delivered).
+So no row is kept by two reads. Every wait serves other ranks' requests and raises TimeoutError
+naming the stage, the rows and the rank: a rank whose cells are still wanted keeps calling the
+queue (serve()) before it blocks.
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
 1. Data lives in host memory and moves on a gloo group (`pg`); the source's queue is an RDMA store.
@@ -33,7 +33,7 @@ Departures from the source system (Huawei's RL post-training on CloudMatrix 384)
 3. The padded equivalent (metrics) pads each field to the longest cell of the step's global batch.
 4. Ids are deterministic (local_count * world + rank), so a resumed run sees the same rows in order.
 This file: the default path. Its companion plumbing/distqueue_details.py: the store, log formats,
-checks, recovery, metrics, checkpoints. The options' reads and puts: options/selective_queue.py.
+checks and messages, metrics, checkpoints. The options' reads and puts: options/selective_queue.py.
 Run: python -m pytest tests/test_distqueue.py ; python bench/distqueue.py --lengths lognormal:5,1.2
 Shapes: B rows, C fields of a stage, K cells (row x field) in one transfer, N elements, T longest.
 Copy alone: torch (CPU tensors, a gloo group) and a TCPStore or a HashStore (one process); copy
@@ -70,13 +70,12 @@ import torch
 import torch.distributed as dist
 
 from plumbing.distqueue_details import (  # what a learner can take on trust, by role:
-    default_store,  # the rendezvous' store (a TCPStore client), or a HashStore in a world of one
-    publish, read_ready, ready_entries, cells_of, new_token, holders, request, parse_request,
-    take_plan, ack,  # the store logs' formats: the ready log, claims, requests, plans, acks
-    check_spec, check_store, rank_and_world, check_pg,  # checks of the input
-    put_cells, check_columns, check_get, check_sent, check_header,
-    refused, lacking, silent, may_send, release, cancel, verdict_error,  # recovery, the verdict
-    row_homes, count_sent, traffic,  # a row's home (balance); metrics
+    pad, default_store,  # the naive version (each cell padded to the longest); the default store
+    publish, read_ready, ready_entries, cells_of, new_token, holders, claim_blocks, take_plan,
+    request, parse_request, ack,  # the store logs' formats: ready log, claims, plans, pulls, acks
+    check_spec, check_store, rank_and_world, check_pg, put_cells, check_columns, check_get,
+    check_sent, check_header, refused, lacking, silent, peer_failed,  # checks; why a wait waits
+    row_homes, read_last, count_sent, traffic,  # a row's home, a cell's last reader; metrics
     queue_state, load_queue_state, unpack_cells)  # checkpoint state; the inverse of pack_cells
 
 DTYPES = {"int64": torch.int64, "int32": torch.int32, "float32": torch.float32,
@@ -84,17 +83,6 @@ DTYPES = {"int64": torch.int64, "int32": torch.int32, "float32": torch.float32,
 CLAIM_BLOCK = 1024  # row ids per claim log: a claim reads its logs whole, so they stay short
 
 # ------------------------------------------------------------------------------ packing primitives
-
-
-def pad(seqs, pad_value=0):
-    """Naive: pad every sample to the longest one. Returns padded (B, T) and lengths (B,)."""
-    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)  # (B,)
-    T = int(lengths.max()) if len(seqs) else 0
-    dtype = seqs[0].dtype if seqs else torch.int64
-    out = torch.full((len(seqs), T), pad_value, dtype=dtype)  # (B, T)
-    for i, s in enumerate(seqs):
-        out[i, : len(s)] = s
-    return out, lengths
 
 
 def pack(seqs):
@@ -180,10 +168,8 @@ class Rows:
 
 
 class DistQueue:
-    """One rank's handle on the queue. store: a TCPStore or HashStore every rank reaches (default:
-    default_store()); rank, world_size: this rank in the ranks that share the queue (default: the
-    default process group's); pg: a gloo process group over them for the data (default: the
-    default group, if gloo)."""
+    """One rank's handle on the queue. store: one every rank reaches; rank, world_size: this rank of
+    the ranks sharing it; pg: a gloo group over them for the data. Defaults: the default group's."""
 
     def __init__(self, spec: QueueSpec, store=None, rank=None, world_size=None, pg=None):
         store = default_store(spec.timeout_s) if store is None else store
@@ -247,20 +233,6 @@ class DistQueue:
                     self._delivered(k, stage)
             self.store.delete_key(self._k("ack", tag))
 
-    def _answer(self, request):
-        """One request "reader|tag|stage|longest cells|row:col,...": unless the reader cancelled,
-        write "sent" (or the missing cells) in state/<tag>, then send a header (K,), one payload."""
-        reader, tag, stage, tmax, keys = parse_request(request)
-        if not may_send(self, tag, keys):  # the first writer of state/<tag> wins
-            return
-        cells = [self.cells[k] for k in keys]
-        header, payload = pack_cells(cells)  # (K,), (bytes,)
-        works = [dist.isend(header, reader, group=self.pg, tag=2 * tag)]
-        if payload.numel():
-            works.append(dist.isend(payload, reader, group=self.pg, tag=2 * tag + 1))
-        self.inflight[tag] = (works, (header, payload), keys, stage)
-        count_sent(self, keys, cells, tmax, header, payload)  # metrics
-
     def _delivered(self, key, stage):
         stages = self.served.setdefault(key, set())
         stages.add(stage)
@@ -288,17 +260,14 @@ class DistQueue:
         return self._read(stage, n, dp_group, step, deadline)
 
     def _read(self, stage, n, dp_group, step, deadline):
-        """One read, in four steps, each with the store keys it uses:
-        1. claim (dp rank 0): the new ready/<i> keys show which rows are complete; it appends
-           "token:rows;" to claims/<stage>/<block>, reads that log back and keeps the rows that
-           its token holds; for a DP group it writes them in plan/<stage>/<step>/<root>;
+        """One read, in four steps, each a method below in this order (their keys and invariants:
+        the module docstring):
+        1. claim (dp rank 0): rows the ready log shows whole; for a DP group, written in its plan;
         2. share: each DP rank takes its part of the rows by tokens (balance_split);
-        3. fetch: per owner, a request in req/<owner>; the owner's answer in state/<tag>; then a
-           header (K,) and one payload, point to point;
-        4. agree (a DP group, _agree): every rank votes in done/... or outcome/..., so every rank
-           keeps what it fetched, or none does; ack/<tag> tells each owner "kept" or "dropped".
-        A read that fails drops its transfers, and dp rank 0 releases the claims (the recovery:
-        release and cancel, in the companion)."""
+        3. fetch: per owner, a request, answered with one packed transfer;
+        4. agree (a DP group): every rank keeps what it fetched, or none does.
+        A read that fails keeps nothing: its transfers are acknowledged "dropped", and dp rank 0,
+        whose claim holds the group's rows, gives them back (_release)."""
         cols = self.spec.stages[stage]
         dp_rank = dist.get_rank(dp_group) if dp_group else 0
         dp_size = dist.get_world_size(dp_group) if dp_group else 1
@@ -329,7 +298,7 @@ class DistQueue:
         ack(self, tags, keep=error is None)  # ack/<tag>: "kept" or "dropped"
         if error is not None:
             if dp_rank == 0:  # its claim holds the whole group's rows
-                release(self, stage, token, claimed)
+                self._release(stage, token, claimed)
             raise error
         for r in rows:
             for c in cols:
@@ -340,8 +309,7 @@ class DistQueue:
         ids = sorted(rows)
         return Rows(ids, {c: [got[(r, c)] for r in ids] for c in cols}, tmax)
 
-    # step 1, claim: rows that the ready log shows complete, won in the claim logs (their formats,
-    # the token that names a read's claims, and their release: in the companion)
+    # step 1, claim: rows that the ready log shows complete, won in the claim logs, or given back
     def _claim(self, stage, n, deadline, token):
         """Claim n complete rows as token -> {row: {col: (owner, len)}}. A claim that times out
         releases what it won, so its rows go to the next reader."""
@@ -359,7 +327,7 @@ class DistQueue:
         try:
             self._wait(poll, deadline, lambda: lacking(self, stage, n, least, len(mine)))
         except Exception:
-            release(self, stage, token, mine)
+            self._release(stage, token, mine)
             raise
         return mine
 
@@ -375,10 +343,13 @@ class DistQueue:
 
     def _claim_rows(self, stage, rows, token):
         """Claim rows as token; returns {row: cells} of those won. Per block of CLAIM_BLOCK ids, one
-        append to its claim log, then one read of it. The rows it shows held leave
-        self.unclaimed, so a poll scans only the rows this reader has not seen claimed."""
+        append to its claim log, then one read of it. Read in order, a claim takes each row that no
+        claim holds at that point, and keeps it, whatever comes after, until its release (holders).
+        Every reader reads the same append-only log up to some entry, so no two see themselves
+        hold a row. The rows it shows held leave self.unclaimed, so a poll scans only the rows
+        this reader has not seen claimed."""
         won = {}
-        for block, ids in self._blocks(rows):
+        for block, ids in claim_blocks(rows, CLAIM_BLOCK):  # (block, "3,7,12")
             key = self._k("claims", stage, block)
             self.store.append(key, f"{token}:{ids};")
             held = holders(self.store.get(key))  # row -> the token whose claim holds it
@@ -388,11 +359,15 @@ class DistQueue:
                     won[r] = cells
         return won
 
-    @staticmethod
-    def _blocks(rows):
-        """Rows by claim log: (block, "3,7,12") for each block of CLAIM_BLOCK ids holding some."""
-        for block in sorted({r // CLAIM_BLOCK for r in rows}):
-            yield block, ",".join(str(r) for r in sorted(rows) if r // CLAIM_BLOCK == block)
+    def _release(self, stage, token, rows):
+        """Give back rows claimed as token, to the next reader. First "-token:ids;" in the claim
+        logs, so that a claim appended after it wins (holders). Then ready-log entries for this
+        stage show the rows again to its readers, which dropped them on seeing them held. In the
+        other order, a reader could claim before the release, lose, and never see the rows again."""
+        for block, ids in claim_blocks(rows, CLAIM_BLOCK):
+            self.store.append(self._k("claims", stage, block), f"-{token}:{ids};")
+        if rows:
+            publish(self, ready_entries(self, cells_of(rows, self.spec.stages[stage]), stage))
 
     # step 2, share: each rank of a DP group takes its part of the rows in dp rank 0's plan
     def _share(self, rows, cols, dp_group):
@@ -406,7 +381,8 @@ class DistQueue:
         share = balance_split(tokens, len(dp_index), homes)[dist.get_rank(dp_group)]
         return {ids[j]: rows[ids[j]] for j in share}
 
-    # step 3, fetch: one request and one packed transfer per owner
+    # step 3, fetch: the reader's request, the owner's answer (inside its serve), one packed
+    # transfer; or, on a failure, the requests cancelled
     def _fetch(self, stage, rows, tmax, deadline):
         """The cells of rows and the tags of the transfers received, acknowledging nothing. On an
         error it cancels the requests not yet answered, drops what came, and raises."""
@@ -416,7 +392,7 @@ class DistQueue:
                 owners.setdefault(rows[r][c][0], []).append((r, c))
         # this rank's own cells: copies (the consumer may write into them), but the last stage
         # that reads a cell takes the queue's own tensor, freed from the queue as the read keeps it
-        got = {k: self.cells[k] if self._read_last(k) else self.cells[k].clone()
+        got = {k: self.cells[k] if read_last(self, k) else self.cells[k].clone()
                for k in owners.pop(self.rank, [])}
         tags, received = {}, []
         for o, keys in owners.items():
@@ -430,13 +406,29 @@ class DistQueue:
                 received.append(tag)  # acknowledged, kept or dropped, whatever _recv finds
                 got.update(self._recv(o, tag, owners[o], rows))
         except Exception:
-            cancel(self, tags, owners, rows, received)
+            self._cancel(tags, owners, rows, received)
             raise
         return got, received
 
-    def _read_last(self, key):
-        """Whether the stage reading this cell now is the last that needs it."""
-        return len(self.served.get(key, ())) + 1 >= self.needers[key[1]]
+    def _answer(self, request):
+        """The owner's side, in serve: one request "reader|tag|stage|longest cells|row:col,...".
+        Unless the reader cancelled first (the handshake: _cancel), write "sent" (or the missing
+        cells) in state/<tag>, then send a header (K,) and one payload."""
+        reader, tag, stage, tmax, keys = parse_request(request)
+        missing = [k for k in keys if k not in self.cells]
+        state = self._k("state", tag)
+        answer = self.store.compare_set(state, "", f"missing {missing[:8]}" if missing else "sent")
+        if answer == b"cancelled":  # the reader wrote first: it gave up, and never reads the key
+            self.store.delete_key(state)
+        if answer != b"sent":  # cancelled, or cells missing (the reader raises on reading it)
+            return
+        cells = [self.cells[k] for k in keys]
+        header, payload = pack_cells(cells)  # (K,), (bytes,)
+        works = [dist.isend(header, reader, group=self.pg, tag=2 * tag)]
+        if payload.numel():
+            works.append(dist.isend(payload, reader, group=self.pg, tag=2 * tag + 1))
+        self.inflight[tag] = (works, (header, payload), keys, stage)
+        count_sent(self, keys, cells, tmax, header, payload)  # metrics
 
     def _recv(self, o, tag, keys, rows):
         """One transfer from owner o: its answer in state/<tag>, a header (K,), one payload."""
@@ -452,11 +444,25 @@ class DistQueue:
         check_header(o, header, [rows[r][c][1] for r, c in keys])
         return dict(zip(keys, unpack_cells(header, payload, dtypes)))
 
+    def _cancel(self, tags, owners, rows, received):
+        """The reader's half (a fetch failed): "cancelled" in state/<tag> of each request not yet
+        answered. Both halves write it by compare_set from "": the first writer wins, the other
+        reads its word back, so a transfer is sent or cancelled, never both. Where "sent" won, the
+        transfer is received (the owner's sends complete) and acknowledged "dropped", as is each
+        one received before: the owner's serve then retires it and keeps its cells."""
+        for o, tag in tags.items():
+            if self.store.compare_set(self._k("state", tag), "", "cancelled") == b"sent":
+                self._recv(o, tag, owners[o], rows)
+                received.append(tag)
+        ack(self, received, keep=False)
+
     # step 4, agree: all or nothing in a DP group (the vote); then the transfers are kept or dropped
     def _agree(self, stage, step, root, dp_rank, dp_size, error, deadline):
-        """Each rank votes, ok (counted in done/...) or its error. The last ok vote, or the first
-        error, writes outcome/... (the first writer wins), and every rank waits for it. Returns
-        None, or the error this rank raises: the first failure's, on every rank."""
+        """Each rank votes, ok (counted in done/...) or its error. The last ok vote writes "ok" in
+        outcome/..., a failed rank its error, each by compare_set from "": the first writer wins,
+        and every rank acts on what it reads there, so all keep or none does. "ok" means that every
+        rank fetched its rows. A rank that times out after voting ok keeps too, if "ok" won. Returns
+        None, or the error to raise: its own if it failed first, else one naming the first rank."""
         outcome = self._k("outcome", stage, step, root)
         if error is None and int(self.store.add(self._k("done", stage, step, root), 1)) == dp_size:
             self.store.compare_set(outcome, "", "ok")
@@ -471,30 +477,24 @@ class DistQueue:
         except TimeoutError as e:
             error = e
             self.store.compare_set(outcome, "", f"{dp_rank}|TimeoutError|{e}")
-        return verdict_error(self.store.get(outcome).decode(), dp_rank, error)
+        verdict = self.store.get(outcome).decode()  # the same on every rank
+        if verdict == "ok":
+            return None
+        first, kind, why = verdict.split("|", 2)  # the first failure: its dp rank, kind, message
+        return error if int(first) == dp_rank else peer_failed(first, kind, why)
 
-    # --- observability (the counters: count_sent and traffic, in the companion)
+    # --- observability and checkpointing (the bodies, and their full docstrings: the companion)
     def metrics(self):
-        """The whole queue's traffic, counted in the store by the ranks that sent it: packed bytes
-        sent (headers included), what padding each field to the step's longest cell would have
-        sent, bytes broadcast inside model-parallel groups (an option's read), and stage reads."""
+        """The whole queue's traffic counters (the companion's traffic says which)."""
         return traffic(self)
 
     def reads(self, stage):
         return int(self.store.add(self._k("reads", stage), 0))
 
-    # --- checkpointing (the bodies: queue_state and load_queue_state, in the companion)
     def state_dict(self):
-        """This rank's part of the queue, saved by every rank where no get runs (a consistent cut,
-        such as the end of a training step): the cells it holds and the stages that read each, its
-        row and read counters; rank 0 adds the queue-wide counters. It first serves until every
-        transfer it sent is acknowledged. Nothing of the store is saved: load_state_dict publishes
-        the held cells again, so the file does not grow with the rows ever put."""
+        """This rank's part of the queue, saved where no get runs (the companion's queue_state)."""
         return queue_state(self)
 
     def load_state_dict(self, sd):
-        """Every rank loads its own dict into a queue whose store holds none of this queue's keys (a
-        new store, or a new spec.name). It publishes its cells in the ready log, and claims them for
-        the stages that read them already; rank 0 restores the counters. Collective over the
-        queue's ranks: it returns once every rank has published."""
-        load_queue_state(self, sd)
+        """Load what state_dict saved, into a queue on a fresh store (load_queue_state)."""
+        load_queue_state(self, sd, CLAIM_BLOCK)

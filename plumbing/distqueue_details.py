@@ -2,25 +2,26 @@
 """DistQueue's details: what a learner of distqueue.py can take on trust, as plain functions.
 
 distqueue.py teaches the queue: the packing, the claim protocol on the store, a read's four steps
-(claim, share, fetch, agree), put and serve. This file holds the rest, which that code calls:
+(claim, share, fetch, agree, each with its recovery), put and serve. This file holds the rest:
 - the store logs' formats: the ready log written and read (`publish`, `read_ready`,
-  `ready_entries`, `parse_entries`), claim tokens and logs (`new_token`, `holders`), a DP group's
-  plan (`take_plan`), pull requests (`request`, `parse_request`), acknowledgements (`ack`);
-  a row's cells and home (`cells_of`, `row_homes`);
+  `ready_entries`, `parse_entries`), claim tokens and logs (`new_token`, `holders`,
+  `claim_blocks`), a DP group's plan (`take_plan`), pull requests (`request`, `parse_request`),
+  acknowledgements (`ack`); a row's cells and home (`cells_of`, `row_homes`), a cell's last reader
+  (`read_last`);
 - the default store (`default_store`) and the checks of the caller's input, each with a long
   error that says what to do (`check_*`, `rank_and_world`, `from_python`, `put_cells`);
-- recovery from failures: why a wait still waits (`lacking`, `silent`, `refused`), the owner's
-  send-or-cancel handshake (`may_send`), claims given back (`release`), pulls cancelled
-  (`cancel`), a failed vote's error (`verdict_error`): the vote itself is DistQueue._agree;
+- the messages of a failure: why a wait still waits (`lacking`, `silent`, `refused`), a DP
+  peer's failure (`peer_failed`);
 - metrics: the bytes sent, and what padding would have sent (`count`, `count_sent`, `traffic`);
 - checkpoint state: the bodies of DistQueue.state_dict and load_state_dict (`queue_state`,
   `load_queue_state`);
-- unpack_cells, unpad and unpack: the inverses of distqueue's pack_cells, pad and pack.
+- pad, the naive version (distqueue.py imports it), and unpack_cells, unpad and unpack: the
+  inverses of distqueue's pack_cells, pad and pack.
 
 A function that needs the queue's store or state takes the queue itself, `q`, first (a DistQueue,
 used as its methods use self); the others take only the values they need. A name with a leading
 underscore is used only in this file. This file imports only torch and the standard library,
-never distqueue.py: what it needs of that file (its DTYPES) is passed in. It is
+never distqueue.py: what it needs of that file (its DTYPES, CLAIM_BLOCK) is passed in. It is
 copied together with distqueue.py, as plumbing/distqueue_details.py beside it (keep the folder,
 or change distqueue.py's one import line).
 """
@@ -92,6 +93,12 @@ def row_homes(rows, ids, dp_index):
     return homes
 
 
+def read_last(q, key):
+    """Whether the stage reading this cell now is the last that needs it (then it takes the
+    queue's own tensor, not a copy)."""
+    return len(q.served.get(key, ())) + 1 >= q.needers[key[1]]
+
+
 def new_token(q):
     """A name for one read's claims, unique among this queue's readers."""
     q.claims_made += 1
@@ -99,7 +106,10 @@ def new_token(q):
 
 
 def holders(log):
-    """A claim log, "token:ids;" claims and "-token:ids;" releases -> {row: its holder}."""
+    """A claim log, "token:ids;" claims and "-token:ids;" releases -> {row: its holder}. Read in
+    order, a claim takes the rows that no claim holds, and a release frees its own token's rows:
+    so a claim that took a row holds it, whatever is appended after, until its release (why no
+    two reads keep a row: DistQueue._claim_rows)."""
     held = {}
     for entry in log.decode().split(";")[:-1]:
         who, ids = entry.split(":")
@@ -109,6 +119,13 @@ def holders(log):
             elif held.get(r) == who[1:]:
                 del held[r]
     return held
+
+
+def claim_blocks(rows, size):
+    """Rows by claim log: (block, "3,7,12") for each block of `size` ids (distqueue.CLAIM_BLOCK)
+    holding some."""
+    for block in sorted({r // size for r in rows}):
+        yield block, ",".join(str(r) for r in sorted(rows) if r // size == block)
 
 
 def take_plan(q, stage, n, dp_rank, step, root, deadline):
@@ -320,7 +337,7 @@ def check_header(o, header, expect):
                            f"{expect}")
 
 
-# ------------------ recovery: why a wait still waits, claims given back, pulls cancelled, the vote
+# ------------------------------------------------- a failure's messages: why a wait still waits
 
 
 def refused(q):
@@ -360,45 +377,9 @@ def silent(q, stage, o, keys):
             f"the queue, or drain(), before blocking elsewhere")
 
 
-def may_send(q, tag, keys):
-    """DistQueue._answer's handshake: write "sent" in state/<tag> (or the missing cells) unless
-    the reader cancelled first; True if the transfer goes. A cancelled tag's key is deleted (the
-    reader never reads it)."""
-    missing = [k for k in keys if k not in q.cells]
-    state = q._k("state", tag)
-    answer = q.store.compare_set(state, "", f"missing {missing[:8]}" if missing else "sent")
-    if answer == b"cancelled":
-        q.store.delete_key(state)
-    return answer == b"sent"
-
-
-def release(q, stage, token, rows):
-    """Give back rows claimed as token: "-token:ids;" in the claim logs ends the claims, and
-    ready-log entries for this stage show the rows again to its readers."""
-    for block, ids in q._blocks(rows):
-        q.store.append(q._k("claims", stage, block), f"-{token}:{ids};")
-    if rows:
-        publish(q, ready_entries(q, cells_of(rows, q.spec.stages[stage]), stage))
-
-
-def cancel(q, tags, owners, rows, received):
-    """A fetch failed: cancel the requests not yet answered (an owner that answered first is
-    received, to drop it), and acknowledge every transfer received as dropped."""
-    for o, tag in tags.items():  # not answered: cancelled, unless the owner answers first
-        if q.store.compare_set(q._k("state", tag), "", "cancelled") == b"sent":
-            q._recv(o, tag, owners[o], rows)  # it sent just now: take it, to drop it
-            received.append(tag)
-    ack(q, received, keep=False)
-
-
-def verdict_error(verdict, dp_rank, error):
-    """DistQueue._agree's outcome/... read back: None if "ok", else the error this rank raises: its
-    own if it failed first, else one of the first failure's kind that names that rank and why."""
-    if verdict == "ok":
-        return None
-    first, kind, why = verdict.split("|", 2)
-    if int(first) == dp_rank:
-        return error
+def peer_failed(first, kind, why):
+    """The error of a DP rank whose group failed elsewhere (DistQueue._agree): one of the first
+    failure's kind, naming that rank (first) and why."""
     kinds = {"TimeoutError": TimeoutError, "ValueError": ValueError}
     return kinds.get(kind, RuntimeError)(f"dp rank {first} of this get's dp_group failed, so "
                                          f"this rank keeps no row: {why}")
@@ -424,7 +405,10 @@ def count_sent(q, keys, cells, tmax, header, payload):
 
 
 def traffic(q):
-    """DistQueue.metrics' body: the queue-wide counters, and the reads of every stage."""
+    """DistQueue.metrics' body: the whole queue's traffic, counted in the store by the ranks that
+    sent it: packed bytes sent (headers included), what padding each field to the step's longest
+    cell would have sent, bytes broadcast inside model-parallel groups (an option's read), and
+    stage reads."""
     out = {f"queue/{c}": int(q.store.add(q._k("count", c), 0)) for c in _COUNTERS}
     out["queue/reads"] = sum(q.reads(s) for s in q.spec.stages)
     return out
@@ -434,9 +418,12 @@ def traffic(q):
 
 
 def queue_state(q):
-    """DistQueue.state_dict's body: it first serves until every transfer this rank sent is
-    acknowledged; then the cells it holds (copies) and the stages that read each, its row and
-    read counters, and, on rank 0, the queue-wide counters of the store."""
+    """DistQueue.state_dict's body: this rank's part of the queue, saved by every rank where no get
+    runs (a consistent cut, such as the end of a training step). It first serves until every
+    transfer this rank sent is acknowledged; then the cells it holds (copies) and the stages that
+    read each, its row and read counters, and, on rank 0, the queue-wide counters of the store.
+    Nothing of the store is saved: load_state_dict publishes the held cells again, so the file
+    does not grow with the rows ever put."""
     q._wait(lambda: not q.inflight, time.monotonic() + q.spec.timeout_s,
             lambda: f"in state_dict: transfers {sorted(q.inflight)} not acknowledged")
     keys = [f"count/{c}" for c in _COUNTERS] + [f"reads/{s}" for s in q.spec.stages]
@@ -449,10 +436,12 @@ def queue_state(q):
             "next_local": q.next_local, "steps": dict(q.steps), "counters": counters}
 
 
-def load_queue_state(q, sd):
-    """DistQueue.load_state_dict's body: the rank's cells published in the ready log and claimed
-    for the stages that read them already, rank 0's counters restored, then a wait until every
-    rank of the queue has done so."""
+def load_queue_state(q, sd, block):
+    """DistQueue.load_state_dict's body. Every rank loads its own dict into a queue whose store
+    holds none of this queue's keys (a new store, or a new spec.name): its cells published in the
+    ready log and claimed for the stages that read them already (claim logs of `block` ids,
+    distqueue.CLAIM_BLOCK), rank 0's counters restored. Collective over the queue's ranks: it
+    returns once every rank has published."""
     q.cells = {k: t.clone() for k, t in sd["cells"].items()}  # this queue's own copies
     q.next_local = sd["next_local"]
     q.served = {k: set(v) for k, v in sd["served"].items()}
@@ -462,8 +451,8 @@ def load_queue_state(q, sd):
         publish(q, ready_entries(q, dict(sorted(q.cells.items()))))
     for s in q.spec.stages:  # read by s already: claimed in s's logs
         read = sorted({r for (r, _), stages in q.served.items() if s in stages})
-        for block, ids in q._blocks(read):
-            q.store.append(q._k("claims", s, block), f"restored:{ids};")
+        for b, ids in claim_blocks(read, block):
+            q.store.append(q._k("claims", s, b), f"restored:{ids};")
     for k, v in sd["counters"].items():
         q.store.set(q._k(*k.split("/")), str(v))
     done = q._k("restored")
@@ -474,8 +463,19 @@ def load_queue_state(q, sd):
                     f"({int(q.store.add(done, 0))} of {q.world} have)")
 
 
-# ------------- unpack_cells, unpad and unpack: the inverses of pack_cells, pad, pack (the last two
-# for a reader's check and the tests: the queue's own read unpacks with unpack_cells)
+# ------------- pad, the naive version, and the inverses of pad, pack, pack_cells: unpad and unpack
+# (for a reader's check and the tests), unpack_cells (the queue's own read)
+
+
+def pad(seqs, pad_value=0):
+    """Naive: pad every sample to the longest one. Returns padded (B, T) and lengths (B,)."""
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)  # (B,)
+    T = int(lengths.max()) if len(seqs) else 0
+    dtype = seqs[0].dtype if seqs else torch.int64
+    out = torch.full((len(seqs), T), pad_value, dtype=dtype)  # (B, T)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = s
+    return out, lengths
 
 
 def unpad(padded, lengths):
