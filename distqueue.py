@@ -3,15 +3,15 @@
 
 Rows (samples) by columns (fields) flow from rollout to training; a cell stays on the rank that
 wrote it until a stage reads it. Three ideas move it:
-- Zero-padding transfer (article figure 7): padding each field to the longest cell (`pad`, the
-  naive version) sends mostly zeros on long-tailed lengths. A reader pulls each owner's cells as a
-  header of lengths (K,) int64 and ONE uint8 payload (`pack_cells`); dtypes come from the spec.
+- Zero-padding transfer: padding each field to the longest cell (`pad`, the naive version) sends
+  mostly zeros on long-tailed lengths. A reader pulls each owner's cells as a header of lengths
+  (K,) int64 and ONE uint8 payload (`pack_cells`); dtypes come from the spec.
 - Balance: with `dp_group=`, n is the global batch, claimed by dp rank 0 and split by length (a
   row weighs its variable-length cells' elements; `balance_split`: max - min <= the longest row).
   A row stays with the rank that wrote it while that rank holds no more than a fair share, so
   colocated readers move few rows.
-- Hierarchical transfer (figure 6): one reader per model-parallel group, which broadcasts the batch
-  to the rest, is an option: get(group=) of SelectiveQueue (options/selective_queue.py).
+- Hierarchical transfer, an option: one reader per model-parallel group broadcasts the batch to
+  the rest (options/selective_queue.py).
 
 A read (DistQueue._read: claim, share, fetch, agree) follows a protocol on a torch.distributed
 Store, keys "<name>/...". Its invariants, each with its keys and the functions that keep it:
@@ -30,8 +30,7 @@ queue (serve()) before it blocks.
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
 1. Data lives in host memory and moves on a gloo group (`pg`); the source's queue is an RDMA store.
 2. No separate queue servers: an owner serves its own cells inside any queue call (`serve()`).
-3. The padded equivalent (metrics) pads each field to the longest cell of the step's global batch.
-4. Ids are deterministic (local_count * world + rank), so a resumed run sees the same rows in order.
+3. Ids are deterministic (local_count * world + rank), so a resumed run sees the same rows in order.
 This file: the default path. Its companion plumbing/distqueue_details.py: the store, log formats,
 checks and messages, metrics, checkpoints. The options' reads and puts: options/selective_queue.py.
 Run: python -m pytest tests/test_distqueue.py ; python bench/distqueue.py --lengths lognormal:5,1.2
@@ -70,7 +69,7 @@ import torch
 import torch.distributed as dist
 
 from plumbing.distqueue_details import (  # what a learner can take on trust, by role:
-    pad, default_store,  # the naive version (each cell padded to the longest); the default store
+    default_store,  # the rendezvous' store (a TCPStore client), or a HashStore in a world of one
     publish, read_ready, ready_entries, cells_of, new_token, holders, claim_blocks, take_plan,
     request, parse_request, ack,  # the store logs' formats: ready log, claims, plans, pulls, acks
     check_spec, check_store, rank_and_world, check_pg, put_cells, check_columns, check_get,
@@ -85,11 +84,15 @@ CLAIM_BLOCK = 1024  # row ids per claim log: a claim reads its logs whole, so th
 # ------------------------------------------------------------------------------ packing primitives
 
 
-def pack(seqs):
-    """Packed: concatenate along the sequence dim; no padding. Returns flat (N,), lengths (B,)."""
+def pad(seqs, pad_value=0):
+    """Naive: pad every sample to the longest one. Returns padded (B, T) and lengths (B,)."""
     lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)  # (B,)
-    flat = torch.cat([s.reshape(-1) for s in seqs]) if seqs else torch.empty(0)  # (N,)
-    return flat, lengths
+    T = int(lengths.max()) if len(seqs) else 0
+    dtype = seqs[0].dtype if seqs else torch.int64
+    out = torch.full((len(seqs), T), pad_value, dtype=dtype)  # (B, T)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = s
+    return out, lengths
 
 
 def pack_cells(cells):
@@ -159,9 +162,6 @@ class Rows:
 
     def stack(self, col):
         return torch.cat(self.cols[col])  # (B,) for a scalar field
-
-    def packed(self, col):
-        return pack(self.cols[col])  # flat (N,), lengths (B,)
 
 
 # ------------------------------------------------------------------------------ the queue

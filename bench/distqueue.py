@@ -29,6 +29,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import distqueue as dq  # noqa: E402
 from options.selective_queue import SelectiveQueue  # noqa: E402  (get(group=): the hierarchical read; drain())
+from plumbing.distqueue_details import pack  # noqa: E402
 
 COLS = {"response": "int64", "logp": "float32", "reward": "float32"}
 
@@ -88,7 +89,7 @@ def transfer_ms(rank, args, pair):
     rng = np.random.default_rng(3)
     seqs = [torch.from_numpy(rng.integers(0, 32000, n)) for n in sample_lengths(args.lengths, args.rows * 4, rng)]
     padded, plens = dq.pad(seqs)  # (B, T)
-    flat, lens = dq.pack(seqs)  # (N,)
+    flat, lens = pack(seqs)  # (N,)
     out = {}
     for name, tensors in (("padded_ms", [plens, padded]), ("packed_ms", [lens, flat])):
         best = math.inf

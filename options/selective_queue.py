@@ -10,9 +10,9 @@ The deployments whose stages run apart need more, and build this subclass of Dis
   cut named while the generators run ahead; the hybrid's reads; a pipeline's batch);
 - get(..., min_rows=m): at least m rows, up to n: what there is (0: a poll, which may find none;
   the hybrid's auxiliary stage). A DP group still shares all n rows;
-- get(..., group=mp_group): the hierarchical read (the source's figure 6): only the group's first
-  rank reads the queue, then it broadcasts the packed batch, or its failure, to the rest of its
-  model-parallel group (the pipeline's stages read once per pipeline);
+- get(..., group=mp_group): the hierarchical read: only the group's first rank reads the queue,
+  then it broadcasts the packed batch, or its failure, to the rest of its model-parallel group
+  (the pipeline's stages read once per pipeline);
 - put(columns, ids=): more columns of rows put before (the hybrid's auxiliary stage adds the
   reference's log-probs to the actor's rows);
 - drain(): a producer that is done serves until each cell it owns reached every stage reading it.

@@ -463,19 +463,16 @@ def load_queue_state(q, sd, block):
                     f"({int(q.store.add(done, 0))} of {q.world} have)")
 
 
-# ------------- pad, the naive version, and the inverses of pad, pack, pack_cells: unpad and unpack
-# (for a reader's check and the tests), unpack_cells (the queue's own read)
+# ------------- pack, one field packed; the inverses of pad, pack, pack_cells: unpad and unpack (for
+# a reader's check and the tests), unpack_cells (the queue's own read)
 
 
-def pad(seqs, pad_value=0):
-    """Naive: pad every sample to the longest one. Returns padded (B, T) and lengths (B,)."""
+def pack(seqs):
+    """Packed, one field: concatenate along the sequence dim, no padding. Returns flat (N,) and
+    lengths (B,). (The queue packs many fields at once: pack_cells.)"""
     lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)  # (B,)
-    T = int(lengths.max()) if len(seqs) else 0
-    dtype = seqs[0].dtype if seqs else torch.int64
-    out = torch.full((len(seqs), T), pad_value, dtype=dtype)  # (B, T)
-    for i, s in enumerate(seqs):
-        out[i, : len(s)] = s
-    return out, lengths
+    flat = torch.cat([s.reshape(-1) for s in seqs]) if seqs else torch.empty(0)  # (N,)
+    return flat, lengths
 
 
 def unpad(padded, lengths):

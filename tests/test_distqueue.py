@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import distqueue as dq
 from options.selective_queue import SelectiveQueue  # get(only=, min_rows=, group=), put(ids=), drain()
-from plumbing.distqueue_details import new_token, read_ready, unpack, unpack_cells, unpad
+from plumbing.distqueue_details import new_token, pack, read_ready, unpack, unpack_cells, unpad
 from tests.distributed import run_distributed
 
 COLS = {"prompt": "int64", "response": "int64", "logp": "float32", "reward": "float32"}
@@ -47,7 +47,7 @@ def test_pack_unpack_round_trip_matches_padded_reference(dtype):
     g = torch.Generator().manual_seed(0)
     lengths = [0, 1, 0, 5, 1] + torch.randint(0, 40, (20,), generator=g).tolist()
     seqs = [(torch.randn(n, generator=g) * 100).to(dtype) for n in lengths]
-    flat, lens = dq.pack(seqs)
+    flat, lens = pack(seqs)
     assert flat.numel() == sum(lengths) and lens.tolist() == lengths
     padded, plens = dq.pad(seqs)
     for a, b, c in zip(unpack(flat, lens), unpad(padded, plens), seqs):
