@@ -12,10 +12,10 @@ the groups whose last chance it is, and a group that would age past S is restart
 stale (the cut, in StaleSync). Admission caps how far ahead slots open. At S = 0 this is the
 synchronous path, bit for bit.
 
-This file is the default path, naive first: sync_rollout and the sampler's contract; StaleConfig
-and StaleSync, the scheduler (the round, admission, decoding, the cut); the replicas' cuts,
-AllReady (naive) and SharedCut. Its companion, plumbing/stalesync_details.py, holds the checks, the
-brakes, dynamic sampling, the Batch format and figures, and the checkpoint state. An option
+This file is the default path, naive first: sync_rollout and the sampler's contract; StaleConfig,
+StaleSync (the round, admission, decoding, the cut); the replicas' cuts, why their ranks agree,
+AllReady (naive) and SharedCut. Its companion, plumbing/stalesync_details.py, holds the checks,
+the brakes, dynamic sampling, the Batch format and figures, the checkpoint state. An option
 subclasses StaleSync at a named seam (options/lockstep.py, routing_replay.py, streaming.py).
 
 Shapes: B samples in a batch, G group size, R rows in flight, n_i tokens of sample i,
@@ -67,8 +67,8 @@ import torch.distributed as dist
 from plumbing.stalesync_details import (
     accounting_of, as_batch, as_prompt, as_seed, batch_metrics, check_budget, check_not_stuck,
     check_progress, check_replicas_not_stuck, check_rollout, check_take, check_update,
-    filter_groups, load_scheduler_state, post_or_wait, sampler_cache, scheduler_state,
-    settle_config, start_scheduler_at, unpack_sampled)
+    filter_groups, load_scheduler_state, sampler_cache, scheduler_state, settle_config,
+    start_scheduler_at, unpack_sampled)
 
 
 # ---------------------------------------------------------------------------------- the naive round
@@ -361,12 +361,34 @@ class StaleSync:
 
 
 # ----------------------------------------------------------------------------------------- the cuts
+# Why every rank of a distributed cut cuts at the same loop turn. Each turn, every rank that trains
+# together makes one collective through post_or_wait (AllReady: an all-reduce of a flag; SharedCut:
+# an all-gather of offer()'s counts), and:
+#   1. collectives pair in order, so at turn n every rank that waits reads the parts that every
+#      rank posted at its turn n, and computes yes or no from those alone: they all agree;
+#   2. a rank waits unless its own part says no (AllReady: its flag is 0, so the MIN is 0;
+#      SharedCut: its first needed groups are not complete, and a cut needs every replica's). It
+#      posts and decodes on, and it is right: the ranks that wait read its part, and answer no.
+# So a turn's answer is yes only if every rank waited and read yes: then every rank cuts (and
+# SharedCut's all-gather of the spare slots pairs too). Otherwise every rank goes on to turn n + 1.
+def post_or_wait(cut, collective, tensors, wait):
+    """One collective of a cut, collective(async_op=...): posted (its tensors kept in cut.posted
+    until done), or, if wait, posted and waited for, with this rank's earlier posts (paired by now,
+    so that an error surfaces). The wait goes through cut.wait (a subclass may work meanwhile)."""
+    if not wait:
+        cut.posted.append((collective(async_op=True), tensors))
+        return
+    with (cut.spans("idle") if cut.spans else nullcontext()):
+        cut.wait(collective(async_op=True))
+        for work, _ in cut.posted:
+            work.wait()
+    cut.posted.clear()
+
+
 class AllReady:
-    """Colocated, the naive cut: each rank gives its own groups_per_step once every rank that
-    trains together is ready, an all-reduce MIN of a flag per loop turn. A rank not ready posts
-    its flag and decodes on. A ready one waits for the answer (post_or_wait, in the companion),
-    and decodes its tail while the answer is no. One replica's bad luck (a chain of dropped
-    groups) is then the whole step's time: SharedCut fixes that."""
+    """Colocated, the naive cut: each rank gives its own groups_per_step once every rank that trains
+    together is ready, an all-reduce MIN of a flag per loop turn. One replica's bad luck (a chain of
+    dropped groups) is then the whole step's time: SharedCut fixes that."""
 
     def __init__(self, group=None, device="cpu", spans=None):  # spans: times the waits
         self.group, self.device, self.spans = group, device, spans
@@ -397,10 +419,10 @@ class SharedCut:
     So a replica held back (its groups dropped again and again) no longer holds the step: its
     peers' complete groups of later slots take its place. A replica's share varies, the batch
     does not. Every slot is still trained once, within S. At S = 0 each replica gives
-    groups_per_step, as under AllReady.
-    Per loop turn, one all-gather of offer()'s counts (why every rank then decides alike:
-    post_or_wait, in the companion); at the cut, one of the spare slots. Traced, three rounds:
-    docs/walkthrough.md ("The shared cut, traced"). replica, leader: a replica of several ranks."""
+    groups_per_step, as under AllReady. Its collectives, and why every rank decides alike: above
+    post_or_wait. Traced, three rounds: docs/walkthrough.md ("The shared cut, traced").
+    replica, leader: each rank of a replica of several ranks (inference TP) posts, so that the
+    collectives pair. Only the leader's part counts: the others hold the same pool."""
 
     FACTS = ("leader", "replica", "due", "done", "complete", "work", "gps")  # posted per turn
 

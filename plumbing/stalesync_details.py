@@ -12,8 +12,8 @@ This file holds what its code calls by name and a learner need not read:
     group whose rewards are all equal, and its slot reopens (StaleSync.admit refills it first);
   - Batch, one step's samples as the trainer gets them, its packing (as_batch), its stale/* figures
     (batch_metrics) and the samples' accounting;
-  - a cached sampler's reset() and state (sampler_cache), the cuts' posted collectives
-    (post_or_wait), and notes on a separated caller and SharedCut's replica and leader;
+  - a cached sampler's reset() and state (sampler_cache), and notes on a separated caller and
+    SharedCut's replica and leader (why the cuts' ranks agree is in stalesync.py, by post_or_wait);
   - the checkpoint state behind StaleSync.state_dict, load_state_dict and start_at.
 
 It imports torch and the standard library only, never stalesync.py. Copy the two together, this
@@ -22,7 +22,6 @@ A name with a leading underscore is used only in this file. FilterLimitError is 
 catches it (plumbing/runlog.py's hint names the flags).
 """
 import numbers
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -282,7 +281,7 @@ def accounting_of(sched):
     return out
 
 
-# ------------------------------------------------------------------- the sampler's cache, the cuts
+# ------------------------------------------------------------------------------ the sampler's cache
 def sampler_cache(step_fn):
     """A cached sampler's reset() and the state that StaleSync.state_dict saves: step_fn's own, or
     its owner's for a bound method (None where it has none). reset() drops its KV cache, at a
@@ -294,24 +293,6 @@ def sampler_cache(step_fn):
     return getattr(owner, "reset", None), owner if plain else None
 
 
-def post_or_wait(cut, collective, tensors, wait):
-    """One collective of a cut (AllReady, SharedCut), collective(async_op=...). A rank that knows
-    the answer already (no) posts its part and decodes on. One that waits (spanned "idle", through
-    cut.wait: a caller's subclass may work meanwhile) also waits for its posts, paired by now
-    (collectives pair in order), so that an error surfaces.
-    Why every rank decides alike: the n-th collectives of the ranks pair, so every rank that waits
-    reads the same counts and computes the same answer. A rank that only posted knows its own
-    needed groups are not complete, so that answer is no: every rank cuts at the same turn."""
-    if not wait:
-        cut.posted.append((collective(async_op=True), tensors))
-        return
-    with (cut.spans("idle") if cut.spans else nullcontext()):
-        cut.wait(collective(async_op=True))
-        for work, _ in cut.posted:
-            work.wait()
-    cut.posted.clear()
-
-
 # Notes on the options, which stalesync.py points to ("see the companion").
 #
 # A separated caller drives the scheduler on its generator itself: admit(), decode(), and take()
@@ -319,7 +300,8 @@ def post_or_wait(cut, collective, tensors, wait):
 #
 # SharedCut's replica and leader: a replica of several ranks (inference TP) is named by `replica`
 # on each of them, and one of them, the `leader`, speaks for it: the others hold the same pool.
-# Every rank posts its part of both all-gathers (collectives pair); only the leaders' parts count.
+# Why every one of them posts, and only the leader's part counts: SharedCut's docstring, and the
+# argument above post_or_wait (stalesync.py).
 
 
 # -------------------------------------------------------------------------- the checkpoint state
