@@ -9,14 +9,14 @@ to training at once. The tail still in flight continues next round under the new
 partial rollout: one response, tokens of several policy versions). No trained sample started more
 than S versions (the staleness bound) before the version it is trained at: each batch takes first
 the groups whose last chance it is, and a group that would age past S is restarted, never trained
-stale (the cut, in StaleSync). Admission caps how far ahead slots open. At S = 0 this is the
-synchronous path, bit for bit.
+stale (the cut). Admission caps how far ahead slots open. At S = 0 this is the synchronous path,
+bit for bit. These invariants, and the functions that keep each: the table before StaleSync.
 
 This file is the default path, naive first: sync_rollout and the sampler's contract; StaleConfig,
-StaleSync (the round, admission, decoding, the cut); the replicas' cuts, why their ranks agree,
-AllReady (naive) and SharedCut. Its companion, plumbing/stalesync_details.py, holds the checks,
-the brakes, dynamic sampling, the Batch format and figures, the checkpoint state. An option
-subclasses StaleSync at a named seam (options/lockstep.py, routing_replay.py, streaming.py).
+the invariants, StaleSync (the round, admission, decoding, the cut); the replicas' cuts, why their
+ranks agree, AllReady (naive) and SharedCut. Its companion, plumbing/stalesync_details.py, holds
+the checks, the brakes, dynamic sampling, the Batch format and figures, the checkpoint state. An
+option subclasses StaleSync at a named seam (options/lockstep.py, routing_replay.py, streaming.py).
 
 Shapes: B samples in a batch, G group size, R rows in flight, n_i tokens of sample i,
 S staleness bound, v policy version (batches trained), k batch index (trained at v = k).
@@ -114,6 +114,15 @@ def _complete(g):
     return all(s["done"] for s in g["samples"])
 
 
+# The invariants (S the staleness bound, batch k trained at version k), and what keeps each:
+#   staleness   trained groups started at versions >= k - S      decode, _due, ready, take
+#   admission   slots_opened <= capacity() at every version      admit
+#   one a slot  each slot ends with exactly one trained group    admit, _keep_completed, take
+#   accounted   each sample is trained, regenerated, filtered    _new_samples, _keep_completed,
+#               or in flight (fate, pool): exactly one of them   take (accounting() lists them)
+#   S = 0       the synchronous path, bit for bit                decode (max_steps None), _due
+#   one turn    every rank cuts batch k at the same loop turn    post_or_wait, AllReady, SharedCut
+# Why staleness and one turn hold: the cut of batch k (below), and the argument above post_or_wait.
 class StaleSync:
     """The scheduler. Its unit is a group, G samples of one prompt, which fills a slot.
 
