@@ -9,14 +9,14 @@ to training at once. The tail still in flight continues next round under the new
 partial rollout: one response, tokens of several policy versions). No trained sample started more
 than S versions (the staleness bound) before the version it is trained at: each batch takes first
 the groups whose last chance it is, and a group that would age past S is restarted, never trained
-stale (the cut, in StaleSync). Admission caps how far ahead slots open. At S = 0 this is the
-synchronous path, bit for bit.
+stale (the cut). Admission caps how far ahead slots open. At S = 0 this is the synchronous path,
+bit for bit. These invariants, and the functions that keep each: the table before StaleSync.
 
-This file is the default path, naive first: sync_rollout and the sampler's contract; StaleConfig
-and StaleSync, the scheduler (the round, admission, decoding, the cut); the replicas' cuts,
-AllReady (naive) and SharedCut. Its companion, plumbing/stalesync_details.py, holds the checks, the
-brakes, dynamic sampling, a batch's figures and the checkpoint state. An option subclasses
-StaleSync at a named seam (options/lockstep.py, routing_replay.py, streaming.py).
+This file is the default path, naive first: sync_rollout and the sampler's contract; StaleConfig,
+the invariants, StaleSync (the round, admission, decoding, the cut); the replicas' cuts, why their
+ranks agree, AllReady (naive) and SharedCut. Its companion, plumbing/stalesync_details.py, holds
+the checks, the brakes, dynamic sampling, the Batch format and figures, the checkpoint state. An
+option subclasses StaleSync at a named seam (options/lockstep.py, routing_replay.py, streaming.py).
 
 Shapes: B samples in a batch, G group size, R rows in flight, n_i tokens of sample i,
 S staleness bound, v policy version (batches trained), k batch index (trained at v = k).
@@ -59,16 +59,16 @@ line). Example (the test tests/test_copy_alone.py runs it in a folder that holds
 import functools
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from plumbing.stalesync_details import (
-    accounting_of, as_batch, as_prompt, as_seed, batch_metrics, check_budget, check_config,
-    check_not_stuck, check_progress, check_replicas_not_stuck, check_rollout, check_take,
-    check_update, filter_groups, load_scheduler_state, post_or_wait, sampler_cache,
-    scheduler_state, start_scheduler_at, unpack_sampled)
+    accounting_of, as_batch, as_prompt, as_seed, batch_metrics, check_budget, check_not_stuck,
+    check_progress, check_replicas_not_stuck, check_rollout, check_take, check_update,
+    filter_groups, load_scheduler_state, sampler_cache, scheduler_state, settle_config,
+    start_scheduler_at, unpack_sampled)
 
 
 # ---------------------------------------------------------------------------------- the naive round
@@ -81,19 +81,12 @@ def sync_rollout(step_fn, prompts, group_size, seeds):
 
 
 # -------------------------------------------------------------------------------------- the sampler
-# The sampler's contract: step_fn(contexts, seeds, n_done, max_steps) -> (tokens, logprobs, done),
-# or an object with those attributes, called once per decode chunk on every row in flight.
-#   contexts   R int64 tensors, a prompt and its response so far
-#   seeds      (R,) int64, one per sample, the same at every call on it
-#   n_done     (R,) int64, the response tokens each row already has
-#   max_steps  at most this many new tokens per row (None: to the end)
-#   tokens     R sequences (tensors or lists, possibly empty) of new token ids; not a padded
-#              (R, T) tensor, whose pads would become response tokens
-#   logprobs   R sequences, the log-prob of each new token
-#   done       R bools, True once a row has ended
-# Every call makes a token or ends each row, and every row ends by StaleConfig.max_len tokens.
-# A cached sampler keeps its KV cache between chunks: StaleSync calls its reset() when it is stale,
-# and saves its state_dict() with its own. unpack_sampled (in the companion) checks each call.
+# The sampler, step_fn(contexts, seeds, n_done, max_steps) -> (tokens, logprobs, done), is called
+# once per decode chunk on the rows in flight: each row's prompt and response so far, its seed (the
+# same at every call on it), how many response tokens it has, and at most max_steps new tokens a
+# row (None: to the end). It returns each row's new tokens, their log-probs, and whether it ended.
+# A cached sampler keeps its KV cache between chunks: StaleSync calls its reset() when it is stale.
+# The contract in full (types, shapes, a cache's state): the companion, above unpack_sampled.
 
 
 # ------------------------------------------------------------------------------------ the scheduler
@@ -105,42 +98,31 @@ class StaleConfig:
     threshold: float = 1.0      # in (0, 1]: a batch is this share of the pool, which decodes
                                 #   groups_per_step / threshold groups at once (the cut: below)
     chunk_steps: int = 8        # decode steps per sampler call (at S > 0)
-    max_len: int = 1 << 17      # brake: a row not done at this many tokens raises (raise it for
-                                #   longer outputs; the default is past today's response budgets)
+    max_len: int = 1 << 17      # brake: a row not done at this many tokens raises (check_budget)
     max_filtered: int = None    # brake: keep_group drops at most this many groups while one batch
                                 #   is made (None: 128 x groups_per_step)
 
     def __post_init__(self):
-        check_config(self)  # in the companion
-        if self.max_filtered is None:
-            self.max_filtered = 128 * self.groups_per_step
+        settle_config(self)  # in the companion: each field's range, max_filtered's default
 
     @property
     def pool_groups(self):  # the 1e-9: 21 / 0.7 is 30.000000000000004 in floats
         return math.ceil(self.groups_per_step / self.threshold - 1e-9)
 
 
-@dataclass
-class Batch:
-    """One optimizer step's samples, groups contiguous, in slot order (group_advantages-ready)."""
-    version: int          # k: the policy version this batch must be trained at
-    ids: list             # (B,) sample ids
-    slots: list           # (B,) the slot of each sample's group
-    seeds: list           # (B,) each sample's sampling seed
-    prompts: list         # (B,) of (P_i,) int64
-    responses: list       # (B,) of (n_i,) int64
-    logprobs: list        # (B,) of (n_i,) float32 behaviour log-probs
-    token_versions: list  # (B,) of (n_i,) int64: the policy version that produced each token
-    start_versions: list  # (B,) version of each sample's first token
-    done: list            # (B,) always True
-    metrics: dict         # stale/* counters of this batch
-    per_token: dict = field(default_factory=dict)  # name -> (B,) of (n_i, ...): see _per_token
-
-
 def _complete(g):
     return all(s["done"] for s in g["samples"])
 
 
+# The invariants (S the staleness bound, batch k trained at version k), and what keeps each:
+#   staleness   trained groups started at versions >= k - S      decode, _due, ready, take
+#   admission   slots_opened <= capacity() at every version      admit
+#   one a slot  each slot ends with exactly one trained group    admit, _keep_completed, take
+#   accounted   each sample is trained, regenerated, filtered    _new_samples, _keep_completed,
+#               or in flight (fate, pool): exactly one of them   take (accounting() lists them)
+#   S = 0       the synchronous path, bit for bit                decode (max_steps None), _due
+#   one turn    every rank cuts batch k at the same loop turn    post_or_wait, AllReady, SharedCut
+# Why staleness and one turn hold: the cut of batch k (below), and the argument above post_or_wait.
 class StaleSync:
     """The scheduler. Its unit is a group, G samples of one prompt, which fills a slot.
 
@@ -153,8 +135,7 @@ class StaleSync:
 
     prompt_fn(slot, attempt) -> a group's prompt, (P,) int64 or a list of ints. The optional ones:
     seed_fn(slot, attempt, member) -> int (default: the sample's id, 0, 1, 2, ... as made);
-    keep_group(prompt, responses) -> bool, dynamic sampling (filter_groups, in the companion). A
-    cached sampler's reset() and state_dict() are step_fn's own (a bound method: its object's).
+    keep_group(prompt, responses) -> bool, dynamic sampling (filter_groups, in the companion).
     An option subclasses it, overriding a method that does the default thing here: decode
     (options/lockstep.py), _keep_completed (options/streaming.py, which sets max_steps too),
     _keep_per_token and _per_token (options/routing_replay.py)."""
@@ -353,7 +334,7 @@ class StaleSync:
         for _, s in samples:
             self.fate[s["id"]] = "trained"
         metrics = batch_metrics(self, k, samples, len(too_old))  # in the companion
-        return as_batch(Batch, chosen, k, metrics, per_token)
+        return as_batch(chosen, k, metrics, per_token)
 
     def _per_token(self, groups):
         """Batch.per_token of these groups: none here."""
@@ -373,31 +354,50 @@ class StaleSync:
         """The slots of the complete groups beyond the first n_needed due ones, lowest first."""
         return [g["slot"] for g in self._spare(self._needed(n_needed))]
 
-    # --- off the default path: the accounting, checkpoint and resume (bodies in the companion)
+    # --- off the default path: the accounting, checkpoint and resume (documented in the companion)
     def accounting(self):
         """Sample ids by fate: trained, regenerated, filtered, in flight."""
         return accounting_of(self)
 
-    def state_dict(self):
-        """The groups in flight, the slots to reopen, the counters, the fates, the sampler's
-        state (the companion says what is saved, and what is not)."""
+    def state_dict(self):  # what is saved, and what is not: scheduler_state
         return scheduler_state(self)
 
     def load_state_dict(self, sd):
         load_scheduler_state(self, sd)
 
-    def start_at(self, version):
-        """Empty, at `version` with as many batches out (a resume at another world size)."""
+    def start_at(self, version):  # empty, at `version`: a resume at another world size
         start_scheduler_at(self, version)
 
 
 # ----------------------------------------------------------------------------------------- the cuts
+# Why every rank of a distributed cut cuts at the same loop turn. Each turn, every rank that trains
+# together makes one collective through post_or_wait (AllReady: an all-reduce of a flag; SharedCut:
+# an all-gather of offer()'s counts), and:
+#   1. collectives pair in order, so at turn n every rank that waits reads the parts that every
+#      rank posted at its turn n, and computes yes or no from those alone: they all agree;
+#   2. a rank waits unless its own part says no (AllReady: its flag is 0, so the MIN is 0;
+#      SharedCut: its first needed groups are not complete, and a cut needs every replica's). It
+#      posts and decodes on, and it is right: the ranks that wait read its part, and answer no.
+# So a turn's answer is yes only if every rank waited and read yes: then every rank cuts (and
+# SharedCut's all-gather of the spare slots pairs too). Otherwise every rank goes on to turn n + 1.
+def post_or_wait(cut, collective, tensors, wait):
+    """One collective of a cut, collective(async_op=...): posted (its tensors kept in cut.posted
+    until done), or, if wait, posted and waited for, with this rank's earlier posts (paired by now,
+    so that an error surfaces). The wait goes through cut.wait (a subclass may work meanwhile)."""
+    if not wait:
+        cut.posted.append((collective(async_op=True), tensors))
+        return
+    with (cut.spans("idle") if cut.spans else nullcontext()):
+        cut.wait(collective(async_op=True))
+        for work, _ in cut.posted:
+            work.wait()
+    cut.posted.clear()
+
+
 class AllReady:
-    """Colocated, the naive cut: each rank gives its own groups_per_step once every rank that
-    trains together is ready, an all-reduce MIN of a flag per loop turn. A rank not ready posts
-    its flag and decodes on. A ready one waits for the answer (post_or_wait, in the companion),
-    and decodes its tail while the answer is no. One replica's bad luck (a chain of dropped
-    groups) is then the whole step's time: SharedCut fixes that."""
+    """Colocated, the naive cut: each rank gives its own groups_per_step once every rank that trains
+    together is ready, an all-reduce MIN of a flag per loop turn. One replica's bad luck (a chain of
+    dropped groups) is then the whole step's time: SharedCut fixes that."""
 
     def __init__(self, group=None, device="cpu", spans=None):  # spans: times the waits
         self.group, self.device, self.spans = group, device, spans
@@ -428,10 +428,10 @@ class SharedCut:
     So a replica held back (its groups dropped again and again) no longer holds the step: its
     peers' complete groups of later slots take its place. A replica's share varies, the batch
     does not. Every slot is still trained once, within S. At S = 0 each replica gives
-    groups_per_step, as under AllReady.
-    Per loop turn, one all-gather of offer()'s counts (why every rank then decides alike:
-    post_or_wait, in the companion); at the cut, one of the spare slots. Traced, three rounds:
-    docs/walkthrough.md ("The shared cut, traced"). replica, leader: a replica of several ranks."""
+    groups_per_step, as under AllReady. Its collectives, and why every rank decides alike: above
+    post_or_wait. Traced, three rounds: docs/walkthrough.md ("The shared cut, traced").
+    replica, leader: each rank of a replica of several ranks (inference TP) posts, so that the
+    collectives pair. Only the leader's part counts: the others hold the same pool."""
 
     FACTS = ("leader", "replica", "due", "done", "complete", "work", "gps")  # posted per turn
 

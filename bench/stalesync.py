@@ -105,7 +105,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 from grpo import grpo_loss, pad_responses, token_logprobs  # noqa: E402
 from model import KVCache, ModelConfig, Policy, Sampler  # noqa: E402
-from stalesync import AllReady, Batch, StaleConfig, StaleSync  # noqa: E402
+from stalesync import AllReady, StaleConfig, StaleSync  # noqa: E402
+from plumbing.stalesync_details import Batch  # noqa: E402
 from plumbing.timeline import Spans  # noqa: E402
 
 

@@ -8,7 +8,6 @@ tokens, its log-probs equal up to float rounding.
 
     python -m pytest tests/test_stalesync.py -k on_group
 """
-import stalesync
 from plumbing.stalesync_details import as_batch
 
 
@@ -26,7 +25,7 @@ def scheduler_class(base, on_group, chunk_s0=True):
         def _keep_completed(self, groups):
             kept = super()._keep_completed(groups)
             for g in kept:
-                on_group(as_batch(stalesync.Batch, [g], None, {}, self._per_token([g])))
+                on_group(as_batch([g], None, {}, self._per_token([g])))
             return kept
 
     return StreamingSync

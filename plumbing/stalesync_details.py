@@ -6,29 +6,31 @@ This file holds what its code calls by name and a learner need not read:
   - the checks of the config and of the calls (rollout, update, take), with their long messages;
   - the brakes that stop a run going nowhere (FilterLimitError: a filter that drops nearly every
     group; a sampler that makes nothing or never ends a row; a cut that nothing can make ready);
-  - the checks of what the callables return: the sampler's (unpack_sampled), prompt_fn's, seed_fn's;
+  - the sampler's contract in full, and the checks of what the callables return: the sampler's
+    (unpack_sampled), prompt_fn's, seed_fn's;
   - dynamic sampling (filter_groups), which the default run uses in every round: keep_group drops a
     group whose rewards are all equal, and its slot reopens (StaleSync.admit refills it first);
-  - a batch's packing (as_batch), its stale/* figures (batch_metrics) and the samples' accounting;
-  - a cached sampler's reset() and state (sampler_cache), the cuts' posted collectives
-    (post_or_wait), and notes on a separated caller and SharedCut's replica and leader;
+  - Batch, one step's samples as the trainer gets them, its packing (as_batch), its stale/* figures
+    (batch_metrics) and the samples' accounting;
+  - a cached sampler's reset() and state (sampler_cache), and notes on a separated caller and
+    SharedCut's replica and leader (why the cuts' ranks agree is in stalesync.py, by post_or_wait);
   - the checkpoint state behind StaleSync.state_dict, load_state_dict and start_at.
 
-It imports torch and the standard library only, never stalesync.py (what it needs of it, the Batch
-class, is passed in). Copy the two together, this one at plumbing/stalesync_details.py beside
-stalesync.py (or change stalesync.py's one import line). A name with a leading underscore is used
-only in this file. FilterLimitError is public: a caller catches it (plumbing/runlog.py's hint names
-the flags).
+It imports torch and the standard library only, never stalesync.py. Copy the two together, this
+one at plumbing/stalesync_details.py beside stalesync.py (or change stalesync.py's one import line).
+A name with a leading underscore is used only in this file. FilterLimitError is public: a caller
+catches it (plumbing/runlog.py's hint names the flags).
 """
 import numbers
-from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
 
 
 # --------------------------------------------------------------- checks of the config and the calls
-def check_config(cfg):
-    """StaleConfig's fields, each in its range."""
+def settle_config(cfg):
+    """StaleConfig's fields, each in its range, and max_filtered's default (None: 128 x
+    groups_per_step)."""
     if not _is_int(cfg.staleness) or cfg.staleness < 0:
         raise ValueError(f"staleness={cfg.staleness!r} is invalid: it must be an integer >= 0 "
                          "(0 is the synchronous algorithm)")
@@ -38,6 +40,8 @@ def check_config(cfg):
         x = getattr(cfg, name)
         if not (x is None and name == "max_filtered") and (not _is_int(x) or x < 1):
             raise ValueError(f"{name}={x!r} must be an integer >= 1")
+    if cfg.max_filtered is None:
+        cfg.max_filtered = 128 * cfg.groups_per_step
 
 
 def check_rollout(sched):
@@ -87,7 +91,8 @@ def check_progress(tokens, done, rows, max_steps):
 
 
 def check_budget(sched, rows):
-    """Brake: a row still not done at max_len tokens is the sampler's fault."""
+    """Brake: a row still not done at max_len tokens is the sampler's fault. Raise max_len for
+    longer outputs: the default is past today's response budgets."""
     max_len = sched.cfg.max_len
     if not max_len:
         return
@@ -127,6 +132,19 @@ def check_replicas_not_stuck(sched, replicas, complete, batch):
 
 
 # --------------------------------------------------------------------------- checking the callables
+# The sampler's contract: step_fn(contexts, seeds, n_done, max_steps) -> (tokens, logprobs, done),
+# or an object with those attributes, called once per decode chunk on every row in flight.
+#   contexts   R int64 tensors, a prompt and its response so far
+#   seeds      (R,) int64, one per sample, the same at every call on it
+#   n_done     (R,) int64, the response tokens each row already has
+#   max_steps  at most this many new tokens per row (None: to the end)
+#   tokens     R sequences (tensors or lists, possibly empty) of new token ids; not a padded
+#              (R, T) tensor, whose pads would become response tokens
+#   logprobs   R sequences, the log-prob of each new token
+#   done       R bools, True once a row has ended
+# Every call makes a token or ends each row, and every row ends by StaleConfig.max_len tokens.
+# A cached sampler keeps its KV cache between chunks: StaleSync calls its reset() when it is stale,
+# and saves its state_dict() with its own (sampler_cache, below). unpack_sampled checks each call.
 def unpack_sampled(out, rows):
     """A sampler's output for `rows` rows: R of (n,) int64 tokens, R of (n,) float32, R bools."""
     if hasattr(out, "tokens"):
@@ -201,8 +219,26 @@ def filter_groups(sched, completed):
     return kept
 
 
-def as_batch(Batch, groups, version, metrics, per_token):
-    """The groups' samples as a Batch (stalesync.py's class, passed in), each group's contiguous."""
+@dataclass
+class Batch:
+    """One optimizer step's samples, groups contiguous, in slot order (group_advantages-ready)."""
+    version: int          # k: the policy version this batch must be trained at
+    ids: list             # (B,) sample ids
+    slots: list           # (B,) the slot of each sample's group
+    seeds: list           # (B,) each sample's sampling seed
+    prompts: list         # (B,) of (P_i,) int64
+    responses: list       # (B,) of (n_i,) int64
+    logprobs: list        # (B,) of (n_i,) float32 behaviour log-probs
+    token_versions: list  # (B,) of (n_i,) int64: the policy version that produced each token
+    start_versions: list  # (B,) version of each sample's first token
+    done: list            # (B,) always True
+    metrics: dict         # stale/* counters of this batch
+    # name -> (B,) of (n_i, ...): an option's per-token outputs (StaleSync._per_token)
+    per_token: dict = field(default_factory=dict)
+
+
+def as_batch(groups, version, metrics, per_token):
+    """The groups' samples as a Batch, each group's contiguous."""
     pairs = [(g, s) for g in groups for s in g["samples"]]
     samples = [s for _, s in pairs]
 
@@ -245,7 +281,7 @@ def accounting_of(sched):
     return out
 
 
-# ------------------------------------------------------------------- the sampler's cache, the cuts
+# ------------------------------------------------------------------------------ the sampler's cache
 def sampler_cache(step_fn):
     """A cached sampler's reset() and the state that StaleSync.state_dict saves: step_fn's own, or
     its owner's for a bound method (None where it has none). reset() drops its KV cache, at a
@@ -257,24 +293,6 @@ def sampler_cache(step_fn):
     return getattr(owner, "reset", None), owner if plain else None
 
 
-def post_or_wait(cut, collective, tensors, wait):
-    """One collective of a cut (AllReady, SharedCut), collective(async_op=...). A rank that knows
-    the answer already (no) posts its part and decodes on. One that waits (spanned "idle", through
-    cut.wait: a caller's subclass may work meanwhile) also waits for its posts, paired by now
-    (collectives pair in order), so that an error surfaces.
-    Why every rank decides alike: the n-th collectives of the ranks pair, so every rank that waits
-    reads the same counts and computes the same answer. A rank that only posted knows its own
-    needed groups are not complete, so that answer is no: every rank cuts at the same turn."""
-    if not wait:
-        cut.posted.append((collective(async_op=True), tensors))
-        return
-    with (cut.spans("idle") if cut.spans else nullcontext()):
-        cut.wait(collective(async_op=True))
-        for work, _ in cut.posted:
-            work.wait()
-    cut.posted.clear()
-
-
 # Notes on the options, which stalesync.py points to ("see the companion").
 #
 # A separated caller drives the scheduler on its generator itself: admit(), decode(), and take()
@@ -282,7 +300,8 @@ def post_or_wait(cut, collective, tensors, wait):
 #
 # SharedCut's replica and leader: a replica of several ranks (inference TP) is named by `replica`
 # on each of them, and one of them, the `leader`, speaks for it: the others hold the same pool.
-# Every rank posts its part of both all-gathers (collectives pair); only the leaders' parts count.
+# Why every one of them posts, and only the leader's part counts: SharedCut's docstring, and the
+# argument above post_or_wait (stalesync.py).
 
 
 # -------------------------------------------------------------------------- the checkpoint state
