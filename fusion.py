@@ -23,7 +23,7 @@ offloaded too). The companion, plumbing/fusion_details.py, holds what a learner 
 the input checks, the guards, the recovery, the counts.
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
-  1. FSDP2 (weights sharded at rest, as ZeRO-3) or PP stages to train, TP to generate; the engine is
+  1. FSDP2 (weights sharded between updates) or PP stages to train, TP to generate; the engine is
      not pipelined.
   2. The training shards stay on the device in ROLLOUT (1/W of the model), unless offloaded too.
   3. The engine's weights are freed in TRAIN (vLLM's sleep mode would); its KV cache is its own.
@@ -315,7 +315,8 @@ class FusedActor:
       movers            objects with to_rollout() and to_train(), called last in to_rollout() and
                         first in to_train(); their `names` are not built here, their `stats` join
                         metrics().
-      transport         Broadcasts() (the default) or SharedMemory; close() closes it.
+      transport         Broadcasts() (if none is given) or SharedMemory (the default run's on
+                        one CPU host); close() closes it.
       group             the actor's ranks (None: every rank; a hybrid deployment keeps others).
     The options' subclasses (options/) override the seams: _weights_to_build (which weights, held
     by which ranks), _check_engine and _fill (how the buckets reach the engine), _gathered."""

@@ -5,7 +5,7 @@ RL Fusion's zero-redundancy memory switching for MoE. Training and rollout share
 want different expert-parallel (EP) degrees, so at each phase change the experts move from one EP
 layout to the other. The naive switch gathers all E experts onto every rank and keeps the target's.
 Here only the experts whose owner changes move, one bucket at a time, each source slice freed once
-sent: no rank holds a copy of an expert that its target layout does not ask for.
+sent: beyond the slices it still has to send, no rank holds an expert its target does not own.
 
 The default run (train_grpo.py) trains at EP 2 and generates at EP 1. This file, in reading order:
   route, moe_reference      the single-process MoE the EP layer must match, a slow loop

@@ -331,7 +331,7 @@ def build_policy(run, mesh, split=None):
     if cfg.fsdp_units == "block":  # a unit per block, with prefetch (options/nodes.py)
         from options import nodes
         nodes.shard_blocks(model, mesh, ignored)
-    # FSDP2, the parameters gathered from an update's first forward to its last backward (ZeRO-2)
+    # FSDP2: sharded between updates, gathered from an update's first forward to its last backward
     fully_shard(model, mesh=mesh, ignored_params=ignored, reshard_after_forward=False)
     if run.grad_sync is not None:  # a hook on each FSDP2 unit: its shard, averaged across nodes
         run.grad_sync.apply(model)

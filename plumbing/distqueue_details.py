@@ -15,8 +15,8 @@ distqueue.py teaches the queue: the packing, the claim protocol on the store, a 
 - metrics: the bytes sent, and what padding would have sent (`count`, `count_sent`, `traffic`);
 - checkpoint state: the bodies of DistQueue.state_dict and load_state_dict (`queue_state`,
   `load_queue_state`);
-- pad, the naive version (distqueue.py imports it), and unpack_cells, unpad and unpack: the
-  inverses of distqueue's pack_cells, pad and pack.
+- pack (one field packed, the tests' and the bench's), and unpack_cells, unpad and unpack: the
+  inverses of distqueue's pack_cells and pad, and of pack.
 
 A function that needs the queue's store or state takes the queue itself, `q`, first (a DistQueue,
 used as its methods use self); the others take only the values they need. A name with a leading
