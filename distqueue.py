@@ -17,7 +17,7 @@ A read (DistQueue._read: claim, share, fetch, agree) follows a protocol on a tor
 Store, keys "<name>/...". Its invariants, each with its keys and the functions that keep it:
 - A row is claimed only whole: ready/<i> holds a put's cells, ready/n counts the keys (read_ready).
 - One claim holds a row: "token:rows;" in claims/<stage>/<b> takes the rows no claim holds, till
-  its "-token:rows;" (_claim_rows, holders). A failed read's rows go to the next reader (_release).
+  its "-token:rows;" (_claim_rows, holders). A read that raises gives its rows back (_release).
 - A pull (req/<owner>) is sent or cancelled, never both: state/<tag> keeps the first of the owner's
   answer and the reader's "cancelled" (_answer, _cancel).
 - A DP group keeps all of a read or none: dp rank 0's claim in plan/..., votes in done/..., one
@@ -242,7 +242,7 @@ class DistQueue:
     def _wait(self, done, deadline, what):
         """Poll `done` until the deadline, serving peers all along: even a wait that succeeds at
         once serves, or a rank that only polls (an option's read) would starve its readers."""
-        while not (self.serve() or done()):
+        while not (self.serve() or done()):  # serve() returns None: serve, then ask done()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"distqueue '{self.spec.name}' rank {self.rank}: timed out "
                                    f"after {self.spec.timeout_s}s {what()}{refused(self)}")

@@ -6,9 +6,9 @@ Each auxiliary rank (aux_loop) takes its share of the groups as the actor puts t
 round robin by their place in their writer's puts, and adds their columns (hybrid.aux_added: the
 reference's log-probs; a reward model's rewards and advantages) in pieces of a micro-batch's groups.
 Where dynamic sampling or the curriculum judges each group as it completes, the reward model scores
-it then instead, at the actor's request. It never polls: between pieces of work it blocks in the
-store on its inbox (options/push.Inbox), where the actor posts a notice for each event it must act
-on:
+it then instead, at the actor's request. While no trainer reads its columns it does not poll: it
+blocks in the store on its inbox (options/push.Inbox), where the actor posts a notice for each
+event it must act on:
   group         a group was put for it: read what there is;
   open, close   a trainer is reading its columns: serve the queue (and look for its own groups)
                 until every read has closed;
