@@ -1,43 +1,43 @@
 # Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (see LICENSE).
 """DistQueue: the data queue between RL stages, packed and balanced by length.
 
-Rows (samples) by columns (fields) flow from rollout to training; a cell stays on the rank that
-wrote it until a stage reads it. Three ideas move it:
-- Zero-padding transfer: padding each field to the longest cell (`pad`, the naive version) sends
-  mostly zeros on long-tailed lengths. A reader pulls each owner's cells as a header of lengths
-  (K,) int64 and ONE uint8 payload (`pack_cells`); dtypes come from the spec.
-- Balance: with `dp_group=`, n is the global batch, claimed by dp rank 0 and split by length (a
-  row weighs its variable-length cells' elements; `balance_split`: max - min <= the longest row).
-  A row stays with the rank that wrote it while that rank holds no more than a fair share, so
-  colocated readers move few rows.
-- Hierarchical transfer, an option: one reader per model-parallel group broadcasts the batch to
-  the rest (options/selective_queue.py).
+The queue holds rows (samples) by columns (fields), which flow from rollout to training. A cell
+stays on the rank that wrote it until a stage reads it. Three ideas make the queue fast:
+- Zero-padding transfer. Padding each field to its longest cell (`pad`, the naive version) sends
+  mostly zeros when lengths are long-tailed. Instead, a reader pulls each owner's cells as a header
+  of lengths (K,) int64 and ONE uint8 payload (`pack_cells`). The dtypes come from the spec.
+- Balance. With `dp_group=`, n is the global batch. Dp rank 0 claims it, and `balance_split` splits
+  it by length, a row weighing the elements of its variable-length cells. A row stays with the rank
+  that wrote it while that rank holds at most a fair share, so colocated readers move few rows.
+- Hierarchical transfer, an option. One reader per model-parallel group broadcasts the batch to
+  the rest of its group (options/selective_queue.py).
 
-A read (DistQueue._read: claim, share, fetch, agree) follows a protocol on a torch.distributed
-Store, keys "<name>/...". Its invariants, each with its keys and the functions that keep it:
-- A row is claimed only whole: ready/<i> holds a put's cells, ready/n counts the keys (read_ready).
-- One claim holds a row: "token:rows;" in claims/<stage>/<b> takes the rows no claim holds, till
-  its "-token:rows;" (_claim_rows, holders). A read that raises gives its rows back (_release).
-- A pull (req/<owner>) is sent or cancelled, never both: state/<tag> keeps the first of the owner's
-  answer and the reader's "cancelled" (_answer, _cancel).
-- A DP group keeps all of a read or none: dp rank 0's claim in plan/..., votes in done/..., one
-  verdict in outcome/... (_agree).
-- An owner frees a cell once every stage reading it kept it: ack/<tag> says so (serve, _delivered).
-So no row is kept by two reads. Every wait serves other ranks' requests and raises TimeoutError
-naming the stage, the rows and the rank: a rank whose cells are still wanted keeps calling the
-queue (serve()) before it blocks.
+A read (DistQueue._read) coordinates the ranks through keys "<name>/..." in a torch.distributed
+Store. Five invariants keep it correct. Each one names its keys and the functions that keep it:
+- A row is claimed only whole. Key ready/<i> holds a put's cells, counted in ready/n (read_ready).
+- One claim at a time holds a row. A claim appends "token:rows;" to claims/<stage>/<b>. It takes
+  the rows no claim holds, and keeps them until its release "-token:rows;" (_claim_rows, holders).
+- A pull (req/<owner>) is sent or cancelled, never both. The owner's answer and the reader's
+  "cancelled" race for state/<tag>, and the first one written stays (_answer, _cancel).
+- A DP group keeps all of a read or none of it. Dp rank 0 writes its claim in plan/..., each rank
+  votes in done/..., and outcome/... holds the one verdict (_agree).
+- An owner frees a cell when all stages that read it kept it, as ack/<tag> says (serve, _delivered).
+So no two reads keep the same row. docs/walkthrough.md, "One DistQueue read, traced", lists every
+store operation of one read. Every wait serves other ranks' requests while it waits. On a timeout
+it raises TimeoutError naming the stage, the rows and the rank. So a rank whose cells are still
+wanted must call the queue (serve()) before it blocks on anything else.
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
-1. Data lives in host memory and moves on a gloo group (`pg`); the source's queue is an RDMA store.
-2. No separate queue servers: an owner serves its own cells inside any queue call (`serve()`).
+1. Data lives in host memory and moves on a gloo group (`pg`). The source's queue is an RDMA store.
+2. There are no separate queue servers. An owner serves its own cells inside any queue call.
 3. Ids are deterministic (local_count * world + rank), so a resumed run sees the same rows in order.
-This file: the default path. Its companion plumbing/distqueue_details.py: the store, log formats,
-checks and messages, metrics, checkpoints. The options' reads and puts: options/selective_queue.py.
+The companion plumbing/distqueue_details.py holds the store, the log formats, the checks and their
+messages, the metrics and the checkpoints. The options' reads and puts: options/selective_queue.py.
 Run: python -m pytest tests/test_distqueue.py ; python bench/distqueue.py --lengths lognormal:5,1.2
-Shapes: B rows, C fields of a stage, K cells (row x field) in one transfer, N elements, T longest.
-Copy alone: torch (CPU tensors, a gloo group) and a TCPStore or a HashStore (one process); copy
-distqueue.py together with its companion (keep the folder, or change the one import line): the
-example runs in a folder holding only the two (tests/test_copy_alone.py):
+Shapes: B rows, K cells (row x field) in one transfer, T the longest cell.
+Copy alone: torch (CPU tensors, a gloo group), and a TCPStore or, in one process, a HashStore. Copy
+the file with its companion and keep the folder, or change the one import line. The example runs in
+a folder holding only the two (tests/test_copy_alone.py):
 
     import datetime, os, socket
     import torch, torch.distributed as dist, torch.multiprocessing as mp
@@ -85,7 +85,7 @@ CLAIM_BLOCK = 1024  # row ids per claim log: a claim reads its logs whole, so th
 
 
 def pad(seqs, pad_value=0):
-    """Naive: pad every sample to the longest one. Returns padded (B, T) and lengths (B,)."""
+    """The naive way: pad every sample to the longest one. Return padded (B, T) and lengths (B,)."""
     lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)  # (B,)
     T = int(lengths.max()) if len(seqs) else 0
     dtype = seqs[0].dtype if seqs else torch.int64
@@ -96,7 +96,7 @@ def pad(seqs, pad_value=0):
 
 
 def pack_cells(cells):
-    """Many fields, many dtypes -> header (K,) int64 of lengths and ONE payload (bytes,) uint8."""
+    """Pack cells of many dtypes as a header (K,) int64 of lengths and ONE uint8 payload."""
     header = torch.tensor([c.numel() for c in cells], dtype=torch.int64)  # (K,)
     if not cells:
         return header, torch.empty(0, dtype=torch.uint8)
@@ -105,12 +105,12 @@ def pack_cells(cells):
 
 
 def balance_split(tokens, parts, homes=None):
-    """Rows into `parts` lists of near-equal tokens (>= 0): greedy longest-first (LPT), each row to
-    the lightest part, so max - min <= max(tokens).
-    homes (optional): the part each row already lives in, or None. A row stays home if its home,
-    with it, holds at most a fair share (total / parts); the others go by LPT. The bound holds: the
-    heaviest part either took an LPT row while lightest, or holds at most the mean. A part left
-    empty takes the shortest row of the part with the most rows."""
+    """Split rows into `parts` lists with near-equal token sums (tokens >= 0). Greedy longest-first
+    (LPT) gives each row in turn to the lightest part, so max - min <= max(tokens).
+    `homes`, if given, is the part each row already lives in, or None. A row stays home if its home,
+    with it, holds at most a fair share (total / parts). The other rows go by LPT. The bound still
+    holds, since the heaviest part either took an LPT row while lightest, or holds at most the mean.
+    A part left empty takes the shortest row of the part with the most rows."""
     homes = [None] * len(tokens) if homes is None else homes
     fair = sum(tokens) / parts
     load = [0] * parts
@@ -168,8 +168,9 @@ class Rows:
 
 
 class DistQueue:
-    """One rank's handle on the queue. store: one every rank reaches; rank, world_size: this rank of
-    the ranks sharing it; pg: a gloo group over them for the data. Defaults: the default group's."""
+    """One rank's handle on the queue. `store` is a store that every rank reaches. `rank` is this
+    rank among the `world_size` ranks that share it. `pg` is a gloo group over them, which carries
+    the data. Each argument left out comes from the default process group."""
 
     def __init__(self, spec: QueueSpec, store=None, rank=None, world_size=None, pg=None):
         store = default_store(spec.timeout_s) if store is None else store
@@ -194,7 +195,7 @@ class DistQueue:
         return j * self.world + (self.rank if rank is None else rank)
 
     def _reset_caches(self):
-        # per stage: the rows not seen claimed, {row: {col: (owner, length)}}; the log keys read
+        # Per stage, the rows not seen claimed {row: {col: (owner, length)}} and the ready keys read
         self.unclaimed = {s: {} for s in self.spec.stages}
         self.ready_off = dict.fromkeys(self.spec.stages, 0)
 
@@ -219,8 +220,8 @@ class DistQueue:
         self.serve()
 
     def serve(self):
-        """Answer the requests waiting for this rank, one packed transfer each; then retire the
-        transfers that their readers acknowledged: kept (the cells reached a stage) or dropped."""
+        """Answer the requests waiting for this rank, with one packed transfer each. Then retire the
+        transfers that readers acknowledged, as kept (the cells reached a stage) or dropped."""
         requests = self._k("req", self.rank)
         while self.store.queue_len(requests) > 0:
             self._answer(self.store.queue_pop(requests, block=False).decode())
@@ -240,8 +241,8 @@ class DistQueue:
             del self.cells[key], self.served[key]
 
     def _wait(self, done, deadline, what):
-        """Poll `done` until the deadline, serving peers all along: even a wait that succeeds at
-        once serves, or a rank that only polls (an option's read) would starve its readers."""
+        """Poll `done` until the deadline, serving peers all along. It serves even if `done` holds
+        at once. Otherwise a rank that only polls (an option's read) would starve its readers."""
         while not (self.serve() or done()):  # serve() returns None: serve, then ask done()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"distqueue '{self.spec.name}' rank {self.rank}: timed out "
@@ -250,8 +251,8 @@ class DistQueue:
 
     # --- consumers
     def get(self, stage, n, dp_group=None):
-        """Read n rows that `stage` has not consumed. dp_group: n is the global batch, split by
-        tokens across its ranks; the get returns once every rank of the group has its rows. A get
+        """Read n rows that `stage` has not consumed. With `dp_group`, n is the global batch, split
+        by tokens across the group's ranks, and the get returns once every rank has its rows. A get
         that raises keeps no row."""
         check_get(self, stage, n, dp_group)
         deadline = time.monotonic() + self.spec.timeout_s
@@ -260,18 +261,17 @@ class DistQueue:
         return self._read(stage, n, dp_group, step, deadline)
 
     def _read(self, stage, n, dp_group, step, deadline):
-        """One read, in four steps, each a method below in this order (their keys and invariants:
-        the module docstring):
-        1. claim (dp rank 0): rows the ready log shows whole; for a DP group, written in its plan;
-        2. share: each DP rank takes its part of the rows by tokens (balance_split);
-        3. fetch: per owner, a request, answered with one packed transfer;
-        4. agree (a DP group): every rank keeps what it fetched, or none does.
-        A read that fails keeps nothing: its transfers are acknowledged "dropped", and dp rank 0,
+        """One read, in four steps. Each step is a method below, in this order:
+        1. Claim. Dp rank 0 claims rows the ready log shows whole, and writes a DP group's plan.
+        2. Share. Each DP rank takes its part of the rows by tokens (balance_split).
+        3. Fetch. This rank sends each owner a request, answered with one packed transfer.
+        4. Agree. In a DP group, every rank keeps what it fetched, or none does.
+        A read that fails keeps nothing. Its transfers are acknowledged "dropped", and dp rank 0,
         whose claim holds the group's rows, gives them back (_release)."""
         cols = self.spec.stages[stage]
         dp_rank = dist.get_rank(dp_group) if dp_group else 0
         dp_size = dist.get_world_size(dp_group) if dp_group else 1
-        # dp rank 0's global rank: it names the group's keys, plan/, done/ and outcome/
+        # The global rank of dp rank 0 names the group's keys plan/, done/ and outcome/
         root = dist.get_global_rank(dp_group, 0) if dp_group else self.rank
         plan = self._k("plan", stage, step, root)
         token, claimed, tags, error = new_token(self), {}, [], None
@@ -284,7 +284,7 @@ class DistQueue:
             else:  # wait past dp rank 0's deadline: if its claim times out, that is the error
                 late = deadline + self.spec.timeout_s
                 rows = take_plan(self, stage, n, dp_rank, step, root, late)  # waits, checks n
-            # per field, the longest cell of the global batch: the padded equivalent's measure
+            # Per field, the longest cell of the global batch, which is what padding would send
             tmax = {c: max(rows[r][c][1] for r in rows) for c in cols} if rows else {}
             if dp_size > 1:
                 rows = self._share(rows, cols, dp_group)
@@ -309,10 +309,10 @@ class DistQueue:
         ids = sorted(rows)
         return Rows(ids, {c: [got[(r, c)] for r in ids] for c in cols}, tmax)
 
-    # step 1, claim: rows that the ready log shows complete, won in the claim logs, or given back
+    # step 1, claim: dp rank 0 wins complete rows (new or given back) in the claim logs
     def _claim(self, stage, n, deadline, token):
-        """Claim n complete rows as token -> {row: {col: (owner, len)}}. A claim that times out
-        releases what it won, so its rows go to the next reader."""
+        """Claim n complete rows under `token`, as {row: {col: (owner, len)}}. A claim that times
+        out releases what it won, so its rows go to the next reader."""
         cols, seen, mine = self.spec.stages[stage], self.unclaimed[stage], {}
         least = self._enough(n)  # all n (an option may settle for fewer)
 
@@ -322,7 +322,7 @@ class DistQueue:
             if len(mine) + len(ready) < least:  # not enough yet: claim nothing
                 return False
             mine.update(self._claim_rows(stage, ready[: n - len(mine)], token))
-            # done: n rows (or, where an option settles for fewer, every ready row tried)
+            # Done at n rows. An option settling for fewer is done once it tried every ready row.
             return len(mine) >= n or (len(mine) >= least and len(ready) <= n - len(mine))
         try:
             self._wait(poll, deadline, lambda: lacking(self, stage, n, least, len(mine)))
@@ -331,8 +331,7 @@ class DistQueue:
             raise
         return mine
 
-    # the claim's two seams: which complete rows it may take, how many are enough (an option's
-    # read changes them: options/selective_queue.py)
+    # The claim's two seams, which an option's read changes (options/selective_queue.py)
     def _claimable(self, rows):
         """The rows (ids, ascending) that this read may claim: all of them."""
         return rows
@@ -342,12 +341,12 @@ class DistQueue:
         return n
 
     def _claim_rows(self, stage, rows, token):
-        """Claim rows as token; returns {row: cells} of those won. Per block of CLAIM_BLOCK ids, one
-        append to its claim log, then one read of it. Read in order, a claim takes each row that no
-        claim holds at that point, and keeps it, whatever comes after, until its release (holders).
-        Every reader reads the same append-only log up to some entry, so no two see themselves
-        hold a row. The rows it shows held leave self.unclaimed, so a poll scans only the rows
-        this reader has not seen claimed."""
+        """Claim `rows` under `token`, and return {row: cells} for those won. For each block of
+        CLAIM_BLOCK ids, it appends once to that block's claim log, then reads the log once. Read in
+        order, the log gives a row to a claim made while no claim held it. That claim keeps the row
+        until its release, whatever comes after (holders). Every reader reads the same append-only
+        log up to some entry, so no two readers each see themselves hold a row. Rows the log shows
+        held leave self.unclaimed, so a poll scans only rows this reader has not seen claimed."""
         won = {}
         for block, ids in claim_blocks(rows, CLAIM_BLOCK):  # (block, "3,7,12")
             key = self._k("claims", stage, block)
@@ -360,10 +359,11 @@ class DistQueue:
         return won
 
     def _release(self, stage, token, rows):
-        """Give back rows claimed as token, to the next reader. First "-token:ids;" in the claim
-        logs, so that a claim appended after it wins (holders). Then ready-log entries for this
-        stage show the rows again to its readers, which dropped them on seeing them held. In the
-        other order, a reader could claim before the release, lose, and never see the rows again."""
+        """Give back the rows claimed under `token`, for the next reader. It first appends
+        "-token:ids;" to the claim logs, so that a claim appended later wins (holders). Then new
+        ready-log entries show the rows again to this stage's readers, which dropped them on seeing
+        them held. In the other order, a reader could claim before the release, lose, and never see
+        the rows again."""
         for block, ids in claim_blocks(rows, CLAIM_BLOCK):
             self.store.append(self._k("claims", stage, block), f"-{token}:{ids};")
         if rows:
@@ -371,8 +371,8 @@ class DistQueue:
 
     # step 2, share: each rank of a DP group takes its part of the rows in dp rank 0's plan
     def _share(self, rows, cols, dp_group):
-        """This rank's share of rows by tokens (balance_split), a row's home being the DP rank that
-        holds most of its elements, if any: a rank reading what it wrote pulls nothing."""
+        """This rank's share of the rows, split by tokens (balance_split). A row stays home where it
+        can, so a rank that reads what it wrote pulls nothing."""
         dp_index = {g: i for i, g in enumerate(dist.get_process_group_ranks(dp_group))}
         ids = sorted(rows)
         homes = row_homes(rows, ids, dp_index)  # per row, the DP rank holding most of it, or None
@@ -381,17 +381,16 @@ class DistQueue:
         share = balance_split(tokens, len(dp_index), homes)[dist.get_rank(dp_group)]
         return {ids[j]: rows[ids[j]] for j in share}
 
-    # step 3, fetch: the reader's request, the owner's answer (inside its serve), one packed
-    # transfer; or, on a failure, the requests cancelled
+    # step 3, fetch: one packed transfer from each owner. A failure cancels the requests.
     def _fetch(self, stage, rows, tmax, deadline):
-        """The cells of rows and the tags of the transfers received, acknowledging nothing. On an
-        error it cancels the requests not yet answered, drops what came, and raises."""
+        """Return the cells of `rows` and the tags of the transfers received. It acknowledges
+        nothing. On an error it cancels the unanswered requests, drops what came, and raises."""
         owners = {}
         for r in sorted(rows):
             for c in self.spec.stages[stage]:
                 owners.setdefault(rows[r][c][0], []).append((r, c))
-        # this rank's own cells: copies (the consumer may write into them), but the last stage
-        # that reads a cell takes the queue's own tensor, freed from the queue as the read keeps it
+        # This rank's own cells are copied, since the consumer may write into them. The last stage
+        # that reads a cell takes the queue's own tensor, which the queue frees as the read keeps it
         got = {k: self.cells[k] if read_last(self, k) else self.cells[k].clone()
                for k in owners.pop(self.rank, [])}
         tags, received = {}, []
@@ -411,9 +410,9 @@ class DistQueue:
         return got, received
 
     def _answer(self, request):
-        """The owner's side, in serve: one request "reader|tag|stage|longest cells|row:col,...".
-        Unless the reader cancelled first (the handshake: _cancel), write "sent" (or the missing
-        cells) in state/<tag>, then send a header (K,) and one payload."""
+        """The owner's side of one request "reader|tag|stage|longest cells|row:col,...", run in
+        serve. Unless the reader cancelled first (see _cancel), it writes "sent", or the missing
+        cells, in state/<tag>. Then it sends a header (K,) and one payload."""
         reader, tag, stage, tmax, keys = parse_request(request)
         missing = [k for k in keys if k not in self.cells]
         state = self._k("state", tag)
@@ -431,7 +430,7 @@ class DistQueue:
         count_sent(self, keys, cells, tmax, header, payload)  # metrics
 
     def _recv(self, o, tag, keys, rows):
-        """One transfer from owner o: its answer in state/<tag>, a header (K,), one payload."""
+        """Receive one transfer from owner o: check its answer, then take a header and a payload."""
         check_sent(self, o, tag)  # the answer in state/<tag>: "sent", or the owner lacked cells
         header = torch.empty(len(keys), dtype=torch.int64)  # (K,)
         dist.recv(header, o, group=self.pg, tag=2 * tag)
@@ -440,29 +439,30 @@ class DistQueue:
         payload = torch.empty(nbytes, dtype=torch.uint8)  # (bytes,)
         if nbytes:
             dist.recv(payload, o, group=self.pg, tag=2 * tag + 1)
-        # received whole first: the owner's sends complete either way
+        # Both parts arrive before the check, so the owner's sends complete either way
         check_header(o, header, [rows[r][c][1] for r, c in keys])
         return dict(zip(keys, unpack_cells(header, payload, dtypes)))
 
     def _cancel(self, tags, owners, rows, received):
-        """The reader's half (a fetch failed): "cancelled" in state/<tag> of each request not yet
-        answered. Both halves write it by compare_set from "": the first writer wins, the other
-        reads its word back, so a transfer is sent or cancelled, never both. Where "sent" won, the
-        transfer is received (the owner's sends complete) and acknowledged "dropped", as is each
-        one received before: the owner's serve then retires it and keeps its cells."""
+        """The reader's half of the handshake, after a fetch failed. It writes "cancelled" in
+        state/<tag> of each request not yet answered, by compare_set from "". The first writer wins
+        and the other reads the winner's word back. Where "sent" won, the reader still receives the
+        transfer, so the owner's sends complete. It acknowledges it "dropped", like each transfer
+        received before. The owner's serve then retires them and keeps their cells."""
         for o, tag in tags.items():
             if self.store.compare_set(self._k("state", tag), "", "cancelled") == b"sent":
                 self._recv(o, tag, owners[o], rows)
                 received.append(tag)
         ack(self, received, keep=False)
 
-    # step 4, agree: all or nothing in a DP group (the vote); then the transfers are kept or dropped
+    # step 4, agree: a DP group votes to keep all its transfers, or to drop them all
     def _agree(self, stage, step, root, dp_rank, dp_size, error, deadline):
-        """Each rank votes, ok (counted in done/...) or its error. The last ok vote writes "ok" in
-        outcome/..., a failed rank its error, each by compare_set from "": the first writer wins,
-        and every rank acts on what it reads there, so all keep or none does. "ok" means that every
-        rank fetched its rows. A rank that times out after voting ok keeps too, if "ok" won. Returns
-        None, or the error to raise: its own if it failed first, else one naming the first rank."""
+        """Each rank votes ok, counted in done/..., or votes its error. The last ok vote writes "ok"
+        in outcome/..., and a failed rank writes its error there. Both use compare_set from "", so
+        the first writer wins. Every rank acts on what it reads there, so all keep or none does.
+        "ok" means that every rank fetched its rows. A rank that times out after voting ok keeps
+        too, if "ok" won. Return None, or the error to raise. That is this rank's own error if it
+        failed first, else one that names the first rank to fail."""
         outcome = self._k("outcome", stage, step, root)
         if error is None and int(self.store.add(self._k("done", stage, step, root), 1)) == dp_size:
             self.store.compare_set(outcome, "", "ok")
@@ -483,7 +483,7 @@ class DistQueue:
         first, kind, why = verdict.split("|", 2)  # the first failure: its dp rank, kind, message
         return error if int(first) == dp_rank else peer_failed(first, kind, why)
 
-    # --- observability and checkpointing (the bodies, and their full docstrings: the companion)
+    # --- observability and checkpointing. The companion holds the bodies and full docstrings.
     def metrics(self):
         """The whole queue's traffic counters (the companion's traffic says which)."""
         return traffic(self)
