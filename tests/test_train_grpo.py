@@ -642,9 +642,15 @@ def _train_with_a_silent_aux(rank, world_size, out_dir, overrides=None, how="sil
 @pytest.mark.parametrize("how", ["silent", pytest.param("dead", marks=pytest.mark.slow),
                                  pytest.param("no columns", marks=pytest.mark.slow)])
 def test_hybrid_with_a_silent_auxiliary_rank_fails_naming_the_stage(tmp_path, how):
+    # A silent or hung rank 2 still beats (its watchdog's thread). After the 5 s timeout, the actor's ranks wait out
+    # --liveness-s (10 s by default) to find which peer is lost, and find none. 3 s, shorter than the timeout, still
+    # watches rank 2 through the whole wait. A dead rank 2 keeps the default: 3 s would name it before the timeout.
+    mode = {"deploy": "hybrid", "pg_timeout_s": 5}
+    if how != "dead":
+        mode["liveness_s"] = 3.0
     with pytest.raises(RuntimeError) as e:
         run_distributed(_train_with_a_silent_aux, world_size=3, timeout_s=100, may_die=(2,) if how == "dead" else (),
-                        args=(str(tmp_path), {"deploy": "hybrid", "pg_timeout_s": 5}, how))
+                        args=(str(tmp_path), mode, how))
     message = str(e.value)
     assert "the auxiliary stage (ranks [2]) did not add its columns" in message and "of step 1's batch" in message
     assert "is it alive?" in message
