@@ -98,11 +98,15 @@ def _leave_together(port, rank, leavers, timeout_s):
 def _context():
     """forkserver with torch imported once in its server: each rank starts from a fork of it, not from a
     fresh interpreter that imports torch again (seconds per rank on 2 cores). Like spawn, it pickles
-    `fn` by name and shares no CUDA or thread state with the test process."""
+    `fn` by name and shares no CUDA or thread state with the test process. torch._dynamo too: FSDP2
+    imports it at its first use, which took each rank of each run 0.6 s of CPU. And pytest and the
+    core (train_grpo and what it imports), which nearly every rank's `fn` imports (0.15 s a rank):
+    they import nothing of options/, and no environment variable is read at their import."""
     if "forkserver" not in mp.get_all_start_methods():  # Windows
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.fsdp"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.fsdp", "torch._dynamo",
+                                "pytest", "train_grpo"])
     return ctx
 
 

@@ -425,8 +425,10 @@ def test_colocated_readers_keep_the_rows_they_wrote_where_balance_allows():
 
 
 def _dead_producer(rank, world):
+    # Both gets time out whatever the timeout: rank 1 said it had put before they start, never writes
+    # 'response' and never serves; a wait polls once before it reads the clock. So 0.5 s, not 2 s a get.
     spec = dq.QueueSpec(columns={"prompt": "int64", "response": "int64"},
-                        stages={"gen": ("prompt",), "score": ("prompt", "response")}, timeout_s=2)
+                        stages={"gen": ("prompt",), "score": ("prompt", "response")}, timeout_s=0.5)
     q = dq.DistQueue(spec, dq.default_store(), rank, world)
     if rank == 1:
         q.put({"prompt": [torch.arange(3)] * 2})  # then "dies": never writes 'response', never serves

@@ -184,11 +184,11 @@ def _train(rank, world_size, out_dir, overrides):
     return _train_tiny(rank, world_size, out_dir, overrides)
 
 
-def test_a_run_with_balancing_trains_as_one_without_it(tmp_path):
+def test_a_run_with_balancing_trains_as_one_without_it(tmp_path, world_of_one):
     """World 2, EP 2 in training and in rollout, S = 0: the placement by load (an extra slot a rank) changes where
     the experts run, not what is trained; the figures reach the log."""
     from tests.test_train_grpo import assert_same_training
-    [(_, p_one)] = run_distributed(_train, world_size=1, args=(str(tmp_path / "w1"), {}))
+    p_one = world_of_one.params  # TINY's defaults at world 1 (tests/conftest.py)
     out = run_distributed(_train, world_size=2, timeout_s=240, args=(str(tmp_path / "eplb"), dict(
         train_ep=2, infer_ep=2, eplb=True)))
     assert torch.equal(out[0][1], out[1][1])

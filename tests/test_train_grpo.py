@@ -195,21 +195,31 @@ class _NoOptions:
 
 def _without_options(rank, world_size, out_dir):
     """_train_tiny with the defaults, options/ made unimportable first (this process imported it with
-    the test module): the run's EP layout."""
+    the test module): the run's EP layout, its summary and its parameters."""
     for name in [m for m in sys.modules if m == "options" or m.startswith("options.")]:
         del sys.modules[name]
     sys.meta_path.insert(0, _NoOptions())
-    summary = T.train(Config(**TINY, out=out_dir), out_dir=out_dir)[0]
-    return summary["config"]["train_ep"], summary["config"]["infer_ep"]
+    summary, model = T.train(Config(**TINY, out=out_dir), out_dir=out_dir)
+    params = torch.cat([v.flatten() for v in checkpoint.dense_state_dict(model).values()])  # as _train_tiny's
+    return (summary["config"]["train_ep"], summary["config"]["infer_ep"]), summary, params
 
 
-def test_the_default_run_uses_no_option_and_every_mechanism(tmp_path):
+@pytest.fixture(scope="module")
+def world_of_two(tmp_path_factory):
+    """The default run (TINY) at world 2, options/ unimportable: each rank's (EP layout, summary, parameters), and
+    the run's folder. Two tests read it: made once."""
+    out = tmp_path_factory.mktemp("w2")
+    return run_distributed(_without_options, world_size=2, args=(str(out),)), out
+
+
+def test_the_default_run_uses_no_option_and_every_mechanism(world_of_two):
     """The default run at 2 ranks imports nothing of options/ (the core alone runs it), and runs the four
     mechanisms: the phase switch (fusion.py), StaleSync's rounds, the queue, and the experts re-sharded from EP 2
     in training to EP 1 in rollout and back (moe_switch.py)."""
-    layouts = run_distributed(_without_options, world_size=2, args=(str(tmp_path),))
+    ranks, out = world_of_two
+    layouts = [layout for layout, _, _ in ranks]
     assert layouts == [(2, 1), (2, 1)], layouts
-    lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")][1:]
+    lines = [json.loads(l) for l in open(out / "metrics.jsonl")][1:]
     assert all(l["switch/round_trips"] >= 1 and l["queue/reads"] > 0 for l in lines)
     assert all(l["ep/to_train_bytes_moved"] == 0 < l["ep/to_rollout_bytes_moved"] == l["ep/to_rollout_bytes_min"]
                for l in lines)  # EP 2 -> 1 receives the minimum (the experts a rank lacks); 1 -> 2 nests: frees half
@@ -232,18 +242,18 @@ def test_the_warm_up_ends_at_the_same_weights_with_ep_on_or_off(tmp_path):
         assert torch.equal(a[name], b[name]), name
 
 
-def test_two_ranks_train_to_identical_parameters(tmp_path):
+def test_two_ranks_train_to_identical_parameters(tmp_path, world_of_one, world_of_two):
     (_, p0), (_, p1) = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "mb"), {"updates_per_batch": 2}))
     assert torch.equal(p0, p1)                          # every rank holds the same model
-    (s0, p0), _ = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "w2"),))
-    [(s_one, p_one)] = run_distributed(_train_tiny, world_size=1, args=(str(tmp_path / "w1"),))
+    ((_, s0, p0), (_, _, p1)), w2 = world_of_two  # the defaults: EP 2 in training, 1 in rollout
+    s_one, p_one = world_of_one.summary, world_of_one.params
     # Same prompts, same samples, global token-mean loss: world 2 computes what world 1 does. (With
     # several updates per batch the mini-batches are per-rank slices, so worlds would differ there.)
     assert_same_training(p0, p_one, "world 2")
     assert s0["eval_accuracy_after"] == s_one["eval_accuracy_after"]
-    lines = [json.loads(l) for l in open(tmp_path / "w2" / "metrics.jsonl")]
+    lines = [json.loads(l) for l in open(w2 / "metrics.jsonl")]
     assert [l["step"] for l in lines] == [0, 1, 2, 3]
-    for a, b in zip(lines[1:], [json.loads(l) for l in open(tmp_path / "w1" / "metrics.jsonl")][1:]):
+    for a, b in zip(lines[1:], [json.loads(l) for l in open(world_of_one.out / "metrics.jsonl")][1:]):
         for key in ("loss", "clip_frac", "ratio_mean", "k3_mean"):  # means over the whole batch, whatever
             assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(b[key])), (key, a[key], b[key])  # the split
     assert any(0 < l["reward/mean"] < 1 and abs(l["loss"]) > 1e-4 for l in lines[1:])  # real RL updates
@@ -259,17 +269,17 @@ def test_two_ranks_train_to_identical_parameters(tmp_path):
     # the step's own switches (not an evaluation's): back in TRAIN at step 1, AdamW has no state yet
     assert lines[1]["mem/train_optim_bytes"] == 0 < lines[2]["mem/train_optim_bytes"]
     assert lines[2]["mem/rollout_optim_bytes"] == 0
-    summary = json.load(open(tmp_path / "w2" / "summary.json"))
+    summary = json.load(open(w2 / "summary.json"))
     assert {"eval_accuracy_before", "eval_accuracy_after", "wall_s", "tokens_per_s", "config"} <= set(summary)
-    assert os.path.exists(tmp_path / "w2" / "spans_rank1.jsonl")
+    assert os.path.exists(w2 / "spans_rank1.jsonl")
     from plumbing import timeline  # the run drew itself: a trace with a track per rank, properly nested spans, pictures
-    spans = timeline.load_spans(tmp_path / "w2")
+    spans = timeline.load_spans(w2)
     timeline.check_nesting(spans)
-    trace = json.load(open(tmp_path / "w2" / "trace.json"))
+    trace = json.load(open(w2 / "trace.json"))
     assert {e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}
     assert {s["name"] for s in spans} >= {"warmup", "switch_to_rollout", "rollout", "switch_to_train", "score",
                                           "queue", "reference", "train", "eval"}
-    assert all(os.path.getsize(tmp_path / "w2" / f) for f in ("timeline.svg", "curves.svg"))
+    assert all(os.path.getsize(w2 / f) for f in ("timeline.svg", "curves.svg"))
     # Every deployment runs the same algorithm on the same samples: the same parameters come out.
     # (EP 2 in training, 1 in rollout: the experts leave FSDP, tokens cross ranks by all_to_all, the
     # expert weights are re-sharded at every phase change; the math is the dense model's.)
@@ -277,9 +287,10 @@ def test_two_ranks_train_to_identical_parameters(tmp_path):
     # other's forwards with zero rows; the response tokens replay the experts the rollout chose, which are the
     # ones the training forward would choose anyway: the same parameters.)
     replay = {"train_ep": 2, "infer_ep": 2, "routing_replay": True}
-    for mode in [{"deploy": "separated"}, {"deploy": "colocated-all"}, {"infer_tp": 2}, {"fsdp_units": "block"}, replay,
-                 {"train_ep": 2, "infer_ep": 1}]:
-        (s, p), (_, p1) = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / str(mode)), mode))
+    # (EP 2 in training, 1 in rollout, as --train-ep 2 --infer-ep 1 gives it: the defaults at world 2, above.)
+    for mode in [{"deploy": "separated"}, {"deploy": "colocated-all"}, {"infer_tp": 2}, {"fsdp_units": "block"},
+                 replay]:
+        (s, p), (_, q) = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / str(mode)), mode))
         assert_same_training(p, p_one, str(mode))
         assert s["eval_accuracy_after"] == s_one["eval_accuracy_after"]
         lines = [json.loads(l) for l in open(tmp_path / str(mode) / "metrics.jsonl")][1:]
@@ -289,8 +300,10 @@ def test_two_ranks_train_to_identical_parameters(tmp_path):
             assert lines[-1]["lockstep/dummy_forwards"] > 0  # EP 2 in rollout: rank 0 idled through rank 1's forwards
         else:  # nothing recorded without routing replay
             assert not any(k.startswith("moe/") for l in lines for k in l), mode
-    assert torch.equal(p, p1)  # under EP too, both ranks end with the same model
-    ep = [json.loads(l) for l in open(tmp_path / str(mode) / "metrics.jsonl")][1]
+    assert torch.equal(p, q) and torch.equal(p0, p1)  # under EP too (2 -> 2, 2 -> 1), both ranks: the same model
+    lines = [json.loads(l) for l in open(w2 / "metrics.jsonl")][1:]  # the defaults: EP 2 -> 1
+    assert not any(k.startswith("moe/") for l in lines for k in l)  # nothing recorded without routing replay
+    ep = lines[0]
     half = ep["ep/to_rollout_bytes_min"]  # each rank lacks the other half of the experts
     assert half > 0 and ep["ep/to_rollout_bytes_moved"] == half and ep["ep/to_rollout_peak_extra_bytes"] == 0
     assert ep["ep/to_train_bytes_moved"] == 0  # EP 1 -> 2 nests: each rank keeps its half, frees the rest
@@ -642,9 +655,15 @@ def _train_with_a_silent_aux(rank, world_size, out_dir, overrides=None, how="sil
 @pytest.mark.parametrize("how", ["silent", pytest.param("dead", marks=pytest.mark.slow),
                                  pytest.param("no columns", marks=pytest.mark.slow)])
 def test_hybrid_with_a_silent_auxiliary_rank_fails_naming_the_stage(tmp_path, how):
+    # A silent or hung rank 2 still beats (its watchdog's thread). After the 5 s timeout, the actor's ranks wait out
+    # --liveness-s (10 s by default) to find which peer is lost, and find none. 3 s, shorter than the timeout, still
+    # watches rank 2 through the whole wait. A dead rank 2 keeps the default: 3 s would name it before the timeout.
+    mode = {"deploy": "hybrid", "pg_timeout_s": 5}
+    if how != "dead":
+        mode["liveness_s"] = 3.0
     with pytest.raises(RuntimeError) as e:
         run_distributed(_train_with_a_silent_aux, world_size=3, timeout_s=100, may_die=(2,) if how == "dead" else (),
-                        args=(str(tmp_path), {"deploy": "hybrid", "pg_timeout_s": 5}, how))
+                        args=(str(tmp_path), mode, how))
     message = str(e.value)
     assert "the auxiliary stage (ranks [2]) did not add its columns" in message and "of step 1's batch" in message
     assert "is it alive?" in message
@@ -840,11 +859,15 @@ def test_rl_seconds_stops_every_rank_after_the_same_step_and_evaluates_it(tmp_pa
 @pytest.mark.parametrize("mode", [{}, pytest.param({"adv_estimator": "reinforce++", "loss_agg": "seq-mean-token-mean",
                                                       "mask_truncated": True}, marks=pytest.mark.slow)],
                          ids=["grpo", "reinforce++-seq-mean-masked"])
-def test_pipeline_parallel_training_trains_as_one(tmp_path, mode):
+def test_pipeline_parallel_training_trains_as_one(tmp_path, mode, request):
     """--train-pp 2 at world 2 (a stage per rank), with the KL term's reference as stages too: a world of one's
     parameters, up to float summation order (micro-batches padded to one length), and the same held-out answers.
     reinforce++ normalises over the whole batch: each row counted once, not once per stage."""
-    [(s_one, p_one)] = run_distributed(_train_tiny, world_size=1, args=(str(tmp_path / "w1"), mode))
+    if mode:
+        [(s_one, p_one)] = run_distributed(_train_tiny, world_size=1, args=(str(tmp_path / "w1"), mode))
+    else:  # the defaults: the session's world of one
+        one = request.getfixturevalue("world_of_one")
+        s_one, p_one = one.summary, one.params
     out = run_distributed(_train_tiny, world_size=2, args=(str(tmp_path / "pp2"), dict(mode, train_pp=2)),
                           timeout_s=180)
     assert torch.equal(out[0][1], out[1][1])
