@@ -2,38 +2,38 @@
 """Expert-parallel MoE whose EP degree changes between training and rollout, re-sharded in buckets.
 
 RL Fusion's zero-redundancy memory switching for MoE. Training and rollout share the devices but
-want different expert-parallel (EP) degrees, so at each phase change the experts move from one EP
+want different expert-parallel (EP) degrees. So at each phase change the experts move from one EP
 layout to the other. The naive switch gathers all E experts onto every rank and keeps the target's.
-Here only the experts whose owner changes move, one bucket at a time, each source slice freed once
-sent: beyond the slices it still has to send, no rank holds an expert its target does not own.
+Here only the experts whose owner changes move, one bucket at a time. Each source slice is freed
+once sent, so a rank holds only its target's experts and the slices it still has to send.
 
 The default run (train_grpo.py) trains at EP 2 and generates at EP 1. This file, in reading order:
-  route, moe_reference      the single-process MoE the EP layer must match, a slow loop
-  all_to_all_rows           uneven all_to_all_single; its backward is the reverse all_to_all
+  route, moe_reference      the single-process MoE that the EP layer must match, a slow loop
+  all_to_all_rows           an uneven all_to_all_single, whose backward is the reverse all_to_all
   EPLayout                  which rank owns which expert
   reshard_naive, reshard    the naive switch, then the bucketed one (plan_reshard, _Memory)
-  EPMoE                     route, send counts then packed tokens, local experts, combine; switch()
+  EPMoE                     the EP layer: forward (route, send, local experts, combine), switch()
   ExpertParallel            a model's MoE layers: apply, to_rollout, to_train, clip_grads
 The companion plumbing/moe_switch_details.py holds what a learner may take on trust: the checks,
-the groups, the switch's agreement, the decode's fast path. Experts placed by load: options/eplb.py.
+the groups, the switch's agreement and the decode's fast path. options/eplb.py places by load.
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
-  1. Each expert slice (name, e) is its own tensor, not a view of a stacked (E, D, H) parameter: a
-     view cannot be freed alone. A bucket is one round of batched isend/irecv, at most B bytes out
-     and B in per rank, from the source storage straight into the final one.
-  2. Memory is the module's own count of the storages it holds: at most max(source, target) + one
-     bucket (stats["peak_bytes"]). Once a switch has freed what it neither keeps nor sends, at
-     most target + one bucket for layouts that nest (stats["peak_switch_bytes"]).
-  3. Ranks are laid out EP-outer, grid arange(W).view(P, W // P), so degrees that divide each other
-     nest: a switch to a higher degree moves nothing, one to a lower degree what each rank lacks.
-  4. Grads and optimizer states stay outside: the caller clears grads before a switch, and the
-     Parameter objects survive it. The experts stay out of FSDP: clip_grads syncs and clips them.
+  1. Each expert slice (name, e) is its own tensor, not a view of a stacked (E, D, H) parameter,
+     because a view cannot be freed alone. A bucket is one round of batched isend/irecv. In it
+     each rank sends at most B bytes and receives at most B, with no staging copy.
+  2. Memory is the module's own count of a rank's storages: at most max(source, target) + one
+     bucket (stats["peak_bytes"]). For layouts that nest, once the switch has freed what it neither
+     keeps nor sends, it is at most target + one bucket (stats["peak_switch_bytes"]).
+  3. Ranks are laid out EP-outer, in the grid arange(W).view(P, W // P), so degrees that divide
+     each other nest. A switch up moves nothing, and a switch down only what each rank lacks.
+  4. The switch leaves grads and optimizer states alone: the caller clears the grads before it,
+     and the Parameter objects survive it. The experts skip FSDP: clip_grads syncs and clips them.
   5. No capacity factor, token dropping or load-balancing loss: every token reaches its k experts.
 
-Run: python -m pytest tests/test_moe_switch.py; python bench/moe_switch.py (bytes, memory, time).
-Using this file elsewhere: torch only. Every rank of a layout calls switch() together, with the
-same target, or the others raise. Copy moe_switch.py with its companion (keep the folder, or change
-the one import line). On 2 gloo processes (tests/test_copy_alone.py runs it, the two files alone):
+Tests: tests/test_moe_switch.py. Bytes, memory and time: python bench/moe_switch.py.
+Using this file elsewhere needs torch only. Copy moe_switch.py with its companion (keep the folder,
+or change the one import line). Every rank of a layout calls switch() together, with the same
+target, or the others raise. On 2 gloo processes, as tests/test_copy_alone.py runs it (alone):
 
     import copy, datetime, os, socket
     import torch, torch.distributed as dist, torch.multiprocessing as mp
@@ -107,8 +107,8 @@ EXPERT_NAMES = ("w_gate", "w_up", "w_down")  # (E, D, H), (E, D, H), (E, H, D) i
 
 # ----------------------------------------------------------------------- the MoE, in one process
 def route(x, router_weight, top_k, routing=None):
-    """Softmax router and top-k: (N, D) -> gates (N, k) renormalised over the k chosen, experts
-    (N, k). routing: a hook for an option (routing replay), see the companion's docstring."""
+    """Softmax router, then top-k: x (N, D) -> gates (N, k), renormalised over the k chosen, and
+    experts (N, k). `routing` is a hook for an option (routing replay): see the companion."""
     probs = F.linear(x, router_weight).float().softmax(-1)          # (N, E)
     top_p, top_e = probs.topk(top_k, dim=-1)                        # (N, k), (N, k)
     if routing is not None:
@@ -135,19 +135,18 @@ def moe_reference(x, router_weight, experts, top_k):
 
 # ----------------------------------------------------------------------- communication primitive
 def all_to_all_rows(x, out_splits, in_splits, group):
-    """Send rows x[sum(in_splits[:j]):...] to group rank j, receiving out_splits[j] rows from it: an
-    uneven all_to_all_single. Differentiable (AllToAll, in the companion): the backward sends each
-    grad row back the way its row came, the reverse all_to_all. In a group of 1, x itself."""
+    """An uneven all_to_all_single: rows x[sum(in_splits[:j]):...] go to group rank j, and
+    out_splits[j] rows come from it. The backward (AllToAll, in the companion) is the reverse
+    all_to_all: each grad row goes back the way its row came. In a group of 1, it returns x."""
     return x if len(in_splits) == 1 else AllToAll.apply(x, out_splits, in_splits, group)
 
 
 # ----------------------------------------------------------------------- layouts
 @dataclass(frozen=True)
 class EPLayout:
-    """Who owns which expert. Rank grid arange(W).view(P, W // P): row p owns expert block p, its
-    slots p * L .. p * L + L - 1, and the W // P ranks of a row are its data-parallel replicas. An
-    EP group takes one rank from each row. Ranks here are the layout's own, 0 .. W-1: `ranks`
-    names the global ranks they are. (Experts placed by load instead: options/eplb.py.)"""
+    """Which rank owns which expert. The ranks form the grid arange(W).view(P, W // P). Row p owns
+    expert block p (slots p * L to p * L + L - 1). Its W // P ranks are data-parallel replicas. An
+    EP group takes one rank from each row. `ranks` maps layout ranks 0 .. W-1 to global ranks."""
     ep: int              # P, the EP degree: the experts split into P blocks of L = E / P
     world_size: int      # W ranks, each holding one block
     n_experts: int       # E
@@ -185,16 +184,15 @@ class EPLayout:
         return list(range(p * self.dp, (p + 1) * self.dp))
 
     def slot_of(self, experts, rank=0):
-        """(n,) expert ids -> (n,) slots, p * L + j for row p's j-th expert: for the blocks, the
-        expert id itself (`rank`, the rows' sender, matters where an expert has copies)."""
+        """(n,) expert ids -> (n,) slots, where slot p * L + j is row p's j-th expert: with blocks,
+        the expert id itself. `rank`, the rows' sender, matters only where an expert has copies."""
         return experts
 
 
 # ----------------------------------------------------------------------- re-sharding, naive first
-# rank_in: this process's rank; held_bytes: the memory count (both in the companion)
 def reshard_naive(experts, src, dst, group=None):
-    """The naive switch: all_reduce every expert onto every rank (one contributor each), keep the
-    target's. It moves and briefly holds all E experts per name on every rank."""
+    """The naive switch. It all_reduces every expert onto every rank, one rank contributing each,
+    and keeps the target's. So every rank receives and briefly holds all E experts of each name."""
     check_naive_group(src, group)
     rank = rank_in(group, src)
     check_reshard(experts, src, dst, rank, group)
@@ -215,10 +213,14 @@ def reshard_naive(experts, src, dst, group=None):
 
 
 def plan_reshard(src, dst, slice_bytes, bucket_bytes):
-    """Transfers (name, e, from rank, to rank) of every slice a rank needs and lacks, packed
-    first-fit into rounds where each rank sends at most bucket_bytes and receives at most
-    bucket_bytes, and holds at most max(source, target) + bucket_bytes (_Memory, below).
-    Pure: every rank computes the same plan, so no counts are exchanged."""
+    """The rounds of a switch from src to dst, each a list of transfers (name, e, s, r): rank s
+    sends slice `name` of expert e to rank r, which owns e in dst but not in src. The sender is the
+    replica of e with the fewest bytes to send so far. Transfers go first-fit into rounds, in which
+    each rank sends at most bucket_bytes, receives at most bucket_bytes, and holds at most
+    max(source, target) + bucket_bytes (_Memory). Every rank computes the same plan: no counts move.
+    Example: EP 2 -> 1 at world 2, 4 experts, 3 slices of b bytes. Rank 0 owns experts 0 and 1 and
+    gets 2 and 3 from rank 1, which gets 0 and 1 from it: 12 transfers. With bucket_bytes = 3 * b,
+    round 1 moves expert 2 to rank 0 and 0 to rank 1, round 2 moves 3 and 1. With b: 6 rounds."""
     W = src.world_size
     check_bucket(slice_bytes, bucket_bytes)  # a bucket holds one expert slice at least
     load, todo = [0] * W, []  # bytes each rank sends in all; the transfers, in order
@@ -243,7 +245,7 @@ def plan_reshard(src, dst, slice_bytes, bucket_bytes):
                 inn[r] += nb
             else:
                 rest.append((n, e, s, r))
-        assert rnd, "no transfer fits"  # never: a rank over its bound has sends pending (_Memory)
+        assert rnd, "no transfer fits"  # never happens: see _Memory
         memory.done(rnd)
         rounds.append(rnd)
         todo = rest
@@ -251,12 +253,13 @@ def plan_reshard(src, dst, slice_bytes, bucket_bytes):
 
 
 class _Memory:
-    """plan_reshard's count of the bytes each rank holds between rounds: what it keeps, the slices
-    it still has to send, and those it received. A round may add to a rank's holding while it
-    stays within max(source, target) + bucket; a source slice is freed after its last send.
-    Some transfer always fits: a rank whose next receive would pass its bound holds more bytes
-    still to send than it has still to receive, and every byte still to send is some rank's
-    receive, so not every rank with receives left can be at its bound."""
+    """plan_reshard's count of the bytes each rank holds: the slices it keeps, the source slices it
+    still has to send, and those it has received. A round adds receives to a rank only while they
+    keep its holding within its bound, max(source, target) + bucket. Some transfer always fits. A
+    rank's target is what it keeps plus all its receives, and its bound is at least target + bucket.
+    So a rank whose next receive would pass its bound holds more bytes still to send than to
+    receive. Every byte still to send is some rank's receive, so not every rank with receives left
+    is at its bound. A new round takes the first transfer to such a rank, or an earlier one."""
 
     def __init__(self, src, dst, slice_bytes, bucket_bytes, todo):
         W, per_expert = src.world_size, sum(slice_bytes.values())
@@ -281,9 +284,9 @@ class _Memory:
 
 
 def reshard(experts, src, dst, bucket_bytes, group=None):
-    """Move this rank's expert slices from layout src to dst, one bucket-sized round at a time.
-    experts: name -> {global expert id: tensor}, exactly src.owned(rank). It is consumed: hold no
-    other reference, or freed slices stay alive. Returns (name -> {e: tensor} for dst, stats)."""
+    """Move this rank's expert slices from layout src to dst, in plan_reshard's rounds. `experts`
+    maps name -> {global expert id: tensor} for exactly src.owned(rank). The switch consumes it:
+    hold no other reference, or freed slices stay alive. Returns (name -> {e: tensor}, stats)."""
     rank = rank_in(group, src)
     check_reshard(experts, src, dst, rank, group)
     meta, slice_bytes, peer = slice_specs(experts, group, src)  # a slice's shape; global ranks
@@ -327,11 +330,11 @@ def reshard(experts, src, dst, bucket_bytes, group=None):
 
 # ----------------------------------------------------------------------- the EP layer
 class EPMoE(nn.Module):
-    """The MoE with its experts split over an EP group: a drop-in for a dense MoE (from_dense).
+    """The MoE with its experts split over an EP group, a drop-in for a dense MoE (from_dense).
     w_gate, w_up and w_down hold one Parameter per global expert, empty (numel 0) where this rank
-    does not own it, so the Parameter set, and an optimizer built on it, is the same under every
-    layout. An owned expert's grad sums over its EP group's tokens: sum it over the replicas
-    (layout.dp_group_ranks), and the replicated router's grad over the world."""
+    does not own it. So the Parameter set, and an optimizer built on it, is the same under every
+    layout. An owned expert's grad covers its EP group's tokens only. clip_grads sums it over the
+    replicas (layout.dp_group_ranks). The replicated router's grad must be summed over the world."""
 
     def __init__(self, d_model, d_hidden, n_experts, top_k, layout, group=None):
         """Uninitialised, the global RNG untouched: use from_dense for a layer with weights."""
@@ -353,7 +356,6 @@ class EPMoE(nn.Module):
     @classmethod
     def from_dense(cls, moe, layout, group=None):
         """Copy a dense MoE (router, w_gate, w_up, w_down, top_k; x @ w) into an EP layer."""
-        # the shapes, top_k, a router without a bias; its own forward computes moe_reference's
         check_dense_layer(moe, EXPERT_NAMES, moe_reference)
         E, D, H = moe.w_gate.shape
         ep = cls(D, H, E, moe.top_k, layout, group).to(moe.w_gate.device, moe.w_gate.dtype)
@@ -395,9 +397,9 @@ class EPMoE(nn.Module):
         return torch.bincount(slots, minlength=self.layout.ep * self.layout.slots)
 
     def switch(self, layout, group, bucket_bytes, world_group=None):
-        """Re-shard the experts in place to `layout`, EP group `group`. Grads must be None.
-        Collective over world_group, the group of exactly the layout's ranks (None: the whole job).
-        First the local checks (a ValueError, nothing moved), then agree_on_switch, then reshard."""
+        """Re-shard the experts in place to `layout`, whose EP group is `group`. Grads must be None.
+        It is collective over world_group, exactly the layout's ranks (None: the whole job). Local
+        checks raise a ValueError before anything moves. Then agree_on_switch, then reshard."""
         taken = self.local_experts()  # name -> {e: tensor}, the Parameters' data
         check_switch(self, taken, layout, group, bucket_bytes, world_group)
         agree_on_switch(self.layout, layout, world_group, self.router.weight.device)
@@ -421,14 +423,13 @@ class EPMoE(nn.Module):
 
 # ----------------------------------------------------------------------- a whole model
 class ExpertParallel:
-    """Every MoE layer of a model expert-parallel: EP train_ep in training, infer_ep in rollout.
+    """Every MoE layer of a model expert-parallel: at EP train_ep in training, infer_ep in rollout.
     apply(model, engine) makes the model's dense MoE layers EPMoE layers of the training layout,
-    keeping their weights: leave params(model) out of FSDP. The engine's become layers of the
-    inference layout, with the router of the layer each replaces and no experts yet.
-    to_rollout() re-shards the model's experts, and the engine's alias them (no copy). to_train()
-    moves them back. Every rank calls them together, once the experts' grads and optimizer states
-    are off the device: as a mover of fusion.FusedActor. to_rollout moves only the experts: the
-    engine's other weights are the caller's to load (`names`: the expert parameters to skip)."""
+    keeping their weights. Leave params(model) out of FSDP. The engine's become EPMoE layers of the
+    inference layout, with the routers they replace and no experts yet. to_rollout() re-shards the
+    model's experts, and the engine's alias them (no copy). to_train() moves them back. As a mover
+    of fusion.FusedActor, every rank calls both together, with expert grads and optimizer states
+    off the device. The caller loads the engine's other weights, all but the experts (`names`)."""
     layer = EPMoE  # the class of the EP layers it makes (options/eplb.py's also counts rows)
 
     def __init__(self, train_ep, infer_ep, world_size, n_experts, bucket_bytes, timeout_s=300.0,
@@ -437,7 +438,6 @@ class ExpertParallel:
         self.infer_layout = EPLayout(infer_ep, world_size, n_experts, ranks)
         self.train_groups = new_groups(self.train_layout, timeout_s)  # (EP, DP); collective
         self.infer_groups = new_groups(self.infer_layout, timeout_s)
-        # the layout's ranks, when part of the job: switch(), the norm's sum (None: the whole job)
         self.group = group_of_ranks(ranks, timeout_s)
         self.bucket_bytes, self.world, self.stats = bucket_bytes, world_size, {}
         self.model_layers, self.engine_layers, self.names = [], [], set()
@@ -471,9 +471,9 @@ class ExpertParallel:
         self.stats.update(switch_figures("to_train", t0, moved))
 
     def clip_grads(self, model, max_norm):
-        """After backward: each owned expert's grad made the mean over all ranks, as FSDP's are
-        (sync_expert_grads), then clipped together with the FSDP shards' as one norm
-        (clip_with_experts; both in the companion). Returns the total norm."""
+        """Call after backward. Each owned expert's grad becomes the mean over all ranks, as FSDP's
+        grads are (sync_expert_grads). Then all grads are clipped as one norm, with the FSDP shards'
+        (clip_with_experts). Both helpers are in the companion. Returns the total norm."""
         replicas = self.train_groups[1] if self.train_layout.dp > 1 else None
         sync_expert_grads([p.grad for p in self.params(model) if p.numel()], self.world, replicas)
         return clip_with_experts(model, self.params(model), max_norm, self.train_layout.dp,
@@ -481,8 +481,8 @@ class ExpertParallel:
 
     def shard(self, module):
         """module's dense MoE layers -> EPMoE layers of the training layout, keeping their weights.
-        Also for a frozen copy (the reference): it then runs the policy's own EP forward and
-        computes what the policy does, bit for bit (a dense forward rounds differently)."""
+        It also serves a frozen copy (the reference), which then runs the policy's own EP forward
+        and matches the policy bit for bit. A dense forward would round differently."""
         group = self.train_groups[0]
         layers = swap_layers(module, lambda m: self.layer.from_dense(m, self.train_layout, group),
                              EXPERT_NAMES, EPMoE)
