@@ -25,7 +25,7 @@ Departures from the source system (Huawei's RL post-training on CloudMatrix 384)
      bucket (stats["peak_bytes"]). For layouts that nest, once the switch has freed what it neither
      keeps nor sends, it is at most target + one bucket (stats["peak_switch_bytes"]).
   3. Ranks are laid out EP-outer, in the grid arange(W).view(P, W // P), so degrees that divide
-     each other nest. A switch up moves nothing, and a switch down only what each rank lacks.
+     each other nest. A switch to a higher degree moves nothing; to a lower, what each rank lacks.
   4. The switch leaves grads and optimizer states alone: the caller clears the grads before it,
      and the Parameter objects survive it. The experts skip FSDP: clip_grads syncs and clips them.
   5. No capacity factor, token dropping or load-balancing loss: every token reaches its k experts.
