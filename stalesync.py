@@ -1,42 +1,38 @@
 # Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (see LICENSE).
 """StaleSync: bounded-staleness rollout, with partial rollouts.
 
-The problem: a synchronous round (sync_rollout) samples a step's responses in one sampler call,
-so every step waits for its longest sample while the other rows are long done.
+The problem. A synchronous round (sync_rollout) samples a step's responses in one sampler call.
+So every step waits for its longest sample, while the other rows finished long before.
 
-The idea: decode in chunks, and end a round as soon as enough prompt groups are complete. They go
-to training at once. The tail still in flight continues next round under the new weights (a
-partial rollout: one response, tokens of several policy versions). No trained sample started more
-than S versions (the staleness bound) before the version it is trained at: each batch takes first
-the groups whose last chance it is, and a group that would age past S is restarted, never trained
-stale (the cut). Admission caps how far ahead slots open. At S = 0 this is the synchronous path,
-bit for bit. These invariants, and the functions that keep each: the table before StaleSync.
+The idea. StaleSync decodes in chunks. It ends a round as soon as enough prompt groups are
+complete, and those groups go to training at once. The tail still in flight continues next round,
+under the new weights. Such a response is a partial rollout, with tokens of several versions.
+The staleness bound S holds: no trained sample started more than S versions before the version
+it is trained at. To keep it, each batch takes first the groups whose last chance it is. This
+rule is the cut. A group that would age past S is restarted, never trained stale. Admission caps
+how far ahead new slots open. At S = 0 this is the synchronous path, bit for bit. The table
+before class StaleSync lists these invariants and the functions that keep each.
 
-This file is the default path, naive first: sync_rollout and the sampler's contract; StaleConfig,
-the invariants, StaleSync (the round, admission, decoding, the cut); the replicas' cuts, why their
-ranks agree, AllReady (naive) and SharedCut. Its companion, plumbing/stalesync_details.py, holds
-the checks, the brakes, dynamic sampling, the Batch format and figures, the checkpoint state. An
-option subclasses StaleSync at a named seam (options/lockstep.py, routing_replay.py, streaming.py).
+The file puts the naive version first: sync_rollout, then StaleConfig and StaleSync, then the cuts
+of several replicas, AllReady (naive) and SharedCut. Its companion, plumbing/stalesync_details.py,
+holds the checks, the brakes, dynamic sampling, the Batch format and the checkpoint state.
 
-Shapes: B samples in a batch, G group size, R rows in flight, n_i tokens of sample i,
-S staleness bound, v policy version (batches trained), k batch index (trained at v = k).
+Notation: G is the group size, B the samples in a batch, n_i the tokens of sample i, R the rows in
+flight (in SharedCut, the replicas), and v the policy version, the number of batches trained.
 
-Relatives: AReaL (admission capacity (S + v + 1) * B), MindSpeed-RL and Kimi k1.5 (partial
-rollout, per-sample age cap), Pangu Embedded (stale-synchronous stages, S = 4). Departures from
-the source system (Huawei's RL post-training on CloudMatrix 384) and its kin:
-1. Whole groups are the unit of admission, age and regeneration: GRPO's advantage needs every
-   sample of a group, and all of a group's samples start together.
-2. The scheduler is a plain object that the caller drives: colocated, rollout(spans, cut) then
-   update() (separated: see the companion). Moving samples and weights is the caller's job: the
-   only collectives here are the cuts'.
-3. Ages are counted in policy versions (batch indices), not wall time.
+Related systems: AReaL caps admission at (S + v + 1) * B. MindSpeed-RL and Kimi k1.5 use partial
+rollouts with a per-sample age cap. Pangu Embedded runs stale-synchronous stages with S = 4.
+This file departs from the source system (Huawei's RL post-training on CloudMatrix 384) and its
+kin in three ways. First, whole groups are the unit of admission, age and regeneration. GRPO's
+advantage needs every sample of a group, and a group's samples start together. Second, the
+scheduler is a plain object that the caller drives. A colocated caller calls rollout(spans, cut),
+then update(). The companion describes a separated caller. The caller moves samples and weights,
+and the only collectives here are the cuts'. Third, ages count policy versions (batch indices),
+not wall time. Its bench: `python bench/stalesync.py --lengths lognormal:3,1`.
 
-    python -m pytest tests/test_stalesync.py
-    python bench/stalesync.py --lengths lognormal:3,1
-
-Using this file elsewhere: torch only, and a process group only for the cuts. Copy stalesync.py
-together with its companion plumbing/stalesync_details.py (keep the folder, or change the one import
-line). Example (the test tests/test_copy_alone.py runs it in a folder that holds only the two):
+To use this file elsewhere, copy it with its companion, plumbing/stalesync_details.py. Keep the
+folder, or change the one import line. It needs torch, and a process group only for the cuts.
+The test tests/test_copy_alone.py runs this example in a folder that holds only the two files:
 
     import torch
     from stalesync import StaleConfig, StaleSync
@@ -73,20 +69,20 @@ from plumbing.stalesync_details import (
 
 # ---------------------------------------------------------------------------------- the naive round
 def sync_rollout(step_fn, prompts, group_size, seeds):
-    """G responses per prompt in one sampler call with no cut: it returns when the longest is done.
-    prompts: list of (P_i,); seeds (B,), B = len(prompts) * G. Returns tokens, logprobs, done."""
+    """Sample G responses per prompt in one sampler call, with no cut. So it returns when the
+    longest is done. prompts holds (P_i,) tensors, and seeds is (B,), B = len(prompts) * G."""
     contexts = [p for p in prompts for _ in range(group_size)]
     n_done = torch.zeros(len(contexts), dtype=torch.long)                             # (B,)
     return unpack_sampled(step_fn(contexts, seeds, n_done, None), len(contexts))
 
 
 # -------------------------------------------------------------------------------------- the sampler
-# The sampler, step_fn(contexts, seeds, n_done, max_steps) -> (tokens, logprobs, done), is called
-# once per decode chunk on the rows in flight: each row's prompt and response so far, its seed (the
-# same at every call on it), how many response tokens it has, and at most max_steps new tokens a
-# row (None: to the end). It returns each row's new tokens, their log-probs, and whether it ended.
-# A cached sampler keeps its KV cache between chunks: StaleSync calls its reset() when it is stale.
-# The contract in full (types, shapes, a cache's state): the companion, above unpack_sampled.
+# The sampler is step_fn(contexts, seeds, n_done, max_steps) -> (tokens, logprobs, done).
+# StaleSync calls it once per decode chunk on the rows in flight, with each row's prompt and
+# response so far, its seed (the same at every call), and its response length. A row gets at most
+# max_steps new tokens (None means to the end). The sampler returns each row's new tokens, their
+# log-probs, and whether the row ended. A cached sampler keeps its KV cache between chunks. Its
+# reset() frees it at each round's end and in update(). The companion has the full contract.
 
 
 # ------------------------------------------------------------------------------------ the scheduler
@@ -96,7 +92,7 @@ class StaleConfig:
     groups_per_step: int = 2    # groups in a step's batch (this replica's; SharedCut varies it)
     group_size: int = 8         # G: responses per prompt
     threshold: float = 1.0      # in (0, 1]: a batch is this share of the pool, which decodes
-                                #   groups_per_step / threshold groups at once (the cut: below)
+                                #   groups_per_step / threshold groups at once (pool_groups)
     chunk_steps: int = 8        # decode steps per sampler call (at S > 0)
     max_len: int = 1 << 17      # brake: a row not done at this many tokens raises (check_budget)
     max_filtered: int = None    # brake: keep_group drops at most this many groups while one batch
@@ -114,37 +110,36 @@ def _complete(g):
     return all(s["done"] for s in g["samples"])
 
 
-# The invariants (S the staleness bound, batch k trained at version k), and what keeps each:
-#   staleness   trained groups started at versions >= k - S      decode, _due, ready, take
+# The invariants, and the functions that keep each. Batch k is trained at version k.
+#   staleness   batch k's groups started at versions >= k - S    decode, _due, ready, take
 #   admission   slots_opened <= capacity() at every version      admit
 #   one a slot  each slot ends with exactly one trained group    admit, _keep_completed, take
-#   accounted   each sample is trained, regenerated, filtered    _new_samples, _keep_completed,
-#               or in flight (fate, pool): exactly one of them   take (accounting() lists them)
+#   accounted   each sample is in exactly one state: trained,    _new_samples, _keep_completed,
+#               regenerated, filtered or in flight               take (accounting() lists them)
 #   S = 0       the synchronous path, bit for bit                decode (max_steps None), _due
 #   one turn    every rank cuts batch k at the same loop turn    post_or_wait, AllReady, SharedCut
-# Why staleness and one turn hold: the cut of batch k (below), and the argument above post_or_wait.
 class StaleSync:
-    """The scheduler. Its unit is a group, G samples of one prompt, which fills a slot.
+    """The scheduler. Its unit is a group, the G samples of one prompt. A group fills a slot.
 
     Slots are numbered 0, 1, 2, ... as they open, and each ends up with exactly one trained group.
-    A group's seeds are seed_fn(slot, attempt, member), its prompt prompt_fn(slot, attempt) of the
-    attempt that drew it: attempt 0 first, one more each time the filter drops the slot's group (a
-    new prompt drawn) or its age restarts it (the prompt kept, fresh seeds). So where prompt_fn and
-    seed_fn map slots into a global batch, a slot gets the same prompt and samples however the
-    batch is split over replicas.
+    A slot's attempt starts at 0. It goes up by one when the filter drops the slot's group (a new
+    prompt is drawn), and when the group's age restarts it (the prompt is kept, the seeds fresh).
+    A group's seeds are seed_fn(slot, attempt, member), and its prompt is prompt_fn(slot, attempt)
+    for the attempt that drew it. So where prompt_fn and seed_fn map slots into a global batch, a
+    slot gets the same prompt and samples however the batch is split over replicas.
 
-    prompt_fn(slot, attempt) -> a group's prompt, (P,) int64 or a list of ints. The optional ones:
-    seed_fn(slot, attempt, member) -> int (default: the sample's id, 0, 1, 2, ... as made);
-    keep_group(prompt, responses) -> bool, dynamic sampling (filter_groups, in the companion).
-    An option subclasses it, overriding a method that does the default thing here: decode
-    (options/lockstep.py), _keep_completed (options/streaming.py, which sets max_steps too),
-    _keep_per_token and _per_token (options/routing_replay.py)."""
+    prompt_fn(slot, attempt) returns a group's prompt, a (P,) int64 tensor or a list of ints.
+    The optional seed_fn(slot, attempt, member) returns an int. By default a sample's seed is its
+    id (0, 1, 2, ... in the order made). The optional keep_group(prompt, responses) returns a bool.
+    It does dynamic sampling (filter_groups, in the companion). Options subclass StaleSync and
+    override methods that do the default thing here: decode (options/lockstep.py), _keep_completed
+    (streaming.py, which sets max_steps too), _keep_per_token and _per_token (routing_replay.py)."""
 
     def __init__(self, cfg: StaleConfig, step_fn, prompt_fn, seed_fn=None, keep_group=None):
         self.cfg, self.step_fn, self.prompt_fn, self.seed_fn = cfg, step_fn, prompt_fn, seed_fn
         self.keep_group = keep_group
         self.reset_fn, self.sampler_state = sampler_cache(step_fn)  # None: it has none
-        # new tokens per row of a sampler call: at S = 0 no cut (None), the synchronous call
+        # The most new tokens per row in a sampler call. At S = 0 it is None: the call has no cut.
         self.max_steps = None if cfg.staleness == 0 else cfg.chunk_steps
         self.version = 0          # v: the weights the sampler uses now
         self.batches_out = 0      # k: batches emitted; the next one is trained at version k
@@ -162,11 +157,10 @@ class StaleSync:
 
     # --- the rounds and the weights: what a colocated caller calls
     def rollout(self, spans=None, cut=None):
-        """Colocated round: admit and decode until batch k (k = version) is cut; emit it.
-        spans(name) times it ("rollout"). cut(sched) -> None, or this scheduler's share (take()'s
-        arguments), is called once per loop turn on every rank (default: cut_alone; see
-        SharedCut). The round ends with the sampler's reset(): its cache is rollout memory, and
-        stale once the step is trained."""
+        """Run one colocated round and return batch k, k being the version. Each loop turn calls
+        cut(self) on every rank, and admits and decodes while it returns None. Once batch k is
+        ready, cut returns this scheduler's share as take()'s arguments. The default cut is
+        cut_alone, and SharedCut is the distributed one. spans(name) times it as "rollout"."""
         check_rollout(self)
         cut = cut or StaleSync.cut_alone
         with (spans("rollout") if spans else nullcontext()):
@@ -179,8 +173,8 @@ class StaleSync:
         return batch
 
     def update(self, version=None):
-        """New weights reached the sampler: version + 1, after the optimizer step (a separated
-        caller's `version`: see the companion). The sampler's cache is stale: reset()."""
+        """Record that new weights reached the sampler, after the optimizer step. The version
+        becomes version + 1, or a separated caller's `version` (see the companion)."""
         check_update(self, version)
         self.version = self.version + 1 if version is None else int(version)
         if self.reset_fn is not None:
@@ -192,9 +186,9 @@ class StaleSync:
         return (self.cfg.staleness + self.version + 1) * self.cfg.groups_per_step
 
     def admit(self):
-        """Start groups while fewer than pool_groups are in flight: reopened slots first (within
-        the capacity already), then new ones while slots_opened < capacity(), so that
-        slots_opened <= capacity() always holds. At S = 0 that is one batch per version."""
+        """Start groups while fewer than pool_groups are in flight, and return how many started.
+        Reopened slots come first, since they already count within capacity(). A new slot opens
+        only while slots_opened < capacity(). At S = 0 that opens one batch's slots per version."""
         started = 0
         while self.in_flight() < self.cfg.pool_groups:
             if self.reopen:
@@ -228,11 +222,10 @@ class StaleSync:
 
     # --- decoding
     def decode(self):
-        """One sampler call on every row in flight: up to chunk_steps new tokens each, kept with
-        their log-probs and the current version. Returns the tokens made. At S = 0 the call has no
-        cut (max_steps=None): once per round, and once per refill of dropped groups, the very call
-        sync_rollout makes, so the samples, updates and parameters are the synchronous path's, bit
-        for bit."""
+        """Make one sampler call on every row in flight, and return the number of tokens made.
+        Each row gets up to chunk_steps new tokens, kept with their log-probs and the version.
+        At S = 0 the call has no cut (max_steps=None), as in sync_rollout, once per round and per
+        refill of dropped groups. So samples, updates and parameters match that path bit for bit."""
         rows = [(g, s) for g in self.pool for s in g["samples"] if not s["done"]]
         if not rows:  # nothing to decode on this rank
             return 0
@@ -261,24 +254,24 @@ class StaleSync:
         """A call's other per-token outputs (`out`'s), kept with their samples: none here."""
 
     def _keep_completed(self, groups):
-        """Dynamic sampling (keep_group, in the companion) drops some of the groups a call
-        completed, and their slots reopen. Returns those kept."""
+        """Return the groups a call completed that dynamic sampling keeps. keep_group drops the
+        others (filter_groups, in the companion), and their slots reopen."""
         return filter_groups(self, groups)
 
     # --- the cut of batch k, trained at version k
-    # A sample's age at batch k is k - start_version, the version of its group's first token. At
-    # batch k a group in the pool is one of three kinds:
-    #   due     it started at a version <= k - S: batch k is its last chance to train within S;
-    #   needed  one of the first groups_per_step due groups, in admission order: batch k takes it;
-    #   spare   any other complete group: the spare groups fill the batch, lowest slot first.
-    # Batch k is ready once its needed groups are complete and groups_per_step groups are complete
-    # in all. At S = 0 every started group is due, so the cut waits for all of them.
-    # A due group left out (more fell due at once than a batch holds, which needs S >= 2) is
-    # regenerated: restarted with fresh samples, counted (stale/regenerated), never trained.
-    # Dropping it would lose its prompt, and the prompts with long answers are the ones that age
-    # out. A retry keeps the prompt mix, though for each prompt it still favours the attempts that
-    # finish in time.
-    # One round: S = 1, groups_per_step 2, batch 3 (due: started at version 2 or before).
+    # A group's start_version is the version of its first token. At batch k its age is
+    # k - start_version, and the cut sorts the groups in the pool into three kinds:
+    #   due     It started at version k - S or before. Batch k is its last chance within S.
+    #   needed  It is among the first groups_per_step due ones, by admission. Batch k takes it.
+    #   spare   It is complete and not needed. The spare groups fill the batch, lowest slot first.
+    # Batch k is ready once its needed groups are complete, and groups_per_step groups are
+    # complete in all. At S = 0 every started group is due, so the cut waits for all of them.
+    # A due group is left out when more groups fall due at once than a batch holds. That needs
+    # S >= 2 (see above _needed_per_replica). The group is then regenerated: it restarts with
+    # fresh samples, it is counted in stale/regenerated, and it is never trained. Dropping it
+    # instead would lose its prompt, and the prompts with long answers are the ones that age out.
+    # A retry keeps the prompt mix. For each prompt it still favours the attempts that end in time.
+    # An example: S = 1 and groups_per_step = 2. At batch 3 the due groups started by version 2.
     #   slot 6  started at v2, complete   due, and needed
     #   slot 7  started at v3, decoding   not due
     #   slot 8  started at v3, complete   spare
@@ -312,8 +305,8 @@ class StaleSync:
         return None
 
     def take(self, n=None, needed=None):
-        """Emit batch k: n groups (default groups_per_step), the first `needed` due ones (default:
-        up to groups_per_step), then the lowest-slot spare ones; regenerate the due ones left."""
+        """Emit batch k of n groups: the first `needed` due groups, then the lowest-slot spare
+        ones. Both default to groups_per_step. The due groups left out are regenerated."""
         k, n = self.batches_out, self.cfg.groups_per_step if n is None else n
         needed = self._needed(needed)  # the groups
         spare = self._spare(needed)
@@ -342,9 +335,9 @@ class StaleSync:
 
     # --- what SharedCut (below) asks of each replica's scheduler
     def offer(self):
-        """The rule's counts at batch k: due, the due groups; done, the due groups complete
-        before the first that is not; complete, the complete groups; work, whether a group is in
-        flight or may start."""
+        """This scheduler's counts at batch k, for SharedCut. `due` counts the due groups. `done`
+        counts the due groups that are complete before the first one that is not. `complete`
+        counts all complete groups. `work` says whether a group is in flight or may start."""
         due = self._due()
         done = next((i for i, g in enumerate(due) if not _complete(g)), len(due))
         work = self.in_flight() > 0 or bool(self.reopen) or self.slots_opened < self.capacity()
@@ -370,20 +363,20 @@ class StaleSync:
 
 
 # ----------------------------------------------------------------------------------------- the cuts
-# Why every rank of a distributed cut cuts at the same loop turn. Each turn, every rank that trains
-# together makes one collective through post_or_wait (AllReady: an all-reduce of a flag; SharedCut:
-# an all-gather of offer()'s counts), and:
-#   1. collectives pair in order, so at turn n every rank that waits reads the parts that every
-#      rank posted at its turn n, and computes yes or no from those alone: they all agree;
-#   2. a rank waits unless its own part says no (AllReady: its flag is 0, so the MIN is 0;
-#      SharedCut: its first needed groups are not complete, and a cut needs every replica's). It
-#      posts and decodes on, and it is right: the ranks that wait read its part, and answer no.
-# So a turn's answer is yes only if every rank waited and read yes: then every rank cuts (and
-# SharedCut's all-gather of the spare slots pairs too). Otherwise every rank goes on to turn n + 1.
+# Why every rank of a distributed cut cuts at the same loop turn. On each turn, every rank that
+# trains with the others makes one collective through post_or_wait. AllReady's is an all-reduce
+# of a flag, and SharedCut's an all-gather of offer()'s counts. Two facts make the ranks agree.
+#   1. Collectives pair in the order they are made. So on turn n, each rank that waits reads the
+#      parts that every rank posted on its own turn n. All of them compute the same yes or no.
+#   2. A rank skips the wait only when its own part already says no. Under AllReady its flag is
+#      0, so the MIN is 0. Under SharedCut its first needed groups are not complete, and a cut
+#      needs every replica's. Such a rank posts and decodes on, and the ranks that wait answer no.
+# So a turn's answer is yes only when every rank waited and read yes. Then every rank cuts, and
+# SharedCut's second all-gather (of the spare slots) pairs too. Else all go on to turn n + 1.
 def post_or_wait(cut, collective, tensors, wait):
-    """One collective of a cut, collective(async_op=...): posted (its tensors kept in cut.posted
-    until done), or, if wait, posted and waited for, with this rank's earlier posts (paired by now,
-    so that an error surfaces). The wait goes through cut.wait (a subclass may work meanwhile)."""
+    """Start one collective of a cut. Without `wait`, cut.posted keeps its work and tensors until
+    it is done. With `wait`, wait for it through cut.wait (a subclass may work meanwhile), then
+    for this rank's earlier posts, which have paired by now, so that their errors surface."""
     if not wait:
         cut.posted.append((collective(async_op=True), tensors))
         return
@@ -395,9 +388,9 @@ def post_or_wait(cut, collective, tensors, wait):
 
 
 class AllReady:
-    """Colocated, the naive cut: each rank gives its own groups_per_step once every rank that trains
-    together is ready, an all-reduce MIN of a flag per loop turn. One replica's bad luck (a chain of
-    dropped groups) is then the whole step's time: SharedCut fixes that."""
+    """The naive colocated cut. Each rank gives its own groups_per_step groups once every rank
+    that trains with it is ready, as an all-reduce MIN of a flag tells on each loop turn. So one
+    replica's bad luck (a chain of dropped groups) sets the step's time. SharedCut fixes that."""
 
     def __init__(self, group=None, device="cpu", spans=None):  # spans: times the waits
         self.group, self.device, self.spans = group, device, spans
@@ -416,22 +409,23 @@ class AllReady:
 
 
 class SharedCut:
-    """Colocated, the real cut: the R replicas that train together cut one batch of
-    R * groups_per_step groups from the union of their pools, by StaleSync's rule:
-      1. needed: each replica's first due groups, up to its groups_per_step; then, while the batch
-         has room, its other due groups, the lower replica first (at S = 1: every due group, so
-         none ages out; why, below);
-      2. ready: once every replica's needed groups are complete, and together the replicas hold
-         as many complete groups as the batch;
-      3. taken: each replica's needed groups, then the spare groups of the lowest (slot, replica)
-         of all, until the batch is full.
-    So a replica held back (its groups dropped again and again) no longer holds the step: its
-    peers' complete groups of later slots take its place. A replica's share varies, the batch
-    does not. Every slot is still trained once, within S. At S = 0 each replica gives
-    groups_per_step, as under AllReady. Its collectives, and why every rank decides alike: above
-    post_or_wait. Traced, three rounds: docs/walkthrough.md ("The shared cut, traced").
-    replica, leader: each rank of a replica of several ranks (inference TP) posts, so that the
-    collectives pair. Only the leader's part counts: the others hold the same pool."""
+    """The real colocated cut. The replicas that train together cut one batch from the union of
+    their pools. The batch holds the sum of their groups_per_step. It follows StaleSync's rule:
+      1. Needed. Each replica's first due groups, up to its groups_per_step, are needed. While the
+         batch has room, its other due groups are needed too, the lower replica first. At S = 1
+         that is every due group, so none ages out (see above _needed_per_replica).
+      2. Ready. Every replica's needed groups are complete, and the replicas together hold as
+         many complete groups as the batch.
+      3. Taken. Each replica gives its needed groups. The spare groups with the lowest
+         (slot, replica) over all the replicas fill the rest of the batch.
+    So a replica held back (its groups dropped again and again) no longer holds back the step.
+    Its peers' complete groups of later slots take its place. A replica's share varies, but the
+    batch does not. At S = 0 each replica gives groups_per_step groups, as under AllReady.
+    docs/walkthrough.md traces three rounds ("The shared cut, traced").
+
+    A replica may span several ranks (inference TP). Each of them passes the same `replica` and
+    posts on every turn, so that the collectives pair. Only the `leader`'s part counts, because
+    the others hold the same pool."""
 
     FACTS = ("leader", "replica", "due", "done", "complete", "work", "gps")  # posted per turn
 
@@ -446,16 +440,19 @@ class SharedCut:
         work.wait()
 
     def __call__(self, sched):
+        """One loop turn: None, or this replica's share of batch k as take()'s (n, needed)."""
         offer, gps = sched.offer(), sched.cfg.groups_per_step
         facts = dict(offer, leader=self.leader, replica=self.replica, gps=gps)
         mine = torch.tensor([facts[f] for f in self.FACTS], dtype=torch.long,
                             device=self.device)                                    # (7,): FACTS
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
         all_gather = functools.partial(dist.all_gather, everyone, mine, group=self.group)
+        # A replica needs at least min(due, gps) groups. If those are incomplete, the answer is no.
         ready = offer["done"] >= min(offer["due"], gps)  # its first needed groups are complete
         post_or_wait(self, all_gather, everyone, wait=ready)
         if not ready:
             return None
+        # The ranks that waited all read the same parts. Keep one per replica, the leader's.
         replicas = [dict(zip(self.FACTS, r.tolist())) for r in everyone if r[0]]  # the leaders'
         replicas.sort(key=lambda r: r["replica"])
         batch = sum(r["gps"] for r in replicas)
@@ -464,22 +461,23 @@ class SharedCut:
         if any(r["done"] < n for r, n in zip(replicas, needed)) or complete < batch:
             check_replicas_not_stuck(sched, replicas, complete, batch)
             return None
+        # Step 3 of the rule: this replica's needed groups, and its spare groups that win a place.
         my_needed = needed[[r["replica"] for r in replicas].index(self.replica)]
         spare_places = batch - sum(needed)
         my_spares = self._spares_taken(sched.spare_slots(my_needed), spare_places)
         return my_needed + my_spares, my_needed
 
-    # Why nothing ages out at S = 1 (R replicas, gps groups each, batch k cut at version k):
-    #   - a group due at batch k started at a version <= k - 1, so its slot opened by then, and
-    #     admission kept each replica's slots opened by version k - 1 within (k + 1) * gps;
-    #   - the k batches out took R * k * gps groups, every one from a slot opened by version k - 1
-    #     (batch j's groups started by version j), and each slot is trained once;
-    #   - so at most R * (k + 1) * gps - R * k * gps = R * gps slots opened by then are untrained:
-    #     the due groups fit in one batch, and _needed_per_replica places them all.
-    # At S >= 2 the batches out may also take slots opened after version k - S: more can fall due.
+    # Why the due groups fit in one batch at S = 1 (R replicas of gps groups, batch k at version k):
+    #   1. A group due at batch k started by version k - 1, so its slot opened by then. Admission
+    #      kept each replica's slots opened by version k - 1 within (k + 1) * gps.
+    #   2. The k batches out took R * k * gps groups. Batch j's groups started by version j, so
+    #      they all came from slots opened by version k - 1. Each slot trains once.
+    #   3. So at most R * (k + 1) * gps - R * k * gps = R * gps of those slots are untrained. Each
+    #      due group holds one, so the due groups fit, and _needed_per_replica places them all.
+    # At S >= 2 the batches out may also take slots opened after version k - S. More can fall due.
     @staticmethod
     def _needed_per_replica(replicas, batch):
-        """Each replica's needed groups, the lower replica first."""
+        """How many groups each replica needs (step 1 of the rule), the lower replica first."""
         base = [min(r["due"], r["gps"]) for r in replicas]
         room, out = batch - sum(base), []
         for r, b in zip(replicas, base):
@@ -489,7 +487,9 @@ class SharedCut:
         return out
 
     def _spares_taken(self, spare, places):
-        """How many of this replica's spare groups are among the `places` lowest (slot, replica)."""
+        """How many of this replica's spare groups are among the `places` lowest (slot, replica).
+        Each rank posts its replica (-1 if not the leader), then its `places` lowest spare slots
+        (it can win no more), padded with -1. All ranks compute one `places`, so sizes match."""
         mine = torch.full((places + 1,), -1, dtype=torch.long, device=self.device)  # (1 + places,)
         mine[0] = self.replica if self.leader else -1
         mine[1:1 + min(len(spare), places)] = torch.tensor(spare[:places], dtype=torch.long)
