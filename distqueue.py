@@ -22,8 +22,8 @@ Store. Five invariants keep it correct. Each one names its keys and the function
 - A DP group keeps all of a read or none of it. Dp rank 0 writes its claim in plan/..., each rank
   votes in done/..., and outcome/... holds the one verdict (_agree).
 - An owner frees a cell when all stages that read it kept it, as ack/<tag> says (serve, _delivered).
-So no two reads keep the same row. docs/walkthrough.md, "One DistQueue read, traced", lists every
-store operation of one read. Every wait serves other ranks' requests while it waits. On a timeout
+So no two reads keep the same row. docs/walkthrough.md, "One DistQueue read, traced", lists the
+store operations of one read. Every wait serves other ranks' requests while it waits. On a timeout
 it raises TimeoutError naming the stage, the rows and the rank. So a rank whose cells are still
 wanted must call the queue (serve()) before it blocks on anything else.
 

@@ -359,8 +359,9 @@ class FusedActor:
     @torch.no_grad()
     def to_rollout(self):
         """TRAIN -> ROLLOUT; returns the engine. If it raises, this actor is back in TRAIN as it was
-        (a mover that raises leaves its own state as it was); an error inside the gather raises on
-        every rank (the transport's ok flag), one elsewhere on its own rank."""
+        and so is a mover that raised before moving anything (moe_switch's checks). A mover that
+        fails inside its collectives leaves its state part-moved: the run must end. An error inside
+        the gather raises on every rank (the transport's ok flag), one elsewhere on its own rank."""
         self._expect(TRAIN, "to_rollout() called")
         t0 = time.perf_counter()
         reshard_all(self.model)

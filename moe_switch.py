@@ -14,8 +14,8 @@ The default run (train_grpo.py) trains at EP 2 and generates at EP 1. This file,
   reshard_naive, reshard    the naive switch, then the bucketed one (plan_reshard, _Memory)
   EPMoE                     the EP layer: forward (route, send, local experts, combine), switch()
   ExpertParallel            a model's MoE layers: apply, to_rollout, to_train, clip_grads
-The companion plumbing/moe_switch_details.py holds what a learner may take on trust: the checks,
-the groups, the switch's agreement and the decode's fast path. options/eplb.py places by load.
+The companion plumbing/moe_switch_details.py holds the checks, the groups, the switch's agreement,
+the decode's fast path, the all_to_all's autograd and the experts' grad sync and clip.
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
   1. Each expert slice (name, e) is its own tensor, not a view of a stacked (E, D, H) parameter,
@@ -334,7 +334,7 @@ class EPMoE(nn.Module):
     w_gate, w_up and w_down hold one Parameter per global expert, empty (numel 0) where this rank
     does not own it. So the Parameter set, and an optimizer built on it, is the same under every
     layout. An owned expert's grad covers its EP group's tokens only. clip_grads sums it over the
-    replicas (layout.dp_group_ranks). The replicated router's grad must be summed over the world."""
+    replicas (layout.dp_group_ranks). FSDP averages the replicated router's grad over the world."""
 
     def __init__(self, d_model, d_hidden, n_experts, top_k, layout, group=None):
         """Uninitialised, the global RNG untouched: use from_dense for a layer with weights."""

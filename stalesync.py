@@ -20,7 +20,7 @@ holds the checks, the brakes, dynamic sampling, the Batch format and the checkpo
 Notation: G is the group size, B the samples in a batch, n_i the tokens of sample i, R the rows in
 flight (in SharedCut, the replicas), and v the policy version, the number of batches trained.
 
-Related systems: AReaL caps admission at (S + v + 1) * B. MindSpeed-RL and Kimi k1.5 use partial
+Related systems: AReaL caps admission at (S + v + 1) batches. MindSpeed-RL and Kimi k1.5 use partial
 rollouts with a per-sample age cap. Pangu Embedded runs stale-synchronous stages with S = 4.
 This file departs from the source system (Huawei's RL post-training on CloudMatrix 384) and its
 kin in three ways. First, whole groups are the unit of admission, age and regeneration. GRPO's

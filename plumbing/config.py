@@ -105,7 +105,7 @@ class Config:
     grad_clip: float = flag(1.0, "gradient norm clip")
     # staleness (stalesync.py)
     staleness: int = flag(1, "S: most policy versions a trained sample may lag (0: synchronous)")
-    threshold: float = flag(0.5, "in (0, 1]: a replica's decode pool holds its share of "
+    threshold: float = flag(0.5, "in (0, 1]: a replica decodes at once its share of "
                                  "prompts_per_step / threshold groups; a round ends once the "
                                  "batch can be cut (its due groups and enough others complete)")
     chunk_steps: int = flag(8, "decode steps between checks for a finished batch (S > 0)")
