@@ -15,8 +15,8 @@ to_train() undoes the three, in reverse.
 This file is the default run's path (train_grpo.py): FSDP2 over all W ranks (the experts aside:
 moe_switch.py's, a mover); the engine is the whole model at TP 1, and the gather writes straight
 into its parameters. The bytes move through a transport (the seam: Broadcasts's docstring says
-what one must do): Broadcasts, the plain way (gloo; nccl on GPUs, untested past one rank), or on
-one CPU host plumbing/shm_transport.py's SharedMemory, the same contract through shared memory.
+what one must do): Broadcasts, the plain way and the default run's (gloo; nccl on GPUs, untested
+past one rank), or on one CPU host plumbing/shm_transport.py's SharedMemory (--shm-transport 1).
 The other paths are FusedActor subclasses in options/ (tensor_parallel.py: an engine at any TP
 degree, through its load_weights; owners.py: pipeline stages, HSDP; offload_params.py: the shards
 offloaded too). The companion, plumbing/fusion_details.py, holds what a learner can take on trust:
@@ -315,8 +315,7 @@ class FusedActor:
       movers            objects with to_rollout() and to_train(), called last in to_rollout() and
                         first in to_train(); their `names` are not built here, their `stats` join
                         metrics().
-      transport         Broadcasts() (if none is given) or SharedMemory (the default run's on
-                        one CPU host); close() closes it.
+      transport         Broadcasts() (the default) or SharedMemory; close() closes it.
       group             the actor's ranks (None: every rank; a hybrid deployment keeps others).
     The options' subclasses (options/) override the seams: _weights_to_build (which weights, held
     by which ranks), _check_engine and _fill (how the buckets reach the engine), _gathered."""

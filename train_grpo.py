@@ -41,7 +41,7 @@ import stalesync
 import task
 from plumbing.config import model_config, parse_args, validate
 from model import Policy, Sampler
-from plumbing import checkpoint, shm_transport
+from plumbing import checkpoint
 from plumbing.distributed import host_group, setup_distributed, world_size
 from plumbing.run import optimizer_groups, planned, say_layout, start, warm_up_target
 from plumbing.evaluation import curriculum_figures, eval_figures, held_out_correct, is_eval_step
@@ -263,9 +263,11 @@ def build(cfg, out_dir=None):
         tensor_parallel.apply_to_run(run)
     build_rollout(run)
     # the actor: one phase switch (Adam state to host, the engine built from the shards, experts
-    # moved); the gather reads the peers' shards in shared memory on one host, else broadcasts
-    transport = shm_transport.SharedMemory.connect(run.model, cfg.pg_timeout_s)
-    transport = transport or fusion.Broadcasts()
+    # moved); the gather broadcasts in place (--shm-transport 1: reads shared memory on one host)
+    transport = fusion.Broadcasts()
+    if cfg.shm_transport:
+        from plumbing import shm_transport
+        transport = shm_transport.SharedMemory.connect(run.model, cfg.pg_timeout_s) or transport
     movers = [m for m in (run.experts, run.grad_sync) if m is not None]
     run.actor = run.actor_class(run.model, run.optimizer, run.engine,  # fusion.FusedActor
                                 bucket_bytes=cfg.bucket_kb * 1024, movers=movers,

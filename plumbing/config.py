@@ -139,6 +139,9 @@ class Config:
                                           "against, before any process group (default: none "
                                           "checked; --layout auto: the device's)")
     bucket_kb: int = flag(256, "bucket size in KiB for building and pushing inference weights")
+    shm_transport: bool = flag(False, "1: the engine's weights gathered from the peers' FSDP2 "
+                                      "shards in shared memory, on one CPU host "
+                                      "(plumbing/shm_transport.py); 0: in-place broadcasts")
     train_pp: int = flag(1, "pipeline stages in training (options/pipeline.py): "
                             "each holds n_layers / train_pp blocks on world / "
                             "train_pp ranks (FSDP2 over them); 1: no pipeline")

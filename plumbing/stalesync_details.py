@@ -92,7 +92,7 @@ def check_progress(tokens, done, rows, max_steps):
 
 def check_budget(sched, rows):
     """Brake: a row still not done at max_len tokens is the sampler's fault. Raise max_len for
-    longer outputs: the default is past today's response budgets."""
+    longer outputs: the default is past the response budgets in use."""
     max_len = sched.cfg.max_len
     if not max_len:
         return

@@ -61,7 +61,7 @@ def summary(out):
 @pytest.mark.slow
 def test_two_torchrun_agents_train_as_one_agent_with_two_processes_and_resume(tmp_path):
     one, two, resumed = (str(tmp_path / name) for name in ("one", "two", "resumed"))
-    said_one = one_node(one)
+    said_one = one_node(one, "--shm-transport=1")
     said_two = "".join(two_nodes(two, "--save-every=2"))
     assert "switch: in place, SharedMemory" in said_one             # one node: the peers' shards in shared memory
     assert "switch: in place, Broadcasts" in said_two               # two nodes: never another node's memory
