@@ -261,8 +261,8 @@ class Broadcasts:
     """A transport moves each weight from its owners into a full-size tensor on every rank. This
     one is the plain way: gather_into's broadcasts through the process group, any backend, any
     hosts. plumbing/shm_transport.py's SharedMemory is the same contract done through shared
-    memory on one host (each rank copies its peers' rows out of their memory): the default CPU
-    run's. The contract, what FusedActor calls of a transport:
+    memory on one host (each rank copies its peers' rows out of their memory): --shm-transport 1.
+    The contract, what FusedActor calls of a transport:
       keeps_shards   True where the shards must stay in their storages (never offloaded).
       gathering(params, layout, group)   a context around a switch's whole gather; leaving it, the
                      ranks agree on an ok flag: where one raised inside, every rank raises.

@@ -333,8 +333,8 @@ class EPMoE(nn.Module):
     """The MoE with its experts split over an EP group, a drop-in for a dense MoE (from_dense).
     w_gate, w_up and w_down hold one Parameter per global expert, empty (numel 0) where this rank
     does not own it. So the Parameter set, and an optimizer built on it, is the same under every
-    layout. An owned expert's grad covers its EP group's tokens only. clip_grads sums it over the
-    replicas (layout.dp_group_ranks). FSDP averages the replicated router's grad over the world."""
+    layout. An owned expert's grad covers its EP group's tokens only. clip_grads makes it the mean
+    over all ranks (summed over layout.dp_group_ranks). FSDP averages the router's grad likewise."""
 
     def __init__(self, d_model, d_hidden, n_experts, top_k, layout, group=None):
         """Uninitialised, the global RNG untouched: use from_dense for a layer with weights."""

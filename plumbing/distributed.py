@@ -3,12 +3,15 @@
 
 --device auto takes the accelerator torch finds (CUDA, XPU, or a plugin's device such as Ascend's
 NPU) where torch has a process group backend of its own for it (nccl, xccl, hccl), else the CPU with
-gloo. Each process takes the device of its LOCAL_RANK; every group gets the run's timeout.
+gloo. Each process takes the device of its LOCAL_RANK; every group gets the run's timeout. On CPU,
+keep_freed_memory() keeps what a phase frees for the next, as CUDA's caching allocator does.
 
     python -m pytest tests/test_config.py
 """
+import ctypes
 import datetime
 import os
+import platform
 import types
 
 import torch
@@ -148,3 +151,28 @@ def host_group(device, timeout_s):
 def world_size():
     """The job's world size: the process group's once it exists, else torchrun's WORLD_SIZE or 1."""
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def keep_freed_memory():
+    """Make this process keep the host memory it frees for its next tensors, as CUDA's caching
+    allocator keeps device memory. On CPU a tensor's memory is glibc malloc's, which decides by the
+    history of block sizes whether a freed block stays with the process or goes back to the OS; when
+    it goes, the next phase faults it back in 4 KiB at a time, and a switch (which frees one phase's
+    memory for the other) costs that every time. Fixed thresholds decide instead: the main thread's
+    blocks below 1 GiB come from its heap, trimmed only above 2 GiB free. The cost is the caching
+    allocator's: resident memory stays at its peak, holes included (the first switches grow the
+    heap; later ones reuse it). Process-wide: call it once, when a CPU run is built. glibc malloc
+    only: returns False where it is not the allocator (musl, or jemalloc or tcmalloc preloaded) or
+    refuses the setting."""
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    libc, process = ctypes.CDLL("libc.so.6"), ctypes.CDLL(None)
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None or ctypes.cast(process.malloc, ctypes.c_void_p).value != \
+            ctypes.cast(libc.malloc, ctypes.c_void_p).value:  # another malloc is interposed
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    trim = bool(mallopt(m_trim_threshold, 2 ** 31 - 1))
+    # older glibc: 32 MiB
+    mapped = bool(mallopt(m_mmap_threshold, 1 << 30) or mallopt(m_mmap_threshold, 32 << 20))
+    return trim and mapped

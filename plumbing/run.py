@@ -23,9 +23,9 @@ import moe_switch
 import stalesync
 import task
 from model import Policy, Sampler
-from plumbing import checkpoint, shm_transport
+from plumbing import checkpoint
 from plumbing.config import Config, Roles, grpo_config, model_config, resolve
-from plumbing.distributed import setup_distributed
+from plumbing.distributed import keep_freed_memory, setup_distributed
 from plumbing.runlog import RunLog
 from plumbing.timeline import Spans
 
@@ -91,7 +91,7 @@ def start(cfg, out_dir=None, roles=None, cls=Run):
     rank, world, device = setup_distributed(cfg)
     cfg = resolve(cfg, world)  # --train-ep auto: EP on where the layout allows it
     if device.type == "cpu":  # what a phase frees stays with the process for the next, as on CUDA
-        shm_transport.keep_freed_memory()
+        keep_freed_memory()
     default = cfg.out or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     names = [out_dir or default, uuid.uuid4().hex[:12]]
     dist.broadcast_object_list(names, src=0)

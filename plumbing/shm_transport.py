@@ -1,7 +1,6 @@
 # Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (see LICENSE).
 """A transport for fusion.py: the ranks of one host gather the weights by reading each other's
-shards from shared memory (optional: fusion.py works without it). Also keep_freed_memory(): the
-host memory a phase frees stays for the next, as CUDA's caching allocator keeps device memory.
+shards from shared memory (optional, --shm-transport 1: fusion.py works without it).
 
 Shapes: W ranks in the shards' group, c = ceil(rows / W) rows per shard.
 
@@ -37,12 +36,10 @@ Costs: /dev/shm holds every FSDP2 shard (all but EP's experts), one file descrip
     python bench/fusion.py --switch-only  # a switch through shared memory against broadcasts
 
 Using this file elsewhere: torch and the standard library; Linux (/dev/shm, /proc, named pipes);
-glibc's malloc for keep_freed_memory; FSDP2 on CPU as fusion.py wants it (Shard(0), 1-D mesh).
+FSDP2 on CPU as fusion.py wants it (Shard(0), 1-D mesh).
 """
-import ctypes
 import math
 import os
-import platform
 import resource
 import select
 import shutil
@@ -55,31 +52,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-
-
-def keep_freed_memory():
-    """Make this process keep the host memory it frees for its next tensors, as CUDA's caching
-    allocator keeps device memory. On CPU a tensor's memory is glibc malloc's, which decides by the
-    history of block sizes whether a freed block stays with the process or goes back to the OS; when
-    it goes, the next phase faults it back in 4 KiB at a time, and a switch (which frees one phase's
-    memory for the other) costs that every time. Fixed thresholds decide instead: the main thread's
-    blocks below 1 GiB come from its heap, trimmed only above 2 GiB free. The cost is the caching
-    allocator's: resident memory stays at its peak, holes included (the first switches grow the
-    heap; later ones reuse it). Process-wide: call it once, when a CPU run is built. glibc malloc
-    only: returns False where it is not the allocator (musl, or jemalloc or tcmalloc preloaded) or
-    refuses the setting."""
-    if platform.libc_ver()[0] != "glibc":
-        return False
-    libc, process = ctypes.CDLL("libc.so.6"), ctypes.CDLL(None)
-    mallopt = getattr(libc, "mallopt", None)
-    if mallopt is None or ctypes.cast(process.malloc, ctypes.c_void_p).value != \
-            ctypes.cast(libc.malloc, ctypes.c_void_p).value:  # another malloc is interposed
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
-    trim = bool(mallopt(m_trim_threshold, 2 ** 31 - 1))
-    # older glibc: 32 MiB
-    mapped = bool(mallopt(m_mmap_threshold, 1 << 30) or mallopt(m_mmap_threshold, 32 << 20))
-    return trim and mapped
 
 
 class SharedMemory:

@@ -214,7 +214,7 @@ def test_shared_memory(world):
 
 FREE_THEN_REUSE = """
 import resource, torch
-from plumbing import shm_transport
+from plumbing.distributed import keep_freed_memory
 def cycles(stores, nbytes, k):  # a switch's pattern: free every storage, then allocate and write them again
     faults = []
     for _ in range(k):
@@ -228,7 +228,7 @@ def cycles(stores, nbytes, k):  # a switch's pattern: free every storage, then a
     return faults
 n = 40 << 20  # above glibc's largest dynamic mmap threshold (32 MiB): unmapped at free by default
 default = cycles([torch.ones(n, dtype=torch.uint8).untyped_storage() for _ in range(4)], n, 3)
-kept = shm_transport.keep_freed_memory()
+kept = keep_freed_memory()
 after = cycles([torch.ones(n, dtype=torch.uint8).untyped_storage() for _ in range(4)], n, 8)
 print(min(default), kept, max(after[-3:]))
 """
