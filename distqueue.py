@@ -14,25 +14,27 @@ stays on the rank that wrote it until a stage reads it. Three ideas make the que
 
 A read (DistQueue._read) coordinates the ranks through keys "<name>/..." in a torch.distributed
 Store. Five invariants keep it correct. Each one names its keys and the functions that keep it:
-- A row is claimed only whole. Key ready/<i> holds a put's cells, counted in ready/n (read_ready).
-- One claim at a time holds a row. A claim appends "token:rows;" to claims/<stage>/<b>. It takes
-  the rows no claim holds, and keeps them until its release "-token:rows;" (_claim_rows, holders).
+- A row is claimed only whole. Key ready/<i> holds a put's cells, counted in ready/n (_read_ready).
+- One reader claims a stage's rows: dp rank 0 of the one DP group that reads the stage. Its claim
+  is its own bookkeeping, so no row goes to two reads. The first read names the reader in
+  reader/<stage>, and any other is refused (_check_reader). SelectiveQueue lets several share it.
 - A pull (req/<owner>) is sent or cancelled, never both. The owner's answer and the reader's
   "cancelled" race for state/<tag>, and the first one written stays (_answer, _cancel).
 - A DP group keeps all of a read or none of it. Dp rank 0 writes its claim in plan/..., each rank
   votes in done/..., and outcome/... holds the one verdict (_agree).
 - An owner frees a cell when all stages that read it kept it, as ack/<tag> says (serve, _delivered).
-So no two reads keep the same row. docs/walkthrough.md, "One DistQueue read, traced", lists the
-store operations of one read. Every wait serves other ranks' requests while it waits. On a timeout
-it raises TimeoutError naming the stage, the rows and the rank. So a rank whose cells are still
-wanted must call the queue (serve()) before it blocks on anything else.
+docs/walkthrough.md, "One DistQueue read, traced", lists the store operations of one read. Every
+wait serves other ranks' requests while it waits. On a timeout it raises TimeoutError naming the
+stage, the rows and the rank. So a rank whose cells are still wanted must call the queue (serve())
+before it blocks on anything else.
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
 1. Data lives in host memory and moves on a gloo group (`pg`). The source's queue is an RDMA store.
 2. There are no separate queue servers. An owner serves its own cells inside any queue call.
 3. Ids are deterministic (local_count * world + rank), so a resumed run sees the same rows in order.
 The companion plumbing/distqueue_details.py holds the store, the log formats, the checks and their
-messages, the metrics and the checkpoints. The options' reads and puts: options/selective_queue.py.
+messages, the metrics and the checkpoints. options/selective_queue.py holds the options' reads and
+puts, and several readers of one stage.
 Run: python -m pytest tests/test_distqueue.py ; python bench/distqueue.py --lengths lognormal:5,1.2
 Shapes: B rows, K cells (row x field) in one transfer, T the longest cell.
 Copy alone: torch (CPU tensors, a gloo group), and a TCPStore or, in one process, a HashStore. Copy
@@ -70,8 +72,8 @@ import torch.distributed as dist
 
 from plumbing.distqueue_details import (  # what a learner can take on trust, by role:
     default_store,  # the rendezvous' store (a TCPStore client), or a HashStore in a world of one
-    publish, read_ready, ready_entries, cells_of, new_token, holders, claim_blocks, take_plan,
-    request, parse_request, ack,  # the store logs' formats: ready log, claims, plans, pulls, acks
+    ready_entries, parse_entries, cells_of, take_plan, request, parse_request,
+    ack,  # the store logs' formats: ready log, plans, pulls, acks
     check_spec, check_store, rank_and_world, check_pg, put_cells, check_columns, check_get,
     check_sent, check_header, refused, lacking, silent, peer_failed,  # checks; why a wait waits
     row_homes, read_last, count_sent, traffic,  # a row's home, a cell's last reader; metrics
@@ -79,7 +81,6 @@ from plumbing.distqueue_details import (  # what a learner can take on trust, by
 
 DTYPES = {"int64": torch.int64, "int32": torch.int32, "float32": torch.float32,
           "bfloat16": torch.bfloat16, "float16": torch.float16, "bool": torch.bool}
-CLAIM_BLOCK = 1024  # row ids per claim log: a claim reads its logs whole, so they stay short
 
 # ------------------------------------------------------------------------------ packing primitives
 
@@ -185,8 +186,8 @@ class DistQueue:
         self.next_local = 0   # rows this rank created (ids = next_local * world + rank)
         self.steps = {s: 0 for s in spec.stages}  # reads per stage: they name a DP group's keys
         self.inflight = {}    # tag -> (works, tensors, cells, stage): sent, alive until acked
-        self.claimer = int(store.add(self._k("claimers"), 1))  # unique per queue on this store
-        self.claims_made = 0  # reads this queue claimed for (their tokens: claimer.count)
+        self.me = int(store.add(self._k("queues"), 1))  # unique per queue on this store
+        self.reading = set()  # the stages this queue is the one reader of (_check_reader)
         self._reset_caches()
         check_pg(pg)  # host tensors, async p2p, so a gloo group
 
@@ -195,7 +196,7 @@ class DistQueue:
         return j * self.world + (self.rank if rank is None else rank)
 
     def _reset_caches(self):
-        # Per stage, the rows not seen claimed {row: {col: (owner, length)}} and the ready keys read
+        # Per stage, the rows it has not claimed {row: {col: (owner, length)}}, and the ready keys read
         self.unclaimed = {s: {} for s in self.spec.stages}
         self.ready_off = dict.fromkeys(self.spec.stages, 0)
 
@@ -216,8 +217,26 @@ class DistQueue:
         check_columns(self.spec, columns, len(ids))  # all validated before anything is published
         cells = put_cells(self, columns, ids, DTYPES)  # checked; the queue's own host copies
         self.cells.update(cells)
-        publish(self, ready_entries(self, cells))  # one ready-log key for this put's cells
+        self._publish(ready_entries(self, cells))  # one ready-log key for this put's cells
         self.serve()
+
+    def _publish(self, entries):
+        """Append to the ready log: count the key in ready/n, then write it."""
+        i = int(self.store.add(self._k("ready", "n"), 1)) - 1
+        self.store.set(self._k("ready", i), entries)
+
+    def _read_ready(self, stage):
+        """Read the ready log's new keys into self.unclaimed[stage]: one store round trip when there
+        is nothing new, three when there is. A key counted but not yet written stops the read: it
+        and the keys after it wait for a later poll (if its writer died, for ever). So the log is
+        read in order, and a row shows only the cells that are written."""
+        n = int(self.store.add(self._k("ready", "n"), 0))
+        keys = [self._k("ready", i) for i in range(self.ready_off[stage], n)]
+        while keys and not self.store.check(keys):  # some key is not written yet:
+            keys = keys[:-1] if self.store.check(keys[:1]) else []  # drop the last, or all
+        for entries in self.store.multi_get(keys) if keys else []:
+            parse_entries(self.spec, entries.decode(), stage, self.unclaimed[stage])
+        self.ready_off[stage] += len(keys)
 
     def serve(self):
         """Answer the requests waiting for this rank, with one packed transfer each. Then retire the
@@ -274,10 +293,10 @@ class DistQueue:
         # The global rank of dp rank 0 names the group's keys plan/, done/ and outcome/
         root = dist.get_global_rank(dp_group, 0) if dp_group else self.rank
         plan = self._k("plan", stage, step, root)
-        token, claimed, tags, error = new_token(self), {}, [], None
+        claimed, tags, error = {}, [], None
         try:
             if dp_rank == 0:
-                claimed = self._claim(stage, n, deadline, token)
+                claimed = self._claim(stage, n, deadline)
                 rows = claimed
                 if dp_size > 1:
                     self.store.set(plan, f"{n}|{ready_entries(self, cells_of(claimed, cols))}")
@@ -298,7 +317,7 @@ class DistQueue:
         ack(self, tags, keep=error is None)  # ack/<tag>: "kept" or "dropped"
         if error is not None:
             if dp_rank == 0:  # its claim holds the whole group's rows
-                self._release(stage, token, claimed)
+                self._release(stage, claimed)
             raise error
         for r in rows:
             for c in cols:
@@ -309,65 +328,39 @@ class DistQueue:
         ids = sorted(rows)
         return Rows(ids, {c: [got[(r, c)] for r in ids] for c in cols}, tmax)
 
-    # step 1, claim: dp rank 0 wins complete rows (new or given back) in the claim logs
-    def _claim(self, stage, n, deadline, token):
-        """Claim n complete rows under `token`, as {row: {col: (owner, len)}}. A claim that times
-        out releases what it won, so its rows go to the next reader."""
-        cols, seen, mine = self.spec.stages[stage], self.unclaimed[stage], {}
-        least = self._enough(n)  # all n (an option may settle for fewer)
+    # step 1, claim: dp rank 0, the stage's one reader, takes the first n complete rows
+    def _claim(self, stage, n, deadline):
+        """Claim the n lowest row ids whose cells the ready log shows whole, as {row: {col: (owner,
+        length)}}. They leave self.unclaimed[stage], so no later read of this stage takes them.
+        That is enough because this queue is the stage's only reader (_check_reader)."""
+        self._check_reader(stage)
+        cols, seen = self.spec.stages[stage], self.unclaimed[stage]
+        ready = []
 
         def poll():
-            read_ready(self, stage)  # the ready log's new keys, into self.unclaimed[stage]
-            ready = self._claimable(sorted(r for r in seen if len(seen[r]) == len(cols)))
-            if len(mine) + len(ready) < least:  # not enough yet: claim nothing
-                return False
-            mine.update(self._claim_rows(stage, ready[: n - len(mine)], token))
-            # Done at n rows. An option settling for fewer is done once it tried every ready row.
-            return len(mine) >= n or (len(mine) >= least and len(ready) <= n - len(mine))
-        try:
-            self._wait(poll, deadline, lambda: lacking(self, stage, n, least, len(mine)))
-        except Exception:
-            self._release(stage, token, mine)
-            raise
-        return mine
+            self._read_ready(stage)  # the ready log's new keys, into seen
+            ready[:] = sorted(r for r in seen if len(seen[r]) == len(cols))[:n]
+            return len(ready) == n
+        self._wait(poll, deadline, lambda: lacking(self, stage, n, n, 0, list(seen)))
+        return {r: seen.pop(r) for r in ready}
 
-    # The claim's two seams, which an option's read changes (options/selective_queue.py)
-    def _claimable(self, rows):
-        """The rows (ids, ascending) that this read may claim: all of them."""
-        return rows
+    def _check_reader(self, stage):
+        """The first read of a stage names its queue in reader/<stage> (compare_set: the first
+        writer stays). A read by any other queue is refused, since both would take the same rows."""
+        if stage in self.reading:
+            return
+        me = f"queue {self.me} on rank {self.rank}"
+        first = self.store.compare_set(self._k("reader", stage), "", me).decode()
+        if first != me:
+            raise ValueError(f"stage '{stage}' is read by {first}; {me} may not read it too, "
+                             f"or both would take the same rows. Read a stage from one DP group "
+                             f"(its dp rank 0 claims for all), or let several readers share it "
+                             f"with SelectiveQueue (options/selective_queue.py)")
+        self.reading.add(stage)
 
-    def _enough(self, n):
-        """How many complete rows a claim waits for before it takes any: all n."""
-        return n
-
-    def _claim_rows(self, stage, rows, token):
-        """Claim `rows` under `token`, and return {row: cells} for those won. For each block of
-        CLAIM_BLOCK ids, it appends once to that block's claim log, then reads the log once. Read in
-        order, the log gives a row to a claim made while no claim held it. That claim keeps the row
-        until its release, whatever comes after (holders). Every reader reads the same append-only
-        log up to some entry, so no two readers each see themselves hold a row. Rows the log shows
-        held leave self.unclaimed, so a poll scans only rows this reader has not seen claimed."""
-        won = {}
-        for block, ids in claim_blocks(rows, CLAIM_BLOCK):  # (block, "3,7,12")
-            key = self._k("claims", stage, block)
-            self.store.append(key, f"{token}:{ids};")
-            held = holders(self.store.get(key))  # row -> the token whose claim holds it
-            for r in held:
-                cells = self.unclaimed[stage].pop(r, None)
-                if held[r] == token and cells is not None:  # None: won at an earlier poll
-                    won[r] = cells
-        return won
-
-    def _release(self, stage, token, rows):
-        """Give back the rows claimed under `token`, for the next reader. It first appends
-        "-token:ids;" to the claim logs, so that a claim appended later wins (holders). Then new
-        ready-log entries show the rows again to this stage's readers, which dropped them on seeing
-        them held. In the other order, a reader could claim before the release, lose, and never see
-        the rows again."""
-        for block, ids in claim_blocks(rows, CLAIM_BLOCK):
-            self.store.append(self._k("claims", stage, block), f"-{token}:{ids};")
-        if rows:
-            publish(self, ready_entries(self, cells_of(rows, self.spec.stages[stage]), stage))
+    def _release(self, stage, rows):
+        """Give back the rows of a read that failed: the next read of this stage claims them."""
+        self.unclaimed[stage].update(rows)
 
     # step 2, share: each rank of a DP group takes its part of the rows in dp rank 0's plan
     def _share(self, rows, cols, dp_group):
@@ -497,4 +490,4 @@ class DistQueue:
 
     def load_state_dict(self, sd):
         """Load what state_dict saved, into a queue on a fresh store (load_queue_state)."""
-        load_queue_state(self, sd, CLAIM_BLOCK)
+        load_queue_state(self, sd)

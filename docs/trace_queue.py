@@ -62,7 +62,7 @@ def rank_main(rank, world, port):
                                      timeout=datetime.timedelta(seconds=60)), notes)
     spec = QueueSpec(columns={"tokens": "int64", "reward": "float32"}, scalars=("reward",),
                      stages={"train": ("tokens", "reward")}, timeout_s=60)
-    for maker in range(world):  # in rank order: rank 0's queue is claimer 1, rank 1's claimer 2
+    for maker in range(world):  # in rank order: rank 0's queue is queue 1, rank 1's queue 2
         if rank == maker:
             q = DistQueue(spec, store=store)
         dist.barrier()

@@ -3,9 +3,11 @@
     from options.selective_queue import SelectiveQueue
     queue = SelectiveQueue(spec, store, rank, world_size, pg)  # DistQueue's arguments
 
-The default run reads whole batches: get(stage, n, dp_group=) claims n complete rows, any of them.
-The deployments whose stages run apart need more, and build this subclass of DistQueue instead
-(train_grpo.build_queue(run, cls=SelectiveQueue)):
+The default run reads whole batches: get(stage, n, dp_group=) claims n complete rows, any of them,
+and one DP group reads each stage. The deployments whose stages run apart need more, and build this
+subclass of DistQueue instead (train_grpo.build_queue(run, cls=SelectiveQueue)):
+- several readers of one stage (the hybrid's trainers, one pipeline's first stage per pipeline):
+  a claim goes through the store's claim logs, so that no two reads keep a row (_claim_rows);
 - get(..., only=ids): only rows from the given ids (the separated trainer takes the batch that the
   cut named while the generators run ahead; the hybrid's reads; a pipeline's batch);
 - get(..., min_rows=m): at least m rows, up to n: what there is (0: a poll, which may find none;
@@ -16,9 +18,8 @@ The deployments whose stages run apart need more, and build this subclass of Dis
 - put(columns, ids=): more columns of rows put before (the hybrid's auxiliary stage adds the
   reference's log-probs to the actor's rows);
 - drain(): a producer that is done serves until each cell it owns reached every stage reading it.
-A get keeps its choices on the queue while it runs: DistQueue's claim asks them at its two seams,
-_claimable (which complete rows it may take) and _enough (how many it waits for), and _read is
-wrapped for the broadcast. put(ids=) writes through DistQueue._write.
+A get keeps its choices on the queue while it runs. The claim reads them, and _read is wrapped for
+the broadcast. put(ids=) writes through DistQueue._write.
 
     python -m pytest tests/test_distqueue.py
 """
@@ -28,7 +29,9 @@ import torch
 import torch.distributed as dist
 
 from distqueue import DTYPES, DistQueue, Rows, pack_cells
-from plumbing.distqueue_details import count, unpack_cells
+from plumbing.distqueue_details import cells_of, count, lacking, ready_entries, unpack_cells
+
+CLAIM_BLOCK = 1024  # row ids per claim log: a claim reads its logs whole, so they stay short
 
 
 class SelectiveQueue(DistQueue):
@@ -37,6 +40,8 @@ class SelectiveQueue(DistQueue):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._only = self._least = self._group = None  # the running get's choices, else None
+        self.claims_made = 0  # this queue's claims: a claim's token is "me.count"
+        self._token = None    # the running get's claim
 
     def get(self, stage, n, dp_group=None, group=None, min_rows=None, only=None):
         """DistQueue.get: n rows of `stage`, from the ids in `only` if given. min_rows (default
@@ -52,13 +57,62 @@ class SelectiveQueue(DistQueue):
         finally:
             self._only = self._least = self._group = None
 
-    def _claimable(self, rows):
-        """The rows (ids, ascending) that this read may claim: those in `only`, if given."""
-        return rows if self._only is None else [r for r in rows if r in self._only]
+    # The claim, by several readers of a stage: each appends to the stage's claim logs, and the
+    # logs, read in order, give each row to one claim (holders)
+    def _claim(self, stage, n, deadline):
+        """Claim rows (those in `only`, if given) whole, at least min_rows and up to n, as {row:
+        {col: (owner, length)}}. A claim that times out releases what it won."""
+        cols, seen, mine = self.spec.stages[stage], self.unclaimed[stage], {}
+        least = self._least if self._least is not None else n
+        token = self._token = new_token(self)  # _release gives back this claim's rows
 
-    def _enough(self, n):
-        """How many complete rows a claim waits for before it takes any: min_rows (else all n)."""
-        return n if self._least is None else self._least
+        def claimable():
+            return [r for r in seen if self._only is None or r in self._only]
+
+        def poll():
+            self._read_ready(stage)  # the ready log's new keys, into seen
+            ready = sorted(r for r in claimable() if len(seen[r]) == len(cols))
+            if len(mine) + len(ready) < least:  # not enough yet: claim nothing
+                return False
+            mine.update(self._claim_rows(stage, ready[: n - len(mine)], token))
+            # Done at n rows, or at least min_rows once it tried every ready row
+            return len(mine) >= n or (len(mine) >= least and len(ready) <= n - len(mine))
+        try:
+            self._wait(poll, deadline, lambda: lacking(self, stage, n, least, len(mine),
+                                                       claimable()))
+        except Exception:
+            self._release(stage, mine)
+            raise
+        return mine
+
+    def _claim_rows(self, stage, rows, token):
+        """Claim `rows` under `token`, and return {row: cells} for those won. For each block of
+        CLAIM_BLOCK ids, it appends once to that block's claim log, then reads the log once. Read in
+        order, the log gives a row to a claim made while no claim held it. That claim keeps the row
+        until its release, whatever comes after (holders). Every reader reads the same append-only
+        log up to some entry, so no two readers each see themselves hold a row. Rows the log shows
+        held leave self.unclaimed, so a poll scans only rows this reader has not seen claimed."""
+        won = {}
+        for block, ids in claim_blocks(rows, CLAIM_BLOCK):  # (block, "3,7,12")
+            key = self._k("claims", stage, block)
+            self.store.append(key, f"{token}:{ids};")
+            held = holders(self.store.get(key))  # row -> the token whose claim holds it
+            for r in held:
+                cells = self.unclaimed[stage].pop(r, None)
+                if held[r] == token and cells is not None:  # None: won at an earlier poll
+                    won[r] = cells
+        return won
+
+    def _release(self, stage, rows):
+        """Give back the rows of the last claim, for the next reader. It first appends
+        "-token:ids;" to the claim logs, so that a claim appended later wins (holders). Then new
+        ready-log entries show the rows again to this stage's readers, which dropped them on seeing
+        them held. In the other order, a reader could claim before the release, lose, and never see
+        the rows again."""
+        for block, ids in claim_blocks(rows, CLAIM_BLOCK):
+            self.store.append(self._k("claims", stage, block), f"-{self._token}:{ids};")
+        if rows:
+            self._publish(ready_entries(self, cells_of(rows, self.spec.stages[stage]), stage))
 
     def _read(self, stage, n, dp_group, step, deadline):
         """With a group, only its first rank reads; it broadcasts the rows, or its error."""
@@ -155,3 +209,32 @@ def announce_rows(run, mine):
     everyone = [None] * dist.get_world_size(run.train_group)
     dist.all_gather_object(everyone, mine or [], group=run.train_group)
     return {r for part in everyone for r in part}
+
+
+def new_token(q):
+    """A name for one read's claims, unique among this queue's readers."""
+    q.claims_made += 1
+    return f"{q.me}.{q.claims_made}"
+
+
+def holders(log):
+    """A claim log, "token:ids;" claims and "-token:ids;" releases -> {row: its holder}. Read in
+    order, a claim takes the rows that no claim holds, and a release frees its own token's rows:
+    so a claim that took a row holds it, whatever is appended after, until its release (why no
+    two reads keep a row: SelectiveQueue._claim_rows)."""
+    held = {}
+    for entry in log.decode().split(";")[:-1]:
+        who, ids = entry.split(":")
+        for r in map(int, ids.split(",")):
+            if not who.startswith("-"):
+                held.setdefault(r, who)
+            elif held.get(r) == who[1:]:
+                del held[r]
+    return held
+
+
+def claim_blocks(rows, size):
+    """Rows by claim log: (block, "3,7,12") for each block of `size` ids (CLAIM_BLOCK) holding
+    some."""
+    for block in sorted({r // size for r in rows}):
+        yield block, ",".join(str(r) for r in sorted(rows) if r // size == block)

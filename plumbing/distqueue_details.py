@@ -1,13 +1,12 @@
 # Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (see LICENSE).
 """DistQueue's details: what a learner of distqueue.py can take on trust, as plain functions.
 
-distqueue.py teaches the queue: the packing, the claim protocol on the store, a read's four steps
-(claim, share, fetch, agree, each with its recovery), put and serve. This file holds the rest:
-- the store logs' formats: the ready log written and read (`publish`, `read_ready`,
-  `ready_entries`, `parse_entries`), claim tokens and logs (`new_token`, `holders`,
-  `claim_blocks`), a DP group's plan (`take_plan`), pull requests (`request`, `parse_request`),
-  acknowledgements (`ack`); a row's cells and home (`cells_of`, `row_homes`), a cell's last reader
-  (`read_last`);
+distqueue.py teaches the queue: the packing, a read's four steps on the store (claim, share,
+fetch, agree, each with its recovery), put and serve. This file holds the rest:
+- the store logs' formats: the ready log's entries (`ready_entries`, `parse_entries`; distqueue.py
+  writes and reads the log), a DP group's plan (`take_plan`), pull requests (`request`,
+  `parse_request`), acknowledgements (`ack`); a row's cells and home (`cells_of`, `row_homes`), a
+  cell's last reader (`read_last`);
 - the default store (`default_store`) and the checks of the caller's input, each with a long
   error that says what to do (`check_*`, `rank_and_world`, `from_python`, `put_cells`);
 - the messages of a failure: why a wait still waits (`lacking`, `silent`, `refused`), a DP
@@ -21,7 +20,7 @@ distqueue.py teaches the queue: the packing, the claim protocol on the store, a 
 A function that needs the queue's store or state takes the queue itself, `q`, first (a DistQueue,
 used as its methods use self); the others take only the values they need. A name with a leading
 underscore is used only in this file. This file imports only torch and the standard library,
-never distqueue.py: what it needs of that file (its DTYPES, CLAIM_BLOCK) is passed in. It is
+never distqueue.py: what it needs of that file (its DTYPES) is passed in. It is
 copied together with distqueue.py, as plumbing/distqueue_details.py beside it (keep the folder,
 or change distqueue.py's one import line).
 """
@@ -44,25 +43,6 @@ def ready_entries(q, cells, stage=""):
         tail = f",{stage}" if stage else ""
         out.append(f"{r},{q.col_index[c]},{owner},{length}{tail};")
     return "".join(out)
-
-
-def publish(q, entries):
-    """Append to the ready log: count the key in ready/n, then write it."""
-    i = int(q.store.add(q._k("ready", "n"), 1)) - 1
-    q.store.set(q._k("ready", i), entries)
-
-
-def read_ready(q, stage):
-    """Read the ready log's new keys into q.unclaimed[stage]: one store round trip when there is
-    nothing new, three when there is. A key counted but not yet written stops the read: it and
-    the keys after it wait for a later poll (if its writer died, for ever)."""
-    n = int(q.store.add(q._k("ready", "n"), 0))
-    keys = [q._k("ready", i) for i in range(q.ready_off[stage], n)]
-    while keys and not q.store.check(keys):  # some key is not written yet:
-        keys = keys[:-1] if q.store.check(keys[:1]) else []  # drop the last, or all
-    for entries in q.store.multi_get(keys) if keys else []:
-        parse_entries(q.spec, entries.decode(), stage, q.unclaimed[stage])
-    q.ready_off[stage] += len(keys)
 
 
 def parse_entries(spec, entries, stage, rows):
@@ -97,35 +77,6 @@ def read_last(q, key):
     """Whether the stage reading this cell now is the last that needs it (then it takes the
     queue's own tensor, not a copy)."""
     return len(q.served.get(key, ())) + 1 >= q.needers[key[1]]
-
-
-def new_token(q):
-    """A name for one read's claims, unique among this queue's readers."""
-    q.claims_made += 1
-    return f"{q.claimer}.{q.claims_made}"
-
-
-def holders(log):
-    """A claim log, "token:ids;" claims and "-token:ids;" releases -> {row: its holder}. Read in
-    order, a claim takes the rows that no claim holds, and a release frees its own token's rows:
-    so a claim that took a row holds it, whatever is appended after, until its release (why no
-    two reads keep a row: DistQueue._claim_rows)."""
-    held = {}
-    for entry in log.decode().split(";")[:-1]:
-        who, ids = entry.split(":")
-        for r in map(int, ids.split(",")):
-            if not who.startswith("-"):
-                held.setdefault(r, who)
-            elif held.get(r) == who[1:]:
-                del held[r]
-    return held
-
-
-def claim_blocks(rows, size):
-    """Rows by claim log: (block, "3,7,12") for each block of `size` ids (distqueue.CLAIM_BLOCK)
-    holding some."""
-    for block in sorted({r // size for r in rows}):
-        yield block, ",".join(str(r) for r in sorted(rows) if r // size == block)
 
 
 def take_plan(q, stage, n, dp_rank, step, root, deadline):
@@ -348,11 +299,10 @@ def refused(q):
     return f"; a peer's queue was refused: {q.store.get(key).decode()}"
 
 
-def lacking(q, stage, n, least, claimed):
+def lacking(q, stage, n, least, claimed, rows):
     """Why a claim still waits: rows that miss columns, fewer complete rows than asked, none. The
-    rows counted: those this read may claim (DistQueue._claimable)."""
+    rows counted: those this read may claim (ids in q.unclaimed[stage])."""
     cols, seen = q.spec.stages[stage], q.unclaimed[stage]
-    rows = q._claimable(list(seen))
     partial = sorted(r for r in rows if len(seen[r]) < len(cols))
     why = (f"in stage '{stage}' waiting for {n - claimed} more rows with columns {list(cols)} "
            f"(claimed {claimed}): {len(rows) - len(partial)} unclaimed rows"
@@ -436,23 +386,24 @@ def queue_state(q):
             "next_local": q.next_local, "steps": dict(q.steps), "counters": counters}
 
 
-def load_queue_state(q, sd, block):
+def load_queue_state(q, sd):
     """DistQueue.load_state_dict's body. Every rank loads its own dict into a queue whose store
-    holds none of this queue's keys (a new store, or a new spec.name): its cells published in the
-    ready log and claimed for the stages that read them already (claim logs of `block` ids,
-    distqueue.CLAIM_BLOCK), rank 0's counters restored. Collective over the queue's ranks: it
-    returns once every rank has published."""
+    holds none of this queue's keys (a new store, or a new spec.name). It publishes its cells in
+    the ready log again, each for the stages that have not read it yet (a stage-tailed entry), and
+    restores rank 0's counters. Collective over the queue's ranks: it returns once every rank has
+    published."""
     q.cells = {k: t.clone() for k, t in sd["cells"].items()}  # this queue's own copies
     q.next_local = sd["next_local"]
     q.served = {k: set(v) for k, v in sd["served"].items()}
     q.steps = dict(sd["steps"])
     q._reset_caches()
-    if q.cells:  # one ready-log key, as one put writes
-        publish(q, ready_entries(q, dict(sorted(q.cells.items()))))
-    for s in q.spec.stages:  # read by s already: claimed in s's logs
-        read = sorted({r for (r, _), stages in q.served.items() if s in stages})
-        for b, ids in claim_blocks(read, block):
-            q.store.append(q._k("claims", s, b), f"restored:{ids};")
+    entries = ""
+    for s, cols in q.spec.stages.items():  # one ready-log key, as one put writes
+        unread = {k: t for k, t in sorted(q.cells.items())
+                  if k[1] in cols and s not in q.served.get(k, ())}
+        entries += ready_entries(q, unread, s) if unread else ""
+    if entries:
+        q._publish(entries)
     for k, v in sd["counters"].items():
         q.store.set(q._k(*k.split("/")), str(v))
     done = q._k("restored")

@@ -14,8 +14,10 @@ import torch
 import torch.distributed as dist
 
 import distqueue as dq
+import options.selective_queue as sq
 from options.selective_queue import SelectiveQueue  # get(only=, min_rows=, group=), put(ids=), drain()
-from plumbing.distqueue_details import new_token, pack, read_ready, unpack, unpack_cells, unpad
+from options.selective_queue import new_token
+from plumbing.distqueue_details import pack, unpack, unpack_cells, unpad
 from tests.distributed import run_distributed
 
 COLS = {"prompt": "int64", "response": "int64", "logp": "float32", "reward": "float32"}
@@ -182,6 +184,20 @@ def test_a_get_that_times_out_strands_no_row_and_only_the_last_stage_takes_the_q
         unpack_cells(torch.tensor([2, 0, 5]), torch.zeros(16, dtype=torch.uint8), [torch.int64] * 2)
 
 
+def test_a_second_reader_of_a_stage_is_refused_naming_the_first():
+    """DistQueue's claim is the reader's own bookkeeping: a second queue reading the same stage would take
+    the same rows, so its first read is refused, naming the first reader and SelectiveQueue."""
+    spec = dq.QueueSpec(columns={"x": "int64"}, stages={"a": ("x",), "b": ("x",)}, timeout_s=0.2)
+    store = dist.HashStore()
+    q, other = dq.DistQueue(spec, store), dq.DistQueue(spec, store)
+    q.put({"x": [torch.arange(2)] * 4})
+    assert q.get("a", 2).ids == [0, 1]
+    with pytest.raises(ValueError, match="stage 'a' is read by queue 1 on rank 0; queue 2 on rank 0 may not .*"
+                                         "SelectiveQueue"):
+        other.get("a", 2)
+    assert q.get("a", 2).ids == [2, 3] and q.get("b", 4).ids == [0, 1, 2, 3]  # the refused read took nothing
+
+
 def test_an_idle_poll_fetches_nothing_old():
     """A reader polls the ready log at every wait: it must fetch only new entries, not the whole history
     (600 steps of train_grpo's defaults made each poll fetch 0.8 MB per column, when each column had its own log)."""
@@ -250,8 +266,8 @@ def test_a_read_claims_its_rows_in_a_few_store_round_trips():
     spec = dq.QueueSpec(columns={"x": "int64"}, stages={"a": ("x",)}, timeout_s=5)
     store = CountingStore()
     q = SelectiveQueue(spec, store)
-    block, saved = 40, dq.CLAIM_BLOCK
-    dq.CLAIM_BLOCK = block
+    block, saved = 40, sq.CLAIM_BLOCK
+    sq.CLAIM_BLOCK = block
     try:
         for _ in range(20):
             q.put({"x": [torch.arange(3)] * 4})
@@ -262,13 +278,13 @@ def test_a_read_claims_its_rows_in_a_few_store_round_trips():
         assert q.get("a", 1, min_rows=0).ids == []  # every row is taken: nothing is claimed twice
         # a second reader of the same store, rank and queue name (a restarted process) wins only what is left
         q.put({"x": [torch.arange(3)] * 3})  # rows 80, 81, 82
-        other = dq.DistQueue(spec, store)
-        read_ready(other, "a")
+        other = SelectiveQueue(spec, store)
+        other._read_ready("a")
         assert sorted(other._claim_rows("a", [78, 79, 80, 81], new_token(other))) == [80, 81]
-        read_ready(q, "a")
+        q._read_ready("a")
         assert sorted(q._claim_rows("a", [81, 82], new_token(q))) == [82]
     finally:
-        dq.CLAIM_BLOCK = saved
+        sq.CLAIM_BLOCK = saved
 
 
 def test_a_get_of_more_rows_than_exist_says_how_many_and_what_to_do():
@@ -316,7 +332,7 @@ def _exactly_once(rank, world, rows_per_producer):
     spec = dq.QueueSpec(columns={c: COLS[c] for c in ("prompt", "response", "reward")}, scalars=("reward",),
                         stages={"score": ("prompt", "response"), "train": ("prompt", "response", "reward")},
                         timeout_s=30, poll_s=0.005)
-    dq.CLAIM_BLOCK = 5  # claims race over several claim logs, and one claim can span two of them
+    sq.CLAIM_BLOCK = 5  # claims race over several claim logs, and one claim can span two of them
     store = dq.default_store()
     q = SelectiveQueue(spec, store, rank, world)
     rng, total = random.Random(rank), 2 * rows_per_producer
