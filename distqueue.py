@@ -394,7 +394,8 @@ class DistQueue:
             for o, tag in list(tags.items()):
                 self._wait(lambda: self.store.check([self._k("state", tag)]), deadline,
                            lambda: silent(self, stage, o, owners[o]))
-                del tags[o]  # answered: received next, or a broken transfer (an error, not retried)
+                del tags[o]  # answered: "sent", or the owner lacked cells and sent nothing
+                check_sent(self, o, tag)  # reads and deletes state/<tag>; raises unless "sent"
                 received.append(tag)  # acknowledged, kept or dropped, whatever _recv finds
                 got.update(self._recv(o, tag, owners[o], rows))
         except Exception:
@@ -423,8 +424,7 @@ class DistQueue:
         count_sent(self, keys, cells, tmax, header, payload)  # metrics
 
     def _recv(self, o, tag, keys, rows):
-        """Receive one transfer from owner o: check its answer, then take a header and a payload."""
-        check_sent(self, o, tag)  # the answer in state/<tag>: "sent", or the owner lacked cells
+        """Receive one transfer that owner o sent: a header, then a payload."""
         header = torch.empty(len(keys), dtype=torch.int64)  # (K,)
         dist.recv(header, o, group=self.pg, tag=2 * tag)
         dtypes = [DTYPES[self.spec.columns[c]] for _, c in keys]
@@ -439,13 +439,17 @@ class DistQueue:
     def _cancel(self, tags, owners, rows, received):
         """The reader's half of the handshake, after a fetch failed. It writes "cancelled" in
         state/<tag> of each request not yet answered, by compare_set from "". The first writer wins
-        and the other reads the winner's word back. Where "sent" won, the reader still receives the
-        transfer, so the owner's sends complete. It acknowledges it "dropped", like each transfer
-        received before. The owner's serve then retires them and keeps their cells."""
+        and the other reads the winner's word back. Where the owner won, the reader deletes the key,
+        and if the word is "sent" it still receives the transfer, so that the owner's sends
+        complete. It acknowledges it "dropped", like each transfer received before. The owner's
+        serve then retires them and keeps their cells."""
         for o, tag in tags.items():
-            if self.store.compare_set(self._k("state", tag), "", "cancelled") == b"sent":
-                self._recv(o, tag, owners[o], rows)
+            answer = self.store.compare_set(self._k("state", tag), "", "cancelled")
+            if answer != b"cancelled":  # the owner answered first ("sent", or cells it lacks)
+                self.store.delete_key(self._k("state", tag))
+            if answer == b"sent":
                 received.append(tag)
+                self._recv(o, tag, owners[o], rows)
         ack(self, received, keep=False)
 
     # step 4, agree: a DP group votes to keep all its transfers, or to drop them all

@@ -324,7 +324,7 @@ def silent(q, stage, o, keys):
             f"rank {o}, which has not answered ({waiting} requests wait in its queue): rank "
             f"{o} is alive but not calling the queue (busy elsewhere: in a collective, in "
             f"compute), or it is gone. A rank whose cells are still wanted must keep calling "
-            f"the queue, or drain(), before blocking elsewhere")
+            f"the queue (any get or put, or serve()) before blocking elsewhere")
 
 
 def peer_failed(first, kind, why):

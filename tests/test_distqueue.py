@@ -467,6 +467,33 @@ def test_dead_producer_makes_consumer_raise_naming_stage_and_rows():
     assert "stage 'gen'" in errors[1] and "rows [1, 3] from rank 1" in errors[1]
 
 
+def _owner_lacks_a_cell(rank, world):
+    spec = dq.QueueSpec(columns={"x": "int64"}, stages={"t": ("x",)}, timeout_s=20)
+    store = dq.default_store()
+    q = dq.DistQueue(spec, store, rank, world)
+    if rank == 1:
+        q.put({"x": [torch.arange(3)]})  # row 1
+        del q.cells[(1, "x")]  # lost (a bug's effect): the owner answers that it lacks the cell
+        while not store.check(["t/done"]):
+            q.serve()
+            time.sleep(0.01)
+        return None
+    try:
+        q.get("t", 1)
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    left = [k for k in ("dq/state/1", "dq/ack/1") if store.check([k])]
+    store.set("t/done", "1")
+    return error, left
+
+
+def test_an_owner_that_lacks_a_cell_fails_the_read_and_leaves_no_key():
+    error, left = run_distributed(_owner_lacks_a_cell, world_size=2)[0]
+    assert "rank 1, asked by rank 0 for cells it does not hold, answered missing [(1, 'x')]" in error
+    assert left == []  # no state/<tag> and no ack/<tag> for a transfer that was never sent
+
+
 def _dead_leader(rank, world):
     """Model-parallel group {0, 1}, leader 0. Rank 1 names a group it is not in (refused at once), then
     reads through the leader, which has died: an error, never an empty batch."""
@@ -556,7 +583,7 @@ def test_a_get_that_fails_on_a_slow_owner_loses_nothing_and_a_retry_reads_every_
     error = out[0]["error"]
     assert error is not None and "waiting for rows [2, 5] from rank 2" in error
     assert "alive but not calling the queue" in error and "or it is gone" in error
-    assert "must keep calling the queue, or drain(), before blocking elsewhere" in error
+    assert "must keep calling the queue (any get or put, or serve()) before blocking elsewhere" in error
     assert out[0]["own"] == 2
     assert out[0]["ids"] == list(range(6))  # exactly once, in one retry
     assert out[0]["x"] == [(torch.arange(3) + 10 * r).tolist() for r in range(6)]
