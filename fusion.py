@@ -7,8 +7,9 @@ gathers the whole model for the engine and keeps the training state: a whole ext
 rank, beside grads and AdamW states that ROLLOUT never reads. The fix, to_rollout():
   1. offload: copy the AdamW states (and any grads) to host, then free their device storages in
      place (resized to 0, the optimizer keeps its tensors); to_train() copies them back exactly;
-  2. build the engine's weights from the training shards bucket by bucket: at most one bucket more
-     (none here: the gather writes straight into the engine's own parameters);
+  2. allocate the engine's weights, then fill them from the training shards bucket by bucket. A
+     bucket bounds the broadcasts in flight, and a transport that stages holds at most one bucket
+     more (none here: the gather writes straight into the engine's own parameters);
   3. call the movers, the state that changes layout too (the experts, re-sharded by moe_switch.py).
 to_train() undoes the three, in reverse.
 
@@ -359,8 +360,9 @@ class FusedActor:
     def to_rollout(self):
         """TRAIN -> ROLLOUT; returns the engine. If it raises, this actor is back in TRAIN as it was
         and so is a mover that raised before moving anything (moe_switch's checks). A mover that
-        fails inside its collectives leaves its state part-moved: the run must end. An error inside
-        the gather raises on every rank (the transport's ok flag), one elsewhere on its own rank."""
+        fails inside its collectives leaves its state part-moved: the run must end. An error in the
+        gather raises on every rank (the transport's ok flag), one elsewhere on its own rank; a
+        broadcast it left unmatched fails on the peers too, or in the group's timeout."""
         self._expect(TRAIN, "to_rollout() called")
         t0 = time.perf_counter()
         reshard_all(self.model)

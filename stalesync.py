@@ -173,8 +173,8 @@ class StaleSync:
         return batch
 
     def update(self, version=None):
-        """Record that new weights reached the sampler, after the optimizer step. The version
-        becomes version + 1, or a separated caller's `version` (see the companion)."""
+        """Record new weights after the optimizer step: the version becomes version + 1, or a
+        separated caller's `version` (see the companion). Tokens decoded from now on carry it."""
         check_update(self, version)
         self.version = self.version + 1 if version is None else int(version)
         if self.reset_fn is not None:

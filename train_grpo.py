@@ -105,7 +105,7 @@ def colocated_loop(run):
         with spans("train"):
             sums = grpo.grpo_update(run.model, run.optimizer, samples, run.algo, run.device,
                                     run.train_group, ref_logprobs, run.clip_grads)
-        sched.update()  # the sampler now has the weights of version `step`
+        sched.update()  # the next rollout decodes with these weights: version `step`
         learn_curriculum(run)  # the next prompts: where this round's groups were informative
         if end_step(run, step, mark, sums | share_figures(step, rows), actor.metrics()):
             break

@@ -138,7 +138,8 @@ class Config:
     device_memory_gib: float = flag(None, "a rank's memory the planner checks the layout "
                                           "against, before any process group (default: none "
                                           "checked; --layout auto: the device's)")
-    bucket_kb: int = flag(256, "bucket size in KiB for building and pushing inference weights")
+    bucket_kb: int = flag(256, "bucket size in KiB: inference weights built or pushed, experts moved "
+                                "per re-shard round")
     shm_transport: bool = flag(False, "1: the engine's weights gathered from the peers' FSDP2 "
                                       "shards in shared memory, on one CPU host "
                                       "(plumbing/shm_transport.py); 0: in-place broadcasts")
