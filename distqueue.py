@@ -17,7 +17,7 @@ Store. Five invariants keep it correct. Each one names its keys and the function
 - A row is claimed only whole. Key ready/<i> holds a put's cells, counted in ready/n (_read_ready).
 - One reader claims a stage's rows: dp rank 0 of the one DP group that reads the stage. Its claim
   is its own bookkeeping, so no row goes to two reads. The first read names the reader in
-  reader/<stage>, and any other is refused (_check_reader). SelectiveQueue lets several share it.
+  reader/<stage>, and any other is refused (check_reader). SelectiveQueue lets several share it.
 - A pull (req/<owner>) is sent or cancelled, never both. The owner's answer and the reader's
   "cancelled" race for state/<tag>, and the first one written stays (_answer, _cancel).
 - A DP group keeps all of a read or none of it. Dp rank 0 writes its claim in plan/..., each rank
@@ -75,6 +75,7 @@ from plumbing.distqueue_details import (  # what a learner can take on trust, by
     ready_entries, parse_entries, cells_of, take_plan, request, parse_request,
     ack,  # the store logs' formats: ready log, plans, pulls, acks
     check_spec, check_store, rank_and_world, check_pg, put_cells, check_columns, check_get,
+    check_reader,
     check_sent, check_header, refused, lacking, silent, peer_failed,  # checks; why a wait waits
     row_homes, read_last, count_sent, traffic,  # a row's home, a cell's last reader; metrics
     queue_state, load_queue_state, unpack_cells)  # checkpoint state; the inverse of pack_cells
@@ -187,7 +188,7 @@ class DistQueue:
         self.steps = {s: 0 for s in spec.stages}  # reads per stage: they name a DP group's keys
         self.inflight = {}    # tag -> (works, tensors, cells, stage): sent, alive until acked
         self.me = int(store.add(self._k("queues"), 1))  # unique per queue on this store
-        self.reading = set()  # the stages this queue is the one reader of (_check_reader)
+        self.reading = set()  # the stages this queue is the one reader of (check_reader)
         self._reset_caches()
         check_pg(pg)  # host tensors, async p2p, so a gloo group
 
@@ -196,7 +197,7 @@ class DistQueue:
         return j * self.world + (self.rank if rank is None else rank)
 
     def _reset_caches(self):
-        # Per stage, the rows it has not claimed {row: {col: (owner, length)}}, and the ready keys read
+        # Per stage, the rows not claimed yet {row: {col: (owner, length)}} and the ready keys read
         self.unclaimed = {s: {} for s in self.spec.stages}
         self.ready_off = dict.fromkeys(self.spec.stages, 0)
 
@@ -237,6 +238,15 @@ class DistQueue:
         for entries in self.store.multi_get(keys) if keys else []:
             parse_entries(self.spec, entries.decode(), stage, self.unclaimed[stage])
         self.ready_off[stage] += len(keys)
+        self._retire(keys)
+
+    def _retire(self, keys):
+        """Delete the ready-log keys that every stage has read, so that the store does not grow
+        with the run. Each stage's one reader counts the keys it read in ready/<i>/reads."""
+        for key in keys:
+            if int(self.store.add(f"{key}/reads", 1)) == len(self.spec.stages):
+                self.store.delete_key(key)
+                self.store.delete_key(f"{key}/reads")
 
     def serve(self):
         """Answer the requests waiting for this rank, with one packed transfer each. Then retire the
@@ -332,8 +342,8 @@ class DistQueue:
     def _claim(self, stage, n, deadline):
         """Claim the n lowest row ids whose cells the ready log shows whole, as {row: {col: (owner,
         length)}}. They leave self.unclaimed[stage], so no later read of this stage takes them.
-        That is enough because this queue is the stage's only reader (_check_reader)."""
-        self._check_reader(stage)
+        That is enough because this queue is the stage's only reader (check_reader)."""
+        check_reader(self, stage)  # the first read names this queue; another is refused
         cols, seen = self.spec.stages[stage], self.unclaimed[stage]
         ready = []
 
@@ -343,20 +353,6 @@ class DistQueue:
             return len(ready) == n
         self._wait(poll, deadline, lambda: lacking(self, stage, n, n, 0, list(seen)))
         return {r: seen.pop(r) for r in ready}
-
-    def _check_reader(self, stage):
-        """The first read of a stage names its queue in reader/<stage> (compare_set: the first
-        writer stays). A read by any other queue is refused, since both would take the same rows."""
-        if stage in self.reading:
-            return
-        me = f"queue {self.me} on rank {self.rank}"
-        first = self.store.compare_set(self._k("reader", stage), "", me).decode()
-        if first != me:
-            raise ValueError(f"stage '{stage}' is read by {first}; {me} may not read it too, "
-                             f"or both would take the same rows. Read a stage from one DP group "
-                             f"(its dp rank 0 claims for all), or let several readers share it "
-                             f"with SelectiveQueue (options/selective_queue.py)")
-        self.reading.add(stage)
 
     def _release(self, stage, rows):
         """Give back the rows of a read that failed: the next read of this stage claims them."""

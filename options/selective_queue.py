@@ -85,6 +85,9 @@ class SelectiveQueue(DistQueue):
             raise
         return mine
 
+    def _retire(self, keys):
+        """Keep the ready log whole: with several readers a stage, none knows who read a key."""
+
     def _claim_rows(self, stage, rows, token):
         """Claim `rows` under `token`, and return {row: cells} for those won. For each block of
         CLAIM_BLOCK ids, it appends once to that block's claim log, then reads the log once. Read in

@@ -262,6 +262,21 @@ def check_get(q, stage, n, dp_group):
                          f"{dist.get_process_group_ranks(dp_group)})")
 
 
+def check_reader(q, stage):
+    """One queue reads a stage. Its first read names it in reader/<stage> (compare_set: the first
+    writer stays). A read by any other queue is refused, since both would take the same rows."""
+    if stage in q.reading:
+        return
+    me = f"queue {q.me} on rank {q.rank}"
+    first = q.store.compare_set(q._k("reader", stage), "", me).decode()
+    if first != me:
+        raise ValueError(f"stage '{stage}' is read by {first}; {me} may not read it too, or "
+                         f"both would take the same rows. Read a stage from one DP group (its "
+                         f"dp rank 0 claims for all), or let several readers share it with "
+                         f"SelectiveQueue (options/selective_queue.py)")
+    q.reading.add(stage)
+
+
 def check_same_n(stage, n, n0, dp_rank):
     """Every rank of a DP group passes the global batch as n: dp rank 0 planned for n0."""
     if int(n0) != n:

@@ -198,6 +198,20 @@ def test_a_second_reader_of_a_stage_is_refused_naming_the_first():
     assert q.get("a", 2).ids == [2, 3] and q.get("b", 4).ids == [0, 1, 2, 3]  # the refused read took nothing
 
 
+def test_the_ready_log_keeps_only_the_keys_some_stage_has_not_read():
+    """A long run must not grow the store: each ready-log key goes once every stage's reader read it."""
+    spec = dq.QueueSpec(columns={"x": "int64"}, stages={"a": ("x",), "b": ("x",)}, timeout_s=0.2)
+    store = dist.HashStore()
+    q = dq.DistQueue(spec, store)
+    for _ in range(3):
+        q.put({"x": [torch.arange(2)] * 2})
+    keys = [f"dq/ready/{i}" for i in range(3)]
+    assert q.get("a", 6).ids == list(range(6)) and all(store.check([k]) for k in keys)  # b has not read them
+    assert q.get("b", 4).ids == [0, 1, 2, 3] and not any(store.check([k]) for k in keys)
+    q.put({"x": [torch.arange(2)]})  # row 6: the log goes on where it was
+    assert q.get("b", 3).ids == [4, 5, 6] and q.get("a", 1).ids == [6] and not store.check(["dq/ready/3"])
+
+
 def test_an_idle_poll_fetches_nothing_old():
     """A reader polls the ready log at every wait: it must fetch only new entries, not the whole history
     (600 steps of train_grpo's defaults made each poll fetch 0.8 MB per column, when each column had its own log)."""
