@@ -75,8 +75,8 @@ from plumbing.distqueue_details import (  # what a learner can take on trust, by
     ready_entries, parse_entries, cells_of, take_plan, request, parse_request,
     ack,  # the store logs' formats: ready log, plans, pulls, acks
     check_spec, check_store, rank_and_world, check_pg, put_cells, check_columns, check_get,
-    check_reader,
-    check_sent, check_header, refused, lacking, silent, peer_failed,  # checks; why a wait waits
+    check_reader, check_sent, check_header, refused, lacking, silent,
+    peer_failed,  # checks; why a wait waits
     row_homes, read_last, count_sent, traffic,  # a row's home, a cell's last reader; metrics
     queue_state, load_queue_state, unpack_cells)  # checkpoint state; the inverse of pack_cells
 
