@@ -26,7 +26,7 @@ the input checks, the guards, the recovery, the counts.
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
   1. FSDP2 (weights sharded between updates) or PP stages to train, TP to generate; the engine is
      not pipelined.
-  2. The training shards stay on the device in ROLLOUT (1/W of the model), unless offloaded too.
+  2. The FSDP2 shards stay on the device in ROLLOUT (1/W of those weights), unless offloaded too.
   3. The engine's weights are freed in TRAIN (vLLM's sleep mode would); its KV cache is its own.
   4. On CPU the host is the device: the offload saves nothing there, and its host buffers, kept
      for the next switch, hold a second copy of the optimizer state (not in the mem/* figures).
@@ -309,7 +309,7 @@ def rollout(actor):
 
 class FusedActor:
     """The actor in two phases on the same devices; starts in TRAIN.
-      model, optimizer  this rank's: FSDP2 (fully_shard) over every rank; the optimizer built after.
+      model, optimizer  this rank's: FSDP2 (fully_shard) over `group`; the optimizer built after.
       engine            an nn.Module, the whole model on every rank (TP 1), its parameters the
                         model's by name and shape: the gather writes into them. Freed in TRAIN.
       bucket_bytes      B, the most bytes of full weights a bucket holds.

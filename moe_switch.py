@@ -26,8 +26,8 @@ Departures from the source system (Huawei's RL post-training on CloudMatrix 384)
      keeps nor sends, it is at most target + one bucket (stats["peak_switch_bytes"]).
   3. Ranks are laid out EP-outer, in the grid arange(W).view(P, W // P), so degrees that divide
      each other nest. A switch to a higher degree moves nothing; to a lower, what each rank lacks.
-  4. The switch leaves grads and optimizer states alone: the caller takes the grads away before
-     it (FusedActor offloads them), and the Parameter objects survive it. The experts skip FSDP: clip_grads syncs and clips them.
+  4. The switch leaves grads and optimizer states alone, and the Parameter objects survive it.
+     FusedActor offloads the grads before it. The experts skip FSDP: clip_grads syncs and clips.
   5. No capacity factor, token dropping or load-balancing loss: every token reaches its k experts.
 
 Tests: tests/test_moe_switch.py. Bytes, memory and time: python bench/moe_switch.py.

@@ -14,7 +14,7 @@ the README:
   2. score     the task's rule (task.py) on every response
   3. queue     advantages within each group (grpo.py); the rows into DistQueue (distqueue.py)
   4. read      each rank reads a token-balanced share of the batch, packed; the reference scores it
-  5. train     GRPO updates, data parallel with FSDP2
+  5. train     GRPO updates, data parallel with FSDP2 (the experts expert-parallel)
 Step 1 scores each group as it completes too: dynamic sampling drops a group whose rewards are all
 equal (its slot is drawn again), and the curriculum (curriculum.py) learns which lengths inform.
 

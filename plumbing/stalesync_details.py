@@ -2,7 +2,7 @@
 """StaleSync's details: what a learner of stalesync.py can take on trust. Copied with stalesync.py.
 
 stalesync.py teaches the mechanism (the round, admission, decoding, the cut, the replicas' cuts).
-This file holds what its code calls by name and a learner need not read:
+This file holds what its code calls by name, mostly what a learner need not read:
   - the checks of the config and of the calls (rollout, update, take), with their long messages;
   - the brakes that stop a run going nowhere (FilterLimitError: a filter that drops nearly every
     group; a sampler that makes nothing or never ends a row; a cut that nothing can make ready);
