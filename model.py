@@ -3,8 +3,8 @@
 
 Architecture, Qwen-MoE / DeepSeek-MoE style: token embedding -> L x [RMSNorm -> causal attention
 with RoPE -> RMSNorm -> MoE of SwiGLU experts behind a softmax top-k router] -> RMSNorm ->
-vocabulary head. The expert weights are stacked tensors (E, ...), so that one einsum runs every
-expert (departure 2). moe_switch.py's expert-parallel layers cut the stack into a tensor per
+vocabulary head. The expert weights are stacked tensors (E, ...), so that one einsum can run every
+expert on a few tokens (departure 2). moe_switch.py's expert-parallel layers cut the stack into a tensor per
 expert, each moved alone.
 
 Sampling (`Sampler`, `generate`) is batched over prompts of different lengths, left-padded, with a
