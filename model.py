@@ -4,8 +4,8 @@
 Architecture, Qwen-MoE / DeepSeek-MoE style: token embedding -> L x [RMSNorm -> causal attention
 with RoPE -> RMSNorm -> MoE of SwiGLU experts behind a softmax top-k router] -> RMSNorm ->
 vocabulary head. The expert weights are stacked tensors (E, ...), so that one einsum can run every
-expert on a few tokens (departure 2). moe_switch.py's expert-parallel layers cut the stack into a tensor per
-expert, each moved alone.
+expert on a few tokens (departure 2). moe_switch.py's expert-parallel layers cut the stack into a
+tensor per expert, each moved alone.
 
 Sampling (`Sampler`, `generate`) is batched over prompts of different lengths, left-padded, with a
 KV cache. It stops a row at EOS or at its budget, and returns each token's behaviour log-prob,
