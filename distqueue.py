@@ -23,10 +23,10 @@ Store. Five invariants keep it correct. Each one names its keys and the function
 - A DP group keeps all of a read or none of it. Dp rank 0 writes its claim in plan/..., each rank
   votes in done/..., and outcome/... holds the one verdict (_agree).
 - An owner frees a cell when all stages that read it kept it, as ack/<tag> says (serve, _delivered).
-docs/walkthrough.md, "One DistQueue read, traced", lists the store operations of one read. Every
-wait serves other ranks' requests while it waits. On a timeout it raises TimeoutError naming the
-stage, the rows and the rank. So a rank whose cells are still wanted must call the queue (serve())
-before it blocks on anything else.
+docs/walkthrough.md, "One DistQueue read, traced", lists the store operations of one read and the
+life of each key. Every wait serves other ranks' requests while it waits. On a timeout it raises
+TimeoutError naming the stage, the rows and the rank. So a rank whose cells are still wanted must
+call the queue (serve()) before it blocks on anything else.
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
 1. Data lives in host memory and moves on a gloo group (`pg`). The source's queue is an RDMA store.
