@@ -38,31 +38,8 @@ puts, and several readers of one stage.
 Run: python -m pytest tests/test_distqueue.py ; python bench/distqueue.py --lengths lognormal:5,1.2
 Shapes: B rows, K cells (row x field) in one transfer, T the longest cell.
 Copy alone: torch (CPU tensors, a gloo group), and a TCPStore or, in one process, a HashStore. Copy
-the file with its companion and keep the folder, or change the one import line. The example runs in
-a folder holding only the two (tests/test_copy_alone.py):
-
-    import datetime, os, socket
-    import torch, torch.distributed as dist, torch.multiprocessing as mp
-    from distqueue import DistQueue, QueueSpec
-
-    def rank_main(rank, world, port):
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=60))
-        spec = QueueSpec(columns={"tokens": "int64", "reward": "float32"}, scalars=("reward",),
-                         stages={"train": ("tokens", "reward")}, timeout_s=60)
-        q = DistQueue(spec)  # rank and world size: the process group's; the store: env://'s
-        q.put({"tokens": [torch.arange(n) for n in (2, 30)], "reward": [1.0, 0.0]})  # ragged
-        rows = q.get("train", 4, dp_group=dist.group.WORLD)  # 4 rows in all, split by tokens
-        print(f"rank {rank}: rows {rows.ids}, {sum(map(len, rows.cols['tokens']))} tokens")
-        dist.barrier()  # every rank done before any tears down
-        dist.destroy_process_group()
-
-    if __name__ == "__main__":
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(rank_main, args=(2, port), nprocs=2)
+the file with its companion and keep the folder, or change the one import line. The companion's
+docstring ends with a usage example, which tests/test_copy_alone.py runs in a folder of the two.
 """
 import time
 from dataclasses import dataclass, field
@@ -72,12 +49,12 @@ import torch.distributed as dist
 
 from plumbing.distqueue_details import (  # what a learner can take on trust, by role:
     default_store,  # the rendezvous' store (a TCPStore client), or a HashStore in a world of one
-    ready_entries, parse_entries, cells_of, take_plan, request, parse_request,
+    ready_entries, parse_entries, cells_of, request, parse_request,
     ack,  # the store logs' formats: ready log, plans, pulls, acks
     check_spec, check_store, rank_and_world, check_pg, put_cells, check_columns, check_get,
-    check_reader, check_sent, check_header, refused, lacking, silent,
+    check_reader, check_same_n, check_sent, check_header, refused, lacking, silent,
     peer_failed,  # checks; why a wait waits
-    row_homes, read_last, count_sent, traffic,  # a row's home, a cell's last reader; metrics
+    read_last, count_sent, traffic,  # a cell's last reader; metrics
     queue_state, load_queue_state, unpack_cells)  # checkpoint state; the inverse of pack_cells
 
 DTYPES = {"int64": torch.int64, "int32": torch.int32, "float32": torch.float32,
@@ -137,6 +114,19 @@ def balance_split(tokens, parts, homes=None):
         out[donor].remove(i)
         out[q].append(i)
     return [sorted(o) for o in out]
+
+
+def row_homes(rows, ids, dp_index):
+    """Per row of ids, its home for balance_split: the DP rank (dp_index: global rank -> index in
+    the group) that holds most of its elements, ties to the lower index; None if none holds any."""
+    homes = []
+    for r in ids:
+        held = {}  # DP rank -> elements of row r it holds
+        for owner, length in rows[r].values():
+            if owner in dp_index:
+                held[dp_index[owner]] = held.get(dp_index[owner], 0) + length
+        homes.append(max(held, key=lambda i: (held[i], -i)) if held else None)
+    return homes
 
 
 # ------------------------------------------------------------------------------ config and batch
@@ -312,7 +302,7 @@ class DistQueue:
                     self.store.set(plan, f"{n}|{ready_entries(self, cells_of(claimed, cols))}")
             else:  # wait past dp rank 0's deadline: if its claim times out, that is the error
                 late = deadline + self.spec.timeout_s
-                rows = take_plan(self, stage, n, dp_rank, step, root, late)  # waits, checks n
+                rows = self._take_plan(stage, n, dp_rank, step, root, late)
             # Per field, the longest cell of the global batch, which is what padding would send
             tmax = {c: max(rows[r][c][1] for r in rows) for c in cols} if rows else {}
             if dp_size > 1:
@@ -353,6 +343,19 @@ class DistQueue:
             return len(ready) == n
         self._wait(poll, deadline, lambda: lacking(self, stage, n, n, 0, list(seen)))
         return {r: seen.pop(r) for r in ready}
+
+    def _take_plan(self, stage, n, dp_rank, step, root, deadline):
+        """Step 1 on dp rank > 0: the rows dp rank 0 claimed, read from its plan ("n|entries"), or
+        an error once the group failed first (then _agree says why). It checks n against dp rank
+        0's, since every rank of a DP group must ask for the same global batch."""
+        plan, outcome = self._k("plan", stage, step, root), self._k("outcome", stage, step, root)
+        self._wait(lambda: self.store.check([plan]) or self.store.check([outcome]), deadline,
+                   lambda: f"in stage '{stage}' waiting for dp rank 0's plan for step {step}")
+        if not self.store.check([plan]):
+            raise RuntimeError(f"dp rank 0 published no plan for step {step}")
+        n0, entries = self.store.get(plan).decode().split("|")
+        check_same_n(stage, n, n0, dp_rank)
+        return parse_entries(self.spec, entries, stage, {})
 
     def _release(self, stage, rows):
         """Give back the rows of a read that failed: the next read of this stage claims them."""

@@ -4,9 +4,8 @@
 distqueue.py teaches the queue: the packing, a read's four steps on the store (claim, share,
 fetch, agree, each with its recovery), put and serve. This file holds the rest:
 - the store logs' formats: the ready log's entries (`ready_entries`, `parse_entries`; distqueue.py
-  writes and reads the log), a DP group's plan (`take_plan`), pull requests (`request`,
-  `parse_request`), acknowledgements (`ack`); a row's cells and home (`cells_of`, `row_homes`), a
-  cell's last reader (`read_last`);
+  writes and reads the log), pull requests (`request`, `parse_request`), acknowledgements (`ack`);
+  a row's cells (`cells_of`), a cell's last reader (`read_last`);
 - the default store (`default_store`) and the checks of the caller's input, each with a long
   error that says what to do (`check_*`, `rank_and_world`, `from_python`, `put_cells`);
 - the messages of a failure: why a wait still waits (`lacking`, `silent`, `refused`), a DP
@@ -20,9 +19,35 @@ fetch, agree, each with its recovery), put and serve. This file holds the rest:
 A function that needs the queue's store or state takes the queue itself, `q`, first (a DistQueue,
 used as its methods use self); the others take only the values they need. A name with a leading
 underscore is used only in this file. This file imports only torch and the standard library,
-never distqueue.py: what it needs of that file (its DTYPES) is passed in. It is
+never distqueue.py (its example aside): what it needs of that file (its DTYPES) is passed in. It is
 copied together with distqueue.py, as plumbing/distqueue_details.py beside it (keep the folder,
 or change distqueue.py's one import line).
+
+Using distqueue.py elsewhere: this example runs on 2 gloo processes in a folder holding only the
+two files (tests/test_copy_alone.py runs it there):
+
+    import datetime, os, socket
+    import torch, torch.distributed as dist, torch.multiprocessing as mp
+    from distqueue import DistQueue, QueueSpec
+
+    def rank_main(rank, world, port):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        spec = QueueSpec(columns={"tokens": "int64", "reward": "float32"}, scalars=("reward",),
+                         stages={"train": ("tokens", "reward")}, timeout_s=60)
+        q = DistQueue(spec)  # rank and world size: the process group's; the store: env://'s
+        q.put({"tokens": [torch.arange(n) for n in (2, 30)], "reward": [1.0, 0.0]})  # ragged
+        rows = q.get("train", 4, dp_group=dist.group.WORLD)  # 4 rows in all, split by tokens
+        print(f"rank {rank}: rows {rows.ids}, {sum(map(len, rows.cols['tokens']))} tokens")
+        dist.barrier()  # every rank done before any tears down
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(rank_main, args=(2, port), nprocs=2)
 """
 import datetime
 import os
@@ -60,36 +85,10 @@ def cells_of(rows, cols):
     return {(r, c): rows[r][c] for r in sorted(rows) for c in cols}
 
 
-def row_homes(rows, ids, dp_index):
-    """Per row of ids, its home for balance_split: the DP rank (dp_index: global rank -> index in
-    the group) that holds most of its elements, ties to the lower index; None if none holds any."""
-    homes = []
-    for r in ids:
-        held = {}  # DP rank -> elements of row r it holds
-        for owner, length in rows[r].values():
-            if owner in dp_index:
-                held[dp_index[owner]] = held.get(dp_index[owner], 0) + length
-        homes.append(max(held, key=lambda i: (held[i], -i)) if held else None)
-    return homes
-
-
 def read_last(q, key):
     """Whether the stage reading this cell now is the last that needs it (then it takes the
     queue's own tensor, not a copy)."""
     return len(q.served.get(key, ())) + 1 >= q.needers[key[1]]
-
-
-def take_plan(q, stage, n, dp_rank, step, root, deadline):
-    """dp rank > 0: the rows dp rank 0 claimed, {row: {col: (owner, length)}}, read from its
-    plan/<stage>/<step>/<root> ("n|entries"), unless the group failed first; checks n."""
-    plan, outcome = q._k("plan", stage, step, root), q._k("outcome", stage, step, root)
-    q._wait(lambda: q.store.check([plan]) or q.store.check([outcome]), deadline,
-            lambda: f"in stage '{stage}' waiting for dp rank 0's plan for step {step}")
-    if not q.store.check([plan]):  # the group failed: _agree says why
-        raise RuntimeError(f"dp rank 0 published no plan for step {step}")
-    n0, entries = q.store.get(plan).decode().split("|")
-    check_same_n(stage, n, n0, dp_rank)
-    return parse_entries(q.spec, entries, stage, {})
 
 
 def request(reader, tag, stage, tmax, keys):

@@ -1,10 +1,10 @@
-"""Copy one file and it works: each mechanism file, copied with its companion alone into an empty
-folder, runs the usage example its docstring gives (real code, on 1 or 2 gloo processes), so the
-example cannot drift from the code. Also: the files import nothing of this project. A mechanism file
-teaches its concept; what a learner can take on trust (the checks of the caller's input, the brakes,
-recovery) may live in its companion, `plumbing/<file>_*.py`, which it imports by name and which
-imports nothing of the project itself: the two are copied together, the folder kept. A standalone file
-may have one too: options/planner.py's holds its formulas (tests/test_planner.py runs the two alone)."""
+"""Copy one file and it works: each mechanism file, copied with its companion alone into an empty folder, runs
+the usage example that its docstring, or its companion's, gives (real code, on 1 or 2 gloo processes), so the
+example cannot drift from the code. Also: the files import nothing of this project. A mechanism file teaches
+its concept; what a learner can take on trust (the checks of the caller's input, the brakes, recovery) may
+live in its companion, `plumbing/<file>_*.py`, which it imports by name and which imports nothing of the
+project itself: the two are copied together, the folder kept. A standalone file may have one too:
+options/planner.py's holds its formulas (tests/test_planner.py runs the two alone)."""
 import ast
 import glob
 import os
@@ -40,17 +40,27 @@ COMPANIONS = sorted({c for name in STANDALONE for c in companions(name)})
 
 
 def docstring_example(path):
-    """The indented block after the first blank line that follows the docstring's mention of this test."""
+    """The indented block after the first blank line that follows the docstring's mention of this test
+    ("" if there is none)."""
     doc = ast.get_docstring(ast.parse(open(path).read()), clean=False)
     lines = doc.split("\n")
-    start = next(i for i, line in enumerate(lines) if "tests/test_copy_alone.py" in line)
-    start = next(i for i in range(start, len(lines)) if not lines[i].strip())
+    start = next((i for i, line in enumerate(lines) if "tests/test_copy_alone.py" in line), len(lines))
+    start = next((i for i in range(start, len(lines)) if not lines[i].strip()), len(lines))
     block = []
     for line in lines[start + 1:]:
         if line.strip() and not line.startswith("    "):
             break
         block.append(line[4:])
     return "\n".join(block).strip() + "\n"
+
+
+def usage_example(name):
+    """A standalone file's usage example: in its docstring, or in its companion's (which it says)."""
+    for path in [name, *companions(name)]:
+        example = docstring_example(os.path.join(ROOT, path))
+        if example.strip():
+            return example
+    raise AssertionError(f"{name}: no usage example in its docstring or its companion's")
 
 
 def test_a_companion_is_its_mechanism_files_own():
@@ -67,7 +77,7 @@ def test_a_copied_file_runs_its_docstring_example(tmp_path, name):
         dest = tmp_path / (os.path.basename(f) if f == name else f)
         dest.parent.mkdir(exist_ok=True)
         shutil.copy(os.path.join(ROOT, f), dest)
-    (tmp_path / "example.py").write_text(docstring_example(os.path.join(ROOT, name)))
+    (tmp_path / "example.py").write_text(usage_example(name))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE", "MASTER_ADDR",
                                                            "MASTER_PORT", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"  # 2 processes on 2 cores
