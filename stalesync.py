@@ -15,7 +15,7 @@ before class StaleSync lists these invariants and the functions that keep each.
 
 The file puts the naive version first: sync_rollout, then StaleConfig and StaleSync, then the cuts
 of several replicas, AllReady (naive) and SharedCut. Its companion, plumbing/stalesync_details.py,
-holds the checks, the brakes, dynamic sampling, the Batch format and the checkpoint state.
+holds the checks, the brakes, the Batch format, the checkpoint state and a usage example.
 
 Notation: G is the group size, B the samples in a batch, n_i the tokens of sample i, R the rows in
 flight (in SharedCut, the replicas), and v the policy version, the number of batches trained.
@@ -32,25 +32,8 @@ not wall time. Its bench: `python bench/stalesync.py --lengths lognormal:3,1`.
 
 To use this file elsewhere, copy it with its companion, plumbing/stalesync_details.py. Keep the
 folder, or change the one import line. It needs torch, and a process group only for the cuts.
-The test tests/test_copy_alone.py runs this example in a folder that holds only the two files:
-
-    import torch
-    from stalesync import StaleConfig, StaleSync
-
-    def toy_sampler(contexts, seeds, n_done, max_steps):  # row s ends after s % 5 + 1 tokens
-        left = [s % 5 + 1 - n for s, n in zip(seeds.tolist(), n_done.tolist())]
-        made = [k if max_steps is None else min(k, max_steps) for k in left]
-        done = [m == k for m, k in zip(made, left)]
-        return [[7] * m for m in made], [[-0.1] * m for m in made], done
-
-    cfg = StaleConfig(staleness=1, groups_per_step=2, group_size=4, threshold=0.5,
-                      chunk_steps=2)
-    sched = StaleSync(cfg, toy_sampler, prompt_fn=lambda slot, attempt: torch.tensor([1, 2, 3]))
-    for step in range(6):
-        batch = sched.rollout()   # 2 complete groups of 4, for the weights of version `step`
-        assert max(step - v for v in batch.start_versions) <= cfg.staleness
-        sched.update()            # an optimizer step on `batch` made version step + 1
-    print("trained", len(sched.accounting()["trained"]), "samples")
+The companion's docstring ends with a usage example, which tests/test_copy_alone.py runs in a folder
+that holds only the two files.
 """
 import functools
 import math
@@ -63,7 +46,7 @@ import torch.distributed as dist
 from plumbing.stalesync_details import (
     accounting_of, as_batch, as_prompt, as_seed, batch_metrics, check_budget, check_not_stuck,
     check_progress, check_replicas_not_stuck, check_rollout, check_take, check_update,
-    filter_groups, load_scheduler_state, sampler_cache, scheduler_state, settle_config,
+    check_filter_limit, load_scheduler_state, sampler_cache, scheduler_state, settle_config,
     start_scheduler_at, unpack_sampled)
 
 
@@ -131,7 +114,7 @@ class StaleSync:
     prompt_fn(slot, attempt) returns a group's prompt, a (P,) int64 tensor or a list of ints.
     The optional seed_fn(slot, attempt, member) returns an int. By default a sample's seed is its
     id (0, 1, 2, ... in the order made). The optional keep_group(prompt, responses) returns a bool.
-    It does dynamic sampling (filter_groups, in the companion). Options subclass StaleSync and
+    It does dynamic sampling (_keep_completed). Options subclass StaleSync and
     override methods that do the default thing here: decode (options/lockstep.py), _keep_completed
     (streaming.py, which sets max_steps too), _keep_per_token and _per_token (routing_replay.py)."""
 
@@ -254,9 +237,26 @@ class StaleSync:
         """A call's other per-token outputs (`out`'s), kept with their samples: none here."""
 
     def _keep_completed(self, groups):
-        """Return the groups a call completed that dynamic sampling keeps. keep_group drops the
-        others (filter_groups, in the companion), and their slots reopen."""
-        return filter_groups(self, groups)
+        """Dynamic sampling: keep_group (say, not every reward equal) drops some of the groups that
+        a call completed. A dropped group leaves the pool, its samples are counted filtered, and
+        its slot reopens with the next attempt, so admit() draws a new prompt for it first. Returns
+        the kept groups."""
+        if self.keep_group is None:
+            return groups
+        kept = []
+        for g in groups:
+            responses = [torch.tensor(s["tokens"], dtype=torch.long) for s in g["samples"]]
+            if self.keep_group(g["prompt"], responses):
+                kept.append(g)
+                continue
+            self.pool = [h for h in self.pool if h is not g]
+            for s in g["samples"]:
+                self.fate[s["id"]] = "filtered"
+            self.filtered += 1
+            self.reopen.append((g["slot"], g["attempt"] + 1))
+        self.reopen.sort()
+        check_filter_limit(self)  # a brake: a filter that drops nearly every group raises
+        return kept
 
     # --- the cut of batch k, trained at version k
     # A group's start_version is the version of its first token. At batch k its age is

@@ -4,22 +4,42 @@
 stalesync.py teaches the mechanism (the round, admission, decoding, the cut, the replicas' cuts).
 This file holds what its code calls by name, mostly what a learner need not read:
   - the checks of the config and of the calls (rollout, update, take), with their long messages;
-  - the brakes that stop a run going nowhere (FilterLimitError: a filter that drops nearly every
-    group; a sampler that makes nothing or never ends a row; a cut that nothing can make ready);
+  - the brakes that stop a run going nowhere (FilterLimitError: dynamic sampling that drops
+    nearly every group; a sampler that makes nothing or never ends a row; a cut that nothing can
+    make ready);
   - the sampler's contract in full, and the checks of what the callables return: the sampler's
     (unpack_sampled), prompt_fn's, seed_fn's;
-  - dynamic sampling (filter_groups), which the default run uses in every round: keep_group drops a
-    group whose rewards are all equal, and its slot reopens (StaleSync.admit refills it first);
   - Batch, one step's samples as the trainer gets them, its packing (as_batch), its stale/* figures
     (batch_metrics) and the samples' accounting;
   - a cached sampler's reset() and state (sampler_cache), and notes on a separated caller and
     SharedCut's replica and leader (why the cuts' ranks agree is in stalesync.py, by post_or_wait);
   - the checkpoint state behind StaleSync.state_dict, load_state_dict and start_at.
 
-It imports torch and the standard library only, never stalesync.py. Copy the two together, this
-one at plumbing/stalesync_details.py beside stalesync.py (or change stalesync.py's one import line).
-A name with a leading underscore is used only in this file. FilterLimitError is public: a caller
-catches it (plumbing/runlog.py's hint names the flags).
+It imports torch and the standard library only, never stalesync.py (its example aside). Copy the
+two together, this one at plumbing/stalesync_details.py beside stalesync.py (or change
+stalesync.py's one import line). A name with a leading underscore is used only in this file.
+FilterLimitError is public: a caller catches it (plumbing/runlog.py's hint names the flags).
+
+Using stalesync.py elsewhere: this example needs torch only, and runs in a folder holding only the
+two files (tests/test_copy_alone.py runs it there):
+
+    import torch
+    from stalesync import StaleConfig, StaleSync
+
+    def toy_sampler(contexts, seeds, n_done, max_steps):  # row s ends after s % 5 + 1 tokens
+        left = [s % 5 + 1 - n for s, n in zip(seeds.tolist(), n_done.tolist())]
+        made = [k if max_steps is None else min(k, max_steps) for k in left]
+        done = [m == k for m, k in zip(made, left)]
+        return [[7] * m for m in made], [[-0.1] * m for m in made], done
+
+    cfg = StaleConfig(staleness=1, groups_per_step=2, group_size=4, threshold=0.5,
+                      chunk_steps=2)
+    sched = StaleSync(cfg, toy_sampler, prompt_fn=lambda slot, attempt: torch.tensor([1, 2, 3]))
+    for step in range(6):
+        batch = sched.rollout()   # 2 complete groups of 4, for the weights of version `step`
+        assert max(step - v for v in batch.start_versions) <= cfg.staleness
+        sched.update()            # an optimizer step on `batch` made version step + 1
+    print("trained", len(sched.accounting()["trained"]), "samples")
 """
 import numbers
 from dataclasses import dataclass, field
@@ -104,7 +124,7 @@ def check_budget(sched, rows):
                            f"max_len {max_len}, the response budget")
 
 
-def _check_filter_limit(sched):
+def check_filter_limit(sched):
     """Brake: more than max_filtered groups dropped while one batch is made means that the filter
     refuses nearly every group."""
     dropped = sched.filtered - sched.filtered_at_take
@@ -197,28 +217,6 @@ def as_seed(x):
 
 
 # -------------------------------------------------------- dynamic sampling, a batch and its figures
-def filter_groups(sched, completed):
-    """Dynamic sampling: keep_group (say, not every reward equal) drops some of the groups that
-    just completed, counted (stale/filtered), and their slots reopen for a new prompt. Returns
-    the kept ones."""
-    if sched.keep_group is None:
-        return completed
-    kept = []
-    for g in completed:
-        responses = [torch.tensor(s["tokens"], dtype=torch.long) for s in g["samples"]]
-        if sched.keep_group(g["prompt"], responses):
-            kept.append(g)
-            continue
-        sched.pool = [h for h in sched.pool if h is not g]
-        for s in g["samples"]:
-            sched.fate[s["id"]] = "filtered"
-        sched.filtered += 1
-        sched.reopen.append((g["slot"], g["attempt"] + 1))
-    sched.reopen.sort()
-    _check_filter_limit(sched)
-    return kept
-
-
 @dataclass
 class Batch:
     """One optimizer step's samples, groups contiguous, in slot order (group_advantages-ready)."""
