@@ -15,7 +15,7 @@ The default run (train_grpo.py) trains at EP 2 and generates at EP 1. This file,
   EPMoE                     the EP layer: forward (route, send, local experts, combine), switch()
   ExpertParallel            a model's MoE layers: apply, to_rollout, to_train, clip_grads
 The companion plumbing/moe_switch_details.py holds the checks, the groups, the switch's agreement,
-the decode's fast path, the all_to_all's autograd and the experts' grad sync and clip.
+the all_to_all's autograd and a usage example.
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
   1. Each expert slice (name, e) is its own tensor, not a view of a stacked (E, D, H) parameter,
@@ -33,53 +33,8 @@ Departures from the source system (Huawei's RL post-training on CloudMatrix 384)
 Tests: tests/test_moe_switch.py. Bytes, memory and time: python bench/moe_switch.py.
 Using this file elsewhere needs torch only. Copy moe_switch.py with its companion (keep the folder,
 or change the one import line). Every rank of a layout calls switch() together, with the same
-target, or the others raise. On 2 gloo processes, as tests/test_copy_alone.py runs it (alone):
-
-    import copy, datetime, os, socket
-    import torch, torch.distributed as dist, torch.multiprocessing as mp
-    from moe_switch import EXPERT_NAMES, ExpertParallel, moe_reference
-
-    class MoE(torch.nn.Module):  # a dense MoE (SwiGLU, no biases), found by its attributes:
-        def __init__(self, E=4, D=8, H=16):  # router (E, D), top_k, stacks in x @ w orientation
-            super().__init__()
-            self.router, self.top_k = torch.nn.Linear(D, E, bias=False), 2
-            for n, shape in zip(EXPERT_NAMES, [(E, D, H), (E, D, H), (E, H, D)]):
-                setattr(self, n, torch.nn.Parameter(torch.randn(shape) / 4))
-
-        def forward(self, x):  # (N, D) -> (N, D): the slow loop that the EP layer must match
-            experts = {n: getattr(self, n) for n in EXPERT_NAMES}
-            return moe_reference(x, self.router.weight, experts, self.top_k)
-
-    def rank_main(rank, world, port):
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        timeout = datetime.timedelta(seconds=60)
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
-        torch.manual_seed(0)  # the same dense model on every rank: two MoE layers
-        dense = torch.nn.Sequential(MoE(), MoE())
-        model = copy.deepcopy(dense)  # trained, at EP 2: two experts a rank
-        engine = copy.deepcopy(dense).requires_grad_(False)  # generates, at EP 1: every expert
-        ep = ExpertParallel(train_ep=2, infer_ep=1, world_size=world, n_experts=4,
-                            bucket_bytes=1 << 16)
-        ep.apply(model, engine)  # their dense MoE layers become EPMoE layers
-        x = torch.randn(5 + rank, 8)  # this rank's tokens
-        with torch.no_grad():  # one layer: the tokens cross ranks to their experts and come back
-            assert torch.allclose(model[0](x), dense[0](x), atol=1e-5)
-            ep.to_rollout()  # every rank, together: EP 2 -> 1; the engine's experts alias the moved
-            assert torch.allclose(engine(x), dense(x), atol=1e-5)
-            ep.to_train()  # EP 1 -> 2
-        for layer, like in zip(model, dense):  # this rank's experts, back: bit for bit
-            for n, mine in layer.local_experts().items():  # name -> {e: tensor}
-                assert all(torch.equal(t, getattr(like, n)[e]) for e, t in mine.items())
-        moved = ep.stats["ep/to_rollout_bytes_moved"]
-        print(f"rank {rank}: EP 2 -> 1 -> 2, {moved} bytes moved to roll out")
-        dist.barrier()  # every rank done before any tears down
-        dist.destroy_process_group()
-
-    if __name__ == "__main__":
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(rank_main, args=(2, port), nprocs=2)
+target, or the others raise. The companion's docstring ends with a usage example on 2 gloo
+processes, which tests/test_copy_alone.py runs in a folder holding only the two files.
 
 Shapes: N tokens, D model width, H expert hidden width, E experts, k experts per token, P EP degree,
 W world size, L local experts (E / P in blocks), M tokens received by this rank, B bucket bytes.
@@ -93,14 +48,12 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from plumbing.moe_switch_details import (EVERY_EXPERT_WORK, AllToAll, agree_on_switch,
-                                         check_bucket, check_dense_layer, check_ep_group,
-                                         check_found_layers, check_layout, check_naive_group,
-                                         check_reshard, check_switch, clip_with_experts,
-                                         empty_engine_layer, every_expert, group_of_ranks,
+from plumbing.moe_switch_details import (AllToAll, agree_on_switch, check_bucket,
+                                         check_dense_layer, check_ep_group, check_found_layers,
+                                         check_layout, check_naive_group, check_reshard,
+                                         check_switch, empty_engine_layer, group_of_ranks,
                                          held_bytes, new_groups, rank_in, shard_experts,
-                                         slice_specs, swap_layers, switch_figures,
-                                         sync_expert_grads, untie)
+                                         slice_specs, swap_layers, switch_figures, untie)
 
 EXPERT_NAMES = ("w_gate", "w_up", "w_down")  # (E, D, H), (E, D, H), (E, H, D) in the dense MoE
 
@@ -328,6 +281,22 @@ def reshard(experts, src, dst, bucket_bytes, group=None):
     return new, stats
 
 
+EVERY_EXPERT_WORK = 3 * 2 ** 18  # EP 1 runs every expert on every token while N x D x H <= this
+
+
+def every_expert(layer, x, gates, top_e):
+    """EPMoE.forward at EP 1 on a few tokens (a decode step): nothing is sent, and the tokens run
+    faster through every expert, each weighted by its gate (0 where not chosen), than sorted by
+    expert: E/k times the work, no indexing. x (N, D), gates and top_e (N, k) -> (N, D)."""
+    dense_gates = torch.zeros(x.shape[0], layer.layout.n_experts, device=x.device)
+    dense_gates = dense_gates.scatter(-1, top_e, gates).to(x.dtype)  # (N, E)
+    out = torch.zeros_like(x)                                       # (N, D)
+    for e in range(layer.layout.n_experts):
+        y = expert_mlp(x, *(getattr(layer, n)[e] for n in EXPERT_NAMES))  # (N, D)
+        out = out + dense_gates[:, e, None] * y
+    return out
+
+
 # ----------------------------------------------------------------------- the EP layer
 class EPMoE(nn.Module):
     """The MoE with its experts split over an EP group, a drop-in for a dense MoE (from_dense).
@@ -370,7 +339,7 @@ class EPMoE(nn.Module):
         L, x = self.layout.slots, x.reshape(-1, shape[-1])              # (N, D)
         gates, top_e = route(x, self.router.weight, k, self.routing)    # (N, k)
         if P == 1 and x.shape[0] <= self.every_expert_below:  # EP 1, a decode step's few tokens
-            out = every_expert(self, x, gates, top_e, expert_mlp, EXPERT_NAMES)  # no sort, no send
+            out = every_expert(self, x, gates, top_e)  # no sort, no send
             return out.reshape(shape)
         flat_e = self.layout.slot_of(top_e.reshape(-1), self.rank)      # (N*k,) slot: expert
         order = flat_e.argsort(stable=True)                             # (N*k,) by slot = rank
@@ -419,6 +388,37 @@ class EPMoE(nn.Module):
         for n, slices in experts.items():
             for e, t in slices.items():
                 getattr(self, n)[e].data = t
+
+
+# ------------------------------------------------------------------------ the experts' gradients
+def sync_expert_grads(grads, world, replicas_group):
+    """After backward an owned expert's grad sums its EP group's tokens. Summed over the expert's
+    replicas (replicas_group; None: it has none) and divided by the world size, it is the mean over
+    all ranks, as FSDP's grads are."""
+    flat = torch.cat([g.flatten() for g in grads]) / world
+    if replicas_group is not None:
+        dist.all_reduce(flat, group=replicas_group)
+    for g, f in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(f.view_as(g))
+
+
+def clip_with_experts(model, expert_params, max_norm, replicas, group):
+    """clip_grad_norm_ over the FSDP shards and the owned experts together. The dense grads' norm
+    comes from torch (a DTensor's over its mesh); the experts' squares are summed over `group`,
+    where each expert is counted once per replica. Returns the total norm."""
+    experts = set(map(id, expert_params))
+    dense = [p.grad for p in model.parameters() if id(p) not in experts and p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(dense)
+    sq = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).double() ** 2
+    squares = [p.grad.double().pow(2).sum() for p in expert_params if p.numel()]
+    own = sum(squares).reshape(1)  # this rank's experts' squared norm
+    dist.all_reduce(own, group=group)  # every expert counted once per replica
+    total = (sq + own[0] / replicas).sqrt()
+    coef = min(1.0, max_norm / (float(total) + 1e-6))
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(coef)
+    return total
 
 
 # ----------------------------------------------------------------------- a whole model
@@ -473,7 +473,7 @@ class ExpertParallel:
     def clip_grads(self, model, max_norm):
         """Call after backward. Each owned expert's grad becomes the mean over all ranks, as FSDP's
         grads are (sync_expert_grads). Then all grads are clipped as one norm, with the FSDP shards'
-        (clip_with_experts). Both helpers are in the companion. Returns the total norm."""
+        (clip_with_experts). Returns the total norm."""
         replicas = self.train_groups[1] if self.train_layout.dp > 1 else None
         sync_expert_grads([p.grad for p in self.params(model) if p.numel()], self.world, replicas)
         return clip_with_experts(model, self.params(model), max_norm, self.train_layout.dp,

@@ -5,9 +5,9 @@ job, the model's layers swapped and the figures of a switch.
 
 Copied together with moe_switch.py, which imports it by name (`from plumbing.moe_switch_details
 import ...`: keep the folder, or change that one line). It imports only torch and the standard
-library, never moe_switch.py: a layout is any EPLayout, an EP layer any EPMoE, and what a check
-needs of moe_switch.py (EXPERT_NAMES, moe_reference) is passed in. The code of moe_switch.py calls
-these by name; in order:
+library, never moe_switch.py (its example aside): a layout is any EPLayout, an EP layer any EPMoE,
+and what a check needs of moe_switch.py (EXPERT_NAMES, moe_reference) is passed in. The code of
+moe_switch.py calls these by name; in order:
   rank_in, held_bytes          this process's rank; the bytes a rank's experts hold
   shard_experts                a dense MoE's stacks -> this rank's slices of them
   check_*                      the checks, each a ValueError before any collective (check_dense is
@@ -18,10 +18,7 @@ these by name; in order:
   untie                        an EP layer's expert Parameters emptied, before a switch
   switch_figures               ExpertParallel.stats of a switch
   AllToAll                     all_to_all_rows' autograd: the reverse all_to_all in backward
-  every_expert                 EP 1's decode step: every token through every expert, no sort
   empty_engine_layer           an engine's EP layer, its experts aliased at each to_rollout
-  sync_expert_grads,           the experts' grads, outside FSDP2: the mean over all ranks, then
-  clip_with_experts            one norm with the FSDP shards' to clip them
 
 Two hooks stay in moe_switch.py for options. route(..., routing) and EPMoE.routing: a hook (N, k)
 -> (N, k) on the experts chosen that records or replaces them (options/routing_replay.py, which
@@ -31,6 +28,55 @@ world_group= (EPMoE.switch): a layout over part of the job (the hybrid deploymen
 switched over the group of its ranks. Expert load balancing (options/eplb.py) subclasses
 EPLayout, EPMoE and ExpertParallel at their seams: slots, owned and slot_of; _rows_per_slot;
 layer and _rollout_layouts.
+
+Using moe_switch.py elsewhere: this example runs on 2 gloo processes in a folder holding only the
+two files (tests/test_copy_alone.py runs it there):
+
+    import copy, datetime, os, socket
+    import torch, torch.distributed as dist, torch.multiprocessing as mp
+    from moe_switch import EXPERT_NAMES, ExpertParallel, moe_reference
+
+    class MoE(torch.nn.Module):  # a dense MoE (SwiGLU, no biases), found by its attributes:
+        def __init__(self, E=4, D=8, H=16):  # router (E, D), top_k, stacks in x @ w orientation
+            super().__init__()
+            self.router, self.top_k = torch.nn.Linear(D, E, bias=False), 2
+            for n, shape in zip(EXPERT_NAMES, [(E, D, H), (E, D, H), (E, H, D)]):
+                setattr(self, n, torch.nn.Parameter(torch.randn(shape) / 4))
+
+        def forward(self, x):  # (N, D) -> (N, D): the slow loop that the EP layer must match
+            experts = {n: getattr(self, n) for n in EXPERT_NAMES}
+            return moe_reference(x, self.router.weight, experts, self.top_k)
+
+    def rank_main(rank, world, port):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        timeout = datetime.timedelta(seconds=60)
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+        torch.manual_seed(0)  # the same dense model on every rank: two MoE layers
+        dense = torch.nn.Sequential(MoE(), MoE())
+        model = copy.deepcopy(dense)  # trained, at EP 2: two experts a rank
+        engine = copy.deepcopy(dense).requires_grad_(False)  # generates, at EP 1: every expert
+        ep = ExpertParallel(train_ep=2, infer_ep=1, world_size=world, n_experts=4,
+                            bucket_bytes=1 << 16)
+        ep.apply(model, engine)  # their dense MoE layers become EPMoE layers
+        x = torch.randn(5 + rank, 8)  # this rank's tokens
+        with torch.no_grad():  # one layer: the tokens cross ranks to their experts and come back
+            assert torch.allclose(model[0](x), dense[0](x), atol=1e-5)
+            ep.to_rollout()  # every rank, together: EP 2 -> 1; the engine's experts alias the moved
+            assert torch.allclose(engine(x), dense(x), atol=1e-5)
+            ep.to_train()  # EP 1 -> 2
+        for layer, like in zip(model, dense):  # this rank's experts, back: bit for bit
+            for n, mine in layer.local_experts().items():  # name -> {e: tensor}
+                assert all(torch.equal(t, getattr(like, n)[e]) for e, t in mine.items())
+        moved = ep.stats["ep/to_rollout_bytes_moved"]
+        print(f"rank {rank}: EP 2 -> 1 -> 2, {moved} bytes moved to roll out")
+        dist.barrier()  # every rank done before any tears down
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(rank_main, args=(2, port), nprocs=2)
 """
 import datetime
 import time
@@ -378,24 +424,7 @@ class AllToAll(torch.autograd.Function):
         return _a2a(grad, in_splits, out_splits, ctx.group), None, None, None
 
 
-# ------------------------------------------------------------------- a decode step's fast path
-# EP 1 runs every expert on every token while tokens x D x H stays within this (EPMoE.forward)
-EVERY_EXPERT_WORK = 3 * 2 ** 18
-
-
-def every_expert(layer, x, gates, top_e, expert_mlp, names):
-    """EPMoE.forward at EP 1 on a few tokens (a decode step): nothing is sent, and the tokens run
-    faster through every expert, each weighted by its gate (0 where not chosen), than sorted by
-    expert: E/k times the work, no indexing. x (N, D), gates and top_e (N, k) -> (N, D)."""
-    dense_gates = torch.zeros(x.shape[0], layer.layout.n_experts, device=x.device)
-    dense_gates = dense_gates.scatter(-1, top_e, gates).to(x.dtype)  # (N, E)
-    out = torch.zeros_like(x)                                       # (N, D)
-    for e in range(layer.layout.n_experts):
-        y = expert_mlp(x, *(getattr(layer, n)[e] for n in names))   # (N, D)
-        out = out + dense_gates[:, e, None] * y
-    return out
-
-
+# ------------------------------------------------------------------- the engine's empty layer
 def empty_engine_layer(ep, moe, names):
     """An engine's EP layer for ExpertParallel.apply: the dense layer's router Parameter itself (a
     loader filling the engine by name still finds it), and no experts until to_rollout aliases
@@ -407,34 +436,3 @@ def empty_engine_layer(ep, moe, names):
     layer.requires_grad_(False)
     untie(layer, names)  # no experts until to_rollout
     return layer
-
-
-# ------------------------------------------------------------------------ the experts' gradients
-def sync_expert_grads(grads, world, replicas_group):
-    """After backward an owned expert's grad sums its EP group's tokens. Summed over the expert's
-    replicas (replicas_group; None: it has none) and divided by the world size, it is the mean over
-    all ranks, as FSDP's grads are."""
-    flat = torch.cat([g.flatten() for g in grads]) / world
-    if replicas_group is not None:
-        dist.all_reduce(flat, group=replicas_group)
-    for g, f in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(f.view_as(g))
-
-
-def clip_with_experts(model, expert_params, max_norm, replicas, group):
-    """clip_grad_norm_ over the FSDP shards and the owned experts together. The dense grads' norm
-    comes from torch (a DTensor's over its mesh); the experts' squares are summed over `group`,
-    where each expert is counted once per replica. Returns the total norm."""
-    experts = set(map(id, expert_params))
-    dense = [p.grad for p in model.parameters() if id(p) not in experts and p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(dense)
-    sq = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).double() ** 2
-    squares = [p.grad.double().pow(2).sum() for p in expert_params if p.numel()]
-    own = sum(squares).reshape(1)  # this rank's experts' squared norm
-    dist.all_reduce(own, group=group)  # every expert counted once per replica
-    total = (sq + own[0] / replicas).sqrt()
-    coef = min(1.0, max_norm / (float(total) + 1e-6))
-    for p in model.parameters():
-        if p.grad is not None:
-            p.grad.mul_(coef)
-    return total
