@@ -20,8 +20,8 @@ what one must do): Broadcasts, the plain way and the default run's (gloo; nccl o
 past one rank), or on one CPU host plumbing/shm_transport.py's SharedMemory (--shm-transport 1).
 The other paths are FusedActor subclasses in options/ (tensor_parallel.py: an engine at any TP
 degree, through its load_weights; owners.py: pipeline stages, HSDP; offload_params.py: the shards
-offloaded too). The companion, plumbing/fusion_details.py, holds what a learner can take on trust:
-the input checks, the guards, the recovery, the counts.
+offloaded too). The companion, plumbing/fusion_details.py, holds what a learner can take on trust
+(the input checks, the guards, the recovery, the counts) and a usage example.
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
   1. FSDP2 (weights sharded between updates) or PP stages to train, TP to generate; the engine is
@@ -35,46 +35,15 @@ A call that would read a freed storage, and crash, raises instead, naming the ph
 Run: python -m pytest tests/test_fusion.py   (W 1, 2 x TP 1, 2; W 4: -m slow; PP, HSDP: test_owners)
 
 Using this file elsewhere: torch >= 2.6, gloo or nccl; copy fusion.py together with its companion
-plumbing/fusion_details.py (keep the folder, or change the one import line). The default path on 2
-gloo processes (tests/test_copy_alone.py runs it in a folder holding only the two):
-
-    import datetime, os, socket
-    import torch, torch.distributed as dist, torch.multiprocessing as mp
-    from torch.distributed.fsdp import fully_shard
-    from fusion import FusedActor, rollout
-
-    def rank_main(rank, world, port):
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        timeout = datetime.timedelta(seconds=60)
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
-        torch.manual_seed(0)
-        model = fully_shard(torch.nn.Linear(8, 8))  # FSDP2 over every rank
-        engine = torch.nn.Linear(8, 8).requires_grad_(False)  # TP 1: the model's names and shapes
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        model(torch.randn(4, 8)).sum().backward()
-        opt.step()  # now there is Adam state to move
-        actor = FusedActor(model, opt, engine, bucket_bytes=1024)
-        x = torch.randn(2, 8)
-        with rollout(actor) as eng:  # Adam state on host, the engine built from the shards
-            out = eng(x)
-        assert torch.allclose(out, model(x), atol=1e-6)  # back in TRAIN: the model agrees
-        offloaded = actor.metrics()["switch/offload_bytes"]
-        print(f"rank {rank}: engine == model, {offloaded} bytes offloaded")
-        dist.barrier()  # every rank done before any tears down
-        dist.destroy_process_group()
-        os._exit(0)  # no interpreter teardown, where gloo can abort after the work is done
-
-    if __name__ == "__main__":
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(rank_main, args=(2, port), nprocs=2)
+plumbing/fusion_details.py (keep the folder, or change the one import line). The companion's
+docstring ends with a usage example of the default path on 2 gloo processes, which
+tests/test_copy_alone.py runs in a folder holding only the two files.
 
 Shapes: W world size, B bucket bytes, d a weight's owners (W under FSDP2), c = ceil(rows / d) rows
 per shard.
 """
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import NamedTuple
 
 import torch
@@ -82,9 +51,9 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from plumbing.fusion_details import (agreeing, check_engine, check_fits, check_model,
-                                     check_not_shared, check_owners, expect_phase, guard_hooks,
-                                     hold_grads, memory_figures, synchronize, timed, undo_rollout)
+from plumbing.fusion_details import (check_engine, check_fits, check_model, check_not_shared,
+                                     check_owners, expect_phase, guard_hooks, hold_grads,
+                                     memory_figures, synchronize, timed, undo_rollout)
 
 TRAIN, ROLLOUT = "TRAIN", "ROLLOUT"
 
@@ -258,6 +227,27 @@ def _on_own_meshes(name, p, out, works):
 
 
 # ------------------------------------------------------------------------------- the transport seam
+@contextmanager
+def agreeing(device, group):
+    """Every rank of group leaves a switch's gather knowing whether all succeeded: one all_reduce
+    of a flag on the way out, so that a rank whose gather failed does not leave the others waiting
+    in the next collective, and each raises."""
+    ok = torch.ones(1, device=device)
+    agree = dist.is_initialized() and dist.get_world_size(group) > 1
+    try:
+        yield
+    except BaseException:
+        with suppress(Exception):  # may fail where a collective did: the first error stands
+            if agree:
+                dist.all_reduce(ok.zero_(), op=dist.ReduceOp.MIN, group=group)
+        raise
+    if agree:
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    if not ok.item():
+        raise RuntimeError("another rank failed in this switch (its error is in its output); "
+                           "back in TRAIN")
+
+
 class Broadcasts:
     """A transport moves each weight from its owners into a full-size tensor on every rank. This
     one is the plain way: gather_into's broadcasts through the process group, any backend, any

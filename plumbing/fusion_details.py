@@ -3,7 +3,7 @@
 
 fusion.py teaches the switch; this file holds what it calls by name. Copy the two together (this
 one at plumbing/ beside fusion.py, or change fusion.py's one import line); it imports torch and the
-standard library only, never fusion.py:
+standard library only, never fusion.py (its example aside):
   - the checks of the caller's input, before any collective: check_model (FSDP2, Shard(0) over a
     1-D mesh, an optimizer built after fully_shard), check_owners (the weights held by the actor's
     ranks), check_engine (the engine's parameters, which the gather writes into), check_fits (a
@@ -13,18 +13,51 @@ standard library only, never fusion.py:
     a freed storage and crash), BackwardCheck, and hold_grads (in ROLLOUT the grads are held off
     their parameters, p.grad is None, so that zero_grad(set_to_none=False) or clipping finds none
     to touch);
-  - the recovery: undo_rollout (after a failed to_rollout(), back to TRAIN as it was), and
-    agreeing, the Broadcasts transport's agreement: one all_reduce of an ok flag leaving a gather,
-    so that an error on one rank raises on every rank and none waits in the next collective;
+  - the recovery: undo_rollout (after a failed to_rollout(), back to TRAIN as it was);
   - the counts: timed and synchronize (switch/*_s), memory_figures and allocated_bytes (mem/*).
 The options' paths are FusedActor subclasses in options/, with their own helpers: an engine at any
 TP degree through its load_weights (tensor_parallel.py), pipeline stages and HSDP (owners.py), the
 shards offloaded too (offload_params.py).
 
     python -m pytest tests/test_fusion.py   (the guards, the recovery, the bad input)
+
+Using fusion.py elsewhere: this example, the default path on 2 gloo processes, runs in a folder
+holding only the two files (tests/test_copy_alone.py runs it there):
+
+    import datetime, os, socket
+    import torch, torch.distributed as dist, torch.multiprocessing as mp
+    from torch.distributed.fsdp import fully_shard
+    from fusion import FusedActor, rollout
+
+    def rank_main(rank, world, port):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        timeout = datetime.timedelta(seconds=60)
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+        torch.manual_seed(0)
+        model = fully_shard(torch.nn.Linear(8, 8))  # FSDP2 over every rank
+        engine = torch.nn.Linear(8, 8).requires_grad_(False)  # TP 1: the model's names and shapes
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()  # now there is Adam state to move
+        actor = FusedActor(model, opt, engine, bucket_bytes=1024)
+        x = torch.randn(2, 8)
+        with rollout(actor) as eng:  # Adam state on host, the engine built from the shards
+            out = eng(x)
+        assert torch.allclose(out, model(x), atol=1e-6)  # back in TRAIN: the model agrees
+        offloaded = actor.metrics()["switch/offload_bytes"]
+        print(f"rank {rank}: engine == model, {offloaded} bytes offloaded")
+        dist.barrier()  # every rank done before any tears down
+        dist.destroy_process_group()
+        os._exit(0)  # no interpreter teardown, where gloo can abort after the work is done
+
+    if __name__ == "__main__":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(rank_main, args=(2, port), nprocs=2)
 """
 import time
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -149,27 +182,6 @@ def undo_rollout(actor, switched):
 
 
 # ------------------------------------------------------------- the Broadcasts transport's agreement
-@contextmanager
-def agreeing(device, group):
-    """Every rank of group leaves a switch's gather knowing whether all succeeded: one all_reduce
-    of a flag on the way out, so that a rank whose gather failed does not leave the others waiting
-    in the next collective, and each raises."""
-    ok = torch.ones(1, device=device)
-    agree = dist.is_initialized() and dist.get_world_size(group) > 1
-    try:
-        yield
-    except BaseException:
-        with suppress(Exception):  # may fail where a collective did: the first error stands
-            if agree:
-                dist.all_reduce(ok.zero_(), op=dist.ReduceOp.MIN, group=group)
-        raise
-    if agree:
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-    if not ok.item():
-        raise RuntimeError("another rank failed in this switch (its error is in its output); "
-                           "back in TRAIN")
-
-
 # --------------------------------------------------------------------- the timing and memory counts
 def synchronize(device):
     if device.type != "cpu":  # CPU work is done when its call returns
