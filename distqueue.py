@@ -218,9 +218,9 @@ class DistQueue:
 
     def _read_ready(self, stage):
         """Read the ready log's new keys into self.unclaimed[stage]: one store round trip when there
-        is nothing new, three when there is. A key counted but not yet written stops the read: it
-        and the keys after it wait for a later poll (if its writer died, for ever). So the log is
-        read in order, and a row shows only the cells that are written."""
+        is nothing new, three when there is, and _retire's. A key counted but not yet written stops
+        the read: it and the keys after it wait for a later poll (if its writer died, for ever). So
+        the log is read in order, and a row shows only the cells that are written."""
         n = int(self.store.add(self._k("ready", "n"), 0))
         keys = [self._k("ready", i) for i in range(self.ready_off[stage], n)]
         while keys and not self.store.check(keys):  # some key is not written yet:

@@ -124,7 +124,7 @@ def aux_groups(run, seen, done):
     """This rank's next groups of each writer, (writer, k) -> the G row ids of its k-th, not yet
     done: as many as StaleSync lets a replica complete ahead of training (S + 1 batches' share).
     Round robin: the m-th group a writer puts goes to auxiliary rank
-    (m + the writer's index) % aux_ranks. None without the KL term: no reference to compute."""
+    (m + the writer's index) % aux_ranks. None without the KL term ({}): no reference to compute."""
     cfg, G, aux = run.cfg, run.cfg.group_size, run.roles.auxiliaries
     if "aux" not in run.queue.spec.stages:
         return {}

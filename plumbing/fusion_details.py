@@ -181,7 +181,6 @@ def undo_rollout(actor, switched):
     actor._reload()
 
 
-# ------------------------------------------------------------- the Broadcasts transport's agreement
 # --------------------------------------------------------------------- the timing and memory counts
 def synchronize(device):
     if device.type != "cpu":  # CPU work is done when its call returns
