@@ -30,6 +30,8 @@ def test_a_failing_rank_fails_the_call():
 def _killed_on_rank_1(rank, world_size):
     import os
     import time
+    import torch.distributed as dist
+    dist.barrier()  # both ranks past the process group's start: rank 0's connect cannot fail on the exit
     if rank == 1:
         os._exit(9)  # dies as a SIGKILL would: no exception, no report
     time.sleep(60)  # rank 0 would wait here: the helper must not wait for it
