@@ -6,23 +6,24 @@ stays on the rank that wrote it until a stage reads it. Three ideas make the que
 - Zero-padding transfer. Padding each field to its longest cell (`pad`, the naive version) sends
   mostly zeros when lengths are long-tailed. Instead, a reader pulls each owner's cells as a header
   of lengths (K,) int64 and ONE uint8 payload (`pack_cells`). The dtypes come from the spec.
-- Balance. With `dp_group=`, n is the global batch. Dp rank 0 claims it, and `balance_split` splits
-  it by length, a row weighing the elements of its variable-length cells. A row stays with the rank
-  that wrote it while that rank holds at most a fair share, so colocated readers move few rows.
+- Balance. With `dp_group=`, n is the global batch, which `balance_split` splits by length. A row
+  stays with the rank that wrote it while that rank holds a fair share at most, so few rows move.
 - Hierarchical transfer, an option. One reader per model-parallel group broadcasts the batch to
   the rest of its group (options/selective_queue.py).
 
 A read (DistQueue._read) coordinates the ranks through keys "<name>/..." in a torch.distributed
-Store. Five invariants keep it correct. Each one names its keys and the functions that keep it:
-- A row is claimed only whole. Key ready/<i> holds a put's cells, counted in ready/n (_read_ready).
-- One reader claims a stage's rows: dp rank 0 of the one DP group that reads the stage. Its claim
-  is its own bookkeeping, so no row goes to two reads. The first read names the reader in
-  reader/<stage>, and any other is refused (check_reader). SelectiveQueue lets several share it.
-- A pull (req/<owner>) is sent or cancelled, never both. The owner's answer and the reader's
-  "cancelled" race for state/<tag>, and the first one written stays (_answer, _cancel).
-- A DP group keeps all of a read or none of it. Dp rank 0 writes its claim in plan/..., each rank
-  votes in done/..., and outcome/... holds the one verdict (_agree).
-- An owner frees a cell when all stages that read it kept it, as ack/<tag> says (serve, _delivered).
+Store. When nothing fails, it is three steps:
+1. Claim. The ready log (ready/<i>, counted in ready/n) lists each put's cells. Dp rank 0 of the
+   one DP group that reads the stage takes the n lowest rows it shows whole, and writes them in
+   plan/... for its group. It is the stage's one reader (reader/<stage>, check_reader), so its
+   claim is its own bookkeeping, and no row goes to two reads.
+2. Share. Each DP rank takes its part of the plan by tokens (balance_split).
+3. Fetch. A rank asks each owner of its cells (req/<owner>) for one packed transfer, and says in
+   ack/<tag> that it kept it. An owner frees a cell once every stage that reads it kept it.
+A read that fails keeps nothing and loses nothing (the class's last section). The claim goes back
+(_release). A request is sent or cancelled, never both: the owner's "sent" and the reader's
+"cancelled" race for state/<tag>, and the first one written stays (_answer, _cancel). A DP group
+keeps all of a read or none: each rank votes in done/..., and outcome/... holds the one verdict.
 docs/walkthrough.md, "One DistQueue read, traced", lists the store operations of one read and the
 life of each key. Every wait serves other ranks' requests while it waits. On a timeout it raises
 TimeoutError naming the stage, the rows and the rank. So a rank whose cells are still wanted must
@@ -280,13 +281,12 @@ class DistQueue:
         return self._read(stage, n, dp_group, step, deadline)
 
     def _read(self, stage, n, dp_group, step, deadline):
-        """One read, in four steps. Each step is a method below, in this order:
+        """One read, in four steps. Steps 1 to 3 are methods below, in this order:
         1. Claim. Dp rank 0 claims rows the ready log shows whole, and writes a DP group's plan.
         2. Share. Each DP rank takes its part of the rows by tokens (balance_split).
         3. Fetch. This rank sends each owner a request, answered with one packed transfer.
         4. Agree. In a DP group, every rank keeps what it fetched, or none does.
-        A read that fails keeps nothing. Its transfers are acknowledged "dropped", and dp rank 0,
-        whose claim holds the group's rows, gives them back (_release)."""
+        A read that fails keeps nothing (the class's last section: _release, _cancel, _agree)."""
         cols = self.spec.stages[stage]
         dp_rank = dist.get_rank(dp_group) if dp_group else 0
         dp_size = dist.get_world_size(dp_group) if dp_group else 1
@@ -295,22 +295,22 @@ class DistQueue:
         plan = self._k("plan", stage, step, root)
         claimed, tags, error = {}, [], None
         try:
-            if dp_rank == 0:
+            if dp_rank == 0:  # 1. claim, and write the group's plan
                 claimed = self._claim(stage, n, deadline)
                 rows = claimed
                 if dp_size > 1:
                     self.store.set(plan, f"{n}|{ready_entries(self, cells_of(claimed, cols))}")
-            else:  # wait past dp rank 0's deadline: if its claim times out, that is the error
+            else:  # 1. dp rank 0's plan. Wait past its deadline: its claim's timeout is the error
                 late = deadline + self.spec.timeout_s
                 rows = self._take_plan(stage, n, dp_rank, step, root, late)
             # Per field, the longest cell of the global batch, which is what padding would send
             tmax = {c: max(rows[r][c][1] for r in rows) for c in cols} if rows else {}
-            if dp_size > 1:
+            if dp_size > 1:  # 2. share
                 rows = self._share(rows, cols, dp_group)
-            got, tags = self._fetch(stage, rows, tmax, deadline)
+            got, tags = self._fetch(stage, rows, tmax, deadline)  # 3. fetch
         except Exception as e:
             error = e
-        if dp_size > 1:
+        if dp_size > 1:  # 4. agree: the group keeps the read, or every rank raises
             error = self._agree(stage, step, root, dp_rank, dp_size, error, deadline)
             if dp_rank == 0:  # every rank has read the plan, or the group failed
                 self.store.delete_key(plan)
@@ -357,10 +357,6 @@ class DistQueue:
         check_same_n(stage, n, n0, dp_rank)
         return parse_entries(self.spec, entries, stage, {})
 
-    def _release(self, stage, rows):
-        """Give back the rows of a read that failed: the next read of this stage claims them."""
-        self.unclaimed[stage].update(rows)
-
     # step 2, share: each rank of a DP group takes its part of the rows in dp rank 0's plan
     def _share(self, rows, cols, dp_group):
         """This rank's share of the rows, split by tokens (balance_split). A row stays home where it
@@ -402,6 +398,19 @@ class DistQueue:
             raise
         return got, received
 
+    def _recv(self, o, tag, keys, rows):
+        """Receive one transfer that owner o sent: a header, then a payload."""
+        header = torch.empty(len(keys), dtype=torch.int64)  # (K,)
+        dist.recv(header, o, group=self.pg, tag=2 * tag)
+        dtypes = [DTYPES[self.spec.columns[c]] for _, c in keys]
+        nbytes = sum(n * d.itemsize for n, d in zip(header.tolist(), dtypes))
+        payload = torch.empty(nbytes, dtype=torch.uint8)  # (bytes,)
+        if nbytes:
+            dist.recv(payload, o, group=self.pg, tag=2 * tag + 1)
+        # Both parts arrive before the check, so the owner's sends complete either way
+        check_header(o, header, [rows[r][c][1] for r, c in keys])
+        return dict(zip(keys, unpack_cells(header, payload, dtypes)))
+
     def _answer(self, request):
         """The owner's side of one request "reader|tag|stage|longest cells|row:col,...", run in
         serve. Unless the reader cancelled first (see _cancel), it writes "sent", or the missing
@@ -422,18 +431,14 @@ class DistQueue:
         self.inflight[tag] = (works, (header, payload), keys, stage)
         count_sent(self, keys, cells, tmax, header, payload)  # metrics
 
-    def _recv(self, o, tag, keys, rows):
-        """Receive one transfer that owner o sent: a header, then a payload."""
-        header = torch.empty(len(keys), dtype=torch.int64)  # (K,)
-        dist.recv(header, o, group=self.pg, tag=2 * tag)
-        dtypes = [DTYPES[self.spec.columns[c]] for _, c in keys]
-        nbytes = sum(n * d.itemsize for n, d in zip(header.tolist(), dtypes))
-        payload = torch.empty(nbytes, dtype=torch.uint8)  # (bytes,)
-        if nbytes:
-            dist.recv(payload, o, group=self.pg, tag=2 * tag + 1)
-        # Both parts arrive before the check, so the owner's sends complete either way
-        check_header(o, header, [rows[r][c][1] for r, c in keys])
-        return dict(zip(keys, unpack_cells(header, payload, dtypes)))
+    # --- when a read fails: it keeps nothing and loses nothing
+    # Steps 1 to 3 above are one rank's whole read when nothing fails. When a step fails, what the
+    # read holds goes back: the claimed rows (_release), the requests not answered yet (_cancel),
+    # the transfers received (acknowledged "dropped"). In a DP group, one rank's failure fails the
+    # group's read. Step 4 (_agree), a vote on every read, is how each rank learns it.
+    def _release(self, stage, rows):
+        """Give back the rows of a read that failed: the next read of this stage claims them."""
+        self.unclaimed[stage].update(rows)
 
     def _cancel(self, tags, owners, rows, received):
         """The reader's half of the handshake, after a fetch failed. It writes "cancelled" in
@@ -451,14 +456,13 @@ class DistQueue:
                 self._recv(o, tag, owners[o], rows)
         ack(self, received, keep=False)
 
-    # step 4, agree: a DP group votes to keep all its transfers, or to drop them all
     def _agree(self, stage, step, root, dp_rank, dp_size, error, deadline):
-        """Each rank votes ok, counted in done/..., or votes its error. The last ok vote writes "ok"
-        in outcome/..., and a failed rank writes its error there. Both use compare_set from "", so
-        the first writer wins. Every rank acts on what it reads there, so all keep or none does.
-        "ok" means that every rank fetched its rows. A rank that times out after voting ok keeps
-        too, if "ok" won. Return None, or the error to raise. That is this rank's own error if it
-        failed first, else one that names the first rank to fail."""
+        """Step 4, agree. Each rank votes ok, counted in done/..., or votes its error. The last ok
+        vote writes "ok" in outcome/..., and a failed rank writes its error there. Both use
+        compare_set from "", so the first writer wins. Every rank acts on what it reads there, so
+        all keep or none does. "ok" means that every rank fetched its rows. A rank that times out
+        after voting ok keeps too, if "ok" won. Return None, or the error to raise. That is this
+        rank's own error if it failed first, else one that names the first rank to fail."""
         outcome = self._k("outcome", stage, step, root)
         if error is None and int(self.store.add(self._k("done", stage, step, root), 1)) == dp_size:
             self.store.compare_set(outcome, "", "ok")

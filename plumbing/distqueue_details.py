@@ -1,8 +1,8 @@
 # Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (see LICENSE).
 """DistQueue's details: what a learner of distqueue.py can take on trust, as plain functions.
 
-distqueue.py teaches the queue: the packing, a read's four steps on the store (claim, share,
-fetch, agree, each with its recovery), put and serve. This file holds the rest:
+distqueue.py teaches the queue: the packing, put and serve, a read's four steps on the store
+(claim, share, fetch, agree), and what a read that fails gives back. This file holds the rest:
 - the store logs' formats: the ready log's entries (`ready_entries`, `parse_entries`; distqueue.py
   writes and reads the log), pull requests (`request`, `parse_request`), acknowledgements (`ack`);
   a row's cells (`cells_of`), a cell's last reader (`read_last`);
