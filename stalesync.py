@@ -61,10 +61,9 @@ def sync_rollout(step_fn, prompts, group_size, seeds):
 
 # -------------------------------------------------------------------------------------- the sampler
 # The sampler is step_fn(contexts, seeds, n_done, max_steps) -> (tokens, logprobs, done).
-# StaleSync calls it once per decode chunk on the rows in flight, with each row's prompt and
-# response so far, its seed (the same at every call), and its response length. A row gets at most
-# max_steps new tokens (None means to the end). The sampler returns each row's new tokens, their
-# log-probs, and whether the row ended. A cached sampler keeps its KV cache between chunks. Its
+# StaleSync calls it once per decode chunk on the rows in flight: each row's prompt and response
+# so far, its seed (the same at every call), and its response length. A row gets at most max_steps
+# new tokens (None: to the end). A cached sampler keeps its KV cache between chunks, and its
 # reset() frees it at each round's end and in update(). The companion has the full contract.
 
 
@@ -267,7 +266,7 @@ class StaleSync:
     # Batch k is ready once its needed groups are complete, and groups_per_step groups are
     # complete in all. At S = 0 every started group is due, so the cut waits for all of them.
     # A due group is left out when more groups fall due at once than a batch holds. That needs
-    # S >= 2 (see above _needed_per_replica). The group is then regenerated: it restarts with
+    # S >= 2 (B before SharedCut). The group is then regenerated: it restarts with
     # fresh samples, it is counted in stale/regenerated, and it is never trained. Dropping it
     # instead would lose its prompt, and the prompts with long answers are the ones that age out.
     # A retry keeps the prompt mix. For each prompt it still favours the attempts that end in time.
@@ -363,16 +362,8 @@ class StaleSync:
 
 
 # ----------------------------------------------------------------------------------------- the cuts
-# Why every rank of a distributed cut cuts at the same loop turn. On each turn, every rank that
-# trains with the others makes one collective through post_or_wait. AllReady's is an all-reduce
-# of a flag, and SharedCut's an all-gather of offer()'s counts. Two facts make the ranks agree.
-#   1. Collectives pair in the order they are made. So on turn n, each rank that waits reads the
-#      parts that every rank posted on its own turn n. All of them compute the same yes or no.
-#   2. A rank skips the wait only when its own part already says no. Under AllReady its flag is
-#      0, so the MIN is 0. Under SharedCut its first needed groups are not complete, and a cut
-#      needs every replica's. Such a rank posts and decodes on, and the ranks that wait answer no.
-# So a turn's answer is yes only when every rank waited and read yes. Then every rank cuts, and
-# SharedCut's second all-gather (of the spare slots) pairs too. Else all go on to turn n + 1.
+# On each loop turn of rollout(), a cut says whether the replicas that train together end the
+# round, and how many groups this replica gives. Why the cuts are correct: just before SharedCut.
 def post_or_wait(cut, collective, tensors, wait):
     """Start one collective of a cut. Without `wait`, cut.posted keeps its work and tensors until
     it is done. With `wait`, wait for it through cut.wait (a subclass may work meanwhile), then
@@ -394,9 +385,10 @@ class AllReady:
 
     def __init__(self, group=None, device="cpu", spans=None):  # spans: times the waits
         self.group, self.device, self.spans = group, device, spans
-        self.posted = []  # collectives in flight: (work, tensor)
+        self.posted = []  # collectives in flight: (work, tensors)
 
     def wait(self, work):
+        """This rank's wait for the cut's answer (a hybrid's actor serves its queue meanwhile)."""
         work.wait()
 
     def __call__(self, sched):
@@ -408,20 +400,39 @@ class AllReady:
         return (sched.cfg.groups_per_step, None) if mine and flag.item() else None
 
 
-class SharedCut:
+# Why the cuts are correct, AllReady (the naive cut) and SharedCut (the real one), in one place.
+# docs/walkthrough.md traces SharedCut's round 1 turn by turn: the collectives and what each read.
+# A. Every rank cuts at the same loop turn. On each turn, every rank makes one collective through
+#    post_or_wait: AllReady an all-reduce of a flag, SharedCut an all-gather of offer()'s counts.
+#    1. Collectives pair in the order they are made. So on turn n, each rank that waits reads the
+#       parts that every rank posted on its own turn n. All of them compute the same yes or no.
+#    2. A rank skips the wait only when its own part already says no. Under AllReady its flag is
+#       0, so the MIN is 0. Under SharedCut its first needed groups are not complete, and a cut
+#       needs every replica's. Such a rank posts and decodes on, and the ranks that wait answer no.
+#    So a turn's answer is yes only when every rank waited and read yes. Then every rank cuts, and
+#    SharedCut's second all-gather (of the spare slots) pairs too. Else all go on to turn n + 1.
+# B. At S = 1 every due group fits in the batch, so SharedCut needs them all and none ages out.
+#    Take R replicas of gps groups each, and batch k, trained at version k:
+#    1. A group due at batch k started by version k - 1, so its slot opened by then. Admission
+#       kept each replica's slots opened by version k - 1 within (k + 1) * gps.
+#    2. The k batches out took R * k * gps groups. Batch j's groups started by version j, so
+#       they all came from slots opened by version k - 1. Each slot trains once.
+#    3. So at most R * (k + 1) * gps - R * k * gps = R * gps of those slots are untrained. Each
+#       due group holds one, so the due groups fit, and _needed_per_replica places them all.
+#    At S >= 2 the batches out may also take slots opened after version k - S. More can fall due.
+class SharedCut(AllReady):
     """The real colocated cut. The replicas that train together cut one batch from the union of
     their pools. The batch holds the sum of their groups_per_step. It follows StaleSync's rule:
       1. Needed. Each replica's first due groups, up to its groups_per_step, are needed. While the
          batch has room, its other due groups are needed too, the lower replica first. At S = 1
-         that is every due group, so none ages out (see above _needed_per_replica).
+         that is every due group, so none ages out (B above).
       2. Ready. Every replica's needed groups are complete, and the replicas together hold as
          many complete groups as the batch.
       3. Taken. Each replica gives its needed groups. The spare groups with the lowest
          (slot, replica) over all the replicas fill the rest of the batch.
     So a replica held back (its groups dropped again and again) no longer holds back the step.
-    Its peers' complete groups of later slots take its place. A replica's share varies, but the
-    batch does not. At S = 0 each replica gives groups_per_step groups, as under AllReady.
-    docs/walkthrough.md traces three rounds ("The shared cut, traced").
+    Its peers' complete groups of later slots take its place. At S = 0 each replica gives its
+    groups_per_step groups, as under AllReady, whose group, spans and wait SharedCut keeps.
 
     A replica may span several ranks (inference TP). Each of them passes the same `replica` and
     posts on every turn, so that the collectives pair. Only the `leader`'s part counts, because
@@ -430,14 +441,9 @@ class SharedCut:
     FACTS = ("leader", "replica", "due", "done", "complete", "work", "gps")  # posted per turn
 
     def __init__(self, group=None, replica=None, leader=True, device="cpu", spans=None):
-        self.group, self.device, self.spans = group, device, spans
+        super().__init__(group, device, spans)
         self.replica = dist.get_rank(group) if replica is None else replica
         self.leader = leader
-        self.posted = []  # collectives in flight: (work, tensors)
-
-    def wait(self, work):
-        """This rank's wait for the cut's answer (a hybrid's actor serves its queue meanwhile)."""
-        work.wait()
 
     def __call__(self, sched):
         """One loop turn: None, or this replica's share of batch k as take()'s (n, needed)."""
@@ -467,14 +473,6 @@ class SharedCut:
         my_spares = self._spares_taken(sched.spare_slots(my_needed), spare_places)
         return my_needed + my_spares, my_needed
 
-    # Why the due groups fit in one batch at S = 1 (R replicas of gps groups, batch k at version k):
-    #   1. A group due at batch k started by version k - 1, so its slot opened by then. Admission
-    #      kept each replica's slots opened by version k - 1 within (k + 1) * gps.
-    #   2. The k batches out took R * k * gps groups. Batch j's groups started by version j, so
-    #      they all came from slots opened by version k - 1. Each slot trains once.
-    #   3. So at most R * (k + 1) * gps - R * k * gps = R * gps of those slots are untrained. Each
-    #      due group holds one, so the due groups fit, and _needed_per_replica places them all.
-    # At S >= 2 the batches out may also take slots opened after version k - S. More can fall due.
     @staticmethod
     def _needed_per_replica(replicas, batch):
         """How many groups each replica needs (step 1 of the rule), the lower replica first."""

@@ -35,20 +35,33 @@ class Sampler:
 
 class Traced(SharedCut):
     """SharedCut, each loop turn noted: the pool (slot: tokens made / length, the version its
-    first token came at), offer()'s counts, and the answer."""
+    first token came at), offer()'s counts, and the answer. A rank whose own part says no posts
+    and decodes on. A rank that waits reads every replica's part, noted on a second line."""
 
     def __init__(self):
         super().__init__()
-        self.notes = []
+        self.notes, self.turn, self.seen = [], 0, None
 
     def __call__(self, sched):
         o = sched.offer()
+        self.seen = None
         share = super().__call__(sched)
         pool = " ".join(_state(g) for g in sched.pool)
         said = "decode on" if share is None else f"give {share[0]}, {share[1]} needed"
-        self.notes.append(f"  {len(self.notes)} [{pool}] due {o['due']} done {o['done']} "
-                          f"complete {o['complete']}: {said}")
+        how = "posts" if self.seen is None else "waits"
+        self.notes.append(f"  {self.turn} [{pool}] due {o['due']} done {o['done']} "
+                          f"complete {o['complete']}: {how}, {said}")
+        if self.seen is not None:
+            self.notes.append(f"      read {self.seen}")
+        self.turn += 1
         return share
+
+    def _needed_per_replica(self, replicas, batch):
+        needed = SharedCut._needed_per_replica(replicas, batch)
+        parts = ", ".join(f"r{r['replica']} due {r['due']} done {r['done']} complete "
+                          f"{r['complete']}" for r in replicas)
+        self.seen = f"{parts}: needed {needed}"
+        return needed
 
 
 def _state(g):
@@ -66,7 +79,7 @@ def rank_main(rank, world, port):
     sched = StaleSync(cfg, Sampler(), slot_prompt)
     cut = Traced()
     for _ in range(3):
-        cut.notes = []
+        cut.notes, cut.turn = [], 0
         batch = sched.rollout(cut=cut)
         ages = sorted(set(batch.version - v for v in batch.start_versions))
         cut.notes.append(f"  batch {batch.version}: slots {sorted(set(batch.slots))}, ages {ages}")

@@ -12,7 +12,7 @@ This file holds what its code calls by name, mostly what a learner need not read
   - Batch, one step's samples as the trainer gets them, its packing (as_batch), its stale/* figures
     (batch_metrics) and the samples' accounting;
   - a cached sampler's reset() and state (sampler_cache), and notes on a separated caller and
-    SharedCut's replica and leader (why the cuts' ranks agree is in stalesync.py, by post_or_wait);
+    SharedCut's replica and leader (why the cuts are correct is in stalesync.py, before SharedCut);
   - the checkpoint state behind StaleSync.state_dict, load_state_dict and start_at.
 
 It imports torch and the standard library only, never stalesync.py (its example aside). Copy the
