@@ -12,18 +12,18 @@ stays on the rank that wrote it until a stage reads it. Three ideas make the que
   the rest of its group (options/selective_queue.py).
 
 A read (DistQueue._read) coordinates the ranks through keys "<name>/..." in a torch.distributed
-Store. When nothing fails, it is three steps:
+Store. It is four steps, the last one a DP group's:
 1. Claim. The ready log (ready/<i>, counted in ready/n) lists each put's cells. Dp rank 0 of the
-   one DP group that reads the stage takes the n lowest rows it shows whole, and writes them in
-   plan/... for its group. It is the stage's one reader (reader/<stage>, check_reader), so its
-   claim is its own bookkeeping, and no row goes to two reads.
+   DP group that reads the stage takes the n lowest rows it shows whole, and writes them in
+   plan/... for its group. As the stage's one reader (check_reader), it gives no row to two reads.
 2. Share. Each DP rank takes its part of the plan by tokens (balance_split).
-3. Fetch. A rank asks each owner of its cells (req/<owner>) for one packed transfer, and says in
-   ack/<tag> that it kept it. An owner frees a cell once every stage that reads it kept it.
+3. Fetch. A rank asks each owner of its cells (req/<owner>) for one packed transfer.
+4. Agree. Each DP rank votes in done/..., and outcome/... holds the verdict. Then a rank acks its
+   transfers "kept" (ack/<tag>). An owner frees a cell once every stage that reads it kept it.
 A read that fails keeps nothing and loses nothing (the class's last section). The claim goes back
 (_release). A request is sent or cancelled, never both: the owner's "sent" and the reader's
-"cancelled" race for state/<tag>, and the first one written stays (_answer, _cancel). A DP group
-keeps all of a read or none: each rank votes in done/..., and outcome/... holds the one verdict.
+"cancelled" race for state/<tag>, and the first one written stays (_answer, _cancel). A failed
+rank votes its error, so every rank of its group raises, and each acks its transfers "dropped".
 docs/walkthrough.md, "One DistQueue read, traced", lists the store operations of one read and the
 life of each key. Every wait serves other ranks' requests while it waits. On a timeout it raises
 TimeoutError naming the stage, the rows and the rank. So a rank whose cells are still wanted must
@@ -432,7 +432,7 @@ class DistQueue:
         count_sent(self, keys, cells, tmax, header, payload)  # metrics
 
     # --- when a read fails: it keeps nothing and loses nothing
-    # Steps 1 to 3 above are one rank's whole read when nothing fails. When a step fails, what the
+    # Steps 1 to 3 above do a read's work, and step 4 below settles it. When a step fails, what the
     # read holds goes back: the claimed rows (_release), the requests not answered yet (_cancel),
     # the transfers received (acknowledged "dropped"). In a DP group, one rank's failure fails the
     # group's read. Step 4 (_agree), a vote on every read, is how each rank learns it.
