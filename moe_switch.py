@@ -12,7 +12,8 @@ The default run (train_grpo.py) trains at EP 2 and generates at EP 1. This file,
   all_to_all_rows           an uneven all_to_all_single, whose backward is the reverse all_to_all
   EPLayout                  which rank owns which expert
   reshard_naive, reshard    the naive switch, then the bucketed one (plan_reshard, _Memory)
-  EPMoE                     the EP layer: forward (route, send, local experts, combine), switch()
+  every_expert, EPMoE       EP 1's decode step, then the EP layer: forward, switch()
+  sync_expert_grads, clip_with_experts   the experts' grads made the mean of all ranks, then clipped
   ExpertParallel            a model's MoE layers: apply, to_rollout, to_train, clip_grads
 The companion plumbing/moe_switch_details.py holds the checks, the groups, the switch's agreement,
 the all_to_all's autograd and a usage example.
@@ -33,8 +34,8 @@ Departures from the source system (Huawei's RL post-training on CloudMatrix 384)
 Tests: tests/test_moe_switch.py. Bytes, memory and time: python bench/moe_switch.py.
 Using this file elsewhere needs torch only. Copy moe_switch.py with its companion (keep the folder,
 or change the one import line). Every rank of a layout calls switch() together, with the same
-target, or the others raise. The companion's docstring ends with a usage example on 2 gloo
-processes, which tests/test_copy_alone.py runs in a folder holding only the two files.
+target, or the others raise. The companion's docstring ends with a usage example, which
+tests/test_copy_alone.py runs on 2 gloo processes in a folder holding only the two files.
 
 Shapes: N tokens, D model width, H expert hidden width, E experts, k experts per token, P EP degree,
 W world size, L local experts (E / P in blocks), M tokens received by this rank, B bucket bytes.
@@ -339,8 +340,7 @@ class EPMoE(nn.Module):
         L, x = self.layout.slots, x.reshape(-1, shape[-1])              # (N, D)
         gates, top_e = route(x, self.router.weight, k, self.routing)    # (N, k)
         if P == 1 and x.shape[0] <= self.every_expert_below:  # EP 1, a decode step's few tokens
-            out = every_expert(self, x, gates, top_e)  # no sort, no send
-            return out.reshape(shape)
+            return every_expert(self, x, gates, top_e).reshape(shape)  # no sort, no send
         flat_e = self.layout.slot_of(top_e.reshape(-1), self.rank)      # (N*k,) slot: expert
         order = flat_e.argsort(stable=True)                             # (N*k,) by slot = rank
         x_sorted = x[order // k]                                        # (N*k, D)

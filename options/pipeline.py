@@ -15,7 +15,7 @@ activations (GPipe, every forward then every backward, would hold all M). Stages
 parallel: FSDP2 over the ranks of a stage.
 
 Ranks are laid out stage-outer: stage s is ranks [s D, (s+1) D) (D = W / pp pipelines); pipeline j
-is ranks {j, D + j, ...}. A pipeline reads its rows once (DistQueue's model-parallel group) and
+is ranks {j, D + j, ...}. A pipeline reads its rows once (SelectiveQueue's model-parallel group) and
 every stage of it sees the same micro-batches: the first stage needs the tokens, the last the tokens
 and every per-token field.
 

@@ -5,8 +5,8 @@ own build and loop.
 
 The policy is cut into stages before FSDP2 (each stage FSDP2 over its own ranks); the switch gathers
 the engine's weights from the stages (options/owners.py agrees which ranks hold each); a pipeline
-reads its rows once, through DistQueue's model-parallel group, and every stage of it sees the same
-micro-batches; the reference is stages too, with its own schedules. Trains to a world of one's
+reads its rows once, through SelectiveQueue's model-parallel group, and every stage of it sees the
+same micro-batches; the reference is stages too, with its own schedules. Trains to a world of one's
 parameters.
 
     python -m pytest tests/test_train_grpo.py -k pipeline
