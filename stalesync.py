@@ -363,7 +363,27 @@ class StaleSync:
 
 # ----------------------------------------------------------------------------------------- the cuts
 # On each loop turn of rollout(), a cut says whether the replicas that train together end the
-# round, and how many groups this replica gives. Why the cuts are correct: just before SharedCut.
+# round, and how many groups this replica gives. AllReady is the naive cut, SharedCut the real one.
+class AllReady:
+    """The naive colocated cut. On every loop turn, every rank waits for one all-reduce MIN of a
+    flag: whether it could cut alone. All ranks read the same MIN, so all cut on the same turn, and
+    each gives its own groups_per_step groups. It has two costs. Each turn is a barrier between the
+    ranks, and one replica's bad luck (a chain of dropped groups) sets the step's time."""
+
+    def __init__(self, group=None, device="cpu", spans=None):  # spans: times the waits
+        self.group, self.device, self.spans = group, device, spans
+
+    def wait(self, work):
+        """This rank's wait for the cut's answer (a hybrid's actor serves its queue meanwhile)."""
+        work.wait()
+
+    def __call__(self, sched):
+        flag = torch.tensor([float(sched.cut_alone() is not None)], device=self.device)  # (1,)
+        with (self.spans("idle") if self.spans else nullcontext()):
+            self.wait(dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True))
+        return (sched.cfg.groups_per_step, None) if flag.item() else None
+
+
 def post_or_wait(cut, collective, tensors, wait):
     """Start one collective of a cut. Without `wait`, cut.posted keeps its work and tensors until
     it is done. With `wait`, wait for it through cut.wait (a subclass may work meanwhile), then
@@ -378,39 +398,17 @@ def post_or_wait(cut, collective, tensors, wait):
     cut.posted.clear()
 
 
-class AllReady:
-    """The naive colocated cut. Each rank gives its own groups_per_step groups once every rank
-    that trains with it is ready, as an all-reduce MIN of a flag tells on each loop turn. So one
-    replica's bad luck (a chain of dropped groups) sets the step's time. SharedCut fixes that."""
-
-    def __init__(self, group=None, device="cpu", spans=None):  # spans: times the waits
-        self.group, self.device, self.spans = group, device, spans
-        self.posted = []  # collectives in flight: (work, tensors)
-
-    def wait(self, work):
-        """This rank's wait for the cut's answer (a hybrid's actor serves its queue meanwhile)."""
-        work.wait()
-
-    def __call__(self, sched):
-        mine = sched.cut_alone() is not None
-        flag = torch.tensor([float(mine)], device=self.device)                          # (1,)
-        all_reduce = functools.partial(dist.all_reduce, flag, op=dist.ReduceOp.MIN,
-                                       group=self.group)
-        post_or_wait(self, all_reduce, flag, wait=mine)
-        return (sched.cfg.groups_per_step, None) if mine and flag.item() else None
-
-
-# Why the cuts are correct, AllReady (the naive cut) and SharedCut (the real one), in one place.
-# docs/walkthrough.md traces SharedCut's round 1 turn by turn: the collectives and what each read.
-# A. Every rank cuts at the same loop turn. On each turn, every rank makes one collective through
-#    post_or_wait: AllReady an all-reduce of a flag, SharedCut an all-gather of offer()'s counts.
+# Why SharedCut is correct, in one place. It removes AllReady's two costs. A rank whose own part
+# already says no posts its part and decodes on, and the replicas cut one batch from all their
+# pools. docs/walkthrough.md traces its round 1 turn by turn: the collectives and what each read.
+# A. Every rank cuts at the same loop turn. On each turn, every rank makes one all-gather of
+#    offer()'s counts through post_or_wait.
 #    1. Collectives pair in the order they are made. So on turn n, each rank that waits reads the
 #       parts that every rank posted on its own turn n. All of them compute the same yes or no.
-#    2. A rank skips the wait only when its own part already says no. Under AllReady its flag is
-#       0, so the MIN is 0. Under SharedCut its first needed groups are not complete, and a cut
-#       needs every replica's. Such a rank posts and decodes on, and the ranks that wait answer no.
+#    2. A rank skips the wait only when its own part already says no: its first needed groups are
+#       not complete, and a cut needs every replica's. The ranks that wait then answer no.
 #    So a turn's answer is yes only when every rank waited and read yes. Then every rank cuts, and
-#    SharedCut's second all-gather (of the spare slots) pairs too. Else all go on to turn n + 1.
+#    the second all-gather (of the spare slots) pairs too. Else all go on to turn n + 1.
 # B. At S = 1 every due group fits in the batch, so SharedCut needs them all and none ages out.
 #    Take R replicas of gps groups each, and batch k, trained at version k:
 #    1. A group due at batch k started by version k - 1, so its slot opened by then. Admission
@@ -444,6 +442,7 @@ class SharedCut(AllReady):
         super().__init__(group, device, spans)
         self.replica = dist.get_rank(group) if replica is None else replica
         self.leader = leader
+        self.posted = []  # collectives in flight: (work, tensors)
 
     def __call__(self, sched):
         """One loop turn: None, or this replica's share of batch k as take()'s (n, needed)."""
