@@ -42,7 +42,7 @@ import task
 from plumbing.config import model_config, parse_args, validate
 from model import Policy, Sampler
 from plumbing import checkpoint
-from plumbing.distributed import host_group, setup_distributed, world_size
+from plumbing.distributed import exit_now, host_group, setup_distributed, world_size
 from plumbing.run import optimizer_groups, planned, say_layout, start, warm_up_target
 from plumbing.evaluation import curriculum_figures, eval_figures, held_out_correct, is_eval_step
 from plumbing.runlog import RunLog, all_sum, cut_facts, run_guarded, share_figures, stale_facts
@@ -393,3 +393,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    exit_now()  # the work is done: skip the interpreter's teardown, where torch can abort
