@@ -208,12 +208,13 @@ def plan_reshard(src, dst, slice_bytes, bucket_bytes):
 
 class _Memory:
     """plan_reshard's count of the bytes each rank holds: the slices it keeps, the source slices it
-    still has to send, and those it has received. A round adds receives to a rank only while they
-    keep its holding within its bound, max(source, target) + bucket. Some transfer always fits. A
-    rank's target is what it keeps plus all its receives, and its bound is at least target + bucket.
-    So a rank whose next receive would pass its bound holds more bytes still to send than to
-    receive. Every byte still to send is some rank's receive, so not every rank with receives left
-    is at its bound. A new round takes the first transfer to such a rank, or an earlier one."""
+    still has to send, and those it has received. A round gives a rank a receive only while its
+    holding stays within its bound, max(source, target) + bucket. Some transfer always fits:
+      1. A rank's target is what it keeps plus all its receives, and its bound is at least that
+         plus a bucket. So a rank whose next receive does not fit holds more bytes still to send
+         than it has left to receive.
+      2. Every byte still to send is a receive left of some rank. So some rank with receives left
+         is not in that state, and a new round takes the first transfer to it, or an earlier one."""
 
     def __init__(self, src, dst, slice_bytes, bucket_bytes, todo):
         W, per_expert = src.world_size, sum(slice_bytes.values())
@@ -494,7 +495,6 @@ class ExpertParallel:
         """The model's expert Parameters: one per global expert, empty where this rank owns none."""
         return [p for n, p in model.named_parameters() if n in self.names]
 
-    # helpers of apply and to_rollout
     def _rollout_layouts(self):
         """Each layer's layout in rollout: the inference layout (options/eplb.py: by load)."""
         return [self.infer_layout] * len(self.model_layers)
