@@ -13,29 +13,29 @@ stays on the rank that wrote it until a stage reads it. Three ideas make the que
 
 A read (DistQueue._read) coordinates the ranks through keys "<name>/..." in a torch.distributed
 Store. It is four steps, the last one a DP group's:
-1. Claim. The ready log (ready/<i>, counted in ready/n) lists each put's cells. Dp rank 0 of the
-   DP group that reads the stage takes the n lowest rows it shows whole, and writes them in
-   plan/... for its group. As the stage's one reader (check_reader), it gives no row to two reads.
+1. Claim. The ready log (ready/<i>, counted in ready/n) lists each put's cells, a cell as
+   "row,column,owner,length;". Dp rank 0 of the DP group that reads the stage takes the n lowest
+   rows it shows whole, and writes them in plan/... for its group. As the stage's one reader
+   (check_reader), it gives no row to two reads.
 2. Share. Each DP rank takes its part of the plan by tokens (balance_split).
-3. Fetch. A rank asks each owner of its cells (req/<owner>) for one packed transfer.
+3. Fetch. A rank asks each owner of its cells for one packed transfer. The request, in
+   req/<owner>, reads "reader|tag|stage|longest cells|row:column,...".
 4. Agree. Each DP rank votes in done/..., and outcome/... holds the verdict. Then a rank acks its
    transfers "kept" (ack/<tag>). An owner frees a cell once every stage that reads it kept it.
 A read that fails keeps nothing and loses nothing (the class's last section). The claim goes back
 (_release). A request is sent or cancelled, never both: the owner's "sent" and the reader's
 "cancelled" race for state/<tag>, and the first one written stays (_answer, _cancel). A failed
 rank votes its error, so every rank of its group raises, and each acks its transfers "dropped".
-docs/walkthrough.md, "One DistQueue read, traced", lists the store operations of one read and the
-life of each key. Every wait serves other ranks' requests while it waits. On a timeout it raises
-TimeoutError naming the stage, the rows and the rank. So a rank whose cells are still wanted must
-call the queue (serve()) before it blocks on anything else.
+docs/walkthrough.md traces one read's store operations, and tells each key's life. Every wait
+serves other ranks' requests, and raises TimeoutError naming the stage, the rows and the rank.
+So a rank whose cells are still wanted must call the queue (serve()) before it blocks elsewhere.
 
 Departures from the source system (Huawei's RL post-training on CloudMatrix 384):
 1. Data lives in host memory and moves on a gloo group (`pg`). The source's queue is an RDMA store.
 2. There are no separate queue servers. An owner serves its own cells inside any queue call.
 3. Ids are deterministic (local_count * world + rank), so a resumed run sees the same rows in order.
-The companion plumbing/distqueue_details.py holds the store, the log formats, the checks and their
-messages, the metrics and the checkpoints. options/selective_queue.py holds the options' reads and
-puts, and several readers of one stage.
+The companion plumbing/distqueue_details.py holds the store, the log formats, the checks, the
+metrics and the checkpoints. options/selective_queue.py holds the options' reads and puts.
 Run: python -m pytest tests/test_distqueue.py ; python bench/distqueue.py --lengths lognormal:5,1.2
 Shapes: B rows, K cells (row x field) in one transfer, T the longest cell.
 Copy alone: torch (CPU tensors, a gloo group), and a TCPStore or, in one process, a HashStore. Copy
@@ -281,12 +281,9 @@ class DistQueue:
         return self._read(stage, n, dp_group, step, deadline)
 
     def _read(self, stage, n, dp_group, step, deadline):
-        """One read, in four steps. Steps 1 to 3 are methods below, in this order:
-        1. Claim. Dp rank 0 claims rows the ready log shows whole, and writes a DP group's plan.
-        2. Share. Each DP rank takes its part of the rows by tokens (balance_split).
-        3. Fetch. This rank sends each owner a request, answered with one packed transfer.
-        4. Agree. In a DP group, every rank keeps what it fetched, or none does.
-        A read that fails keeps nothing (the class's last section: _release, _cancel, _agree)."""
+        """One read, in the four steps of the module's docstring: claim, share and fetch, methods
+        below in this order, then agree, in the class's last section with what a failed read gives
+        back (_release, _cancel). The comments below number the steps."""
         cols = self.spec.stages[stage]
         dp_rank = dist.get_rank(dp_group) if dp_group else 0
         dp_size = dist.get_world_size(dp_group) if dp_group else 1
