@@ -1,39 +1,40 @@
 # Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (see LICENSE).
 """StaleSync: bounded-staleness rollout, with partial rollouts.
 
-The problem. A synchronous round (sync_rollout) samples a step's responses in one sampler call.
-So every step waits for its longest sample, while the other rows finished long before.
+The problem. A synchronous round (sync_rollout) samples all of a step's responses in one sampler
+call. So every step waits for its longest sample, although the other rows finished long before.
 
-The idea. StaleSync decodes in chunks. It ends a round as soon as enough prompt groups are
-complete, and those groups go to training at once. The tail still in flight continues next round,
-under the new weights. Such a response is a partial rollout, with tokens of several versions.
-The staleness bound S holds: no trained sample started more than S versions before the version
-it is trained at. To keep it, each batch takes first the groups whose last chance it is. This
-rule is the cut. A group that would age past S is restarted, never trained stale. Admission caps
-how far ahead new slots open. At S = 0 this is the synchronous path, bit for bit. The table
-before class StaleSync lists these invariants and the functions that keep each.
+The idea. StaleSync decodes in chunks. It ends a round as soon as enough prompt groups are complete,
+and those groups go to training at once. The responses still in flight continue in the next round,
+under the new weights. Such a response is a partial rollout: its tokens come from several policy
+versions. StaleSync keeps a staleness bound S. No trained sample started more than S versions before
+the version that trains on it. To keep this bound, each batch first takes the groups for which it is
+the last chance. This rule is called the cut. A group that would grow older than S is restarted, so
+it is never trained stale. Admission limits how far ahead of training new groups may start. The
+table before class StaleSync lists these invariants and the functions that keep them.
 
-The file puts the naive version first: sync_rollout, then StaleConfig and StaleSync, then the cuts
-of several replicas, AllReady (naive) and SharedCut. Its companion, plumbing/stalesync_details.py,
-holds the checks, the brakes, the Batch format, the checkpoint state and a usage example.
+The file starts with the naive version, sync_rollout. Then come StaleConfig, StaleSync, and two cuts
+for several replicas, the naive AllReady and SharedCut. The checks, the brakes, the Batch format and
+the checkpoint state are in the companion file, plumbing/stalesync_details.py.
 
-Notation: G is the group size, B the samples in a batch, n_i the tokens of sample i, R the rows in
-flight (in SharedCut, the replicas), and v the policy version, the number of batches trained.
+Notation. G is the group size, and B is the number of samples in a batch. n_i is the number of
+tokens in sample i. R is the number of rows in flight, or in SharedCut the number of replicas. v is
+the policy version, which is the number of batches trained so far.
 
-Related systems: AReaL caps admission at (S + v + 1) batches. MindSpeed-RL and Kimi k1.5 use partial
-rollouts with a per-sample age cap. Pangu Embedded runs stale-synchronous stages with S = 4.
-This file departs from the source system (Huawei's RL post-training on CloudMatrix 384) and its
-kin in three ways. First, whole groups are the unit of admission, age and regeneration. GRPO's
-advantage needs every sample of a group, and a group's samples start together. Second, the
-scheduler is a plain object that the caller drives. A colocated caller calls rollout(spans, cut),
-then update(). The companion describes a separated caller. The caller moves samples and weights,
-and the only collectives here are the cuts'. Third, ages count policy versions (batch indices),
-not wall time. Its bench: `python bench/stalesync.py --lengths lognormal:3,1`.
+Related systems. AReaL limits admission as capacity() does here. MindSpeed-RL and Kimi k1.5 use
+partial rollouts with an age limit per sample. Pangu Embedded runs stale-synchronous stages with
+S = 4. This file differs in three ways from the source system (Huawei's RL post-training on
+CloudMatrix 384) and from its relatives. First, the whole group is the unit of admission, of age and
+of regeneration. GRPO's advantage needs every sample of a group, and a group's samples start
+together. Second, the scheduler is a plain object that the caller drives. A colocated caller calls
+rollout(spans, cut) and then update(). The companion describes a separated caller. The caller moves
+the samples and the weights, and the only collectives in this file are the cuts'. Third, ages count
+policy versions (batch indices), not wall time. Benchmark it with
+`python bench/stalesync.py --lengths lognormal:3,1`.
 
-To use this file elsewhere, copy it with its companion, plumbing/stalesync_details.py. Keep the
-folder, or change the one import line. It needs torch, and a process group only for the cuts.
-The companion's docstring ends with a usage example, which tests/test_copy_alone.py runs in a folder
-that holds only the two files.
+To use this file elsewhere, copy it with its companion. Keep the folder, or change the one import
+line. It needs torch, and a process group only for the cuts. The companion's docstring ends with a
+usage example, which tests/test_copy_alone.py runs in a folder that holds only the two files.
 """
 import functools
 import math
@@ -52,8 +53,8 @@ from plumbing.stalesync_details import (
 
 # ---------------------------------------------------------------------------------- the naive round
 def sync_rollout(step_fn, prompts, group_size, seeds):
-    """Sample G responses per prompt in one sampler call, with no cut. So it returns when the
-    longest is done. prompts holds (P_i,) tensors, and seeds is (B,), B = len(prompts) * G."""
+    """Sample G responses per prompt in one sampler call that runs every row to its end. So it
+    returns when the longest is done. prompts holds (P_i,) tensors, and seeds is (B,)."""
     contexts = [p for p in prompts for _ in range(group_size)]
     n_done = torch.zeros(len(contexts), dtype=torch.long)                             # (B,)
     return unpack_sampled(step_fn(contexts, seeds, n_done, None), len(contexts))
@@ -61,10 +62,11 @@ def sync_rollout(step_fn, prompts, group_size, seeds):
 
 # -------------------------------------------------------------------------------------- the sampler
 # The sampler is step_fn(contexts, seeds, n_done, max_steps) -> (tokens, logprobs, done).
-# StaleSync calls it once per decode chunk on the rows in flight: each row's prompt and response
-# so far, its seed (the same at every call), and its response length. A row gets at most max_steps
-# new tokens (None: to the end). A cached sampler keeps its KV cache between chunks, and its
-# reset() frees it at each round's end and in update(). The companion has the full contract.
+# StaleSync calls it once per decode chunk, on the rows in flight. For each row it passes the
+# prompt and the response so far, the row's seed (the same at every call) and the response length.
+# A row gets at most max_steps new tokens, or runs to its end if max_steps is None. A cached
+# sampler keeps its KV cache between chunks, and its reset() frees that cache at the end of each
+# round and in update(). The companion has the full contract.
 
 
 # ------------------------------------------------------------------------------------ the scheduler
@@ -73,18 +75,18 @@ class StaleConfig:
     staleness: int = 0          # S: the most versions a trained sample may lag (0: synchronous)
     groups_per_step: int = 2    # groups in a step's batch (this replica's; SharedCut varies it)
     group_size: int = 8         # G: responses per prompt
-    threshold: float = 1.0      # in (0, 1]: a batch is this share of the pool, which decodes
-                                #   groups_per_step / threshold groups at once (pool_groups)
+    threshold: float = 1.0      # in (0, 1]. A batch is this share of the pool. The pool decodes
+                                #   groups_per_step / threshold groups at once (pool_groups).
     chunk_steps: int = 8        # decode steps per sampler call (at S > 0)
     max_len: int = 1 << 17      # brake: a row not done at this many tokens raises (check_budget)
-    max_filtered: int = None    # brake: keep_group drops at most this many groups while one batch
-                                #   is made (None: 128 x groups_per_step)
+    max_filtered: int = None    # brake: keep_group may drop at most this many groups while one
+                                #   batch is made. None means 128 x groups_per_step.
 
     def __post_init__(self):
-        settle_config(self)  # in the companion: each field's range, max_filtered's default
+        settle_config(self)  # checks each field's range and sets max_filtered's default
 
     @property
-    def pool_groups(self):  # the 1e-9: 21 / 0.7 is 30.000000000000004 in floats
+    def pool_groups(self):  # the - 1e-9 is there because 21 / 0.7 is 30.000000000000004 in floats
         return math.ceil(self.groups_per_step / self.threshold - 1e-9)
 
 
@@ -101,48 +103,48 @@ def _complete(g):
 #   S = 0       the synchronous path, bit for bit                decode (max_steps None), _due
 #   one turn    every rank cuts batch k at the same loop turn    post_or_wait, AllReady, SharedCut
 class StaleSync:
-    """The scheduler. Its unit is a group, the G samples of one prompt. A group fills a slot.
+    """The scheduler. Its unit is the group, the G samples of one prompt. Each group fills a slot.
 
     Slots are numbered 0, 1, 2, ... as they open, and each ends up with exactly one trained group.
-    A slot's attempt starts at 0. It goes up by one when the filter drops the slot's group (a new
-    prompt is drawn), and when the group's age restarts it (the prompt is kept, the seeds fresh).
-    A group's seeds are seed_fn(slot, attempt, member), and its prompt is prompt_fn(slot, attempt)
-    for the attempt that drew it. So where prompt_fn and seed_fn map slots into a global batch, a
-    slot gets the same prompt and samples however the batch is split over replicas.
+    A slot's attempt starts at 0. It goes up by one when the filter drops the slot's group, and a
+    new prompt is drawn. It also goes up by one when the group restarts because of its age. Then
+    the prompt stays and the seeds are new. prompt_fn(slot, attempt) returns a group's prompt, as a
+    (P,) int64 tensor or a list of ints. The optional seed_fn(slot, attempt, member) returns the
+    seed of one sample as an int. Without seed_fn, a sample's seed is its id (0, 1, 2, ... in the
+    order the samples are made). If prompt_fn and seed_fn map slots into one global batch, a slot
+    gets the same prompt and samples however the batch is split over the replicas. The optional
+    keep_group(prompt, responses) returns a bool, and _keep_completed uses it for dynamic sampling.
 
-    prompt_fn(slot, attempt) returns a group's prompt, a (P,) int64 tensor or a list of ints.
-    The optional seed_fn(slot, attempt, member) returns an int. By default a sample's seed is its
-    id (0, 1, 2, ... in the order made). The optional keep_group(prompt, responses) returns a bool.
-    It does dynamic sampling (_keep_completed). Options subclass StaleSync and
-    override methods that do the default thing here: decode (options/lockstep.py), _keep_completed
-    (streaming.py, which sets max_steps too), _keep_per_token and _per_token (routing_replay.py)."""
+    Options subclass StaleSync and override the methods that do the default thing here: decode
+    (options/lockstep.py), _keep_completed (streaming.py, which sets max_steps too), and
+    _keep_per_token and _per_token (routing_replay.py)."""
 
     def __init__(self, cfg: StaleConfig, step_fn, prompt_fn, seed_fn=None, keep_group=None):
         self.cfg, self.step_fn, self.prompt_fn, self.seed_fn = cfg, step_fn, prompt_fn, seed_fn
         self.keep_group = keep_group
-        self.reset_fn, self.sampler_state = sampler_cache(step_fn)  # None: it has none
-        # The most new tokens per row in a sampler call. At S = 0 it is None: the call has no cut.
-        self.max_steps = None if cfg.staleness == 0 else cfg.chunk_steps
+        self.reset_fn, self.sampler_state = sampler_cache(step_fn)  # None if it has none
+        self.max_steps = None if cfg.staleness == 0 else cfg.chunk_steps  # see "the sampler"
         self.version = 0          # v: the weights the sampler uses now
-        self.batches_out = 0      # k: batches emitted; the next one is trained at version k
+        self.batches_out = 0      # k: batches emitted. The next one is trained at version k.
         self.slots_opened = 0     # slots opened so far (a reopened one is not counted again)
         self.reopen = []          # (slot, attempt) of filtered groups' slots, to refill first
         self.next_id = 0          # the next sample id
-        self.pool = []            # groups not yet emitted (in flight or complete), admission order:
-                                  #   dicts of slot, attempt, prompt, start_version, samples
+        self.pool = []            # groups not yet emitted, in flight or complete, in admission
+                                  #   order. Each is a dict of slot, attempt, prompt,
+                                  #   start_version and samples.
         self.fate = {}            # sample id -> "trained" | "regenerated" | "filtered"
         self.regenerated = 0      # groups restarted because they would have aged past S
         self.filtered = 0         # complete groups that keep_group dropped
         self.filtered_reported = 0  # of those, reported in a batch's metrics so far
         self.filtered_at_take = 0   # of those, dropped before the last take()
-        self.max_admitted_over = -10**9  # the most slots_opened ever exceeded capacity() (<= 0)
+        self.max_admitted_over = -10**9  # the largest slots_opened - capacity() seen (<= 0)
 
     # --- the rounds and the weights: what a colocated caller calls
     def rollout(self, spans=None, cut=None):
-        """Run one colocated round and return batch k, k being the version. Each loop turn calls
-        cut(self) on every rank, and admits and decodes while it returns None. Once batch k is
-        ready, cut returns this scheduler's share as take()'s arguments. The default cut is
-        cut_alone, and SharedCut is the distributed one. spans(name) times it as "rollout"."""
+        """Run one colocated round, and return batch k, where k is the current version. Each loop
+        turn calls cut(self) on every rank. While the cut returns None, the turn admits groups and
+        decodes one chunk. Once batch k is ready, the cut returns this scheduler's share as take()'s
+        arguments. The default cut is cut_alone. spans, if given, times it as "rollout"."""
         check_rollout(self)
         cut = cut or StaleSync.cut_alone
         with (spans("rollout") if spans else nullcontext()):
@@ -155,7 +157,7 @@ class StaleSync:
         return batch
 
     def update(self, version=None):
-        """Record new weights after the optimizer step: the version becomes version + 1, or a
+        """Record new weights after an optimizer step. The version becomes version + 1, or a
         separated caller's `version` (see the companion). Tokens decoded from now on carry it."""
         check_update(self, version)
         self.version = self.version + 1 if version is None else int(version)
@@ -164,7 +166,7 @@ class StaleSync:
 
     # --- admission
     def capacity(self):
-        """AReaL's bound on the slots opened at version v: (S + v + 1) * groups_per_step."""
+        """By version v, at most (S + v + 1) * groups_per_step slots may open (AReaL's bound)."""
         return (self.cfg.staleness + self.version + 1) * self.cfg.groups_per_step
 
     def admit(self):
@@ -189,11 +191,11 @@ class StaleSync:
         return started
 
     def in_flight(self):
-        """Groups admitted and not yet complete: what decode() advances."""
+        """The number of groups admitted and not yet complete. decode() advances these groups."""
         return sum(not _complete(g) for g in self.pool)
 
     def _new_samples(self, g):
-        """Group g's attempt as G fresh samples; its age starts at its first token."""
+        """Give group g's current attempt G fresh samples. Its age starts at its first token."""
         ids = range(self.next_id, self.next_id + self.cfg.group_size)
         self.next_id += self.cfg.group_size
         seeds = [i if self.seed_fn is None else as_seed(self.seed_fn(g["slot"], g["attempt"], j))
@@ -204,15 +206,15 @@ class StaleSync:
 
     # --- decoding
     def decode(self):
-        """Make one sampler call on every row in flight, and return the number of tokens made.
-        Each row gets up to chunk_steps new tokens, kept with their log-probs and the version.
-        At S = 0 the call has no cut (max_steps=None), as in sync_rollout, once per round and per
+        """Make one sampler call on the rows in flight, and return the number of new tokens. Each
+        row gets up to chunk_steps of them, kept with their log-probs and the version. At S = 0 rows
+        run to their end (max_steps=None), as in sync_rollout, in one call per round plus one per
         refill of dropped groups. So samples, updates and parameters match that path bit for bit."""
         rows = [(g, s) for g in self.pool for s in g["samples"] if not s["done"]]
         if not rows:  # nothing to decode on this rank
             return 0
         for g, _ in rows:
-            if g["start_version"] is None:  # the group's first token: its age starts now
+            if g["start_version"] is None:  # the group's first token, so its age starts now
                 g["start_version"] = self.version
         contexts = [torch.cat([g["prompt"], torch.tensor(s["tokens"], dtype=torch.long)])
                     for g, s in rows]                                          # R of (P + n,)
@@ -233,13 +235,13 @@ class StaleSync:
         return sum(len(t) for t in tokens)
 
     def _keep_per_token(self, samples, out, tokens):
-        """A call's other per-token outputs (`out`'s), kept with their samples: none here."""
+        """Keep the call's extra per-token outputs (in `out`) with the samples. By default, none."""
 
     def _keep_completed(self, groups):
-        """Dynamic sampling: keep_group (say, not every reward equal) drops some of the groups that
-        a call completed. A dropped group leaves the pool, its samples are counted filtered, and
-        its slot reopens with the next attempt, so admit() draws a new prompt for it first. Returns
-        the kept groups."""
+        """Do dynamic sampling, and return the kept groups. keep_group (for example "not every
+        reward is equal") may drop some of the groups that a call completed. A dropped group
+        leaves the pool, and its samples are counted as filtered. Its slot reopens with the next
+        attempt, and admit() draws a new prompt for it before it opens new slots."""
         if self.keep_group is None:
             return groups
         kept = []
@@ -266,20 +268,20 @@ class StaleSync:
     # Batch k is ready once its needed groups are complete, and groups_per_step groups are
     # complete in all. At S = 0 every started group is due, so the cut waits for all of them.
     # A due group is left out when more groups fall due at once than a batch holds. That needs
-    # S >= 2 (B before SharedCut). The group is then regenerated: it restarts with
-    # fresh samples, it is counted in stale/regenerated, and it is never trained. Dropping it
-    # instead would lose its prompt, and the prompts with long answers are the ones that age out.
-    # A retry keeps the prompt mix. For each prompt it still favours the attempts that end in time.
+    # S >= 2 (B before SharedCut). The group is then regenerated. It restarts with fresh samples,
+    # it is counted in stale/regenerated, and its old samples are never trained. Dropping the group
+    # would lose its prompt, and the prompts with long answers are the ones that age out. A retry
+    # keeps the mix of prompts, but for each prompt it still favours the attempts that end in time.
     # An example: S = 1 and groups_per_step = 2. At batch 3 the due groups started by version 2.
     #   slot 6  started at v2, complete   due, and needed
     #   slot 7  started at v3, decoding   not due
     #   slot 8  started at v3, complete   spare
     #   slot 9  started at v3, complete   spare
     # Batch 3 is ready: slot 6 is complete, and 3 groups in all. It takes slot 6 and slot 8, the
-    # lowest spare. Slot 7 decodes on. Were slot 6 still decoding, the cut would wait for it.
+    # lowest spare. Slot 7 decodes on. If slot 6 were still decoding, the cut would wait for it.
     def _due(self):
         """The due groups of batch k, in admission order."""
-        last = self.batches_out - self.cfg.staleness  # started at or before it: due
+        last = self.batches_out - self.cfg.staleness  # a group started by then is due
         started = [g for g in self.pool if g["start_version"] is not None]
         return [g for g in started if g["start_version"] <= last]
 
@@ -297,25 +299,25 @@ class StaleSync:
         return needed_complete and sum(map(_complete, self.pool)) >= self.cfg.groups_per_step
 
     def cut_alone(self):
-        """(groups_per_step, None) once ready(), else None; it raises rather than spin."""
+        """Return (groups_per_step, None) once ready(), else None. It raises rather than spin."""
         if self.ready():
             return self.cfg.groups_per_step, None
         check_not_stuck(self)
         return None
 
     def take(self, n=None, needed=None):
-        """Emit batch k of n groups: the first `needed` due groups, then the lowest-slot spare
-        ones. Both default to groups_per_step. The due groups left out are regenerated."""
+        """Emit batch k of n groups: the first `needed` due groups, then the spare groups with the
+        lowest slots. Both default to groups_per_step. Due groups left out are regenerated."""
         k, n = self.batches_out, self.cfg.groups_per_step if n is None else n
-        needed = self._needed(needed)  # the groups
+        needed = self._needed(needed)  # from now on, the list of needed groups
         spare = self._spare(needed)
         check_take(k, n, needed, spare, all(map(_complete, needed)))
         chosen = sorted(needed + spare[:n - len(needed)], key=lambda g: g["slot"])
-        per_token = self._per_token(chosen)  # it may raise: before any change
+        per_token = self._per_token(chosen)  # it may raise, so it runs before any change
         too_old = [g for g in self._due() if all(g is not c for c in chosen)]
         self.pool = [g for g in self.pool if all(g is not c for c in chosen)]
         self.batches_out += 1
-        self.filtered_at_take = self.filtered  # the brake counts from here
+        self.filtered_at_take = self.filtered  # the filter's brake counts drops from here
         for g in too_old:
             for s in g["samples"]:
                 self.fate[s["id"]] = "regenerated"
@@ -329,7 +331,7 @@ class StaleSync:
         return as_batch(chosen, k, metrics, per_token)
 
     def _per_token(self, groups):
-        """Batch.per_token of these groups: none here."""
+        """Return Batch.per_token for these groups. By default it is empty."""
         return {}
 
     # --- what SharedCut (below) asks of each replica's scheduler
@@ -351,43 +353,23 @@ class StaleSync:
         """Sample ids by fate: trained, regenerated, filtered, in flight."""
         return accounting_of(self)
 
-    def state_dict(self):  # what is saved, and what is not: scheduler_state
+    def state_dict(self):  # scheduler_state says what is saved and what is not
         return scheduler_state(self)
 
     def load_state_dict(self, sd):
         load_scheduler_state(self, sd)
 
-    def start_at(self, version):  # empty, at `version`: a resume at another world size
+    def start_at(self, version):  # start empty at `version`, to resume at another world size
         start_scheduler_at(self, version)
 
 
 # ----------------------------------------------------------------------------------------- the cuts
 # On each loop turn of rollout(), a cut says whether the replicas that train together end the
-# round, and how many groups this replica gives. AllReady is the naive cut, SharedCut the real one.
-class AllReady:
-    """The naive colocated cut. On every loop turn, every rank waits for one all-reduce MIN of a
-    flag: whether it could cut alone. All ranks read the same MIN, so all cut on the same turn, and
-    each gives its own groups_per_step groups. It has two costs. Each turn is a barrier between the
-    ranks, and one replica's bad luck (a chain of dropped groups) sets the step's time."""
-
-    def __init__(self, group=None, device="cpu", spans=None):  # spans: times the waits
-        self.group, self.device, self.spans = group, device, spans
-
-    def wait(self, work):
-        """This rank's wait for the cut's answer (a hybrid's actor serves its queue meanwhile)."""
-        work.wait()
-
-    def __call__(self, sched):
-        flag = torch.tensor([float(sched.cut_alone() is not None)], device=self.device)  # (1,)
-        with (self.spans("idle") if self.spans else nullcontext()):
-            self.wait(dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True))
-        return (sched.cfg.groups_per_step, None) if flag.item() else None
-
-
+# round, and how many groups this replica gives. Why the cuts are correct: just before SharedCut.
 def post_or_wait(cut, collective, tensors, wait):
-    """Start one collective of a cut. Without `wait`, cut.posted keeps its work and tensors until
-    it is done. With `wait`, wait for it through cut.wait (a subclass may work meanwhile), then
-    for this rank's earlier posts, which have paired by now, so that their errors surface."""
+    """Start one collective of a cut. Without `wait`, keep its work and tensors in cut.posted until
+    it is done. With `wait`, wait for it through cut.wait, where a subclass may do other work. Then
+    wait for this rank's earlier posts, which have paired by now, so that their errors surface."""
     if not wait:
         cut.posted.append((collective(async_op=True), tensors))
         return
@@ -398,43 +380,65 @@ def post_or_wait(cut, collective, tensors, wait):
     cut.posted.clear()
 
 
-# Why SharedCut is correct, in one place. It removes AllReady's two costs. A rank whose own part
-# already says no posts its part and decodes on, and the replicas cut one batch from all their
-# pools. docs/walkthrough.md traces its round 1 turn by turn: the collectives and what each read.
-# A. Every rank cuts at the same loop turn. On each turn, every rank makes one all-gather of
-#    offer()'s counts through post_or_wait.
+class AllReady:
+    """The naive colocated cut. Each rank gives its own groups_per_step groups once every rank
+    that trains with it is ready, as an all-reduce MIN of a flag tells on each loop turn. So one
+    replica's bad luck (a chain of dropped groups) sets the step's time. SharedCut fixes that."""
+
+    def __init__(self, group=None, device="cpu", spans=None):  # spans, if given, times the waits
+        self.group, self.device, self.spans = group, device, spans
+        self.posted = []  # collectives in flight: (work, tensors)
+
+    def wait(self, work):
+        """Wait for the cut's answer. In a hybrid run, the actor serves its queue meanwhile."""
+        work.wait()
+
+    def __call__(self, sched):
+        mine = sched.cut_alone() is not None
+        flag = torch.tensor([float(mine)], device=self.device)                          # (1,)
+        all_reduce = functools.partial(dist.all_reduce, flag, op=dist.ReduceOp.MIN,
+                                       group=self.group)
+        post_or_wait(self, all_reduce, flag, wait=mine)
+        return (sched.cfg.groups_per_step, None) if mine and flag.item() else None
+
+
+# Why the cuts are correct, AllReady (the naive cut) and SharedCut (the real one), in one place.
+# docs/walkthrough.md traces SharedCut's round 1 turn by turn, showing what each rank read.
+# A. Every rank cuts at the same loop turn. On each turn, every rank makes one collective through
+#    post_or_wait: AllReady an all-reduce of a flag, SharedCut an all-gather of offer()'s counts.
 #    1. Collectives pair in the order they are made. So on turn n, each rank that waits reads the
 #       parts that every rank posted on its own turn n. All of them compute the same yes or no.
-#    2. A rank skips the wait only when its own part already says no: its first needed groups are
-#       not complete, and a cut needs every replica's. The ranks that wait then answer no.
+#    2. A rank skips the wait only when its own part already says no. Under AllReady its flag is
+#       0, so the MIN is 0. Under SharedCut its first needed groups are not complete, and a cut
+#       needs every replica's. Such a rank posts and decodes on, and the ranks that wait answer no.
 #    So a turn's answer is yes only when every rank waited and read yes. Then every rank cuts, and
-#    the second all-gather (of the spare slots) pairs too. Else all go on to turn n + 1.
+#    SharedCut's second all-gather (of the spare slots) pairs too. Else all go on to turn n + 1.
 # B. At S = 1 every due group fits in the batch, so SharedCut needs them all and none ages out.
-#    Take R replicas of gps groups each, and batch k, trained at version k:
+#    Take R replicas that each have gps = groups_per_step, and batch k, trained at version k.
 #    1. A group due at batch k started by version k - 1, so its slot opened by then. Admission
 #       kept each replica's slots opened by version k - 1 within (k + 1) * gps.
 #    2. The k batches out took R * k * gps groups. Batch j's groups started by version j, so
 #       they all came from slots opened by version k - 1. Each slot trains once.
 #    3. So at most R * (k + 1) * gps - R * k * gps = R * gps of those slots are untrained. Each
 #       due group holds one, so the due groups fit, and _needed_per_replica places them all.
-#    At S >= 2 the batches out may also take slots opened after version k - S. More can fall due.
+#    At S >= 2 earlier batches may also take slots opened after version k - S, so more can fall due.
 class SharedCut(AllReady):
     """The real colocated cut. The replicas that train together cut one batch from the union of
-    their pools. The batch holds the sum of their groups_per_step. It follows StaleSync's rule:
+    their pools. The batch size is the sum of their groups_per_step. The cut follows this rule:
       1. Needed. Each replica's first due groups, up to its groups_per_step, are needed. While the
-         batch has room, its other due groups are needed too, the lower replica first. At S = 1
-         that is every due group, so none ages out (B above).
-      2. Ready. Every replica's needed groups are complete, and the replicas together hold as
-         many complete groups as the batch.
+         batch has room, the replicas' other due groups are needed too, the lower replica first.
+      2. Ready. The batch is ready when every replica's needed groups are complete, and the
+         replicas together hold at least as many complete groups as the batch size.
       3. Taken. Each replica gives its needed groups. The spare groups with the lowest
          (slot, replica) over all the replicas fill the rest of the batch.
-    So a replica held back (its groups dropped again and again) no longer holds back the step.
-    Its peers' complete groups of later slots take its place. At S = 0 each replica gives its
-    groups_per_step groups, as under AllReady, whose group, spans and wait SharedCut keeps.
+    So a replica that lags, because its groups are dropped again and again, no longer holds back
+    the step. Complete groups of later slots from its peers take its place. At S = 0 each replica
+    gives its own groups_per_step groups, as under AllReady. SharedCut keeps AllReady's group,
+    spans, posts and wait.
 
-    A replica may span several ranks (inference TP). Each of them passes the same `replica` and
-    posts on every turn, so that the collectives pair. Only the `leader`'s part counts, because
-    the others hold the same pool."""
+    A replica may span several ranks, for inference tensor parallelism (TP). Each of these ranks
+    passes the same `replica` and posts on every turn, so that the collectives pair. Only the
+    `leader`'s part counts, because the other ranks hold the same pool."""
 
     FACTS = ("leader", "replica", "due", "done", "complete", "work", "gps")  # posted per turn
 
@@ -442,10 +446,9 @@ class SharedCut(AllReady):
         super().__init__(group, device, spans)
         self.replica = dist.get_rank(group) if replica is None else replica
         self.leader = leader
-        self.posted = []  # collectives in flight: (work, tensors)
 
     def __call__(self, sched):
-        """One loop turn: None, or this replica's share of batch k as take()'s (n, needed)."""
+        """Run one loop turn. Return None, or this replica's share of batch k as (n, needed)."""
         offer, gps = sched.offer(), sched.cfg.groups_per_step
         facts = dict(offer, leader=self.leader, replica=self.replica, gps=gps)
         mine = torch.tensor([facts[f] for f in self.FACTS], dtype=torch.long,
@@ -458,7 +461,7 @@ class SharedCut(AllReady):
         if not ready:
             return None
         # The ranks that waited all read the same parts. Keep one per replica, the leader's.
-        replicas = [dict(zip(self.FACTS, r.tolist())) for r in everyone if r[0]]  # the leaders'
+        replicas = [dict(zip(self.FACTS, r.tolist())) for r in everyone if r[0]]  # r[0] is leader
         replicas.sort(key=lambda r: r["replica"])
         batch = sum(r["gps"] for r in replicas)
         needed = self._needed_per_replica(replicas, batch)                                 # (R,)
@@ -466,7 +469,7 @@ class SharedCut(AllReady):
         if any(r["done"] < n for r, n in zip(replicas, needed)) or complete < batch:
             check_replicas_not_stuck(sched, replicas, complete, batch)
             return None
-        # Step 3 of the rule: this replica's needed groups, and its spare groups that win a place.
+        # Step 3 of the rule. This replica gives its needed groups, and its spares that win a place.
         my_needed = needed[[r["replica"] for r in replicas].index(self.replica)]
         spare_places = batch - sum(needed)
         my_spares = self._spares_taken(sched.spare_slots(my_needed), spare_places)
@@ -484,9 +487,9 @@ class SharedCut(AllReady):
         return out
 
     def _spares_taken(self, spare, places):
-        """How many of this replica's spare groups are among the `places` lowest (slot, replica).
-        Each rank posts its replica (-1 if not the leader), then its `places` lowest spare slots
-        (it can win no more), padded with -1. All ranks compute one `places`, so sizes match."""
+        """How many of this replica's spares are among the `places` lowest (slot, replica). Each
+        rank posts its replica (-1 if not the leader) and its `places` lowest spare slots, since no
+        more can win, padded with -1. All ranks compute the same `places`, so the sizes match."""
         mine = torch.full((places + 1,), -1, dtype=torch.long, device=self.device)  # (1 + places,)
         mine[0] = self.replica if self.leader else -1
         mine[1:1 + min(len(spare), places)] = torch.tensor(spare[:places], dtype=torch.long)
