@@ -22,10 +22,10 @@ Store. It has four steps, and only a DP group takes the last one:
 4. Agree. Each DP rank votes in done/..., and outcome/... holds the verdict. Then each rank
    acknowledges its transfers as "kept" in ack/<tag>. An owner frees a cell once every stage
    that reads the cell has kept it.
-A read that fails keeps nothing and loses nothing (see the class's last section). The claimed rows
-go back (_release). Each request is either sent or cancelled, never both: the owner and the reader
-race to write state/<tag>, and the first write stays (_answer, _cancel). A failed rank votes its
-error, so every rank of its group raises and acknowledges its transfers as "dropped".
+A read that fails keeps nothing, and loses nothing a live rank holds (the class's last section).
+The claimed rows go back (_release). Each request is either sent or cancelled, never both: the
+owner and the reader race to write state/<tag>, and the first write stays (_answer, _cancel). A
+failed rank votes its error, so every rank of its group raises and acks its transfers "dropped".
 docs/walkthrough.md traces one read's store operations and follows each key from write to delete.
 Every wait serves the requests of other ranks (_wait). So a rank whose cells are still wanted
 must call the queue (serve()) before it blocks elsewhere.

@@ -24,8 +24,8 @@ companion file, plumbing/fusion_details.py, holds what a learner can take on tru
 checks, the guards, the recovery and the counts. It also holds a usage example.
 
 How this file departs from the source system (Huawei's RL post-training on CloudMatrix 384):
-  1. It trains with FSDP2 (weights sharded between updates) or pipeline (PP) stages, and it
-     generates with TP. The engine is not pipelined.
+  1. It trains with FSDP2 (weights sharded between updates) or pipeline (PP) stages. It generates
+     at TP 1 here, at any TP degree in options/tensor_parallel.py. The engine is not pipelined.
   2. The FSDP2 shards (1/W of the sharded weights) stay on the device in ROLLOUT unless offloaded.
   3. The engine's weights are freed in TRAIN, as vLLM's sleep mode would do. The engine manages
      its own KV cache.

@@ -20,10 +20,10 @@ Departures from a production sampler, on purpose:
 1. Randomness is counter-based: the uniform that picks a token is a hash of (the sample's seed, the
    token's position). A sample is then the same alone or in a batch, in one call or cut and
    continued, on one rank or another: the tests check exactly that.
-2. For a few tokens at a time (decoding), the MoE runs every expert densely and combines them with
-   the (mostly zero) top-k gates: on 2 CPU cores that beats routing for a model this small. For
-   many tokens (training, prefill) it routes each token to its k experts. The math is the same
-   either way. Under EP (the default run) moe_switch.py's EPMoE does the same at EP 1.
+2. For a few tokens at a time (a decode step of few rows), the MoE runs every expert densely and
+   combines them with the (mostly zero) top-k gates: on 2 CPU cores that beats routing for a model
+   this small (DENSE_MOE_WORK). For more tokens it routes each token to its k experts. The math is
+   the same either way. Under EP (the default run) moe_switch.py's EPMoE does the same at EP 1.
 3. Behaviour log-probs ignore the top-p truncation (as verl does): they are the log-probs the
    trainer recomputes. The default top-p is 1, where the two agree.
 

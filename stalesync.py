@@ -8,10 +8,10 @@ The idea. StaleSync decodes in chunks. It ends a round as soon as enough prompt 
 and those groups go to training at once. The responses still in flight continue in the next round,
 under the new weights. Such a response is a partial rollout: its tokens come from several policy
 versions. StaleSync keeps a staleness bound S. No trained sample started more than S versions before
-the version that trains on it. To keep this bound, each batch first takes the groups for which it is
-the last chance. This rule is called the cut. A group that would grow older than S is restarted, so
-it is never trained stale. Admission limits how far ahead of training new groups may start. The
-table before class StaleSync lists these invariants and the functions that keep them.
+the version that trains on it. To keep this bound, each batch first takes the groups for which it
+is the last chance, and the round is cut only once they are complete. A group that would grow older
+than S is restarted, so it is never trained stale. Admission limits how far ahead new groups may
+start. The table before class StaleSync lists these invariants and the functions that keep them.
 
 The file starts with the naive version, sync_rollout. Then come StaleConfig, StaleSync, and two cuts
 for several replicas, the naive AllReady and SharedCut. The checks, the brakes, the Batch format and

@@ -9,10 +9,11 @@ packing mechanisms are measured on. The reward is a rule, exact match: 1 or 0. A
 verifiable reward replaces this file, keeping what the run (train_grpo.py and plumbing/) uses:
 `VOCAB`, `PAD`, `EOS`, the reward (`score`, `rewards`), `answer` (for the supervised warm-up), the
 prompts (`prompt_streams`, `held_out`, `n_possible_prompts`), and for the RL prompts `SlotPrompts`,
-`sample_seed` and `difficulty`. Four places outside it assume digit strings too: --max-digits sizes
+`sample_seed` and `difficulty`. Five places outside it assume digit strings too: --max-digits sizes
 the prompts, the response budget's floor and the curriculum's keys (plumbing/config.py,
-plumbing/run.py), the held-out figures count by digits (plumbing/evaluation.py), and so does the
-log's prompt_digits (plumbing/runlog.py).
+plumbing/run.py), a checkpoint checks it (plumbing/checkpoint.py's SHAPE_FIELDS), the held-out
+figures count by digits (plumbing/evaluation.py), and so does the log's prompt_digits
+(plumbing/runlog.py).
 
 A prompt's difficulty key is its digit count k, less one (keys start at 0). The RL prompts are
 drawn by global batch slot and attempt (`SlotPrompts`, a pure function of the seed, the slot, the

@@ -25,8 +25,8 @@ k - 1 - S or later. RL follows a supervised warm-up, whose held-out accuracy is 
 
 Two departures from the source system are deliberate:
 1. Scoring is a rule on the generating rank, so the reward and advantage travel with the sample.
-2. Sampling is counter-based (model.py), and a group's prompt and seeds depend only on its global
-   slot and attempt. So at S = 0 each layout trains on the same groups, to a world of one's weights.
+2. Sampling is counter-based (model.py). A group's prompt and seeds follow from its global slot,
+   its attempt and the shared curriculum. So at S = 0 a layout trains to a world of one's weights.
 
 Off-by-default options live in options/. Flags, log, checkpoints and devices live in plumbing/.
 """
