@@ -50,8 +50,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from plumbing.moe_switch_details import (AllToAll, agree_on_switch, check_bucket,
-                                         check_dense_layer, check_ep_group, check_found_layers,
+from plumbing.moe_switch_details import (AllToAll, agree_on_switch, check_bucket, check_dense_layer,
+                                         check_ep_group, check_found_layers, check_layers,
                                          check_layout, check_naive_group, check_reshard,
                                          check_switch, empty_engine_layer, group_of_ranks,
                                          held_bytes, new_groups, rank_in, shard_experts,
@@ -380,7 +380,6 @@ class EPMoE(nn.Module):
         self.layout, self.group = layout, group
         return stats
 
-    # helpers of from_dense and switch
     def local_experts(self):
         """name -> {e: tensor} for the experts this rank owns: the Parameters' data, not a copy."""
         own = self.layout.owned(self.rank)
@@ -456,6 +455,7 @@ class ExpertParallel:
     def to_rollout(self):
         t0, moved, ep_group = time.perf_counter(), [], self.infer_groups[0]
         layouts = self._rollout_layouts()  # one per layer
+        check_layers(self, layouts, ep_group)  # every layer, before any moves
         for m, e, layout in zip(self.model_layers, self.engine_layers, layouts):
             moved.append(m.switch(layout, ep_group, self.bucket_bytes, self.group))
             e.layout = layout  # the engine's layer routes to where the experts now are

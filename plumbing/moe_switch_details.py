@@ -190,6 +190,14 @@ def check_ep_group(layout, group, rank):
                          "returns")
 
 
+def check_layers(ep, layouts, group):
+    """ExpertParallel.to_rollout's checks of every layer's switch, before any layer moves. A layer
+    refused after another had moved would leave the model part-switched, where FusedActor's undo
+    takes a mover that raised for one that moved nothing. (Each EPMoE.switch checks again.)"""
+    for layer, layout in zip(ep.model_layers, layouts):
+        check_switch(layer, layer.local_experts(), layout, group, ep.bucket_bytes, ep.group)
+
+
 def check_switch(layer, taken, layout, group, bucket_bytes, world_group):
     """EPMoE.switch's local checks, a ValueError with nothing moved: the target's EP group, no
     grads, the group of a layout over part of the job, the experts held (taken), the bucket."""

@@ -264,6 +264,24 @@ def test_an_engine_made_expert_parallel_keeps_its_routers():
         torch.testing.assert_close(model(x), dense(x), atol=1e-5, rtol=1e-5)
 
 
+def test_a_layer_refused_at_to_rollout_leaves_every_layer_unswitched():
+    """ExpertParallel.to_rollout checks every layer before any moves. The second layer's expert slices are larger
+    than the bucket, the first's fit: the switch raises, and the first layer is not switched either (the engine's
+    experts still empty), as FusedActor's undo assumes of a mover that raised."""
+    import copy
+    g = torch.Generator().manual_seed(0)
+    layers = [DenseMoE(torch.randn(E, D, generator=g), torch.randn(E, D, h, generator=g), torch.randn(E, D, h, generator=g),
+                       torch.randn(E, h, D, generator=g), top_k=K, orientation="x @ w") for h in (H, 2 * H)]
+    model = torch.nn.Sequential(*layers)
+    engine = copy.deepcopy(model).requires_grad_(False)
+    ep = ExpertParallel(1, 1, 1, E, bucket_bytes=SLICE)  # the first layer's slice, not the second's
+    ep.apply(model, engine)
+    with pytest.raises(ValueError, match="bucket"):
+        ep.to_rollout()
+    assert all(p.numel() == 0 for m in ep.engine_layers for n in NAMES for p in getattr(m, n))
+    assert all(p.numel() > 0 for m in ep.model_layers for n in NAMES for p in getattr(m, n))
+
+
 def _disagree_then_leave(rank, world_size):
     """Rank 0 asks EP 2 -> 1, rank 1 EP 2 -> 2: both raise, nothing moved, the next forward runs. Then rank 1
     leaves and rank 0 alone switches a layer EP 1 -> 2 (which moves no bytes): it raises, not returns."""
