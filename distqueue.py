@@ -1,8 +1,8 @@
 # Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (see LICENSE).
 """DistQueue: the data queue between RL stages, packed and balanced by length.
 
-The queue holds rows (samples) in columns (fields), and the rows flow from rollout to training.
-A cell stays on the rank that wrote it until a stage reads it. Three ideas make the queue fast:
+The queue holds rows (samples) in columns (fields), flowing from rollout to training. A cell stays
+on the rank that wrote it until a stage reads it. Two ideas make it fast, and an option adds one:
 - Zero-padding transfer. The naive way (`pad`) pads each field to its longest cell, which sends
   mostly zeros when lengths are long-tailed. Instead, a reader pulls each owner's cells as one
   header of lengths (K,) int64 and ONE uint8 payload (`pack_cells`). The spec gives the dtypes.

@@ -402,8 +402,8 @@ class AllReady:
         return (sched.cfg.groups_per_step, None) if mine and flag.item() else None
 
 
-# Why the cuts are correct, AllReady (the naive cut) and SharedCut (the real one), in one place.
-# docs/walkthrough.md traces SharedCut's round 1 turn by turn, showing what each rank read.
+# Why the cuts are correct, in one place (docs/walkthrough.md traces SharedCut's round 1). Waiting
+# on every turn would be correct too. post_or_wait only skips the waits whose answer must be no.
 # A. Every rank cuts at the same loop turn. On each turn, every rank makes one collective through
 #    post_or_wait: AllReady an all-reduce of a flag, SharedCut an all-gather of offer()'s counts.
 #    1. Collectives pair in the order they are made. So on turn n, each rank that waits reads the

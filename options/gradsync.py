@@ -23,8 +23,9 @@ Departures, numbered:
 2. Every rank sums the N decoded payloads in node order: the nodes' parameters stay bit-identical.
 3. The residuals are rank state, per unit (keyed by module name), checkpointed per rank like the
    optimizer's shards. reset() zeroes them, e.g. after a supervised warm-up.
-4. A residual moves only if the unit's average is all finite: a non-finite value on any node makes
-   it non-finite on every rank of the cross group; the trainer skips the step, residuals kept.
+4. A unit's residual moves only if its average is all finite. A non-finite value on any node makes
+   that average non-finite on every rank of the cross group, and the trainer skips the step. A unit
+   whose average was finite still moves its residual, so a skipped step loses what it sent.
 5. overlap=True starts each unit's collective in its hook; wait(), before clipping and
    optimizer.step(), finishes them (a step before it raises). The grads must view the hook's
    buffer, so it is refused under mixed precision, CPU offload or fp16 (FSDP divides after the
