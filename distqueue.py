@@ -431,7 +431,7 @@ class DistQueue:
         self.inflight[tag] = (works, (header, payload), keys, stage)
         count_sent(self, keys, cells, tmax, header, payload)  # metrics
 
-    # --- when a read fails, it keeps nothing and loses nothing
+    # --- when a read fails, it keeps nothing and loses nothing (a first reading may skip to _agree)
     # Steps 1 to 3 above do a read's work, and step 4 below settles it. If a step fails, the read
     # gives back what it holds. _release returns the claimed rows, _cancel cancels the requests
     # not yet answered, and the transfers received are acknowledged as "dropped". In a DP group,
