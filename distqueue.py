@@ -13,9 +13,9 @@ on the rank that wrote it until a stage reads it. Two ideas make it fast, and an
 
 A read (DistQueue._read) coordinates the ranks through keys "<name>/..." in a torch.distributed
 Store. It has four steps, and only a DP group takes the last one:
-1. Claim. Each put lists its cells in the ready log, in a key ready/<i> that ready/n counts. A
-   cell is listed as "row,column,owner,length;". Dp rank 0 of the DP group that reads the stage
-   claims the n lowest rows whose cells are all listed, and writes them in plan/... for its group.
+1. Claim. Each put lists its cells in the ready log, in a key ready/<i> that ready/n counts, a
+   cell as "row,column index,owner,length;". Dp rank 0 of the DP group that reads the stage claims
+   the n lowest rows whose cells are all listed, and writes them in plan/... for its group.
 2. Share. Each DP rank takes its part of the plan, split by tokens (balance_split).
 3. Fetch. A rank asks each owner of its cells for one packed transfer. It pushes the request
    "reader|tag|stage|longest cells|row:column,..." to req/<owner>.
@@ -359,8 +359,9 @@ class DistQueue:
 
     # step 2, share: each rank of a DP group takes its part of dp rank 0's plan
     def _share(self, rows, cols, dp_group):
-        """Return this rank's share of the rows, split by tokens (balance_split). A row stays with
-        its home rank when the split allows, and a rank pulls nothing for the rows it holds."""
+        """Return this rank's share of the rows, split by weight (balance_split): a row weighs the
+        elements of its variable-length cells. A row stays with its home rank when the split
+        allows, and a rank pulls nothing for the rows it holds."""
         dp_index = {g: i for i, g in enumerate(dist.get_process_group_ranks(dp_group))}
         ids = sorted(rows)
         homes = row_homes(rows, ids, dp_index)

@@ -31,9 +31,9 @@ Departures from the GRPO paper, on purpose:
 2. The KL penalty is off unless kl_coef > 0 (the run's default in plumbing/config.py turns it on).
    It is the k3 estimator, exp(d) - d - 1 with d = ref - logprob, added per token.
 3. `old_logprobs` are the behaviour log-probs the sampler recorded, not recomputed. Under staleness
-   S >= 1 (the run's default is S = 1) a sample's tokens come from policy versions up to S behind
-   the weights trained, so the ratio pi_theta / pi_behaviour is not 1: the clipped ratio corrects
-   for that lag. Only with S = 0 and one update per batch is it 1, up to float error.
+   S >= 1 (the run's default is S = 1) a sample's tokens may come from policy versions up to S
+   behind the weights trained, and there the ratio pi_theta / pi_behaviour is not 1: the clipped
+   ratio corrects for that lag. A token of the current version has ratio 1, up to float error.
 
     python -m pytest tests/test_grpo.py -k "loss or advantages"
 

@@ -5,8 +5,8 @@ This file implements RL Fusion's zero-redundancy memory switching for MoE layers
 rollout share the devices but want different expert-parallel (EP) degrees. So at each phase change,
 the experts move from one EP layout to the other. The naive switch gathers all E experts onto every
 rank, and each rank then keeps the experts of its target layout. Here only the experts whose owner
-changes move, one bucket at a time. Each source slice is freed as soon as it is sent. So a rank
-holds only the experts of its target layout and the slices it still has to send.
+changes move, one bucket at a time. Each source slice is freed after the round of its last send.
+So a rank holds only the experts of its target layout and the slices it still has to send.
 
 The default run (train_grpo.py) trains at EP 2 and generates at EP 1. This file, in reading order:
   route, moe_reference      the single-process MoE that the EP layer must match, a slow loop
