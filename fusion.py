@@ -33,7 +33,7 @@ How this file departs from the source system (Huawei's RL post-training on Cloud
      the next switch and hold a second copy of the optimizer state. mem/* does not count it.
 
 Run: python -m pytest tests/test_fusion.py. It tests W 1 and 2 at TP 1 and 2, and W 4 with
--m slow. tests/test_owners.py tests PP and HSDP.
+-m slow, and PP. tests/test_owners.py tests PP and HSDP.
 
 Shapes: W is the world size, B the bucket size in bytes, d the number of a weight's owners (W
 under FSDP2), and c = ceil(rows / d) the number of rows per shard.

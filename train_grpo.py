@@ -8,12 +8,12 @@ Every rank both trains and generates, one phase at a time. colocated_loop runs o
 this order, with the README's stage numbers:
   6. switch    TRAIN -> ROLLOUT (fusion.py). The Adam state moves to host, the FSDP2 shards build
                the inference weights, and the experts go from EP 2 to EP 1 (moe_switch.py).
-  1. generate  One StaleSync round (stalesync.py), cut once the ranks together hold a batch. The
-               unfinished samples decode on in later rounds, at most S versions behind.
+  1. generate  One StaleSync round (stalesync.py), cut once the ranks hold a batch with the due
+               groups. The rest decode on in later rounds, at most S versions behind.
   6. switch    ROLLOUT -> TRAIN.
   2. score     The task's rule (task.py) scores every response.
   3. queue     The rows, with each group's advantages (grpo.py), go into DistQueue (distqueue.py).
-  4. read      Each rank reads a packed, token-balanced share, and the frozen reference scores it.
+  4. read      Each rank reads a packed share, balanced by length. The frozen reference scores it.
   5. train     GRPO updates, data parallel (FSDP2). The experts train expert-parallel.
 Stage 1 also scores each group as soon as it completes (observe_group). Dynamic sampling
 (--filter-groups) drops a group whose rewards are all equal and draws its slot again. The
@@ -90,7 +90,7 @@ def colocated_loop(run):
         # 6. switch to ROLLOUT. The inference weights are built bucket by bucket.
         with spans("switch_to_rollout"):
             actor.to_rollout()
-        # 1. generate one StaleSync round, cut (SharedCut) once the replicas together hold a batch
+        # 1. generate one StaleSync round, cut (SharedCut) once the replicas hold a batch
         batch = sched.rollout(spans, run.cut)
         # 6. switch back to TRAIN. Scoring needs no engine, so the engine's memory is freed first.
         with spans("switch_to_train"):
@@ -98,7 +98,7 @@ def colocated_loop(run):
         # 2-3. score, compute the advantages within each group, and put the batch into the queue
         with spans("score"):
             score_and_enqueue(run, batch)
-        # 4. read this rank's token-balanced share, and the reference's log-probs of that share
+        # 4. read this rank's share, balanced by length, and the reference's log-probs of it
         samples, rows = read_share(run)
         ref_logprobs = reference_logprobs(run, samples)
         # 5. train: GRPO updates over micro-batches sorted by length, data parallel (FSDP2)
@@ -150,9 +150,9 @@ def per_token(run, batch):
 
 
 def read_share(run, rows=None):
-    """4. Read this trainer's token-balanced share of the batch. Returns (samples, rows). `rows` is
-    an option's hook, None in the default run. A deployment whose queue holds rows ahead of the
-    batch reads the batch's rows by name and passes them in (options/selective_queue.py)."""
+    """4. Read this trainer's share of the batch, balanced by length. Returns (samples, rows).
+    `rows` is an option's hook, None in the default run. A deployment whose queue holds rows ahead
+    of the batch reads the batch's rows by name and passes them in (options/selective_queue.py)."""
     if rows is None:
         per_step = run.cfg.prompts_per_step * run.cfg.group_size
         with run.spans("queue"):
