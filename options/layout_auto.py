@@ -308,7 +308,7 @@ def faster_deployments(cfg, machine, step):
     """The other deployments this world runs that the planner predicts faster than `step`, each
     with its best step: said, never taken (the deployment is the user's choice)."""
     out = []
-    plain = dict(infer_tp=1, train_ep=0, infer_ep=0, train_pp=1, nodes=1)  # the plan tries every one
+    plain = dict(infer_tp=1, train_ep=0, infer_ep=0, train_pp=1, nodes=1)  # the plan tries each
     for deploy in ("colocated", "separated", "hybrid"):
         aux = 1 if deploy == "hybrid" else None
         other = dataclasses.replace(cfg, deploy=deploy, aux_ranks=aux, layout="manual", **plain)

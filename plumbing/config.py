@@ -138,8 +138,8 @@ class Config:
     device_memory_gib: float = flag(None, "a rank's memory the planner checks the layout "
                                           "against, before any process group (default: none "
                                           "checked; --layout auto: the device's)")
-    bucket_kb: int = flag(256, "bucket size in KiB: inference weights built or pushed, experts moved "
-                                "per re-shard round")
+    bucket_kb: int = flag(256, "bucket size in KiB: inference weights built or pushed, experts "
+                                "moved per re-shard round")
     shm_transport: bool = flag(False, "1: the engine's weights gathered from the peers' FSDP2 "
                                       "shards in shared memory, on one CPU host "
                                       "(plumbing/shm_transport.py); 0: in-place broadcasts")
@@ -354,7 +354,8 @@ def validate(cfg, world_size):
 def layout_errors(cfg, world):
     errors = []
     whole = cfg.deploy != "hybrid"  # the hybrid's engine is cut over its actor's ranks: its check
-    if cfg.infer_tp not in (1, 2, 4) or whole and world % cfg.infer_tp or cfg.n_heads % cfg.infer_tp:
+    bad_tp = cfg.infer_tp not in (1, 2, 4)  # first: 0 divides nothing
+    if bad_tp or whole and world % cfg.infer_tp or cfg.n_heads % cfg.infer_tp:
         ranks = f"the world size {world}" if whole else "the actor's ranks"
         return [f"--infer-tp {cfg.infer_tp} must be 1, 2 or 4 and divide both {ranks} and "
                 f"--n-heads {cfg.n_heads}"]

@@ -270,8 +270,9 @@ def test_a_layer_refused_at_to_rollout_leaves_every_layer_unswitched():
     experts still empty), as FusedActor's undo assumes of a mover that raised."""
     import copy
     g = torch.Generator().manual_seed(0)
-    layers = [DenseMoE(torch.randn(E, D, generator=g), torch.randn(E, D, h, generator=g), torch.randn(E, D, h, generator=g),
-                       torch.randn(E, h, D, generator=g), top_k=K, orientation="x @ w") for h in (H, 2 * H)]
+    randn = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    layers = [DenseMoE(randn(E, D), randn(E, D, h), randn(E, D, h), randn(E, h, D), top_k=K, orientation="x @ w")
+              for h in (H, 2 * H)]
     model = torch.nn.Sequential(*layers)
     engine = copy.deepcopy(model).requires_grad_(False)
     ep = ExpertParallel(1, 1, 1, E, bucket_bytes=SLICE)  # the first layer's slice, not the second's
