@@ -50,8 +50,8 @@ import torch.distributed as dist
 
 from plumbing.distqueue_details import (  # helpers a learner can take on trust, by role
     default_store,  # the rendezvous' store (a TCPStore client), or a HashStore in a world of one
-    ready_entries, parse_entries, cells_of, request, parse_request,
-    ack,  # the text formats of the store's logs: the ready log, plans, pull requests, acks
+    ready_entries, parse_entries, cells_of, request, parse_request, retire_keys,
+    ack,  # the store's logs: the ready log's formats and its retiring, plans, requests, acks
     check_spec, check_store, rank_and_world, check_pg, put_cells, check_columns, check_get,
     check_reader, check_same_n, check_sent, check_header, refused, lacking, silent,
     peer_failed,  # the checks, and the messages that say why a wait still waits
@@ -61,9 +61,8 @@ from plumbing.distqueue_details import (  # helpers a learner can take on trust,
 DTYPES = {"int64": torch.int64, "int32": torch.int32, "float32": torch.float32,
           "bfloat16": torch.bfloat16, "float16": torch.float16, "bool": torch.bool}
 
+
 # ------------------------------------------------------------------------------ packing primitives
-
-
 def pad(seqs, pad_value=0):
     """Pad every sample to the longest one, the naive way. Return padded (B, T) and lengths (B,)."""
     lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)  # (B,)
@@ -132,9 +131,8 @@ def row_homes(rows, ids, dp_index):
     return homes
 
 
+
 # ------------------------------------------------------------------------------ config and batch
-
-
 @dataclass
 class QueueSpec:
     columns: dict            # field name -> dtype name ("int64", "float32", ...)
@@ -159,9 +157,8 @@ class Rows:
         return torch.cat(self.cols[col])  # (B,) for a scalar field
 
 
+
 # ------------------------------------------------------------------------------ the queue
-
-
 class DistQueue:
     """One rank's handle on the queue. `store` is a store that every rank reaches. `rank` is this
     rank among the `world_size` ranks that share it. `pg` is a gloo group over them, which carries
@@ -234,12 +231,8 @@ class DistQueue:
         self._retire(keys)
 
     def _retire(self, keys):
-        """Delete the ready-log keys that every stage has read, so that the store does not grow
-        with the run. Each stage's only reader counts the keys it read in ready/<i>/reads."""
-        for key in keys:
-            if int(self.store.add(f"{key}/reads", 1)) == len(self.spec.stages):
-                self.store.delete_key(key)
-                self.store.delete_key(f"{key}/reads")
+        """Delete the ready-log keys that every stage has read (the companion's retire_keys)."""
+        retire_keys(self, keys, readers=len(self.spec.stages))  # one reader a stage
 
     def serve(self):
         """Answer the requests waiting for this rank, with one packed transfer each. Then retire the
@@ -272,10 +265,17 @@ class DistQueue:
                                    f"after {self.spec.timeout_s}s {what()}{refused(self)}")
             time.sleep(self.spec.poll_s)
 
-    # --- consumers
+    # --- consumers. A read's keys, less "<name>/": who writes each, and who deletes it.
+    #   ready/n, ready/<i>          a put                      the last stage to read it (_retire)
+    #   reader/<stage>              the stage's first read     nobody (one key a stage)
+    #   plan/<stage>/<step>/<root>  dp rank 0                  dp rank 0, after the vote
+    #   req/<owner>                 a reader                   the owner, as it pops a request
+    #   state/<tag>                 owner "sent", reader "cancelled": the first stays  its reader
+    #   done/..., outcome/...       each rank of the DP group  the last voter of the next read
+    #   ack/<tag>                   the reader                 the owner (serve)
     def get(self, stage, n, dp_group=None):
         """Read n rows that `stage` has not consumed. With `dp_group`, n is the global batch, split
-        by tokens across the group's ranks, and the get returns once every rank has its rows. A get
+        by length across the group's ranks, and the get returns once every rank has its rows. A get
         that raises keeps no row."""
         check_get(self, stage, n, dp_group)
         deadline = time.monotonic() + self.spec.timeout_s

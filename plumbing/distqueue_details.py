@@ -4,7 +4,8 @@
 distqueue.py teaches the queue: the packing, put and serve, a read's four steps on the store
 (claim, share, fetch, agree), and what a read that fails gives back. This file holds the rest:
 - the store logs' formats: the ready log's entries (`ready_entries`, `parse_entries`; distqueue.py
-  writes and reads the log), pull requests (`request`, `parse_request`), acknowledgements (`ack`);
+  writes and reads the log; `retire_keys` deletes what every reader read), pull requests
+  (`request`, `parse_request`), acknowledgements (`ack`);
   a row's cells (`cells_of`), a cell's last reader (`read_last`);
 - the default store (`default_store`) and the checks of the caller's input, each with a long
   error that says what to do (`check_*`, `rank_and_world`, `from_python`, `put_cells`);
@@ -103,6 +104,16 @@ def parse_request(text):
     reader, tag, stage, tmax, wanted = text.split("|")
     keys = [(int(r), c) for r, c in (x.split(":") for x in wanted.split(","))]
     return int(reader), int(tag), stage, tmax, keys
+
+
+def retire_keys(q, keys, readers):
+    """DistQueue._retire's body: delete the ready-log keys that all their `readers` have read, so
+    that the store does not grow with the run. Each reader counts the keys it read in
+    ready/<i>/reads, and the count that completes deletes the key and its count."""
+    for key in keys:
+        if int(q.store.add(f"{key}/reads", 1)) == readers:
+            q.store.delete_key(key)
+            q.store.delete_key(f"{key}/reads")
 
 
 def ack(q, tags, keep):
