@@ -270,7 +270,7 @@ class DistQueue:
     #   reader/<stage>              the stage's first read     nobody (one key a stage)
     #   plan/<stage>/<step>/<root>  dp rank 0                  dp rank 0, after the vote
     #   req/<owner>                 a reader                   the owner, as it pops a request
-    #   state/<tag>                 owner "sent", reader "cancelled": the first stays  its reader
+    #   state/<tag>                 owner "sent" or reader "cancelled"  the side that did not write
     #   done/..., outcome/...       each rank of the DP group  the last voter of the next read
     #   ack/<tag>                   the reader                 the owner (serve)
     def get(self, stage, n, dp_group=None):
