@@ -36,9 +36,9 @@ Departures from the source system (Huawei's RL post-training on CloudMatrix 384)
 Shapes: N tokens, D model width, H expert hidden width, E experts, k experts per token, P EP degree,
 W world size, L local experts (E / P in blocks), M tokens received by this rank, B bucket bytes.
 The tests are in tests/test_moe_switch.py. python bench/moe_switch.py measures bytes, memory, time.
-Using this file elsewhere needs torch only. Copy moe_switch.py with its companion (keep the folder,
-or change the one import line). Every rank of a layout calls switch() together, with the same
-target, or the others raise. The companion's docstring ends with a usage example, which
+Using this file elsewhere needs torch >= 2.6 only. Copy moe_switch.py with its companion (keep the
+folder, or change the one import line). Every rank of a layout calls switch() together, with the
+same target, or the others raise. The companion's docstring ends with a usage example, which
 tests/test_copy_alone.py runs on 2 gloo processes in a folder holding only the two files.
 """
 import time

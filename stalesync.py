@@ -9,9 +9,9 @@ and those groups go to training at once. The responses still in flight continue 
 under the new weights. Such a response is a partial rollout: its tokens come from several policy
 versions. StaleSync keeps a staleness bound S. No trained sample started more than S versions before
 the version that trains on it. To keep this bound, each batch first takes the groups for which it
-is the last chance, and the round is cut only once they are complete. A group that would grow older
-than S is restarted, so it is never trained stale. Admission limits how far ahead new groups may
-start. The table before class StaleSync lists these invariants and the functions that keep them.
+is the last chance, as many as it holds, and the round is cut only once those are complete. A group
+that would grow older than S is restarted, never trained stale. Admission limits how far ahead new
+groups may start. The table before class StaleSync lists these invariants and who keeps each.
 
 The file starts with the naive version, sync_rollout. Then come StaleConfig, StaleSync, and two cuts
 for several replicas, the naive AllReady and SharedCut. The checks, the brakes, the Batch format and
