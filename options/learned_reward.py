@@ -52,7 +52,8 @@ def attach(run):
         run.reward_model = fusion.HostOffloaded(rm, offload=True)
         run.watch = functools.partial(watch, run)  # hybrid: the model is not on the sampling ranks
     if run.reward_model is not None:  # the hybrid's actor asks its auxiliary ranks instead
-        run.score = functools.partial(model_rewards, run)
+        groups = 4 * cfg.prompts_per_step  # more than a batch and the groups completed ahead of it
+        run.score = Remembered(functools.partial(model_rewards, run), cfg.group_size, groups)
 
 
 def model_rewards(run, prompts, responses):
@@ -62,6 +63,36 @@ def model_rewards(run, prompts, responses):
     with run.spans("reward_model"), run.reward_model.on_device() as rm:
         probs = reward_model.score(rm, prompts, responses, batch_size=run.cfg.group_size)
     return (probs >= 0.5).float()
+
+
+class Remembered:
+    """A scorer that remembers each group's verdicts, so that the model runs once a group. A
+    group is scored as it completes (the filter and the curriculum: train_grpo.observe_group), then
+    again in its batch for training (score_and_enqueue). The second read finds it here. A verdict is
+    the same either way, since model_rewards scores each group as a batch of its own. The rows come
+    in whole groups of `group_size`. A group's entry goes once read, and the oldest go past `size`
+    groups (those filtered out, never read again)."""
+
+    def __init__(self, score, group_size, size):
+        self.score, self.group_size, self.size = score, group_size, size
+        self.kept = {}  # a group's rows, as token tuples -> its verdicts (G,)
+
+    def __call__(self, prompts, responses):
+        G = self.group_size
+        keys = [tuple((tuple(p.tolist()), tuple(r.tolist()))
+                      for p, r in zip(prompts[i:i + G], responses[i:i + G]))
+                for i in range(0, len(prompts), G)]
+        found = {k: self.kept.pop(k) for k in keys if k in self.kept}  # read, so they go
+        new = [j for j, k in enumerate(keys) if k not in found]
+        if new:  # the groups not seen yet, whole and in order: each still a batch of its own
+            rows = [i for j in new for i in range(j * G, (j + 1) * G)]
+            verdicts = self.score([prompts[i] for i in rows], [responses[i] for i in rows])
+            fresh = dict(zip([keys[j] for j in new], verdicts.split(G)))
+            self.kept.update(fresh)  # for the next call that asks for them
+            found.update(fresh)
+        while len(self.kept) > self.size:
+            self.kept.pop(next(iter(self.kept)))
+        return torch.cat([found[k] for k in keys])  # (B,)
 
 
 WATCH_PROMPTS = 256  # the held-out slice the model is checked on at each evaluation

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import task
-from options.learned_reward import NEAR_MISSES, labelled_rows, length_buckets, near_miss
+from options.learned_reward import NEAR_MISSES, Remembered, labelled_rows, length_buckets, near_miss
 from options.reward_model import (RMConfig, RewardModel, agreement, check_labels, class_weights, pack, score,
                                   train_reward_model)
 
@@ -193,3 +193,26 @@ def test_the_checks_buckets_split_the_digit_counts():
         counts = [k for lo, hi in buckets for k in range(lo, hi + 1)]
         assert counts == list(range(1, max_digits + 1)) and len(buckets) == min(4, max_digits), (max_digits, buckets)
     assert length_buckets(32) == [(1, 8), (9, 16), (17, 24), (25, 32)]
+
+
+def test_a_group_scored_as_it_completes_is_not_scored_again_in_its_batch():
+    """Remembered: the model runs once a group. A group scored alone (the filter's call) is read back when its batch
+    is scored; the batch's other groups are scored whole and in order, each as it would be alone; the verdicts are the
+    scorer's own. An entry goes once read (the next call scores it again), and the oldest go past the bound."""
+    G = 2
+    calls = []
+
+    def scorer(prompts, responses):  # a verdict a function of the row alone; each call recorded
+        calls.append([int(r[0]) for r in responses])
+        return torch.tensor([float(int(p[0]) + int(r[0]) > 5) for p, r in zip(prompts, responses)])
+
+    prompts = [torch.tensor([i // G]) for i in range(3 * G)]  # 3 groups of 2 rows
+    responses = [torch.tensor([i]) for i in range(3 * G)]
+    score = Remembered(scorer, G, size=2)
+    alone = score(prompts[G:2 * G], responses[G:2 * G])  # group 1, as the filter scores it
+    batch = score(prompts, responses)  # groups 0, 1, 2: only 0 and 2 go to the scorer
+    assert calls == [[2, 3], [0, 1, 4, 5]]
+    assert torch.equal(batch, scorer(prompts, responses)) and torch.equal(alone, batch[G:2 * G])
+    score(prompts[G:2 * G], responses[G:2 * G])  # group 1 was read by the batch: scored again
+    assert calls[-1] == [2, 3]
+    assert len(score.kept) <= 2  # the bound, in groups
