@@ -16,7 +16,7 @@ Store. It has four steps, and only a DP group takes the last one:
 1. Claim. Each put lists its cells in the ready log, in a key ready/<i> that ready/n counts, a
    cell as "row,column index,owner,length;". Dp rank 0 of the DP group that reads the stage claims
    the n lowest rows whose cells are all listed, and writes them in plan/... for its group.
-2. Share. Each DP rank takes its part of the plan, split by tokens (balance_split).
+2. Share. Each DP rank takes its part of the plan, split by length (balance_split).
 3. Fetch. A rank asks each owner of its cells for one packed transfer. It pushes the request
    "reader|tag|stage|longest cells|row:column,..." to req/<owner>.
 4. Agree. Each DP rank votes in done/..., and outcome/... holds the verdict. Then each rank

@@ -39,7 +39,7 @@ two files (tests/test_copy_alone.py runs it there):
                          stages={"train": ("tokens", "reward")}, timeout_s=60)
         q = DistQueue(spec)  # rank and world size: the process group's; the store: env://'s
         q.put({"tokens": [torch.arange(n) for n in (2, 30)], "reward": [1.0, 0.0]})  # ragged
-        rows = q.get("train", 4, dp_group=dist.group.WORLD)  # 4 rows in all, split by tokens
+        rows = q.get("train", 4, dp_group=dist.group.WORLD)  # 4 rows in all, split by length
         print(f"rank {rank}: rows {rows.ids}, {sum(map(len, rows.cols['tokens']))} tokens")
         dist.barrier()  # every rank done before any tears down
         dist.destroy_process_group()
