@@ -1,8 +1,8 @@
 # Copyright (c) 2026 The authors of this repository. SPDX-License-Identifier: MIT (see LICENSE).
 """DistQueue: the data queue between RL stages, packed and balanced by length.
 
-The queue holds rows (samples) in columns (fields), flowing from rollout to training. A cell stays
-on the rank that wrote it until a stage reads it. Two ideas make it fast, and an option adds one:
+The queue holds rows (samples) in columns (fields), from rollout to training. A cell stays on the
+rank that wrote it until each stage that reads it has it. Two ideas make it fast, an option a third:
 - Zero-padding transfer. The naive way (`pad`) pads each field to its longest cell, which sends
   mostly zeros when lengths are long-tailed. Instead, a reader pulls each owner's cells as one
   header of lengths (K,) int64 and ONE uint8 payload (`pack_cells`). The spec gives the dtypes.
@@ -266,8 +266,8 @@ class DistQueue:
             time.sleep(self.spec.poll_s)
 
     # --- consumers. A read's keys, less "<name>/": who writes each, and who deletes it.
-    #   ready/n, ready/<i>          a put                      the last stage to read it (_retire)
-    #   reader/<stage>              the stage's first read     nobody (one key a stage)
+    #   ready/<i>                   a put                      the last stage to read it (_retire)
+    #   ready/n, reader/<stage>     each put; a stage's first read   nobody (counters and names)
     #   plan/<stage>/<step>/<root>  dp rank 0                  dp rank 0, after the vote
     #   req/<owner>                 a reader                   the owner, as it pops a request
     #   state/<tag>                 owner "sent" or reader "cancelled"  the side that did not write

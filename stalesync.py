@@ -95,7 +95,7 @@ def _complete(g):
 
 
 # The invariants, and the functions that keep each. Batch k is trained at version k.
-#   staleness   batch k's groups started at versions >= k - S    decode, _due, ready, take
+#   staleness   batch k's groups started at versions >= k - S    decode, _due, a cut, take
 #   admission   slots_opened <= capacity() at every version      admit
 #   one a slot  each slot ends with exactly one trained group    admit, _keep_completed, take
 #   accounted   each sample is in exactly one state: trained,    _new_samples, _keep_completed,
