@@ -122,7 +122,9 @@ def aux_columns(run, rows, ids):
 
 def aux_groups(run, seen, done):
     """This rank's next groups of each writer, (writer, k) -> the G row ids of its k-th, not yet
-    done: as many as StaleSync lets a replica complete ahead of training (S + 1 batches' share).
+    done: (S + 1) batches' share of a replica, the most StaleSync lets it complete ahead of
+    training. Counted in this rank's own groups, the window spans aux_ranks times that many of
+    the writer's groups: wider than needed, which costs nothing, as a read takes those put.
     Round robin: the m-th group a writer puts goes to auxiliary rank
     (m + the writer's index) % aux_ranks. None without the KL term ({}): no reference to compute."""
     cfg, G, aux = run.cfg, run.cfg.group_size, run.roles.auxiliaries
