@@ -138,7 +138,7 @@ class QueueSpec:
     columns: dict            # field name -> dtype name ("int64", "float32", ...)
     stages: dict             # stage name -> tuple of the fields it reads
     scalars: tuple = ()      # fields with one value per row (stored as (1,) tensors)
-    timeout_s: float = 60.0  # every wait raises after this long
+    timeout_s: float = 60.0  # a wait raises after this long (dp ranks but 0: twice as long)
     poll_s: float = 0.002    # sleep between control-plane polls
     name: str = "dq"         # the prefix of the queue's keys, so queues can share one store
 
@@ -218,9 +218,9 @@ class DistQueue:
 
     def _read_ready(self, stage):
         """Read the ready log's new keys into self.unclaimed[stage]. That takes one store round trip
-        when there is nothing new, or else three plus _retire's. A key that is counted but not yet
-        written stops the read. It and the keys after it wait for a later poll, for ever if its
-        writer died. So the log is read in order, and a row shows only the cells already written."""
+        when there is nothing new, or else three plus _retire's. A key counted but not yet
+        written stops the read. It and the keys after it wait for a later poll, or the get's
+        timeout. So the log is read in order, and a row shows only the cells already written."""
         n = int(self.store.add(self._k("ready", "n"), 0))
         keys = [self._k("ready", i) for i in range(self.ready_off[stage], n)]
         while keys and not self.store.check(keys):  # some key is not written yet

@@ -18,14 +18,14 @@ This file is the path of the default run (train_grpo.py). FSDP2 shards the model
 except the experts, which moe_switch.py re-shards as a mover. The engine is the whole model at
 TP 1. The bytes move through a transport, Broadcasts by default. The docstring of Broadcasts says
 what a transport must do. The other paths are FusedActor subclasses in options/. In
-tensor_parallel.py, the engine has any TP degree and takes the weights through its load_weights.
+tensor_parallel.py, the engine runs at TP 2 or 4 and takes the weights through its load_weights.
 owners.py handles pipeline stages and HSDP, and offload_params.py offloads the shards too. The
 companion file, plumbing/fusion_details.py, holds what a learner can take on trust: the input
 checks, the guards, the recovery and the counts. It also holds a usage example.
 
 How this file departs from the source system (Huawei's RL post-training on CloudMatrix 384):
   1. It trains with FSDP2 (weights sharded between updates) or pipeline (PP) stages. It generates
-     at TP 1 here, at any TP degree in options/tensor_parallel.py. The engine is not pipelined.
+     at TP 1 here, at TP 2 or 4 in options/tensor_parallel.py. The engine is not pipelined.
   2. The FSDP2 shards (1/W of the sharded weights) stay on the device in ROLLOUT unless offloaded.
   3. The engine's weights are freed in TRAIN, as vLLM's sleep mode would do. The engine manages
      its own KV cache.

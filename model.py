@@ -8,13 +8,13 @@ expert on a few tokens (departure 2). moe_switch.py's expert-parallel layers cut
 tensor per expert, each moved alone.
 
 Sampling (`Sampler`, `generate`) is batched over prompts of different lengths, left-padded, with a
-KV cache. It stops a row at EOS or at its budget, and returns each token's behaviour log-prob,
-log softmax(logits / temperature): what grpo.token_logprobs recomputes in a training forward. It
+KV cache. It stops a row at EOS or at its budget, and returns each token's behaviour log-prob, log
+softmax(logits / temperature): what grpo.token_logprobs recomputes in a training forward. It
 continues rows cut part-way (a context is the prompt and the response so far, n_done its response
-tokens). `Sampler(keep=True)` keeps the cut rows' KV cache for its next call, so that a scheduler
-decoding in chunks (stalesync.py) reads each prefix once per weight version. The prefill reads the
-contexts in length buckets, one forward each, so that a long held row does not pad every new
-prompt.
+tokens). `Sampler` (keep=True, the default) keeps the cut rows' KV cache for its next call, so that
+a scheduler decoding in chunks (stalesync.py) reads each prefix once per weight version. The prefill
+reads the contexts in length buckets, one forward each, so that a long held row does not pad every
+new prompt.
 
 Departures from a production sampler, on purpose:
 1. Randomness is counter-based: the uniform that picks a token is a hash of (the sample's seed, the

@@ -29,8 +29,8 @@ Departures from the source system (Huawei's RL post-training on CloudMatrix 384)
      target + one bucket (stats["peak_switch_bytes"]).
   3. The EP dimension is the outer one (see EPLayout), so EP degrees that divide each other nest.
      A switch to a higher degree moves nothing. One to a lower degree moves what each rank lacks.
-  4. The switch keeps the Parameter objects and leaves the grads and optimizer states alone.
-     FusedActor offloads the grads first. The experts skip FSDP, so clip_grads syncs and clips.
+  4. The switch keeps the Parameter objects and the optimizer states. The grads must be None:
+     FusedActor offloads them first. The experts skip FSDP, so clip_grads syncs and clips.
   5. Every token reaches its k experts. There is no capacity factor and no load-balancing loss.
 
 Shapes: N tokens, D model width, H expert hidden width, E experts, k experts per token, P EP degree,

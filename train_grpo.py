@@ -152,7 +152,7 @@ def per_token(run, batch):
 def read_share(run, rows=None):
     """4. Read this trainer's share of the batch, balanced by length. Returns (samples, rows).
     `rows` is an option's hook, None in the default run. A deployment whose queue holds rows ahead
-    of the batch reads the batch's rows by name and passes them in (options/selective_queue.py)."""
+    of the batch reads the batch's rows by name and passes them in (options/separated.py)."""
     if rows is None:
         per_step = run.cfg.prompts_per_step * run.cfg.group_size
         with run.spans("queue"):

@@ -19,7 +19,7 @@ fell due at once than a batch holds). Its writer then reads its rows and their c
 them go (discard_dropped): no row stays in the queue unread.
 
 The actor takes the colocated run's layouts: the engine tensor-parallel over groups of its ranks
-(--infer-tp), the experts expert-parallel over them (--train-ep 2; auto leaves EP off here).
+(--infer-tp), or the experts expert-parallel over them (--train-ep 2; auto leaves EP off here).
 It trains to colocated-all's parameters (the reference on host, computed on the actor; under EP up
 to float order, the auxiliary reference being dense), and resumes from its checkpoints bit for bit
 (quiesce: the auxiliary ranks finish what they read, then save).

@@ -132,7 +132,7 @@ def attach_reference(run):
 
 def read_rows(run):
     """4. This pipeline's rows of the batch (run.batch_ids): an equal count per pipeline (fixed
-    micro-batch shapes), read once per pipeline (DistQueue's model-parallel group) and broadcast
+    micro-batch shapes), read once per pipeline (SelectiveQueue's get(group=)) and broadcast
     to its stages. The pipelines read apart, no DP group waiting for all, so each rank then serves
     its cells until every pipeline has read them: a rank gone on to a collective (the update's)
     would leave another pipeline's reader waiting for them. Every rank calls it."""

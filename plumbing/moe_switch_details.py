@@ -16,6 +16,7 @@ moe_switch.py calls these by name; in order:
   layout_rank, group_of_ranks  a layout over part of the job (ranks=)
   new_groups, swap_layers      building: the EP and DP groups; a model's dense MoE layers replaced
   untie                        an EP layer's expert Parameters emptied, before a switch
+  slice_specs                  a switch's slice shapes and bytes, and the peers' ranks
   switch_figures               ExpertParallel.stats of a switch
   AllToAll                     all_to_all_rows' autograd: the reverse all_to_all in backward
   empty_engine_layer           an engine's EP layer, its experts aliased at each to_rollout

@@ -76,9 +76,9 @@ def check_update(sched, version):
     """update()'s: colocated, once per batch out; separated, a version in range."""
     if version is None and sched.version >= sched.batches_out:
         raise RuntimeError(f"update() at version {sched.version} with {sched.batches_out} "
-                           "batches out: weights of version v + 1 are trained on batch v, so "
-                           "call update() once per batch that rollout() returned, after its "
-                           "optimizer step")
+                           "batches out: training on batch v makes the weights of version "
+                           "v + 1, so call update() once per batch that rollout() returned, "
+                           "after its optimizer step")
     valid = _is_int(version) and sched.version <= version <= sched.batches_out
     if version is not None and not valid:
         raise ValueError(f"update(version={version!r}): weights of version v are trained on "
