@@ -138,7 +138,7 @@ class QueueSpec:
     columns: dict            # field name -> dtype name ("int64", "float32", ...)
     stages: dict             # stage name -> tuple of the fields it reads
     scalars: tuple = ()      # fields with one value per row (stored as (1,) tensors)
-    timeout_s: float = 60.0  # a wait raises after this long (dp ranks but 0: twice as long)
+    timeout_s: float = 60.0  # a wait raises after this long (for the plan, dp ranks but 0: twice)
     poll_s: float = 0.002    # sleep between control-plane polls
     name: str = "dq"         # the prefix of the queue's keys, so queues can share one store
 
